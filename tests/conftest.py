@@ -1,0 +1,23 @@
+"""Shared fixtures: a tiny tokenizer and causal LM saved to disk, so loading code is real."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tether.tiny import save_tiny
+
+WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene "
+         "film story music ending long short loved hated it and but very quite").split()
+
+
+def sample_texts(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path to a saved tokenizer (BPE, ~300 tokens, no pad token) and 2-layer GPT-2 model."""
+    return save_tiny(tmp_path_factory.mktemp("tiny_lm"), sample_texts(), vocab_size=300)
