@@ -1,0 +1,131 @@
+"""Per-token rewards with the KL penalty, generalised advantage estimation, whitening.
+
+Notation: B batch, T response positions. `mask` [B, T] is true on real response tokens (up to and
+including EOS, or up to the last token of a truncated response) and false on padding.
+
+The total reward of a response y to a prompt x (Ziegler et al. 2019; Stiennon et al. 2020) is
+
+    R_total(x, y) = R_RM(x, y) - beta * KL(pi(.|x) || ref(.|x))
+
+spread over tokens: every real token gets r_t = -beta * kl_t, and the sequence score R_RM is added
+at the last real token, where the whole response is known.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether import kl as kl_lib
+from tether._checks import non_negative, same_shape
+
+
+def last_true_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of the last true position of each row of a [B, T] mask; -1 for empty rows."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask.bool(), positions, -1).amax(dim=-1)
+
+
+def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                      mask: torch.Tensor, beta: float,
+                      estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -beta * KL on every real token, plus the score on the last one.
+
+    r_t = -beta * kl_t * m_t + [t == last(m)] * score,  kl_t = estimate(logprobs, ref_logprobs)
+
+    The score goes on the last real token (EOS, or the last token of a truncated response), not
+    one past it, which would land on padding and be masked away.
+
+    Args:
+        scores: [B] sequence scores (reward model or reward function).
+        logprobs: [B, T] log pi(y_t) of the response tokens.
+        ref_logprobs: [B, T] log ref(y_t) of the same tokens.
+        mask: [B, T] bool, true on real response tokens; every row needs at least one.
+        beta: KL coefficient >= 0.
+        estimator: "k1" (the classic choice), "k2", "k3" or "abs"; see `tether.kl.estimate`.
+
+    Returns:
+        (rewards, kl): both [B, T] fp32 and zero on padding; `kl` is the masked per-token
+        estimate, whose row sums are the per-sequence KL the controller needs.
+    """
+    non_negative("beta", beta)
+    same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    if scores.shape != logprobs.shape[:1]:
+        raise ValueError(f"shape mismatch: scores {tuple(scores.shape)} needs one score per row "
+                         f"of logprobs {tuple(logprobs.shape)}")
+    last = last_true_index(mask)
+    if bool((last < 0).any()):
+        raise ValueError("a response has no real tokens in mask; every row needs at least one")
+    mask_f = mask.float()
+    kl = kl_lib.estimate(logprobs.float(), ref_logprobs.float(), estimator) * mask_f
+    rewards = -beta * kl
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, last] += scores.float()
+    return rewards, kl
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015, "High-Dimensional Continuous
+    Control Using Generalized Advantage Estimation", eq. 16).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    returns = A + V
+
+    Values and advantages past a sequence's last real token count as 0: the episode has ended.
+
+    Args:
+        rewards: [B, T] per-token rewards (see `kl_shaped_rewards`).
+        values: [B, T] value estimates V(s_t).
+        mask: [B, T] bool, true on real response tokens.
+        gamma: discount in [0, 1]; 1 is the usual choice for language (the episode is short).
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        (advantages, returns): [B, T] fp32, zero on padding.
+    """
+    same_shape(rewards=rewards, values=values, mask=mask)
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    mask_f = mask.float()
+    values = values.float() * mask_f
+    rewards = rewards.float() * mask_f
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * mask_f[:, t]
+        next_value, next_advantage = values[:, t], advantages[:, t]
+    return advantages, (advantages + values) * mask_f
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """Masked standardisation: (x - mean) / std over the positions where `mask` is true.
+
+    mean = sum(x * m) / sum(m);  var = sum((x - mean)^2 * m) / sum(m)  (population variance, so
+    the result has masked std exactly 1). With shift_mean=False the mean is added back: the scale
+    is normalised but the sign information of the mean is kept (used for rewards, where
+    re-centring would shift the score the policy optimises).
+
+    Args:
+        x: [...] values.
+        mask: [...] bool, same shape, with at least one true entry.
+
+    Returns:
+        [...] fp32 whitened values, zero where `mask` is false.
+    """
+    same_shape(x=x, mask=mask)
+    mask_f = mask.float()
+    count = mask_f.sum()
+    if count < 1:
+        raise ValueError("whiten needs at least one true entry in mask")
+    x = x.float()
+    mean = (x * mask_f).sum() / count
+    var = ((x - mean).square() * mask_f).sum() / count
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask_f

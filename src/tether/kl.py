@@ -1,0 +1,187 @@
+"""The KL penalty: per-token estimators, the exact KL, and beta controllers.
+
+Notation: B batch, T response positions, V vocabulary. pi is the policy being trained, ref the
+frozen SFT reference. For a token y sampled from pi,
+
+    d = log pi(y) - log ref(y)                 (the log-ratio)
+
+and, following Schulman (2020), "Approximating KL Divergence", with r = ref(y) / pi(y) = exp(-d):
+
+    k1 = d                    unbiased for KL(pi || ref), high variance, negative on single tokens
+    k2 = d^2 / 2              biased (the bias grows with the divergence), low variance, >= 0
+    k3 = (r - 1) - log r      unbiased and >= 0 (since log r <= r - 1), low variance
+       = exp(-d) - 1 + d
+    abs = |d|                 a biased, non-negative magnitude
+
+The controllers set beta in R_total = R_RM - beta * KL. `AdaptiveKL` is the proportional
+controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences", eq. 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tether._checks import choice, non_negative, positive, same_shape
+from tether.logprobs import map_row_chunks
+
+ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+# exp(-d) in k3 overflows fp32 near d = -88; a log-ratio of 20 already means a probability ratio
+# of 5e8, so clamping there changes nothing a training run can use and keeps k3 finite.
+LOG_RATIO_CLAMP = 20.0
+
+
+def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+             estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi.
+
+    With d = logprobs - ref_logprobs: k1 = d; k2 = d^2 / 2; k3 = exp(-d) - 1 + d; abs = |d|
+    (Schulman 2020). k3's exponent uses d clamped to +-20 so it cannot overflow.
+
+    Args:
+        logprobs: [...] log pi(y_t) of the sampled tokens.
+        ref_logprobs: [...] log ref(y_t) of the same tokens.
+        estimator: one of "k1", "k2", "k3", "abs".
+
+    Returns:
+        [...] per-token estimates, same shape as the inputs. Masking is the caller's job.
+    """
+    choice("KL estimator", estimator, ESTIMATORS)
+    same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.expm1(-clamped) + clamped  # k3; expm1 keeps precision when d is near 0
+
+
+def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(softmax(logits/T) || softmax(ref_logits/T)) over the vocabulary, per position.
+
+    KL = sum_v p_v (log p_v - log q_v), p = softmax(logits / T), q = softmax(ref_logits / T)
+
+    Computed over chunks of positions (see `tether.logprobs`), so no [B, T, V] copy is made.
+
+    Args:
+        logits: [..., V] policy logits.
+        ref_logits: [..., V] reference logits.
+        temperature: T > 0, applied to both.
+
+    Returns:
+        [...] fp32, `logits.shape[:-1]`; differentiable with respect to both inputs.
+    """
+    positive("temperature", temperature)
+    same_shape(logits=logits, ref_logits=ref_logits)
+
+    def chunk_kl(chunk: torch.Tensor, ref_chunk: torch.Tensor) -> torch.Tensor:
+        log_p = torch.log_softmax(chunk.float() / temperature, dim=-1)
+        log_q = torch.log_softmax(ref_chunk.float() / temperature, dim=-1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    return map_row_chunks(chunk_kl, logits, ref_logits)
+
+
+def _as_float(kl: float | torch.Tensor) -> float:
+    value = float(kl.detach().mean()) if isinstance(kl, torch.Tensor) else float(kl)
+    if not math.isfinite(value):
+        raise ValueError(f"KL fed to the beta controller is {value}; check the log-probs upstream")
+    return value
+
+
+class FixedKL:
+    """A constant beta."""
+
+    def __init__(self, beta: float):
+        non_negative("beta", beta)
+        self.beta = float(beta)
+
+    def update(self, kl: float | torch.Tensor, n_steps: int) -> float:
+        _as_float(kl)
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = float(state["beta"])
+
+
+class AdaptiveKL:
+    """Proportional control of beta towards a KL target (Ziegler et al. 2019, eq. 2).
+
+    e = clip(KL / target - 1, -max_error, max_error);  beta <- beta * (1 + e * n_steps / horizon)
+
+    `kl` is the batch mean of the per-sequence summed KL and `n_steps` the number of sequences in
+    the batch, so `horizon` is counted in sequences.
+    """
+
+    def __init__(self, beta: float, target: float, horizon: int = 10000, max_error: float = 0.2):
+        non_negative("beta", beta)
+        positive("target", target)
+        positive("horizon", horizon)
+        non_negative("max_error", max_error)
+        self.beta = float(beta)
+        self.target = float(target)
+        self.horizon = int(horizon)
+        self.max_error = float(max_error)
+
+    def update(self, kl: float | torch.Tensor, n_steps: int) -> float:
+        positive("n_steps", n_steps)
+        error = min(max(_as_float(kl) / self.target - 1.0, -self.max_error), self.max_error)
+        self.beta *= 1.0 + error * n_steps / self.horizon
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "target": self.target, "horizon": self.horizon,
+                "max_error": self.max_error}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = float(state["beta"])
+        self.target = float(state["target"])
+        self.horizon = int(state["horizon"])
+        self.max_error = float(state["max_error"])
+
+
+class AnnealedKL:
+    """beta moves from `start` to `end` over `steps` updates, then stays at `end`.
+
+    linear: beta_k = start + (end - start) * k / steps
+    cosine: beta_k = start + (end - start) * (1 - cos(pi * k / steps)) / 2
+    """
+
+    SHAPES = ("linear", "cosine")
+
+    def __init__(self, start: float, end: float, steps: int, shape: str = "linear"):
+        non_negative("start beta", start)
+        non_negative("end beta", end)
+        positive("steps", steps)
+        choice("anneal shape", shape, self.SHAPES)
+        self.start, self.end, self.steps, self.shape = float(start), float(end), int(steps), shape
+        self.n_updates = 0
+        self.beta = self._beta_at(0)
+
+    def _beta_at(self, k: int) -> float:
+        t = min(k / self.steps, 1.0)
+        frac = t if self.shape == "linear" else (1.0 - math.cos(math.pi * t)) / 2.0
+        return self.start + (self.end - self.start) * frac
+
+    def update(self, kl: float | torch.Tensor, n_steps: int) -> float:
+        _as_float(kl)
+        self.n_updates += 1
+        self.beta = self._beta_at(self.n_updates)
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "steps": self.steps, "shape": self.shape,
+                "n_updates": self.n_updates, "beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__init__(state["start"], state["end"], state["steps"], state["shape"])
+        self.n_updates = int(state["n_updates"])
+        self.beta = float(state["beta"])

@@ -1,0 +1,135 @@
+"""Log-probabilities and entropies from logits, without a second [B, T, V] tensor.
+
+Notation: B batch, T positions, V vocabulary; `logits` is [..., V] (usually [B, T, V]) and
+`tokens` is [...] (usually [B, T]). T_s is the sampling temperature.
+
+The textbook code takes `log_softmax(logits / T_s)` and gathers the sampled tokens. That builds
+two full copies of the logits (the division and the log-softmax), each as large as the logits
+themselves: 0.5 GB at B=8, T=512, V=32000 in fp32. Here the work goes over chunks of positions, so
+the extra memory is one [chunk, V] block, and a custom backward rebuilds the softmax chunk by
+chunk instead of keeping it. Everything is computed in fp32, so bf16 logits give fp32-accurate
+log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tether._checks import positive
+
+# Rows of [V] logits processed at once: 2^22 fp32 elements = 16 MiB of scratch per chunk.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(token) = x[token] - logsumexp(x), x = logits / T_s, over row chunks.
+
+    Backward: d log p / d logits = (onehot(token) - softmax(x)) / T_s, rebuilt chunk by chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+        flat_tokens = tokens.reshape(-1)  # [N]
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        step = _chunk_rows(flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            x = flat[start:start + step].float() / temperature  # [chunk, V] scratch
+            lse[start:start + step] = torch.logsumexp(x, dim=-1)
+            picked = x.gather(-1, flat_tokens[start:start + step, None]).squeeze(-1)
+            out[start:start + step] = picked - lse[start:start + step]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return out.reshape(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_tokens = tokens.reshape(-1)
+        flat_grad = grad_out.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        step = _chunk_rows(flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            rows = slice(start, start + step)
+            probs = torch.exp(flat[rows].float() / temperature - lse[rows, None])  # softmax
+            g = flat_grad[rows, None]
+            chunk_grad = -probs * g
+            chunk_grad.scatter_add_(-1, flat_tokens[rows, None], g)
+            grad[rows] = (chunk_grad / temperature).to(grad.dtype)
+        return grad.reshape(logits.shape), None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each token under softmax(logits / temperature).
+
+    log pi(y_t) = logits[y_t] / T_s - logsumexp(logits / T_s)
+
+    Args:
+        logits: [..., V], any float dtype (bf16 is upcast per chunk, so results are fp32-accurate).
+        tokens: [...] integer ids, same leading shape as `logits`.
+        temperature: T_s > 0, the temperature the tokens were sampled at; policy, old policy and
+            reference must all use it, or the KL between them is wrong (DESIGN.md, pitfalls).
+
+    Returns:
+        [...] fp32 log-probs, differentiable with respect to `logits`.
+    """
+    positive("temperature", temperature)
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"shape mismatch: logits {tuple(logits.shape)} needs tokens of shape "
+                         f"{tuple(logits.shape[:-1])}, got {tuple(tokens.shape)}")
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
+        raise ValueError(f"token ids must lie in [0, {logits.shape[-1]}), the logits' vocabulary")
+    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature))
+
+
+def map_row_chunks(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """Apply `fn` to matching chunks of rows of [..., V] tensors and join the [chunk] results.
+
+    With autograd on, each chunk is recomputed in backward (activation checkpointing), so the
+    saved state stays the inputs, never a [N, V] intermediate per chunk.
+    """
+    vocab = tensors[0].shape[-1]
+    lead = tensors[0].shape[:-1]
+    flats = [t.reshape(-1, vocab) for t in tensors]
+    step = _chunk_rows(vocab)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    parts = []
+    for start in range(0, flats[0].shape[0], step):
+        chunks = [f[start:start + step] for f in flats]
+        parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
+    if not parts:
+        return torch.zeros(lead, dtype=torch.float32, device=tensors[0].device)
+    return torch.cat(parts).reshape(lead)
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position.
+
+    H = logsumexp(x) - sum_v softmax(x)_v * x_v,  x = logits / T_s
+
+    Args:
+        logits: [..., V].
+        temperature: T_s > 0.
+
+    Returns:
+        [...] fp32 entropies in nats.
+    """
+    positive("temperature", temperature)
+
+    def chunk_entropy(chunk: torch.Tensor) -> torch.Tensor:
+        x = chunk.float() / temperature
+        lse = torch.logsumexp(x, dim=-1)
+        return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+
+    return map_row_chunks(chunk_entropy, logits)
