@@ -1,0 +1,170 @@
+"""Atomic writes and training checkpoints (weights, optimizer, scheduler, RNG, trainer state).
+
+A crash mid-write must never leave a half-written file where a good one was: every file goes to a
+temp name in the same directory, is fsynced, then `os.replace`d; a checkpoint is a whole directory
+written under a temp name and renamed to `step_<N>` only once complete. Weights are safetensors;
+optimizer and scheduler state use `torch.save` and are read back with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save, save_model
+from torch import nn
+
+STEP_PREFIX = "step_"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same directory, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Save tensors as safetensors, atomically."""
+    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON, atomically."""
+    atomic_write_bytes(path, json.dumps(obj, indent=2).encode("utf-8"))
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Python, NumPy and torch RNG states as (JSON-safe dict, tensors)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    meta = {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    return meta, tensors
+
+
+def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), oldest first; temp dirs are ignored."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        name = path.name
+        if path.is_dir() and name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+            found.append((int(name[len(STEP_PREFIX):]), path))
+    return sorted(found)
+
+
+def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Module], optimizer,
+                    scheduler, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `ckpt_root/step_<step>/` atomically and keep only the newest `keep` checkpoints.
+
+    Contents: `<name>.safetensors` per model, `optimizer.pt`, `scheduler.pt`, `rng.safetensors`,
+    and `state.json` (the trainer's `state` plus the RNG metadata).
+    """
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{STEP_PREFIX}{step}-", dir=root))
+    try:
+        for name, model in models.items():
+            save_model(model, str(tmp / f"{name}.safetensors"))  # handles tied weights
+        if optimizer is not None:
+            (tmp / "optimizer.pt").write_bytes(_torch_bytes(optimizer.state_dict()))
+        if scheduler is not None:
+            (tmp / "scheduler.pt").write_bytes(_torch_bytes(scheduler.state_dict()))
+        rng_meta, rng_tensors = rng_state()
+        (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
+        payload = {"step": step, "state": state, "rng": rng_meta}
+        (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        final = root / f"{STEP_PREFIX}{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], optimizer,
+                           scheduler, restore_rng: bool = True) -> dict[str, Any] | None:
+    """Restore the newest checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
+
+    Returns the trainer `state` saved with it (with `step` added), or None when there is none.
+    """
+    found = list_checkpoints(ckpt_root)
+    if not found:
+        return None
+    step, path = found[-1]
+    for name, model in models.items():
+        load_model(model, str(path / f"{name}.safetensors"), strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    if restore_rng:
+        from safetensors.torch import load_file
+        set_rng_state(payload["rng"], load_file(str(path / "rng.safetensors")))
+    state = dict(payload["state"])
+    state.setdefault("step", payload["step"])
+    return state

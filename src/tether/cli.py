@@ -1,0 +1,62 @@
+"""`tether <stage> [options]`: dispatch to a stage module's `cli(argv)`.
+
+A `TetherError` (bad input or config) prints one line, `error: <message>`, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from tether.errors import TetherError
+
+STAGES = {
+    "sft": "tether.train.sft",
+    "rm": "tether.train.reward",
+    "dpo": "tether.train.dpo",
+    "ppo": "tether.train.ppo",
+    "demo": "tether.demo",
+}
+
+HELP = {
+    "sft": "supervised fine-tuning: next-token loss on response tokens",
+    "rm": "reward model: Bradley-Terry loss on preference pairs",
+    "dpo": "DPO / IPO: preference optimisation against a frozen reference",
+    "ppo": "PPO with a per-token KL penalty to the reference",
+    "demo": "a small end-to-end run on a tiny local model",
+}
+
+
+def usage() -> str:
+    lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]", "", "stages:"]
+    lines += [f"  {name:<6} {HELP[name]}" for name in STAGES]
+    lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
+              "Flags override values from --config; errors exit with code 2."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(STAGES[stage])
+    except ModuleNotFoundError as exc:
+        if exc.name == STAGES[stage]:
+            print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
+            return 2
+        raise
+    try:
+        return int(module.cli(rest) or 0)
+    except TetherError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Typed stage configs: a YAML file and/or command-line flags, validated into one dataclass.
+
+Every stage config is a dataclass that inherits `RunConfig`; each field has a type, a default and a
+docstring, which tyro turns into `--help`. `parse_config` reads `--config file.yaml` first, then lets
+flags override it, then checks types, allowed values and the config's own `validate()`. Every
+problem becomes a one-line `TetherError` naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import tyro
+import yaml
+
+from tether.errors import TetherError
+
+C = TypeVar("C")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Fields every stage shares: where outputs go, seeding, checkpointing, device."""
+
+    run_name: str
+    """Name of the run; everything is written to <output_dir>/<run_name>/."""
+    output_dir: str = "runs"
+    """Directory that holds run directories."""
+    seed: int = 0
+    """Seed for Python, NumPy and torch (data order, initialisation, sampling)."""
+    resume: bool = False
+    """Continue from the last checkpoint in the run directory (model, optimizer, scheduler, RNG, data position)."""
+    log_every: int = 10
+    """Optimizer steps between metric log lines (metrics.jsonl and TensorBoard)."""
+    save_every: int = 100
+    """Optimizer steps between checkpoints (0: only the final model)."""
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code (off unless you trust the source)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the model weights are loaded in."""
+
+    def validate(self) -> None:
+        """Check values that the types alone cannot; raise TetherError naming the field."""
+        if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
+            raise TetherError(f"config field 'run_name' must be a plain non-empty name, got {self.run_name!r}")
+        for name in ("log_every",):
+            if getattr(self, name) < 1:
+                raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
+        dev = self.device
+        if not (dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise TetherError(f"config field 'device' must be one of: auto, cpu, cuda, cuda:N, mps (got {dev!r})")
+
+
+def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
+    """Raise TetherError for the first field in `names` that is not > 0 (or >= 0)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise TetherError(f"config field '{name}' must be {bound}, got {value}")
+
+
+# ----------------------------------------------------------------------------- dict round trip
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain JSON/YAML-safe values (tuples become lists)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, Path):
+            return str(v)
+        return v
+    return {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widen to float). TetherError if not."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            allowed = ", ".join(str(c) for c in choices)
+            raise TetherError(f"config field '{name}' must be one of: {allowed} (got {value!r})")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            with contextlib.suppress(TetherError):
+                return _coerce(name, arg, value)
+        raise TetherError(f"config field '{name}' must be {_type_name(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TetherError(f"config field '{name}' must be a list, got {value!r}")
+        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        items = [_coerce(name, item_tp, v) for v in value]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TetherError(f"config field '{name}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TetherError(f"config field '{name}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TetherError(f"config field '{name}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise TetherError(f"config field '{name}' must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_dict(cls: type, d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Reject unknown fields and wrongly typed values; return the coerced values."""
+    if not isinstance(d, dict):
+        raise TetherError(f"{source} must be a mapping of config fields, got {type(d).__name__}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in d.items():
+        if key not in names:
+            raise TetherError(f"unknown config field '{key}' in {source}; allowed fields: {', '.join(names)}")
+        out[key] = _coerce(key, hints[key], value)
+    return out
+
+
+def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
+    """Build `cls` from a dict (e.g. a saved config), checking names, types and `validate()`."""
+    values = _check_dict(cls, d, f"{cls.__name__} dict")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in values]
+    if missing:
+        raise TetherError(f"missing required config field '{missing[0]}'")
+    cfg = cls(**values)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Any) -> None:
+    hints = _field_types(type(cfg))
+    for f in dataclasses.fields(cfg):  # flags were typed by tyro; re-check choices in one place
+        _coerce(f.name, hints[f.name], getattr(cfg, f.name))
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise TetherError("--config needs a path to a YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping; TetherError when the file is missing, unreadable or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise TetherError(f"config file {path} not found; pass an existing YAML file to --config")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TetherError(f"config file {path} is not valid UTF-8 YAML ({first})") from None
+    return {} if data is None else data
+
+
+def _check_flags(cls: type, argv: list[str]) -> None:
+    """Catch unknown flags ourselves so the user gets one line, not a usage box."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    for arg in argv:
+        if not arg.startswith("--") or arg in ("--help",):
+            continue
+        flag = arg[2:].split("=", 1)[0].replace("-", "_")
+        base = flag[3:] if flag.startswith("no_") else flag
+        if flag not in names and base not in names:
+            allowed = ", ".join("--" + n.replace("_", "-") for n in sorted(names))
+            raise TetherError(f"unknown option {arg.split('=', 1)[0]}; allowed options: {allowed}")
+
+
+def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
+    """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
+    yaml_path, rest = _split_config_flag(list(argv))
+    if "-h" not in rest and "--help" not in rest:
+        _check_flags(cls, rest)
+    values = _check_dict(cls, load_yaml(yaml_path), yaml_path) if yaml_path else {}
+    default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            cfg = tyro.cli(cls, args=rest, default=default, prog=prog)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        raise TetherError(_tyro_message(stderr.getvalue())) from None
+    _validate(cfg)
+    return cfg
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return tyro.MISSING  # tyro then requires the flag
+
+
+def _tyro_message(text: str) -> str:
+    """Boil tyro's framed usage error down to its informative lines."""
+    keep = []
+    for line in text.splitlines():
+        line = line.strip(" │╭╮╰╯─|")  # noqa: B005 - a set of frame characters, on purpose
+        if line and not line.startswith(("usage:", "For full helptext", "─")):
+            keep.append(line)
+    msg = " ".join(keep) or "invalid command-line arguments"
+    return f"{msg} (see --help)"

@@ -1,0 +1,310 @@
+"""Reading rows, turning them into token ids with response masks, and batching them.
+
+Row formats
+- SFT: `{prompt, response}` or `{messages}` (a chat; the last message is the assistant's reply,
+  rendered with the tokenizer's chat template).
+- Preference: `{prompt, chosen, rejected}` (+ optional numeric `margin` for reward modelling).
+- Prompts for generation (PPO): `{prompt}` or `{messages}`.
+
+Loss masks cover response tokens only. A prompt that leaves no room for a response within
+`max_length` is never cut: it is an error, or (when asked) skipped and counted. Responses that
+run past `max_length` are truncated and counted (`data/truncated`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.errors import TetherError
+
+FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TetherError(f"{path} is not valid UTF-8 (bad byte at offset {exc.start}); "
+                          "re-encode the file as UTF-8") from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    text = _read_text(path)
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TetherError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TetherError(f"{path} line {lineno} is not valid JSON ({exc.msg}); "
+                              "each line must be one JSON object") from None
+    return rows
+
+
+def _read_csv(path: Path) -> list[dict]:
+    return [dict(row) for row in csv.DictReader(_read_text(path).splitlines())]
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise TetherError(f"{path} is not a readable Parquet file ({type(exc).__name__})") from None
+
+
+def _read_saved_dataset(path: Path, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise TetherError(f"{path} is a directory but not a saved `datasets` dataset; "
+                          "pass a .jsonl/.parquet/.csv file or a save_to_disk directory") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise TetherError(f"{path} has no split {split!r}; available: {', '.join(ds)}")
+        ds = ds[split]
+    return ds.to_list()
+
+
+def _read_hub(name: str, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split).to_list()
+    except Exception as exc:  # offline, unknown name, bad split: all become one line
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TetherError(f"cannot load dataset {name!r} (not a local file; hub load failed: {first})") from None
+
+
+def load_rows(source: str, split: str = "train") -> list[dict]:
+    """Rows from a JSONL/JSON/Parquet/CSV file, a `save_to_disk` directory, or a hub dataset name."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        rows = _read_saved_dataset(path, split)
+    elif path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            rows = _read_jsonl(path)
+        elif suffix == ".csv":
+            rows = _read_csv(path)
+        elif suffix == ".parquet":
+            rows = _read_parquet(path)
+        else:
+            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(FORMATS)}")
+    elif path.suffix.lower() in FORMATS or source.startswith((".", "/", "~")):
+        raise TetherError(f"data file {source} not found; check the path")
+    else:
+        rows = _read_hub(source, split)
+    if not rows:
+        raise TetherError(f"{source} has no rows; give a file with at least one example")
+    if not all(isinstance(row, dict) for row in rows):
+        raise TetherError(f"{source}: every row must be an object with named fields")
+    return rows
+
+
+def require_columns(rows: list[dict], columns: list[str] | tuple[str, ...], source: str) -> None:
+    """TetherError naming the first missing column and the first row that lacks it."""
+    for col in columns:
+        for i, row in enumerate(rows):
+            if col not in row or row[col] is None:
+                have = ", ".join(sorted(rows[0]))
+                raise TetherError(f"{source}: row {i} has no column {col!r} (columns found: {have}); "
+                                  f"add the column or rename it to {col!r}")
+
+
+# ----------------------------------------------------------------------------- text rendering
+
+def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise TetherError("rows use 'messages' but the tokenizer has no chat template; "
+                          "use {prompt, response} rows or a tokenizer with a chat_template")
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def format_prompt(tokenizer, row: dict) -> str:
+    """The text a policy continues: `prompt`, or `messages` rendered with the generation prompt."""
+    if "messages" in row and row["messages"] is not None:
+        return _render_chat(tokenizer, list(row["messages"]), add_generation_prompt=True)
+    return str(row["prompt"])
+
+
+def split_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """(prompt text, response text) for a chat whose last message is the assistant's reply."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise TetherError("each 'messages' row must end with an assistant message (the response to learn)")
+    prompt = _render_chat(tokenizer, messages[:-1], add_generation_prompt=True)
+    full = _render_chat(tokenizer, messages, add_generation_prompt=False)
+    if not full.startswith(prompt):
+        raise TetherError("the chat template renders the prompt differently inside the full chat; "
+                          "use {prompt, response} rows for this tokenizer")
+    return prompt, full[len(prompt):]
+
+
+# ----------------------------------------------------------------------------- tokenising
+
+@dataclass
+class Encoded:
+    """One tokenised example: prompt ids and one or two response ids (EOS appended)."""
+
+    prompt: list[int]
+    responses: list[list[int]]
+    margin: float = 0.0
+
+
+@dataclass
+class EncodeStats:
+    skipped_long_prompt: int = 0
+    truncated: int = 0
+
+
+def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    # A chat template already writes BOS and role markers; plain prompts get the tokenizer's
+    # usual special tokens (e.g. Llama's BOS).
+    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
+
+
+def _encode_response(tokenizer, text: str, chat: bool) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not chat and tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop: EOS carries loss
+    return ids
+
+
+def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: int,
+         on_long_prompt: str, source: str, stats: EncodeStats) -> Encoded | None:
+    if len(prompt) >= max_length:
+        if on_long_prompt == "skip":
+            stats.skipped_long_prompt += 1
+            return None
+        raise TetherError(f"{source}: row {index} prompt has {len(prompt)} tokens, leaving no room for "
+                          f"a response within max_length={max_length}; raise --max-length, shorten "
+                          "the prompt, or pass --on-long-prompt skip")
+    room = max_length - len(prompt)
+    if any(len(r) > room for r in responses):
+        stats.truncated += 1
+    return Encoded(prompt, [r[:room] for r in responses])
+
+
+def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
+               source: str = "data") -> tuple[list[Encoded], EncodeStats]:
+    """Tokenise SFT rows (`{prompt, response}` or `{messages}`)."""
+    chat = "messages" in rows[0]
+    require_columns(rows, ["messages"] if chat else ["prompt", "response"], source)
+    stats, out = EncodeStats(), []
+    for i, row in enumerate(rows):
+        if chat:
+            prompt_text, response_text = split_chat(tokenizer, list(row["messages"]))
+        else:
+            prompt_text, response_text = str(row["prompt"]), str(row["response"])
+        prompt = _encode_prompt(tokenizer, prompt_text, chat)
+        response = _encode_response(tokenizer, response_text, chat)
+        ex = _fit(prompt, [response], max_length, i, on_long_prompt, source, stats)
+        if ex is not None:
+            out.append(ex)
+    if not out:
+        raise TetherError(f"{source}: every row was skipped (prompts over max_length={max_length})")
+    return out, stats
+
+
+def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
+                       source: str = "data", margin_column: str = "") -> tuple[list[Encoded], EncodeStats]:
+    """Tokenise `{prompt, chosen, rejected}` rows; identical chosen and rejected is an error."""
+    require_columns(rows, ["prompt", "chosen", "rejected"] + ([margin_column] if margin_column else []), source)
+    stats, out = EncodeStats(), []
+    for i, row in enumerate(rows):
+        if str(row["chosen"]) == str(row["rejected"]):
+            raise TetherError(f"{source}: row {i} has identical chosen and rejected responses, "
+                              "which carry no preference; remove or fix the row")
+        prompt = _encode_prompt(tokenizer, str(row["prompt"]), chat=False)
+        responses = [_encode_response(tokenizer, str(row[k]), chat=False) for k in ("chosen", "rejected")]
+        ex = _fit(prompt, responses, max_length, i, on_long_prompt, source, stats)
+        if ex is None:
+            continue
+        if margin_column:
+            try:
+                ex.margin = float(row[margin_column])
+            except (TypeError, ValueError):
+                raise TetherError(f"{source}: row {i} column {margin_column!r} must be a number, "
+                                  f"got {row[margin_column]!r}") from None
+        out.append(ex)
+    if not out:
+        raise TetherError(f"{source}: every row was skipped (prompts over max_length={max_length})")
+    return out, stats
+
+
+# ----------------------------------------------------------------------------- batching
+
+def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """Right-pad prompt+response rows: `input_ids`, `attention_mask`, `response_mask` (all [N, T]).
+
+    `response_mask[i, t]` is 1 where token t of row i belongs to the response (the tokens that
+    carry loss); prompt and padding are 0.
+    """
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    n = len(prompts)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    response_mask = torch.zeros((n, length), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p): len(p) + len(r)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
+def collate_sft(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    return pad_sequences([e.prompt for e in examples], [e.responses[0] for e in examples], pad_id)
+
+
+def collate_pairs(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows in one batch `[2B, T]`, so one forward pass scores both."""
+    prompts = [e.prompt for e in examples] * 2
+    responses = [e.responses[0] for e in examples] + [e.responses[1] for e in examples]
+    batch = pad_sequences(prompts, responses, pad_id)
+    batch["margin"] = torch.tensor([e.margin for e in examples], dtype=torch.float32)
+    return batch
+
+
+def batch_order(n_rows: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Row indices of optimizer step `step` (0-based): a fresh seeded shuffle each epoch.
+
+    The order is a pure function of (seed, step), so a resumed run sees the same batches as an
+    uninterrupted one without saving an iterator.
+    """
+    per_epoch = -(-n_rows // batch_size)
+    epoch, index = divmod(step, per_epoch)
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n_rows, generator=generator).tolist()
+    return perm[index * batch_size: (index + 1) * batch_size]
+
+
+def split_holdout(items: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """A seeded (train, held-out) split; held-out gets round(fraction * n) items, at least 1 if > 0."""
+    if fraction <= 0:
+        return items, []
+    n_eval = max(1, round(fraction * len(items)))
+    if n_eval >= len(items):
+        raise TetherError(f"eval_fraction={fraction} leaves no training rows out of {len(items)}; lower it")
+    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed + 7)).tolist()
+    held = set(perm[:n_eval])
+    return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])

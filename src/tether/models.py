@@ -1,0 +1,266 @@
+"""Loading and saving Hugging Face models: causal LMs, tokenizers, and the reward model.
+
+Everything is read with `from_pretrained` and written with `save_pretrained` (safetensors), so a
+tether output loads with plain transformers. `trust_remote_code` is off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from tether.errors import TetherError
+
+PAD_TOKEN = "<|pad|>"
+REWARD_JSON = "tether_reward.json"
+REWARD_HEAD = "reward_head.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; anything else is passed to torch.device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TetherError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise TetherError(f"dtype must be one of: {', '.join(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+def _check_exists(name_or_path: str) -> None:
+    # A string that looks like a local path but is missing is a typo, not a hub name.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """Load a tokenizer; when it has no pad token (or pads with EOS), add a distinct `<|pad|>`.
+
+    Pad must not be EOS: masking pads would then also mask the real EOS the model must learn to
+    emit, and the reward would be read at the wrong position.
+    """
+    _check_exists(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise TetherError(f"cannot load tokenizer from {name_or_path}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def _resize_for(model: nn.Module, tokenizer) -> None:
+    """Grow the embeddings when the tokenizer gained tokens; new rows start at the mean embedding
+    (a neutral input that does not consume random numbers)."""
+    old = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= old:
+        return
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[old:] = emb[:old].mean(0, keepdim=True)
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if out is not None and out.weight.data_ptr() != emb.data_ptr():
+            out.weight[old:] = out.weight[:old].mean(0, keepdim=True)
+
+
+def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set."""
+    _check_exists(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise TetherError(f"cannot load a causal LM from {name_or_path}: {str(exc).splitlines()[0]}") from None
+    _resize_for(model, tokenizer)
+    _set_pad(model, tokenizer)
+    return model
+
+
+def _set_pad(model: nn.Module, tokenizer) -> None:
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0: modules, float attributes read in forward, and config.
+
+    RL and reward modelling compare log-probs and scores across forward passes; dropout would make
+    the same sequence look different each time (InstructGPT and TRL both switch it off).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(config.to_dict().items()):
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                setattr(config, name, 0.0)
+    return model
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy in eval mode with gradients off; it shares no tensor with `model`."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written `tmp` directory to `out`, replacing any old `out` only at the end."""
+    _fsync_tree(tmp)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _temp_dir_beside(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+
+def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
+    """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename)."""
+    out = Path(out_dir)
+    tmp = _temp_dir_beside(out)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class RewardModel(nn.Module):
+    """A causal LM's trunk plus a linear head; the score is read at the last non-pad token.
+
+    `forward` returns raw scores; `score` applies the stored normalisation `(raw - mean) / std`
+    (identity until `set_normalization` is called), so a normalised model keeps its meaning when
+    reloaded.
+    """
+
+    def __init__(self, backbone: nn.Module, tokenizer=None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.get_text_config().hidden_size
+        self.head = nn.Linear(hidden, 1)
+        self.tokenizer = tokenizer
+        self.norm_mean, self.norm_std = 0.0, 1.0
+        dtype = next(backbone.parameters()).dtype
+        self.head.to(dtype)
+
+    # ------------------------------------------------------------------ construction and I/O
+    @classmethod
+    def from_causal_lm(cls, name_or_path: str, tokenizer, dtype: str = "float32",
+                       trust_remote_code: bool = False) -> RewardModel:
+        """A fresh reward model on the trunk of a causal LM (e.g. the SFT model); the head starts
+        near zero so the first scores are near zero."""
+        _check_exists(name_or_path)
+        try:
+            backbone = AutoModel.from_pretrained(
+                name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise TetherError(f"cannot load a model trunk from {name_or_path}: {str(exc).splitlines()[0]}") from None
+        _resize_for(backbone, tokenizer)
+        _set_pad(backbone, tokenizer)
+        model = cls(backbone, tokenizer)
+        hidden = model.head.in_features
+        nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(model.head.bias)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32",
+                        trust_remote_code: bool = False) -> RewardModel:
+        """Load a reward model written by `save_pretrained` (trunk, head, normalisation, tokenizer)."""
+        path = Path(path)
+        meta_path = path / REWARD_JSON
+        if not meta_path.is_file():
+            raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one with `tether rm`")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        backbone = AutoModel.from_pretrained(path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
+        model = cls(backbone, tokenizer)
+        head = load_file(str(path / REWARD_HEAD))
+        model.head.load_state_dict({k: v.to(model.head.weight.dtype) for k, v in head.items()})
+        model.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
+        return model
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
+        tokenizer into `out_dir`, atomically."""
+        out = Path(out_dir)
+        tmp = _temp_dir_beside(out)
+        try:
+            self.backbone.save_pretrained(tmp)
+            tok = tokenizer if tokenizer is not None else self.tokenizer
+            if tok is not None:
+                tok.save_pretrained(tmp)
+            head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
+            save_file(head, str(tmp / REWARD_HEAD))
+            meta = {"format": "tether-reward-v1", "mean": self.norm_mean, "std": self.norm_std,
+                    "head_file": REWARD_HEAD, "score": "(raw - mean) / std at the last non-pad token"}
+            (tmp / REWARD_JSON).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    # ------------------------------------------------------------------ scoring
+    def set_normalization(self, mean: float, std: float) -> None:
+        if not std > 0:
+            raise ValueError(f"normalisation std must be > 0, got {std}")
+        self.norm_mean, self.norm_std = float(mean), float(std)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
+        right-padded batches give the same states for the same text."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids)
+        return out.last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Raw scores `[B]`, read at each row's last non-pad token (left or right padding)."""
+        hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self.head(hidden[rows, last]).squeeze(-1).float()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Normalised scores `[B]`: `(raw - mean) / std` with the stored constants."""
+        return (self(input_ids, attention_mask) - self.norm_mean) / self.norm_std

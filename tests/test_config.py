@@ -1,0 +1,86 @@
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from tether.config import RunConfig, config_from_dict, config_to_dict, parse_config
+from tether.errors import TetherError
+
+
+@dataclass(kw_only=True)
+class DemoConfig(RunConfig):
+    model: str = "m"
+    """Model path."""
+    lr: float = 1e-3
+    """Learning rate."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """Loss kind."""
+    steps: int = 5
+    """Steps."""
+
+
+def test_flags_override_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run_name: a\nlr: 2\nsteps: 7\nloss: ipo\n")
+    cfg = parse_config(DemoConfig, ["--config", str(path), "--steps", "9"])
+    assert cfg.run_name == "a"
+    assert cfg.lr == 2.0 and isinstance(cfg.lr, float)  # YAML int widened to float
+    assert cfg.steps == 9  # flag wins over the file
+    assert cfg.loss == "ipo"
+    assert cfg.output_dir == "runs"  # untouched default
+
+
+def test_unknown_yaml_field_names_field_and_allowed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run_name: a\nlearning_rate: 2\n")
+    with pytest.raises(TetherError, match="unknown config field 'learning_rate'.*allowed fields: .*lr"):
+        parse_config(DemoConfig, ["--config", str(path)])
+
+
+@pytest.mark.parametrize("yaml_text, pattern", [
+    ("run_name: a\nloss: hinge\n", "'loss' must be one of: sigmoid, ipo"),
+    ("run_name: a\nsteps: 1.5\n", "'steps' must be an integer"),
+    ("run_name: a\nresume: 'yes'\n", "'resume' must be true or false"),
+    ("run_name: a\ndevice: tpu\n", "'device' must be one of: auto, cpu"),
+    ("run_name: a\nlog_every: 0\n", "'log_every' must be >= 1"),
+    ("- a\n- b\n", "must be a mapping"),
+])
+def test_bad_yaml_values(tmp_path, yaml_text, pattern):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(TetherError, match=pattern):
+        parse_config(DemoConfig, ["--config", str(path)])
+
+
+def test_bad_flags_are_one_line_errors():
+    with pytest.raises(TetherError, match="unknown option --bogus"):
+        parse_config(DemoConfig, ["--run-name", "a", "--bogus", "1"])
+    with pytest.raises(TetherError, match="sigmoid") as info:
+        parse_config(DemoConfig, ["--run-name", "a", "--loss", "hinge"])
+    assert "\n" not in str(info.value)
+    with pytest.raises(TetherError, match="run-name"):
+        parse_config(DemoConfig, [])  # required field missing
+
+
+def test_missing_config_file():
+    with pytest.raises(TetherError, match="not found"):
+        parse_config(DemoConfig, ["--config", "/nonexistent/x.yaml"])
+
+
+def test_dict_round_trip():
+    cfg = DemoConfig(run_name="r", lr=0.5, loss="ipo")
+    d = config_to_dict(cfg)
+    assert d["lr"] == 0.5 and d["loss"] == "ipo" and d["run_name"] == "r"
+    assert config_from_dict(DemoConfig, d) == cfg
+    with pytest.raises(TetherError, match="missing required config field 'run_name'"):
+        config_from_dict(DemoConfig, {"lr": 1.0})
+
+
+def test_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(DemoConfig, ["--help"], prog="tether demo")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--run-name", "--output-dir", "--seed", "--resume", "--lr", "--loss", "--steps"):
+        assert flag in out
+    assert "Learning rate" in out and "default: 0.001" in out
