@@ -1,0 +1,85 @@
+"""The critic: V(s_t), the expected return from each response position.
+
+Two shapes, chosen by `--critic`:
+
+- `separate` (default): its own transformer trunk and a linear head, initialised from the reward
+  model (Ouyang et al. 2022, sec. 3.5 "we initialize the value function from the RM"; Ziegler et
+  al. 2019 do the same), or from the policy's trunk with a zero head when the reward is a Python
+  function. Costs one more forward and backward per step but keeps value gradients out of the
+  policy.
+- `shared`: a linear head on the policy's own final hidden state, one forward for both logits and
+  values (the original PPO-for-LMs setup of Stiennon et al. 2020 used separate networks; a shared
+  trunk is the cheap variant).
+
+Notation: B batch, P context width, R response width, d hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tether.rollout import position_ids_from_mask, response_logits
+
+
+class ValueHead(nn.Module):
+    """Linear d -> 1 read at every response position: hidden [B, R, d] -> values [B, R]."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        # Zero start: V = 0 everywhere, so the first advantages are the raw returns.
+        nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden).squeeze(-1).float()
+
+
+class ValueModel(nn.Module):
+    """A separate critic: transformer trunk + linear head, values at the response positions."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    @classmethod
+    def from_reward_model(cls, reward_model: nn.Module) -> ValueModel:
+        """A copy of the reward model's trunk and head (shares no tensor with it)."""
+        return cls(copy.deepcopy(reward_model.backbone), copy.deepcopy(reward_model.head))
+
+    @classmethod
+    def from_causal_lm(cls, model: nn.Module) -> ValueModel:
+        """A copy of a causal LM's trunk (`base_model`) with a zero-initialised head."""
+        backbone = copy.deepcopy(model.base_model)
+        head = nn.Linear(model.config.hidden_size, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return cls(backbone, head)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int) -> torch.Tensor:
+        """V at the positions that predict each response token (P - 1 + t): [B, R]."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids_from_mask(attention_mask),
+                               use_cache=False).last_hidden_state
+        hidden = hidden[:, context_length - 1:-1]
+        return self.head(hidden).squeeze(-1).float()
+
+
+def policy_and_values(policy: nn.Module, critic: nn.Module, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, context_length: int):
+    """Response logits [B, R, V] of the policy and values [B, R] of the critic, in one call.
+
+    The rollout scoring and the PPO update both go through this function, so the "old" log-probs
+    and values are computed by the very code that computes the new ones, and the first epoch's
+    probability ratio is exactly 1.
+    """
+    shared = isinstance(critic, ValueHead)
+    logits, hidden = response_logits(policy, input_ids, attention_mask, context_length,
+                                     with_hidden=shared)
+    values = critic(hidden) if shared else critic(input_ids, attention_mask, context_length)
+    return logits, values

@@ -1,0 +1,97 @@
+"""Where PPO's sequence scores come from: a reward model or a Python function, checked.
+
+A reward function is any callable `(prompts: list[str], responses: list[str]) -> list[float]`,
+named on the command line as `module:function` or `path/to/file.py:function`. Whatever it does
+wrong (raises, returns NaN, the wrong count, not numbers) stops the run with one line that names
+the function and the fix, before anything of the batch reaches the optimiser.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tether.errors import TetherError
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """Import `module:function` (or `file.py:function`) and return the callable."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise TetherError(f"reward function {spec!r} must look like module:function or "
+                          "path/to/file.py:function")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise TetherError(f"reward function file {module_name} does not exist; fix the path")
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except TetherError:
+        raise
+    except Exception as exc:  # an import error of the user's module, whatever its type
+        raise TetherError(f"cannot import {module_name} for reward function {spec!r}: "
+                          f"{type(exc).__name__}: {exc}; check the module is on PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise TetherError(f"{module_name} has no callable named {attr!r}; fix the function name "
+                          f"in {spec!r}")
+    return fn
+
+
+def function_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
+                         what: str = "reward function") -> torch.Tensor:
+    """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message."""
+    name = function_name(fn)
+    fix = "it must return one finite float per response"
+    try:
+        scores = fn(list(prompts), list(responses))
+    except Exception as exc:  # the user's code: report it as an input problem, on one line
+        raise TetherError(f"{what} {name} raised {type(exc).__name__}: {exc}; fix the function "
+                          f"({fix}); checkpoints written so far are intact") from exc
+    try:
+        values = [float(s) for s in scores]
+    except (TypeError, ValueError):
+        raise TetherError(f"{what} {name} returned {type(scores).__name__} that is not a list "
+                          f"of numbers; {fix}") from None
+    if len(values) != len(responses):
+        raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
+                          f"responses; {fix}")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise TetherError(f"{what} {name} returned a non-finite score ({values[bad[0]]}) for "
+                          f"response {bad[0]}; {fix}")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.Module | None]]
+                          ) -> None:
+    """PPO scores the policy's token ids with the reference and the reward model directly, so
+    all must share one vocabulary; a mismatch would silently score different text."""
+    policy_vocab = policy_tokenizer.get_vocab()
+    for name, (tokenizer, model) in others.items():
+        if tokenizer is not None and tokenizer.get_vocab() != policy_vocab:
+            raise TetherError(f"the {name}'s tokenizer has a different vocabulary from the "
+                              f"policy's ({len(tokenizer)} vs {len(policy_tokenizer)} tokens); "
+                              f"train the {name} from the same SFT model")
+        if model is not None:
+            rows = model.get_input_embeddings().weight.shape[0]
+            if rows < len(policy_tokenizer):
+                raise TetherError(f"the {name} has {rows} embedding rows but the policy's "
+                                  f"tokenizer has {len(policy_tokenizer)} tokens; train the "
+                                  f"{name} from the same SFT model")

@@ -1,0 +1,174 @@
+"""`tether ppo`: PPO that maximises R(x, y) - beta * KL(pi || pi_ref), KL per token.
+
+The loop in `run` is the algorithm, top to bottom (Ziegler et al. 2019; Stiennon et al. 2020;
+Ouyang et al. 2022):
+
+    for each batch of prompts x:
+        y ~ pi_old(. | x)                          sample (rollout.sample_responses)
+        s = R(x, y)                                 reward model or Python function
+        log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (ppo_step.score_rollout)
+        r_t = -beta * kl_t (+ s at the last token)  advantages.kl_shaped_rewards
+        A, G = GAE(r, V_old)                        advantages.gae, whitened
+        PPO epochs on the clipped losses            ppo_step.ppo_update
+        beta <- controller(mean_seq KL, batch)      kl.AdaptiveKL / FixedKL / AnnealedKL
+
+Setup (loading, checks) lives in `ppo_setup.py`; the per-batch pieces in `ppo_step.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tether.advantages import gae, kl_shaped_rewards, whiten
+from tether.checkpoint import load_latest_checkpoint, save_checkpoint
+from tether.config import parse_config
+from tether.errors import TetherError
+from tether.models import save_model
+from tether.rollout import apply_stop_strings, decode_responses, sample_responses
+from tether.rundir import RunDir, RunResult, progress
+from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_setup import (
+    ScoreNormalizer,
+    Setup,
+    build,
+    evaluate,
+    prompt_batch,
+    sample_table,
+)
+from tether.train.ppo_step import explained_variance, ppo_update, score_rollout
+
+__all__ = ["PPOConfig", "run", "cli"]
+
+
+def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
+                  generator: torch.Generator):
+    """Sample responses to one batch of prompts and score them with the reward."""
+    rollout = sample_responses(setup.policy, prompt_ids, prompt_mask,
+                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               eos_token_ids=setup.eos_token_ids,
+                               pad_token_id=setup.tokenizer.pad_token_id, generator=generator)
+    rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings,
+                                 setup.tokenizer.pad_token_id)
+    responses = decode_responses(setup.tokenizer, rollout)
+    raw_scores = setup.reward(prompts, responses, rollout).to(setup.device)
+    return rollout, responses, raw_scores
+
+
+def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
+    """Train with PPO; returns the final policy's directory and the last batch's metrics.
+
+    `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
+    of --reward-fn / --gold-fn (give a reward one way only).
+    """
+    rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)
+    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)
+    rundir.save_config(cfg)
+    models = {"policy": setup.policy, "critic": setup.critic}
+    normalizer = ScoreNormalizer(cfg.score_norm)
+    start = 0
+    state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
+                                   setup.scheduler) if cfg.resume else None
+    if state is not None:
+        start = state["batch"]
+        setup.kl_ctl.load_state_dict(state["kl_ctl"])
+        normalizer.load_state_dict(state["score_norm"])
+        rundir.truncate_metrics(after_step=start)
+    metrics: dict[str, float] = {}
+    bar = progress(cfg.n_batches, "ppo", initial=start)
+    try:
+        for batch in range(start, cfg.n_batches):
+            step = batch + 1
+            started = time.perf_counter()
+            # Seeded per batch, so a resumed run samples what the uninterrupted one would have.
+            gen = torch.Generator(setup.device).manual_seed(cfg.seed * 1_000_003 + batch)
+            shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
+            prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
+
+            # 1. Rollout and reward.
+            rollout, responses, raw_scores = rollout_batch(setup, cfg, prompts, prompt_ids,
+                                                           prompt_mask, gen)
+            scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
+            scores = normalizer(scores)
+            if cfg.reward_clip > 0:
+                scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+
+            # 2. Score the same tokens: old policy, reference, critic (same temperature).
+            mb_size = cfg.batch_size // cfg.num_minibatches
+            old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
+                                cfg.temperature, mb_size)
+            mask = rollout.response_mask
+
+            # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a
+            #    loss term the reward is the score alone and beta moves into the loss.
+            beta = setup.kl_ctl.beta
+            reward_beta = beta if cfg.kl_in == "reward" else 0.0
+            rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask,
+                                            reward_beta, cfg.resolved_estimator)
+            advantages, returns = gae(rewards, old.values, mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = whiten(advantages, mask)
+
+            # 4. PPO epochs over minibatches.
+            update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
+                                advantages, returns, cfg,
+                                kl_loss_beta=beta if cfg.kl_in == "loss" else 0.0,
+                                generator=shuffle_gen)
+            lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
+            setup.scheduler.step()
+
+            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
+            seq_kl = kl.sum(dim=1).mean().item()
+            setup.kl_ctl.update(seq_kl, len(rollout))
+
+            elapsed = time.perf_counter() - started
+            n_tokens = int(mask.sum())
+            metrics = {
+                "objective/score": raw_scores.mean().item(),
+                "objective/kl": seq_kl,
+                "objective/beta": beta,
+                "objective/rlhf_reward": scores.mean().item() - beta * seq_kl,
+                "policy/entropy": (old.entropy.sum() / n_tokens).item(),
+                "rollout/response_len": mask.sum(1).float().mean().item(),
+                "rollout/eos_rate": rollout.ended.float().mean().item(),
+                "value/explained_var": explained_variance(old.values, returns, mask),
+                "perf/tokens_per_s": n_tokens / elapsed,
+                "perf/episodes_per_s": len(rollout) / elapsed,
+                "optim/lr": lr,
+                **update,
+            }
+            if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
+                metrics.update(evaluate(setup, cfg))
+            if step % cfg.log_every == 0 or step == cfg.n_batches:
+                rundir.log(step, metrics)
+            if cfg.sample_every and step % cfg.sample_every == 0:
+                rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
+                            beta=f"{beta:.3g}")
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches):
+                save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer,
+                                setup.scheduler, {"batch": step,
+                                                  "kl_ctl": setup.kl_ctl.state_dict(),
+                                                  "score_norm": normalizer.state_dict()})
+    except FloatingPointError as exc:
+        raise TetherError(f"batch {batch + 1}: {exc}") from None
+    finally:
+        bar.close()
+    if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
+        final_eval = evaluate(setup, cfg)
+        rundir.log(cfg.n_batches, final_eval)
+        metrics.update(final_eval)
+    save_model(setup.policy, setup.tokenizer, rundir.final_dir)
+    rundir.close()
+    metrics["objective/beta_final"] = setup.kl_ctl.beta
+    return RunResult(output_path=rundir.final_dir, metrics=metrics)
+
+
+def cli(argv: list[str]) -> int:
+    """`tether ppo [--config FILE.yaml] [--field value ...]`."""
+    cfg = parse_config(PPOConfig, argv, prog="tether ppo")
+    result = run(cfg)
+    print(f"policy saved to {result.output_path}")
+    return 0

@@ -1,0 +1,168 @@
+"""`PPOConfig`: every knob of `tether ppo`, with its default and a one-line help.
+
+Units: a *batch* is one rollout of `batch_size` prompts followed by its PPO epochs; `log_every`,
+`save_every`, `eval_every` and `sample_every` count batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tether.config import RunConfig, require_positive
+from tether.errors import TetherError
+from tether.kl import ESTIMATORS
+
+KL_PLACEMENTS = ("reward", "loss")
+
+
+@dataclass(kw_only=True)
+class PPOConfig(RunConfig):
+    """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
+
+    run_name: str = "ppo"
+    """Name of the run; everything is written to <output_dir>/<run_name>/."""
+    log_every: int = 1
+    """PPO batches between metric log lines (metrics.jsonl, TensorBoard)."""
+    save_every: int = 10
+    """PPO batches between checkpoints (0: only the final model)."""
+
+    # ---- models and reward
+    policy: str = ""
+    """The SFT model to optimise (directory or hub name); also the reference unless --ref-model."""
+    ref_model: str = ""
+    """Frozen reference for the KL (default: a frozen copy of --policy)."""
+    reward_model: str = ""
+    """A reward model written by `tether rm` (give this or --reward-fn)."""
+    reward_fn: str = ""
+    """A Python reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
+    gold_fn: str = ""
+    """Optional second ("gold") reward function, used only to score --eval-prompts."""
+    critic: Literal["separate", "shared"] = "separate"
+    """Value model: separate (initialised from the reward model) or shared (a head on the policy)."""
+
+    # ---- prompts and rollout
+    prompts: str = ""
+    """Training prompts: rows with `prompt` or `messages` (JSONL, JSON, Parquet, CSV, dataset dir)."""
+    eval_prompts: str = ""
+    """Held-out prompts scored every --eval-every batches (empty: no evaluation)."""
+    max_prompt_len: int = 256
+    """Prompts longer than this many tokens keep their last tokens."""
+    total_episodes: int = 1024
+    """Responses to sample over the run; batches = total_episodes // batch_size."""
+    batch_size: int = 32
+    """Prompts per rollout batch (one response each)."""
+    max_new_tokens: int = 32
+    """Longest response, in tokens; longer ones are truncated (and may get --missing-eos-penalty)."""
+    temperature: float = 1.0
+    """Sampling temperature; all log-probs (policy, old policy, reference) use it too."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a response (kept in it); EOS always ends one."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
+
+    # ---- reward shaping and the KL penalty
+    kl_in: str = "reward"
+    """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style)."""
+    kl_estimator: Literal["auto", "k1", "k2", "k3", "abs"] = "auto"
+    """Per-token KL estimator; auto = k1 in the reward, k3 in the loss."""
+    reward_clip: float = 0.0
+    """Clip scores to [-c, c] after normalisation (0: off)."""
+    score_norm: Literal["none", "batch", "running"] = "none"
+    """Normalise scores: per batch, or with running mean/std over the run."""
+
+    # ---- beta controller
+    kl_ctl: Literal["fixed", "adaptive", "annealed"] = "fixed"
+    """How beta moves: fixed, adaptive (Ziegler et al. 2019) or annealed."""
+    beta: float = 0.05
+    """KL coefficient (the start value for adaptive and annealed)."""
+    kl_target: float = 6.0
+    """Adaptive: target of the batch mean of per-sequence summed KL, in nats."""
+    kl_horizon: int = 10000
+    """Adaptive: horizon in episodes; larger moves beta more slowly."""
+    kl_max_error: float = 0.2
+    """Adaptive: clip on the proportional error kl/target - 1."""
+    beta_end: float = 0.0
+    """Annealed: final beta."""
+    anneal_batches: int = 0
+    """Annealed: batches over which beta moves to --beta-end (0: the whole run)."""
+    anneal_shape: Literal["linear", "cosine"] = "linear"
+    """Annealed: schedule shape."""
+
+    # ---- PPO update
+    ppo_epochs: int = 4
+    """Passes over each rollout batch."""
+    num_minibatches: int = 1
+    """Minibatches per epoch; must divide --batch-size."""
+    lr: float = 1e-5
+    """Peak learning rate (AdamW) for policy and critic."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    """Decay from --lr to 0 over the run, after --warmup-batches."""
+    warmup_batches: int = 0
+    """Batches of linear learning-rate warmup."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon."""
+    value_clip_range: float = 0.2
+    """Value clip, in the units of the value (0: values may not move from the rollout values)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Standardise advantages over the batch's real tokens."""
+    target_kl: float = 0.0
+    """Trust-region guard: stop a batch's epochs once its approx KL to the rollout policy passes this (0: off)."""
+
+    # ---- evaluation and samples
+    eval_every: int = 0
+    """Batches between evaluations on --eval-prompts (0: only at the end, when eval prompts are given)."""
+    sample_every: int = 10
+    """Batches between tables of sample prompts and responses (TensorBoard text; 0: off)."""
+
+    @property
+    def n_batches(self) -> int:  # derived
+        return self.total_episodes // self.batch_size
+
+    @property
+    def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3 in the loss
+        if self.kl_estimator != "auto":
+            return self.kl_estimator
+        return "k1" if self.kl_in == "reward" else "k3"
+
+    def validate(self) -> None:
+        super().validate()
+        placements = {p.strip() for p in self.kl_in.replace("+", ",").split(",") if p.strip()}
+        if placements >= set(KL_PLACEMENTS) or self.kl_in == "both":
+            raise TetherError("the KL penalty can go in the reward or in the loss, not both (it "
+                              "would be counted twice); pass --kl-in reward or --kl-in loss")
+        if self.kl_in not in KL_PLACEMENTS:
+            raise TetherError(f"config field 'kl_in' must be one of: reward, loss (got {self.kl_in!r})")
+        if self.kl_in == "loss" and self.resolved_estimator in ("k1", "abs"):
+            raise TetherError(f"--kl-estimator {self.resolved_estimator} has no useful gradient as "
+                              "a loss term; use k3 or k2 with --kl-in loss")
+        assert self.resolved_estimator in ESTIMATORS
+        require_positive(self, "batch_size", "max_new_tokens", "temperature", "ppo_epochs",
+                         "num_minibatches", "max_prompt_len", "kl_horizon")
+        require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
+                         "max_grad_norm", "clip_range", "value_clip_range", "vf_coef",
+                         "warmup_batches", "weight_decay", "beta_end", "anneal_batches",
+                         "eval_every", "sample_every", allow_zero=True)
+        if self.kl_ctl == "adaptive":
+            require_positive(self, "kl_target", "kl_max_error")
+        if self.batch_size % self.num_minibatches:
+            raise TetherError(f"--num-minibatches {self.num_minibatches} must divide --batch-size "
+                              f"{self.batch_size}")
+        if self.n_batches < 1:
+            raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
+                              f"{self.batch_size}; raise it")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
+        if self.gold_fn and not self.eval_prompts:
+            raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
