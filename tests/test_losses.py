@@ -1,0 +1,245 @@
+"""tether.losses against hand-derived numbers (reasoning in the comments) and a known optimum:
+the three-action bandit of Azar et al. (2023), where IPO stops at a finite policy and DPO runs to
+a deterministic one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, value_loss
+
+LN2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------- PPO policy loss
+
+
+def test_ppo_on_policy_equals_minus_mean_advantage():
+    # ratio = exp(0) = 1 exactly, so both branches equal -A: loss = -mean(A) over real tokens
+    # = -(1 - 2 + 0.5) / 3 = 0.5 / 3; the padding advantage 100 must not count.
+    logprobs = torch.tensor([[-1.0, -2.0, -0.3, -5.0]])
+    advantages = torch.tensor([[1.0, -2.0, 0.5, 100.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    loss, stats = ppo_policy_loss(logprobs, logprobs.clone(), advantages, mask)
+    assert float(loss) == pytest.approx(0.5 / 3, rel=1e-6)
+    assert float(stats["clip_frac"]) == 0.0
+    assert float(stats["approx_kl"]) == 0.0  # exactly: expm1(0) - 0
+    assert float(stats["ratio_mean"]) == 1.0
+
+
+def _ppo_one_token(ratio, advantage, clip=0.2):
+    logprobs = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, stats = ppo_policy_loss(logprobs, old, torch.tensor([[advantage]], dtype=torch.float64),
+                                  torch.ones(1, 1, dtype=torch.bool), clip)
+    loss.backward()
+    return float(loss.detach()), float(logprobs.grad), float(stats["clip_frac"])
+
+
+@pytest.mark.parametrize("ratio, advantage, clipped_value", [
+    # A > 0: the objective stops rewarding a ratio above 1 + eps = 1.2 (loss -1.2 flat there);
+    # below 1 - eps nothing is clipped, because min(r A, clip(r) A) then takes r A.
+    (1.21, 1.0, -1.2), (1.19, 1.0, None), (0.79, 1.0, None), (1.0, 1.0, None),
+    # A < 0: mirrored, clipped below 0.8 (loss +0.8 flat there), never above.
+    (0.79, -1.0, 0.8), (0.81, -1.0, None), (1.21, -1.0, None), (3.0, -1.0, None),
+])
+def test_ppo_clipping_engages_exactly_beyond_the_band(ratio, advantage, clipped_value):
+    loss, grad, clip_frac = _ppo_one_token(ratio, advantage)
+    if clipped_value is not None:
+        assert loss == pytest.approx(clipped_value, rel=1e-12)
+        assert grad == 0.0 and clip_frac == 1.0
+    else:
+        # unclipped: L = -A r and dL/dlogprob = -A r (since dr/dlogprob = r)
+        assert loss == pytest.approx(-advantage * ratio, rel=1e-12)
+        assert grad == pytest.approx(-advantage * ratio, rel=1e-12)
+        assert clip_frac == 0.0
+
+
+def test_ppo_approx_kl_hand_computed():
+    # r = 1.21: k3 for KL(pi_old || pi) is r - 1 - ln r = 0.21 - 0.190620360 = 0.019379640
+    _, stats = ppo_policy_loss(torch.tensor([[math.log(1.21)]]), torch.zeros(1, 1),
+                               torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    assert float(stats["approx_kl"]) == pytest.approx(0.019379640, rel=1e-5)
+
+
+def test_ppo_masked_positions_do_not_matter():
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    logprobs = -torch.rand(2, 4, generator=gen)
+    old = -torch.rand(2, 4, generator=gen)
+    advantages = torch.randn(2, 4, generator=gen)
+    losses, grads = [], []
+    for garbage in (0.0, 50.0):
+        lp = logprobs.clone()
+        lp[~mask] += garbage
+        adv = advantages.clone()
+        adv[~mask] -= garbage
+        lp.requires_grad_()
+        loss, _ = ppo_policy_loss(lp, old, adv, mask)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(lp.grad)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert (grads[0][~mask] == 0).all()
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def test_value_loss_hand_computed():
+    # clip eps = 0.2; per real token, V_clip = V_old + clip(V - V_old, -0.2, 0.2):
+    #  1: V 1.5, V_old 1.0, R 2.0 -> V_clip 1.2; (V-R)^2 = 0.25, (V_clip-R)^2 = 0.64 -> 0.64, clipped
+    #  2: V 1.1, V_old 1.0, R 0.0 -> V_clip 1.1; both 1.21 -> 1.21, not clipped
+    #  3: V 0.0, V_old 1.0, R 0.5 -> V_clip 0.8; 0.25 vs 0.09 -> 0.25, not clipped
+    # loss = 0.5 * (0.64 + 1.21 + 0.25) / 3 = 0.35; clip_frac = 1/3. The fourth token is padding.
+    values = torch.tensor([[1.5, 1.1, 0.0, 9.0]], requires_grad=True)
+    old_values = torch.tensor([[1.0, 1.0, 1.0, -9.0]])
+    returns = torch.tensor([[2.0, 0.0, 0.5, 30.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    loss, stats = value_loss(values, old_values, returns, mask, clip=0.2)
+    assert float(loss) == pytest.approx(0.35, rel=1e-6)
+    assert float(stats["clip_frac"]) == pytest.approx(1 / 3, rel=1e-6)
+    assert float(stats["value_mean"]) == pytest.approx((1.5 + 1.1 + 0.0) / 3, rel=1e-6)
+    loss.backward()
+    # token 1 takes the clipped branch, whose V_clip is constant in V: zero gradient;
+    # token 2: d/dV 0.5 (V-R)^2 / 3 = (1.1 - 0) / 3 (both branches share it, max picks one);
+    # token 3: (0 - 0.5) / 3; padding: 0.
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 1.1 / 3, -0.5 / 3, 0.0]]))
+
+
+# ---------------------------------------------------------------- Bradley-Terry
+
+
+def test_bradley_terry_hand_computed():
+    # equal rewards: -log sigmoid(0) = ln 2
+    assert float(bradley_terry_loss(torch.tensor([1.0, -3.0]), torch.tensor([1.0, -3.0]))) == \
+        pytest.approx(LN2, rel=1e-6)
+    # diff 2: log(1 + e^-2) = 0.126928011
+    assert float(bradley_terry_loss(torch.tensor([2.0]), torch.tensor([0.0]))) == \
+        pytest.approx(0.126928011, rel=1e-6)
+    # margin 1 on diff 0 asks for a gap of 1: -log sigmoid(-1) = log(1 + e) = 1.313261687
+    assert float(bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0]),
+                                    margin=torch.tensor([1.0]))) == pytest.approx(1.313261687)
+    # and a margin equal to the gap brings it back to ln 2
+    assert float(bradley_terry_loss(torch.tensor([2.0]), torch.tensor([0.5]),
+                                    margin=torch.tensor([1.5]))) == pytest.approx(LN2, rel=1e-6)
+
+
+def test_bradley_terry_gradient_sign():
+    chosen = torch.tensor([0.0, 1.0], requires_grad=True)
+    rejected = torch.tensor([0.0, 2.0], requires_grad=True)
+    bradley_terry_loss(chosen, rejected).backward()
+    # dL/dr_c = -sigmoid(-(r_c - r_r)) / B: pair 1 -> -0.5 / 2 = -0.25
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()
+    assert float(chosen.grad[0]) == pytest.approx(-0.25)
+    torch.testing.assert_close(chosen.grad, -rejected.grad)
+
+
+# ---------------------------------------------------------------- DPO and IPO
+
+
+def _pair():
+    # log-ratios: chosen -10 - (-12) = 2, rejected -15 - (-14) = -1, so h = 3
+    return (torch.tensor([-10.0]), torch.tensor([-15.0]), torch.tensor([-12.0]),
+            torch.tensor([-14.0]))
+
+
+def test_dpo_policy_equal_to_reference_gives_ln2():
+    logps = torch.tensor([-3.0, -40.0, -7.5])
+    losses, chosen, rejected = dpo_loss(logps, logps - 2, logps.clone(), logps - 2, beta=0.3)
+    torch.testing.assert_close(losses, torch.full((3,), LN2))
+    assert (chosen == 0).all() and (rejected == 0).all()
+
+
+def test_dpo_sigmoid_hand_computed():
+    # beta h = 0.1 * 3 = 0.3: -log sigmoid(0.3) = log(1 + e^-0.3) = log(1.740818221) = 0.554355244
+    losses, chosen, rejected = dpo_loss(*_pair(), beta=0.1)
+    assert float(losses[0]) == pytest.approx(0.554355244, rel=1e-6)
+    # rewards are beta * (policy - ref): 0.1 * 2 and 0.1 * -1
+    assert float(chosen[0]) == pytest.approx(0.2) and float(rejected[0]) == pytest.approx(-0.1)
+    # label smoothing 0.1: 0.9 * log(1 + e^-0.3) + 0.1 * log(1 + e^0.3), and
+    # log(1 + e^0.3) = 0.3 + log(1 + e^-0.3), so the loss is 0.554355244 + 0.1 * 0.3
+    smoothed, _, _ = dpo_loss(*_pair(), beta=0.1, label_smoothing=0.1)
+    assert float(smoothed[0]) == pytest.approx(0.584355244, rel=1e-6)
+
+
+def test_ipo_hand_computed():
+    # h = 3, beta (tau) = 0.1: (3 - 1/(2 * 0.1))^2 = (3 - 5)^2 = 4
+    losses, chosen, _ = dpo_loss(*_pair(), beta=0.1, loss_type="ipo")
+    assert float(losses[0]) == pytest.approx(4.0, rel=1e-6)
+    assert float(chosen[0]) == pytest.approx(0.2)
+    # per-token: chosen 2 / 4 tokens = 0.5, rejected -1 / 2 tokens = -0.5, h = 1;
+    # beta 0.25 -> target 1/(2 * 0.25) = 2 -> (1 - 2)^2 = 1. Rewards are not length-normalised.
+    losses, chosen, rejected = dpo_loss(*_pair(), beta=0.25, loss_type="ipo",
+                                        chosen_lengths=torch.tensor([4]),
+                                        rejected_lengths=torch.tensor([2]))
+    assert float(losses[0]) == pytest.approx(1.0, rel=1e-6)
+    assert float(chosen[0]) == pytest.approx(0.5) and float(rejected[0]) == pytest.approx(-0.25)
+
+
+def test_dpo_rejects_bad_arguments():
+    pair = _pair()
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_loss(*pair, loss_type="hinge2")
+    with pytest.raises(ValueError, match="beta"):
+        dpo_loss(*pair, beta=0.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo_loss(*pair, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_loss(*pair, loss_type="ipo", chosen_lengths=torch.tensor([3]))
+
+
+# The bandit of Azar et al. (2023), section 5: actions a, b, c, preferences a > b, b > c, a > c,
+# a uniform reference and tau = beta = 1. With logits theta, log pi(y) - log ref(y) differ between
+# actions by theta differences (the uniform reference and the normaliser cancel in h).
+CHOSEN, REJECTED = torch.tensor([0, 1, 0]), torch.tensor([1, 2, 2])
+
+
+def _bandit_losses(theta, loss_type):
+    log_pi = torch.log_softmax(theta, -1)
+    log_ref = torch.full((3,), -math.log(3.0), dtype=theta.dtype)
+    losses, _, _ = dpo_loss(log_pi[CHOSEN], log_pi[REJECTED], log_ref[CHOSEN], log_ref[REJECTED],
+                            beta=1.0, loss_type=loss_type)
+    return losses.mean()
+
+
+def test_ipo_bandit_converges_to_the_closed_form_optimum():
+    # With x = theta_a - theta_b and y = theta_b - theta_c the IPO objective is
+    # (x - 1/2)^2 + (y - 1/2)^2 + (x + y - 1/2)^2; setting both partial derivatives to zero gives
+    # x - 1/2 + x + y - 1/2 = 0 = y - 1/2 + x + y - 1/2, so x = y and 3x = 1: x = y = 1/3.
+    # The optimal policy is softmax(2/3, 1/3, 0) = (0.4692, 0.3362, 0.1947): it keeps mass on c.
+    theta = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = _bandit_losses(theta, "ipo")
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    policy = torch.softmax(theta.detach(), -1)
+    optimum = torch.softmax(torch.tensor([2 / 3, 1 / 3, 0.0], dtype=torch.float64), -1)
+    assert (policy - optimum).abs().max() < 0.01
+    assert (policy - optimum).abs().max() < 1e-6  # LBFGS on a quadratic: in fact exact
+
+
+def test_dpo_bandit_runs_to_the_deterministic_corner():
+    # DPO on the same data: every pair's loss -log sigmoid(h) falls as h grows without bound, so
+    # pi(a) -> 1 and pi(c) -> 0 (the overfitting Azar et al. built IPO to avoid).
+    theta = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([theta], lr=0.1)
+    pi_a = []
+    for step in range(1500):
+        opt.zero_grad()
+        _bandit_losses(theta, "sigmoid").backward()
+        opt.step()
+        if step in (749, 1499):
+            pi_a.append(float(torch.softmax(theta.detach(), -1)[0]))
+    assert pi_a[1] > 0.99
+    assert pi_a[1] > pi_a[0]  # still increasing: there is no finite optimum
+    assert float(torch.softmax(theta.detach(), -1)[2]) < 1e-3
