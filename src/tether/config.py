@@ -230,13 +230,19 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            cfg = tyro.cli(cls, args=rest, default=default, prog=prog)
+            cfg = tyro.cli(cls, args=rest, default=default, prog=prog, description=_description(cls))
     except SystemExit as exc:
         if exc.code in (0, None):
             raise
         raise TetherError(_tyro_message(stderr.getvalue())) from None
     _validate(cfg)
     return cfg
+
+
+def _description(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.__name__
+    return (f"{doc}\n\n--config FILE.yaml  read field values from a YAML file (keys are field names "
+            "with underscores); flags given here override it.")
 
 
 def _default_of(f: dataclasses.Field) -> Any:

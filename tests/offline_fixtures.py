@@ -1,0 +1,40 @@
+"""Small synthetic data sets for the offline-stage tests (SFT, RM, DPO), written to disk."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = "the movie was fine dull fun plot actor scene film story music ending long short it and".split()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _phrase(rng: random.Random, lo: int = 2, hi: int = 5) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def sft_rows(n: int = 32, seed: int = 0) -> list[dict]:
+    """Prompts of random words; the response is a fixed, learnable function of the prompt
+    (its first two words, then "good.")."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = _phrase(rng, 3, 5)
+        rows.append({"prompt": prompt, "response": " " + " ".join(prompt.split()[:2]) + " good."})
+    return rows
+
+
+def preference_rows(n: int = 64, seed: int = 0) -> list[dict]:
+    """A learnable rule: the chosen response ends in "great." and the rejected one in "awful.",
+    after the same random words, so only the rule separates them."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        body = _phrase(rng)
+        rows.append({"prompt": _phrase(rng), "chosen": f" {body} great.", "rejected": f" {body} awful."})
+    return rows
