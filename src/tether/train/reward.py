@@ -1,0 +1,182 @@
+"""Reward modelling: a scalar head on an LM trunk, trained with the Bradley-Terry loss.
+
+    L = -mean log sigmoid(r(x, y_c) - r(x, y_r) - m)  +  c * mean((r(x, y_c) + r(x, y_r))^2)
+
+The first term is InstructGPT's pairwise loss (Ouyang et al. 2022, eq. 1) with Llama 2's optional
+margin m (Touvron et al. 2023, eq. 2); the second, off by default, is reward centring (Eisenstein
+et al. 2023, "Helping or Herding?", sec. 3), which pins the otherwise free offset of the scores
+near zero. Accuracy is measured on a held-out split. Optionally the scores are normalised so SFT
+samples score mean 0, std 1; the constants are stored with the model and applied by `score`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from tether.config import parse_config, require_positive
+from tether.data import (
+    batch_order,
+    collate_pairs,
+    collate_sft,
+    encode_preferences,
+    encode_sft,
+    load_rows,
+    split_holdout,
+)
+from tether.errors import TetherError
+from tether.losses import bradley_terry_loss
+from tether.models import RewardModel, disable_dropout, load_tokenizer, resolve_device
+from tether.rundir import RunDir, RunResult, progress
+from tether.train.common import (
+    TrainConfig,
+    count_steps,
+    make_lr_schedule,
+    make_optimizer,
+    maybe_checkpoint,
+    optimizer_step,
+    resume_or_start,
+    seed_everything,
+    to_device,
+)
+
+
+@dataclass(kw_only=True)
+class RMConfig(TrainConfig):
+    """Reward model on {prompt, chosen, rejected} rows (start from the SFT model)."""
+
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    margin_column: str = ""
+    """Name of a numeric column to use as the Bradley-Terry margin m (empty: no margin)."""
+    center_rewards_coef: float = 0.0
+    """Weight c of the centring term c * mean((r_chosen + r_rejected)^2) (0: off)."""
+    eval_data: str = ""
+    """Held-out preference rows; empty: hold out `eval_fraction` of the training rows."""
+    eval_fraction: float = 0.1
+    """Fraction of training rows held out for accuracy when `eval_data` is empty (0: no eval)."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (0: only at the end)."""
+    normalize_data: str = ""
+    """SFT-format rows ({prompt, response}); after training, scores are normalised to mean 0, std 1 on them."""
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise TetherError(f"config field 'eval_fraction' must be in [0, 1), got {self.eval_fraction}")
+
+
+def pair_scores(model: RewardModel, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen and rejected scores `[B]` each, from one forward pass over the `[2B, T]` batch."""
+    scores = model(batch["input_ids"], batch["attention_mask"])
+    half = scores.shape[0] // 2
+    return scores[:half], scores[half:]
+
+
+@torch.no_grad()
+def evaluate(model: RewardModel, examples, pad_id: int, batch_size: int, device) -> dict[str, float]:
+    """Pairwise accuracy (ties count half) and mean Bradley-Terry loss on held-out pairs."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0.0, 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        chosen, rejected = pair_scores(model, to_device(collate_pairs(chunk, pad_id), device))
+        correct += (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
+        loss_sum += bradley_terry_loss(chosen, rejected).item() * len(chunk)
+    model.train(was_training)
+    return {"eval/accuracy": correct / len(examples), "eval/loss": loss_sum / len(examples)}
+
+
+@torch.no_grad()
+def fit_normalization(model: RewardModel, examples, pad_id: int, batch_size: int, device) -> dict[str, float]:
+    """Set the model's stored (mean, std) so raw scores of these SFT samples map to mean 0, std 1."""
+    model.eval()
+    raw = []
+    for start in range(0, len(examples), batch_size):
+        batch = to_device(collate_sft(examples[start:start + batch_size], pad_id), device)
+        raw.append(model(batch["input_ids"], batch["attention_mask"]))
+    raw = torch.cat(raw)  # [N] raw scores of prompt + SFT response
+    std = raw.std(unbiased=False).item() if len(raw) > 1 else 1.0
+    model.set_normalization(raw.mean().item(), std if std > 0 else 1.0)
+    return {"norm/mean": model.norm_mean, "norm/std": model.norm_std}
+
+
+def _load_data(cfg: RMConfig, tokenizer):
+    def encode(source):
+        return encode_preferences(tokenizer, load_rows(source, cfg.split), cfg.max_length,
+                                  cfg.on_long_prompt, source, cfg.margin_column)
+    examples, stats = encode(cfg.data)
+    if cfg.eval_data:
+        train, held_out = examples, encode(cfg.eval_data)[0]
+    else:
+        train, held_out = split_holdout(examples, cfg.eval_fraction, cfg.seed)
+    norm = []
+    if cfg.normalize_data:
+        norm = encode_sft(tokenizer, load_rows(cfg.normalize_data, cfg.split), cfg.max_length,
+                          cfg.on_long_prompt, cfg.normalize_data)[0]
+    return train, held_out, norm, stats
+
+
+def run(cfg: RMConfig) -> RunResult:
+    """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
+    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
+    run_dir.save_config(cfg)
+
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code)
+    disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
+    total_steps = count_steps(len(train), cfg)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
+    state = resume_or_start(run_dir, cfg, {"model": model}, optimizer, scheduler)
+    pad_id = tokenizer.pad_token_id
+
+    metrics: dict[str, float] = {}
+    bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
+    for step in range(state["step"] + 1, total_steps + 1):
+        indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)
+        batch = to_device(collate_pairs([train[i] for i in indices], pad_id), device)
+        chosen, rejected = pair_scores(model, batch)  # [B], [B]
+        bt_loss = bradley_terry_loss(chosen, rejected, batch["margin"] if cfg.margin_column else None)
+        center_loss = ((chosen + rejected) ** 2).mean()  # Eisenstein et al. 2023, sec. 3
+        loss = bt_loss + cfg.center_rewards_coef * center_loss
+        grad_norm = optimizer_step(model, optimizer, scheduler, loss, cfg.max_grad_norm)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
+                   "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+                   "rewards/margin": (chosen - rejected).mean().item(),
+                   "rewards/accuracy": (chosen > rejected).float().mean().item(),
+                   "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
+        if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+            metrics |= evaluate(model, held_out, pad_id, cfg.batch_size, device)
+        if step % cfg.log_every == 0 or step == total_steps:
+            run_dir.log(step, metrics)
+        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": model}, optimizer, scheduler,
+                         {"step": step})
+    bar.close()
+
+    final = {"data/truncated": float(stats.truncated), "data/skipped_long_prompt": float(stats.skipped_long_prompt)}
+    if held_out:
+        final |= evaluate(model, held_out, pad_id, cfg.batch_size, device)
+    if norm_examples:
+        final |= fit_normalization(model, norm_examples, pad_id, cfg.batch_size, device)
+    run_dir.log(total_steps, final)
+    model.save_pretrained(run_dir.final_dir, tokenizer)
+    run_dir.close()
+    return RunResult(run_dir.final_dir, metrics | final)
+
+
+def cli(argv: list[str]) -> int:
+    cfg = parse_config(RMConfig, argv, prog="tether rm")
+    result = run(cfg)
+    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
+          file=sys.stderr)
+    return 0
