@@ -1,0 +1,87 @@
+"""Bad input: one clear line on stderr, exit code 2, and earlier results left exactly as they were."""
+
+import hashlib
+import re
+
+import pytest
+from offline_fixtures import preference_rows, sft_rows, write_jsonl
+
+from tether.cli import main
+
+
+def _snapshot(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tiny_model_dir, tmp_path_factory):
+    """A finished SFT run whose files the bad invocations must not touch."""
+    root = tmp_path_factory.mktemp("bad_input")
+    data = write_jsonl(root / "good.jsonl", sft_rows(8))
+    out = root / "runs"
+    code = main(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "good",
+                 "--output-dir", str(out), "--max-steps", "2", "--batch-size", "4", "--save-every", "1",
+                 "--device", "cpu"])
+    assert code == 0
+    return root, out
+
+
+def _write(root, name, content: bytes):
+    path = root / name
+    path.write_bytes(content)
+    return path
+
+
+CASES = {
+    "missing column": ("sft", "x.jsonl", b'{"prompt": "the movie"}\n', [], "no column 'response'"),
+    "empty file": ("sft", "x.jsonl", b"", [], "has no rows"),
+    "non-utf8": ("sft", "x.jsonl", '{"prompt": "caf\xe9", "response": "ok"}\n'.encode("latin-1"), [],
+                 "not valid UTF-8"),
+    "prompt over max length": ("dpo", "x.jsonl",
+                               b'{"prompt": "' + b"the movie was long " * 30 + b'", "chosen": "a", "rejected": "b"}\n',
+                               ["--max-length", "32"], "prompt has .* tokens.*max_length=32"),
+    "chosen == rejected": ("rm", "x.jsonl", b'{"prompt": "p", "chosen": "same", "rejected": "same"}\n', [],
+                           "identical chosen and rejected"),
+    "unknown config field": ("dpo", "c.yaml", b"beta: 0.1\nbetta: 0.2\n", ["--config"],
+                             "unknown config field 'betta'.*allowed fields:.*beta"),
+    "bad choice": ("dpo", "c.yaml", b"loss: hinge\n", ["--config"], "'loss' must be one of: sigmoid, ipo"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_one_line_exit_2_nothing_touched(case, earlier_run, tiny_model_dir, capsys):
+    root, out = earlier_run
+    stage, name, content, extra, pattern = CASES[case]
+    path = _write(root, name, content)
+    before = _snapshot(root / "runs")
+    good_data = write_jsonl(root / "pairs.jsonl", preference_rows(4))
+    data = str(good_data if name.endswith(".yaml") else path)
+    extra = [*extra, str(path)] if extra == ["--config"] else extra
+    # --resume on the earlier run's name: only input checking stands between it and its files
+    argv = [stage, "--model", str(tiny_model_dir), "--data", data, "--run-name", "good",
+            "--output-dir", str(out), "--resume", "--device", "cpu", *extra]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert _snapshot(root / "runs") == before
+
+
+def test_existing_run_without_resume_is_refused(earlier_run, tiny_model_dir, capsys):
+    root, out = earlier_run
+    before = _snapshot(out)
+    data = write_jsonl(root / "good2.jsonl", sft_rows(4))
+    assert main(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "good",
+                 "--output-dir", str(out), "--device", "cpu"]) == 2
+    assert "already has results" in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+
+def test_unknown_flag_exit_2(tiny_model_dir, capsys):
+    assert main(["rm", "--model", str(tiny_model_dir), "--data", "x.jsonl", "--run-name", "z",
+                 "--learning-rate", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown option --learning-rate") and "\n" not in err
