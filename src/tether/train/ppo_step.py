@@ -116,7 +116,8 @@ def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Opti
                                          advantages[index], returns[index], cfg, kl_loss_beta)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: off
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             assert_finite("gradient norm", grad_norm)
             optimizer.step()
             stats["policy/grad_norm"] = float(grad_norm)
