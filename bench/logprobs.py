@@ -16,7 +16,9 @@ allocates the full-size inputs, resets the kernel's peak-RSS counter (writing 5 
 Extra peak memory = VmHWM after the call - VmRSS before it, i.e. everything above the inputs
 (including, in backward mode, the [B, T, V] gradient both variants must return). On kernels
 without clear_refs it falls back to ru_maxrss, which is then only an upper bound on the baseline.
-Large CPU tensors are mmap-backed, so freed blocks leave RSS and the peak is the true peak.
+The child runs with MALLOC_MMAP_THRESHOLD_=65536, so every tensor above 64 KiB is its own mmap and
+leaves RSS the moment it is freed; without it glibc raises its mmap threshold after the first
+free (up to 32 MiB), 16 MiB chunks land in the heap, and the peak varied 48-112 MiB run to run.
 
 Time: median wall time of --repeats runs in this process, variants interleaved (order alternates
 each repeat) so drifting load on a shared machine hits both alike.
@@ -115,7 +117,8 @@ def measure_memory(variant, mode, args):
            "--B", str(args.B), "--T", str(args.T), "--V", str(args.V),
            "--beta", str(args.beta), "--temperature", str(args.temperature),
            "--chunk-elements", str(logprobs_mod.CHUNK_ELEMENTS)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # see the module docstring
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
