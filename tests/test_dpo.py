@@ -54,8 +54,9 @@ def test_precomputed_reference_matches_live_reference(tiny_model_dir, tmp_path):
 def test_ipo_runs_and_loss_falls(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", preference_rows(64))
     beta = 0.5
+    # also the plain concatenated [2B, P+R] pass, end to end
     assert main(_args(tiny_model_dir, data, tmp_path / "runs", "ipo", "--loss", "ipo",
-                      "--beta", str(beta), "--lr", "3e-4")) == 0
+                      "--beta", str(beta), "--lr", "3e-4", "--no-share-prompt")) == 0
     metrics = _metrics(tmp_path / "runs" / "ipo")
     # at step 1, h = 0, so the IPO loss is (0 - 1/(2 beta))^2 = 1 for beta = 0.5
     assert metrics[0]["train/loss"] == pytest.approx((1 / (2 * beta)) ** 2, abs=1e-5)

@@ -7,6 +7,7 @@ stage's file, readable top to bottom.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class TrainConfig(RunConfig):
     """Learning-rate decay after warm-up: constant, linear to 0, or cosine to 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """Run forward passes under torch.autocast in bfloat16 (weights and optimizer stay in `dtype`)."""
 
     def validate(self) -> None:
         super().validate()
@@ -137,6 +140,13 @@ def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logprobs = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])  # [N, T-1]
     return logprobs, batch["response_mask"][:, 1:].to(logprobs.dtype)
+
+
+def autocast(mixed_precision: str, device: torch.device):
+    """`torch.autocast` in bfloat16 when asked, else a no-op context."""
+    if mixed_precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

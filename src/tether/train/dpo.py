@@ -6,7 +6,9 @@ With per-sequence summed log-probs and h = (log pi(y_c) - log ref(y_c)) - (log p
     ipo (Azar et al. 2023, eq. 17):               L = (h - 1 / (2 beta))^2 on per-token averages
 
 The formulas live in `tether.losses.dpo_loss`; this file is the loop. Chosen and rejected go
-through the policy in one concatenated forward pass (`collate_pairs`: [2B, T]). With
+through the policy together: by default the prompt runs once and both responses continue from
+its KV cache in one [2B, R] pass (`tether.train.prefix`); with `--no-share-prompt`, one
+concatenated [2B, P+R] pass (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training.
 """
@@ -34,6 +36,7 @@ from tether.models import (
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
+    autocast,
     count_steps,
     make_lr_schedule,
     make_optimizer,
@@ -44,6 +47,7 @@ from tether.train.common import (
     seed_everything,
     to_device,
 )
+from tether.train.prefix import can_share, collate_shared, shared_pair_logprobs
 
 
 @dataclass(kw_only=True)
@@ -62,6 +66,8 @@ class DPOConfig(TrainConfig):
     """Reference model; empty: the starting `model` itself."""
     precompute_ref_logprobs: bool = False
     """Score the reference once before training and drop it (one model in memory, no ref forward per step)."""
+    share_prompt: bool = True
+    """Run each prompt once and continue chosen and rejected from its KV cache (same log-probs, fewer tokens)."""
 
     def validate(self) -> None:
         super().validate()
@@ -72,23 +78,33 @@ class DPOConfig(TrainConfig):
             raise TetherError("config field 'label_smoothing' applies to loss=sigmoid only; set it to 0 for ipo")
 
 
-def pair_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed response log-probs of chosen and rejected (`[B]` each) and response lengths `[2B]`."""
-    logprobs, mask = response_logprobs(model, batch)  # [2B, T-1]
-    summed = (logprobs * mask).sum(-1)  # [2B]
+def collate(examples, pad_id: int, share_prompt: bool) -> dict[str, torch.Tensor]:
+    """A prompt-shared batch when asked and possible, else the concatenated [2B, T] batch."""
+    if share_prompt and can_share(examples):
+        return collate_shared(examples, pad_id)
+    return collate_pairs(examples, pad_id)
+
+
+def pair_logprobs(model, batch) -> tuple[torch.Tensor, ...]:
+    """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each."""
+    if "prompt_ids" in batch:
+        return shared_pair_logprobs(model, batch)
+    logprobs, mask = response_logprobs(model, batch)  # [2B, T-1]: chosen rows, then rejected rows
+    summed, lengths = (logprobs * mask).sum(-1), mask.sum(-1)  # [2B]
     half = summed.shape[0] // 2
-    return summed[:half], summed[half:], mask.sum(-1)
+    return summed[:half], summed[half:], lengths[:half], lengths[half:]
 
 
 @torch.no_grad()
-def precompute_ref_logprobs(ref_model, examples, pad_id: int, batch_size: int, device) -> torch.Tensor:
+def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, device) -> torch.Tensor:
     """Reference log-probs of every pair, `[N, 2]` (chosen, rejected), in one eval pass."""
     was_training = ref_model.training
     ref_model.eval()
     out = []
-    for start in range(0, len(examples), batch_size):
-        batch = to_device(collate_pairs(examples[start:start + batch_size], pad_id), device)
-        chosen, rejected, _ = pair_logprobs(ref_model, batch)
+    for start in range(0, len(examples), cfg.batch_size):
+        batch = to_device(collate(examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
+        with autocast(cfg.mixed_precision, device):
+            chosen, rejected, _, _ = pair_logprobs(ref_model, batch)
         out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())
     ref_model.train(was_training)
     return torch.cat(out)
@@ -104,7 +120,7 @@ def _reference(cfg: DPOConfig, policy, tokenizer, examples, device):
     if not cfg.precompute_ref_logprobs:
         return ref, None
     # Before any update (and before a resumed checkpoint is loaded) the policy *is* the reference.
-    table = precompute_ref_logprobs(ref, examples, tokenizer.pad_token_id, cfg.batch_size, device)
+    table = precompute_ref_logprobs(ref, examples, tokenizer.pad_token_id, cfg, device)
     return None, table
 
 
@@ -145,19 +161,19 @@ def run(cfg: DPOConfig) -> RunResult:
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
-        batch = to_device(collate_pairs([examples[i] for i in indices], tokenizer.pad_token_id), device)
-        policy_chosen, policy_rejected, lengths = pair_logprobs(policy, batch)  # [B], [B], [2B]
-        if ref_table is not None:
-            ref_chosen, ref_rejected = ref_table[indices].to(device).unbind(-1)
-        else:
-            with torch.no_grad():
-                ref_chosen, ref_rejected, _ = pair_logprobs(reference, batch)
-        half = len(indices)
+        batch = to_device(collate([examples[i] for i in indices], tokenizer.pad_token_id, cfg.share_prompt), device)
+        with autocast(cfg.mixed_precision, device):
+            policy_chosen, policy_rejected, chosen_len, rejected_len = pair_logprobs(policy, batch)  # [B] each
+            if ref_table is not None:
+                ref_chosen, ref_rejected = ref_table[indices].to(device).unbind(-1)
+            else:
+                with torch.no_grad():
+                    ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch)
+        ipo = cfg.loss == "ipo"  # IPO compares per-token averages (Azar et al. 2023)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
             loss_type=cfg.loss, label_smoothing=cfg.label_smoothing,
-            chosen_lengths=lengths[:half] if cfg.loss == "ipo" else None,
-            rejected_lengths=lengths[half:] if cfg.loss == "ipo" else None)
+            chosen_lengths=chosen_len if ipo else None, rejected_lengths=rejected_len if ipo else None)
         grad_norm = optimizer_step(policy, optimizer, scheduler, losses.mean(), cfg.max_grad_norm)
         bar.update(1)
         metrics = dpo_metrics(losses, chosen_rewards, rejected_rewards, cfg.beta)

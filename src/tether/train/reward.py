@@ -32,6 +32,7 @@ from tether.models import RewardModel, disable_dropout, load_tokenizer, resolve_
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
+    autocast,
     count_steps,
     make_lr_schedule,
     make_optimizer,
@@ -143,7 +144,8 @@ def run(cfg: RMConfig) -> RunResult:
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)
         batch = to_device(collate_pairs([train[i] for i in indices], pad_id), device)
-        chosen, rejected = pair_scores(model, batch)  # [B], [B]
+        with autocast(cfg.mixed_precision, device):
+            chosen, rejected = pair_scores(model, batch)  # [B], [B]
         bt_loss = bradley_terry_loss(chosen, rejected, batch["margin"] if cfg.margin_column else None)
         center_loss = ((chosen + rejected) ** 2).mean()  # Eisenstein et al. 2023, sec. 3
         loss = bt_loss + cfg.center_rewards_coef * center_loss

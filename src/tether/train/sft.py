@@ -18,6 +18,7 @@ from tether.models import load_causal_lm, load_tokenizer, resolve_device, save_m
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
+    autocast,
     count_steps,
     make_lr_schedule,
     make_optimizer,
@@ -70,7 +71,8 @@ def run(cfg: SFTConfig) -> RunResult:
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
         batch = to_device(collate_sft([examples[i] for i in indices], tokenizer.pad_token_id), device)
-        loss, n_tokens = sft_loss(model, batch)
+        with autocast(cfg.mixed_precision, device):
+            loss, n_tokens = sft_loss(model, batch)
         grad_norm = optimizer_step(model, optimizer, scheduler, loss, cfg.max_grad_norm)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}")
