@@ -161,3 +161,21 @@ def test_whiten_without_shift_keeps_the_mean():
 def test_whiten_rejects_empty_mask():
     with pytest.raises(ValueError, match="at least one"):
         whiten(torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_padding_contents_never_leak():
+    # A padded position may hold anything, inf or NaN included (a masked-out logit, a value head
+    # reading a pad token). Rewards, KL, advantages and returns on real tokens must not change.
+    mask = torch.tensor([[True, True, False]])
+    lp, ref_lp = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    clean_rewards, clean_kl = kl_shaped_rewards(torch.tensor([1.0]), lp, ref_lp, mask, 0.1)
+    lp_bad, ref_bad = lp.clone(), ref_lp.clone()
+    lp_bad[0, 2], ref_bad[0, 2] = float("nan"), float("-inf")
+    rewards, kl = kl_shaped_rewards(torch.tensor([1.0]), lp_bad, ref_bad, mask, 0.1)
+    torch.testing.assert_close(rewards, clean_rewards)
+    torch.testing.assert_close(kl, clean_kl)
+    values = torch.tensor([[0.5, 0.25, float("nan")]])
+    advantages, returns = gae(rewards, values, mask)
+    assert torch.isfinite(advantages).all() and torch.isfinite(returns).all()
+    clean_adv, _ = gae(clean_rewards, torch.tensor([[0.5, 0.25, 0.0]]), mask)
+    torch.testing.assert_close(advantages, clean_adv)

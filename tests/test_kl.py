@@ -112,6 +112,17 @@ def test_k3_non_negative_and_finite_at_extreme_log_ratios():
     assert float(k3[3]) == pytest.approx(math.exp(20) - 21, rel=1e-6)
 
 
+def test_k3_clamps_only_its_exponent():
+    # Past d = 20 the exponential term is e^-20 - 1 (clamped), and d itself is kept, so k3 grows
+    # like d - 1 with gradient 1 - e^-20: a large divergence is still penalised and still pushes.
+    d = torch.tensor([50.0, 1000.0], requires_grad=True)
+    k3 = kl.estimate(d, torch.zeros(2), "k3")
+    expected = torch.tensor([math.expm1(-20.0) + 50.0, math.expm1(-20.0) + 1000.0])
+    torch.testing.assert_close(k3.detach(), expected)
+    (grad,) = torch.autograd.grad(k3.sum(), d)
+    torch.testing.assert_close(grad, torch.ones(2))
+
+
 def test_estimate_rejects_bad_input():
     a = torch.zeros(3)
     with pytest.raises(ValueError, match="estimator"):

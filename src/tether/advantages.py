@@ -55,8 +55,10 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     last = last_true_index(mask)
     if bool((last < 0).any()):
         raise ValueError("a response has no real tokens in mask; every row needs at least one")
-    mask_f = mask.float()
-    kl = kl_lib.estimate(logprobs.float(), ref_logprobs.float(), estimator) * mask_f
+    # torch.where, not a product: whatever a padded position holds (even inf or NaN from a
+    # masked-out logit) must not leak into the rewards.
+    kl = torch.where(mask.bool(), kl_lib.estimate(logprobs.float(), ref_logprobs.float(),
+                                                  estimator), 0.0)
     rewards = -beta * kl
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, last] += scores.float()
@@ -89,8 +91,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
     mask_f = mask.float()
-    values = values.float() * mask_f
-    rewards = rewards.float() * mask_f
+    values = torch.where(mask.bool(), values.float(), 0.0)  # padding may hold anything
+    rewards = torch.where(mask.bool(), rewards.float(), 0.0)
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     next_advantage = torch.zeros_like(rewards[:, 0])

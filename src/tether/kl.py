@@ -57,8 +57,9 @@ def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
         return 0.5 * log_ratio.square()
     if estimator == "abs":
         return log_ratio.abs()
-    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.expm1(-clamped) + clamped  # k3; expm1 keeps precision when d is near 0
+    # k3: only the exponent is clamped, so the value stays finite and its gradient is never
+    # cut off; expm1 keeps precision when d is near 0.
+    return torch.expm1(-log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + log_ratio
 
 
 def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
