@@ -1,0 +1,12 @@
+"""`tether demo`: SFT -> RM -> PPO (with and without the KL leash) -> DPO/IPO, and a report."""
+
+from __future__ import annotations
+
+
+def cli(argv: list[str]) -> int:
+    """`tether demo [--quick] [--field value ...]`."""
+    from tether.config import parse_config
+    from tether.demo.pipeline import DemoConfig, run
+
+    run(parse_config(DemoConfig, argv, prog="tether demo"))
+    return 0

@@ -30,7 +30,7 @@ class Curve:
     seed: int
     steps: list[int] = field(default_factory=list)
     values: dict[str, list[float]] = field(default_factory=dict)
-    samples: dict[int, list[dict]] = field(default_factory=dict)  # step -> [{prompt, response, proxy, gold}]
+    samples: dict[int, list[dict]] = field(default_factory=dict)  # step -> [{prompt, response, score, gold_score}]
 
     def series(self, name: str) -> list[float]:
         return self.values.get(name, [])
@@ -66,7 +66,7 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
         free = by_key.get(("ppo-no-kl", seed))
         adaptive = by_key.get(("ppo-adaptive", seed))
         if free is not None and len(free.steps) > 1:
-            proxy, gold, dist = free.series("eval/proxy"), free.series("eval/gold"), free.series(
+            proxy, gold, dist = free.series("eval/score"), free.series("eval/gold_score"), free.series(
                 "eval/distinct_2")
             proxy_rising = proxy[-1] >= max(proxy) - 0.1 * (max(proxy) - min(proxy))
             gold_fell = max(gold) - gold[-1] >= 0.1
@@ -80,12 +80,12 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
         if adaptive is not None and free is not None and adaptive.steps:
             kl_final = adaptive.final("eval/kl")
             near = abs(kl_final - kl_target) <= 0.5 * kl_target
-            beats = adaptive.final("eval/gold") > free.final("eval/gold")
+            beats = adaptive.final("eval/gold_score") > free.final("eval/gold_score")
             out.append(Verdict(
                 "adaptive beta: KL stays near its target and final gold beats the unpenalised run",
                 seed, near and beats,
                 f"final KL {kl_final:.2f} (target {kl_target:.2f}); final gold "
-                f"{adaptive.final('eval/gold'):+.2f} vs {free.final('eval/gold'):+.2f} without KL"))
+                f"{adaptive.final('eval/gold_score'):+.2f} vs {free.final('eval/gold_score'):+.2f} without KL"))
     return out
 
 
@@ -120,14 +120,14 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float) -> dict[str, 
         figures[title] = name
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, title in zip(axes, ("eval/proxy", "eval/gold"), ("proxy reward", "gold reward")):
+    for ax, metric, title in zip(axes, ("eval/score", "eval/gold_score"), ("proxy reward", "gold reward")):
         _plot_lines(ax, ppo, None, metric, label_runs=True)
         ax.set(xlabel="PPO batch", ylabel=title, title=f"{title} against step")
     axes[0].legend()
     save(fig, "reward_vs_step.png", "Proxy and gold reward against step")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, title in zip(axes, ("eval/proxy", "eval/gold"), ("proxy reward", "gold reward")):
+    for ax, metric, title in zip(axes, ("eval/score", "eval/gold_score"), ("proxy reward", "gold reward")):
         _plot_lines(ax, ppo, "eval/kl", metric, label_runs=True)
         ax.set(xlabel="KL(pi || ref), nats per response", ylabel=title, title=f"{title} against KL")
     axes[0].legend()
@@ -146,7 +146,7 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float) -> dict[str, 
     save(fig, "beta_kl_diversity.png", "beta, KL and diversity against step")
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    _plot_lines(ax, curves, "eval/kl", "eval/gold", label_runs=True)
+    _plot_lines(ax, curves, "eval/kl", "eval/gold_score", label_runs=True)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The frontier: gold reward against KL, every run")
     ax.legend()
@@ -161,9 +161,9 @@ SUMMARY_COLUMNS = ("run", "seed", "final proxy", "final gold", "peak gold", "fin
 def summary_rows(curves: list[Curve]) -> list[list[str]]:
     rows = []
     for c in curves:
-        gold = c.series("eval/gold")
+        gold = c.series("eval/gold_score")
         beta = c.series("objective/beta")
-        rows.append([c.run, str(c.seed), f"{c.final('eval/proxy'):+.3f}", f"{gold[-1]:+.3f}",
+        rows.append([c.run, str(c.seed), f"{c.final('eval/score'):+.3f}", f"{gold[-1]:+.3f}",
                      f"{max(gold):+.3f}", f"{c.final('eval/kl'):.2f}",
                      f"{c.final('eval/distinct_2'):.2f}", f"{beta[-1]:.3f}" if beta else "-"])
     return rows
@@ -183,7 +183,7 @@ def console_table(curves: list[Curve], found: list[Verdict]) -> str:
 def _sample_points(curve: Curve) -> list[tuple[str, int]]:
     if not curve.steps:
         return []
-    gold = curve.series("eval/gold")
+    gold = curve.series("eval/gold_score")
     best = curve.steps[gold.index(max(gold))]
     points = [("start", curve.steps[0]), ("best gold", best), ("end", curve.steps[-1])]
     seen, unique = set(), []
@@ -206,8 +206,8 @@ def _samples_html(curves: list[Curve], per_point: int = 4) -> str:
             for s in curve.samples[step][:per_point]:
                 parts.append(
                     f"<tr><td>{label} (step {step})</td><td>{html.escape(s['prompt'])}</td>"
-                    f"<td>{html.escape(s['response'])}</td><td>{s['proxy']:+.2f}</td>"
-                    f"<td>{s['gold']:+.2f}</td></tr>")
+                    f"<td>{html.escape(s['response'])}</td><td>{s['score']:+.2f}</td>"
+                    f"<td>{s['gold_score']:+.2f}</td></tr>")
         parts.append("</table>")
     return "\n".join(parts)
 

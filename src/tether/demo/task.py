@@ -74,7 +74,7 @@ def corpus(n: int, seed: int) -> list[str]:
     return [sentence(rng) for _ in range(n)]
 
 
-def split_prompt(text: str, rng: random.Random) -> tuple[str, str]:
+def split_prompt(text: str) -> tuple[str, str]:
     """Cut a sentence after its first one or two words: ("the movie", " was very dull.")."""
     words = text.split(" ")
     cut = 1 if words[0] == "i" else 2
@@ -83,7 +83,7 @@ def split_prompt(text: str, rng: random.Random) -> tuple[str, str]:
 
 def prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [split_prompt(sentence(rng), rng)[0] for _ in range(n)]
+    return [split_prompt(sentence(rng))[0] for _ in range(n)]
 
 
 @lru_cache(maxsize=1)
@@ -115,7 +115,7 @@ def preference_pairs(n: int, seed: int, noise_scale: float = 0.25) -> list[dict]
     rng = random.Random(seed)
     pairs: list[dict] = []
     while len(pairs) < n:
-        prompt, first = split_prompt(sentence(rng), rng)
+        prompt, first = split_prompt(sentence(rng))
         second = _continuation_of(prompt, rng)
         if second is None or second == first:
             continue
@@ -134,9 +134,3 @@ def _continuation_of(prompt: str, rng: random.Random, tries: int = 200) -> str |
             return text[len(prompt):]
     return None
 
-
-def distinct_n(texts: list[str], n: int) -> float:
-    """Distinct-n (Li et al. 2016): unique word n-grams over all n-grams in `texts`."""
-    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
-             for i in range(len(words) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
