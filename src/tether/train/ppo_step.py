@@ -96,39 +96,40 @@ def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Opti
     """`cfg.ppo_epochs` passes over `cfg.num_minibatches` minibatches of the rollout.
 
     The first epoch walks the minibatches in rollout order (the chunks `score_rollout` used, so
-    the ratio starts at exactly 1); later epochs shuffle. Trust-region guard: when the mean
-    approx KL(pi_old || pi) of an epoch passes `cfg.target_kl` (> 0), the remaining epochs are
-    skipped, a cheap stand-in for TRPO's hard KL constraint (Schulman et al. 2015).
+    the ratio starts at exactly 1); later epochs shuffle. Trust-region guard: when a minibatch's
+    approx KL(pi_old || pi) already exceeds `cfg.target_kl` (> 0), that step is not taken and the
+    batch's remaining epochs are skipped, a cheap stand-in for TRPO's hard KL constraint
+    (Schulman et al. 2015, eq. 12).
     """
     batch = len(rollout)
     size = batch // cfg.num_minibatches
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: off
     history: list[dict[str, float]] = []
-    epochs_run = 0
+    stopped = False
     for epoch in range(cfg.ppo_epochs):
         order = (torch.arange(batch) if epoch == 0
                  else torch.randperm(batch, generator=generator))
-        epoch_stats = []
         for rows in chunks(batch, size):
             index = order[rows].to(advantages.device)
             sub = rollout.select(index)
             loss, stats = minibatch_loss(policy, critic, sub, old.select(index),
                                          advantages[index], returns[index], cfg, kl_loss_beta)
+            if cfg.target_kl > 0 and stats["policy/approx_kl"] > cfg.target_kl:
+                stopped = True
+                break
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: off
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             assert_finite("gradient norm", grad_norm)
             optimizer.step()
             stats["policy/grad_norm"] = float(grad_norm)
-            epoch_stats.append(stats)
-        history.extend(epoch_stats)
-        epochs_run += 1
-        epoch_kl = sum(s["policy/approx_kl"] for s in epoch_stats) / len(epoch_stats)
-        if cfg.target_kl > 0 and epoch_kl > cfg.target_kl:
+            history.append(stats)
+        if stopped:
             break
     out = {key: sum(s[key] for s in history) / len(history) for key in history[0]}
-    out["policy/epochs_run"] = float(epochs_run)
+    out["policy/updates"] = float(len(history))
+    out["policy/early_stopped"] = float(stopped)
     return out
 
 

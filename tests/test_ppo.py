@@ -1,0 +1,260 @@
+"""PPO stage: on-policy invariants, the KL-as-loss term, the trust-region guard, resume, the CLI,
+the reward-model path, and bad input. (The KL-regularised optimum is in test_ppo_optimum.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tether.advantages import kl_shaped_rewards
+from tether.cli import main
+from tether.config import parse_config
+from tether.critic import ValueModel
+from tether.errors import TetherError
+from tether.models import RewardModel, load_tokenizer
+from tether.rollout import sample_responses
+from tether.tiny import save_tiny
+from tether.train.ppo import PPOConfig, run
+from tether.train.ppo_setup import ScoreNormalizer, build, prompt_batch, prompt_indices
+from tether.train.ppo_step import minibatch_loss, ppo_update, score_rollout
+
+PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
+
+REWARD_MODULE = '''
+def length_reward(prompts, responses):
+    return [len(r) / 10.0 for r in responses]
+
+def gold(prompts, responses):
+    return [float(r.count("good")) for r in responses]
+'''
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (root / "rewards.py").write_text(REWARD_MODULE)
+    return root
+
+
+def length_reward(prompts, responses):
+    return [len(r) / 10.0 for r in responses]
+
+
+def config(env, model_dir, name, **overrides) -> PPOConfig:
+    values = dict(run_name=name, output_dir=str(env / "runs"), policy=str(model_dir),
+                  prompts=str(env / "prompts.jsonl"), batch_size=8, total_episodes=16,
+                  max_new_tokens=6, lr=1e-3, device="cpu", save_every=0, sample_every=0)
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
+def fresh_rollout(setup, cfg):
+    _, ids, mask = prompt_batch(setup, cfg, 0)
+    return sample_responses(setup.policy, ids, mask, max_new_tokens=cfg.max_new_tokens,
+                            temperature=cfg.temperature, eos_token_ids=setup.eos_token_ids,
+                            pad_token_id=setup.tokenizer.pad_token_id,
+                            generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, tiny_model_dir, critic):
+    cfg = config(env, tiny_model_dir, f"fresh_{critic}", critic=critic, num_minibatches=2,
+                 temperature=0.7)
+    setup = build(cfg, reward_fn=length_reward)
+    # The reference is a frozen copy: no shared tensor, no gradient, dropout off.
+    policy_ptrs = {p.data_ptr() for p in setup.policy.parameters()}
+    assert not policy_ptrs & {p.data_ptr() for p in setup.reference.parameters()}
+    assert not any(p.requires_grad for p in setup.reference.parameters())
+    rollout = fresh_rollout(setup, cfg)
+    old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, cfg.temperature, 4)
+    # Before any update policy and reference are the same function: equal log-probs, KL 0.
+    assert old.logprobs.equal(old.ref_logprobs)
+    _, kl = kl_shaped_rewards(torch.zeros(8), old.logprobs, old.ref_logprobs,
+                              rollout.response_mask, 0.1)
+    assert kl.abs().max() == 0.0
+    advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
+    for rows in (slice(0, 4), slice(4, 8)):  # each first-epoch minibatch, before any step
+        _, stats = minibatch_loss(setup.policy, setup.critic, rollout.select(rows),
+                                  old.select(rows), advantages[rows], advantages[rows], cfg, 0.0)
+        assert stats["policy/ratio_mean"] == 1.0  # exactly, not approximately
+        assert stats["policy/approx_kl"] == 0.0
+        assert stats["policy/clip_frac"] == 0.0
+    ref_before = [p.clone() for p in setup.reference.parameters()]
+    ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old, advantages, advantages,
+               cfg, 0.0, torch.Generator().manual_seed(0))
+    assert all(a.equal(b) for a, b in zip(ref_before, setup.reference.parameters(), strict=True))
+    assert not all(a.equal(b) for a, b in zip(ref_before, setup.policy.parameters(), strict=True))
+
+
+def test_kl_as_loss_adds_beta_times_k3(env, tiny_model_dir):
+    cfg = config(env, tiny_model_dir, "kl_loss", kl_in="loss")
+    assert cfg.resolved_estimator == "k3"
+    setup = build(cfg, reward_fn=length_reward)
+    rollout = fresh_rollout(setup, cfg)
+    old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, cfg.temperature, 8)
+    # Pretend the reference gives every real token 0.3 nats less: d = log pi - log ref = 0.3 on
+    # every real token, so k3 = exp(-0.3) - 1 + 0.3 = 0.0408182 on each, and so is its mean.
+    old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
+    advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
+    args = (setup.policy, setup.critic, rollout, old, advantages, advantages, cfg)
+    loss_without, _ = minibatch_loss(*args, 0.0)
+    loss_with, stats = minibatch_loss(*args, 2.0)
+    assert stats["objective/kl_loss"] == pytest.approx(math.exp(-0.3) - 1 + 0.3, rel=1e-5)
+    assert (loss_with - loss_without).item() == pytest.approx(2.0 * 0.0408182, rel=1e-4)
+
+
+def test_trust_region_guard_stops_epochs(env, tiny_model_dir):
+    results = {}
+    for target in (0.0, 1e-12):
+        cfg = config(env, tiny_model_dir, f"guard_{target}", ppo_epochs=4, lr=1e-2,
+                     target_kl=target)
+        setup = build(cfg, reward_fn=length_reward)
+        rollout = fresh_rollout(setup, cfg)
+        old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, 8)
+        adv = torch.randn(rollout.response_mask.shape) * rollout.response_mask
+        stats = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old, adv, adv,
+                           cfg, 0.0, torch.Generator().manual_seed(0))
+        results[target] = (stats["policy/updates"], stats["policy/early_stopped"])
+    # One minibatch per epoch. Epoch 1 is on-policy (approx KL exactly 0), so its step is taken;
+    # at epoch 2 the KL to the rollout policy is positive, past 1e-12: no further step.
+    assert results == {0.0: (4.0, 0.0), 1e-12: (1.0, 1.0)}
+
+
+def test_resume_matches_uninterrupted_run(env, tiny_model_dir):
+    # Adaptive beta with a short horizon, running score normalisation and 2 minibatches: every
+    # piece of state must come back for the resumed run to be bit-identical.
+    common = dict(total_episodes=32, save_every=1, kl_ctl="adaptive", kl_target=0.01,
+                  kl_horizon=16, beta=0.1, score_norm="running", num_minibatches=2)
+    full = run(config(env, tiny_model_dir, "uninterrupted", **common), reward_fn=length_reward)
+
+    calls = {"n": 0}
+
+    def crashes_on_third_batch(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("reward server went away")
+        return length_reward(prompts, responses)
+
+    with pytest.raises(TetherError, match="reward server went away"):
+        run(config(env, tiny_model_dir, "resumed", **common), reward_fn=crashes_on_third_batch)
+    ckpts = sorted(p.name for p in (env / "runs" / "resumed" / "checkpoints").iterdir())
+    assert ckpts == ["step_1", "step_2"]  # nothing lost
+    resumed = run(config(env, tiny_model_dir, "resumed", resume=True, **common),
+                  reward_fn=length_reward)
+    a = load_file(str(full.output_path / "model.safetensors"))
+    b = load_file(str(resumed.output_path / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert resumed.metrics["objective/beta_final"] == full.metrics["objective/beta_final"]
+    assert full.metrics["objective/beta_final"] != 0.1  # the controller did move beta
+    lines = (env / "runs" / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_cli_end_to_end_with_eval_and_gold(env, tiny_model_dir, capsys):
+    code = main(["ppo", "--policy", str(tiny_model_dir), "--prompts", str(env / "prompts.jsonl"),
+                 "--eval-prompts", str(env / "prompts.jsonl"),
+                 "--reward-fn", f"{env / 'rewards.py'}:length_reward",
+                 "--gold-fn", f"{env / 'rewards.py'}:gold", "--run-name", "cli",
+                 "--output-dir", str(env / "runs"), "--total-episodes", "16", "--batch-size", "8",
+                 "--max-new-tokens", "5", "--device", "cpu", "--eval-every", "1",
+                 "--sample-every", "1", "--kl-ctl", "annealed", "--beta-end", "0.01",
+                 "--critic", "shared", "--stop-strings", ".", "--missing-eos-penalty", "0.5"])
+    assert code == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in (env / "runs" / "cli" / "metrics.jsonl").read_text()
+             .splitlines()]
+    for key in ("objective/score", "objective/kl", "objective/beta", "objective/rlhf_reward",
+                "policy/entropy", "rollout/response_len", "rollout/eos_rate", "policy/clip_frac",
+                "policy/approx_kl", "value/loss", "value/explained_var", "perf/tokens_per_s",
+                "eval/score", "eval/gold_score", "eval/kl"):
+        assert all(key in x for x in lines), key
+    # Annealed over 2 batches from 0.05: beta 0.05 for batch 1, then 0.03 (halfway to 0.01).
+    assert [x["objective/beta"] for x in lines] == pytest.approx([0.05, 0.03])
+    assert (env / "runs" / "cli" / "final" / "config.json").is_file()
+    assert any((env / "runs" / "cli" / "tb").iterdir())
+
+
+def test_reward_model_path_and_value_model_from_it(env, tiny_model_dir):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rm = RewardModel.from_causal_lm(str(tiny_model_dir), tokenizer)
+    rm.save_pretrained(env / "rm", tokenizer)
+    critic = ValueModel.from_reward_model(rm)
+    rm_ptrs = {p.data_ptr() for p in rm.parameters()}
+    assert not rm_ptrs & {p.data_ptr() for p in critic.parameters()}
+    ids = torch.tensor([tokenizer("the movie was good")["input_ids"]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        # The critic starts as the RM. Its value for the last token is read at the position before
+        # it (the state the token is chosen in), so it equals the RM's score of that prefix.
+        value = critic(ids, mask, 1)[0, -1].item()
+        assert value == pytest.approx(rm(ids[:, :-1], mask[:, :-1]).item(), abs=1e-5)
+    result = run(config(env, tiny_model_dir, "with_rm", reward_model=str(env / "rm")))
+    assert math.isfinite(result.metrics["objective/score"])
+
+
+def test_score_normalizer_running_uses_all_scores_so_far():
+    norm = ScoreNormalizer("running")
+    first, second = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 0.0])
+    norm(first)
+    out = norm(second)
+    everything = torch.tensor([1.0, 2.0, 3.0, 10.0, 0.0])  # mean 3.2, population std 3.487
+    expected = (second - everything.mean()) / everything.std(unbiased=False)
+    torch.testing.assert_close(out, expected)
+
+
+def test_prompt_order_is_a_seeded_shuffle_per_epoch():
+    # 5 prompts, batches of 3: batches 0..4 cover 15 slots = 3 epochs, each a permutation.
+    stream = [i for b in range(5) for i in prompt_indices(5, 3, seed=1, batch=b)]
+    for epoch in range(3):
+        assert sorted(stream[epoch * 5:(epoch + 1) * 5]) == list(range(5))
+    assert stream == [i for b in range(5) for i in prompt_indices(5, 3, seed=1, batch=b)]
+    assert prompt_indices(2, 5, seed=0, batch=0).count(0) >= 2  # a batch larger than the set
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("bad_fn, message", [
+    (lambda p, r: 1 / 0, "raised ZeroDivisionError"),
+    (lambda p, r: [float("nan")] * len(r), "non-finite score"),
+    (lambda p, r: [0.0] * (len(r) - 1), "returned 7 scores for 8 responses"),
+    (lambda p, r: ["good"] * len(r), "not a list of numbers"),
+])
+def test_bad_reward_function_is_one_clear_line(env, tiny_model_dir, bad_fn, message):
+    with pytest.raises(TetherError, match=message) as info:
+        run(config(env, tiny_model_dir, "bad_reward"), reward_fn=bad_fn)
+    assert "\n" not in str(info.value)
+    assert not (env / "runs" / "bad_reward" / "final").exists()
+
+
+def test_different_vocabularies_are_rejected(env, tiny_model_dir):
+    other = save_tiny(env / "other_vocab", ["completely different words here"] * 50,
+                      vocab_size=270)
+    with pytest.raises(TetherError, match="reference model's tokenizer has a different vocab"):
+        build(config(env, tiny_model_dir, "vocab_ref", ref_model=str(other)),
+              reward_fn=length_reward)
+    other_tok = load_tokenizer(str(other))
+    RewardModel.from_causal_lm(str(other), other_tok).save_pretrained(env / "other_rm", other_tok)
+    with pytest.raises(TetherError, match="reward model's tokenizer has a different vocab"):
+        build(config(env, tiny_model_dir, "vocab_rm", reward_model=str(env / "other_rm")))
+
+
+def test_config_errors(env, tiny_model_dir, capsys):
+    base = ["--policy", str(tiny_model_dir), "--prompts", str(env / "prompts.jsonl")]
+    with pytest.raises(TetherError, match="not both"):
+        parse_config(PPOConfig, base + ["--kl-in", "reward,loss"])
+    with pytest.raises(TetherError, match="k1 has no useful gradient"):
+        parse_config(PPOConfig, base + ["--kl-in", "loss", "--kl-estimator", "k1"])
+    with pytest.raises(TetherError, match="must divide"):
+        parse_config(PPOConfig, base + ["--batch-size", "8", "--num-minibatches", "3"])
+    with pytest.raises(TetherError, match="exactly one reward"):
+        build(config(env, tiny_model_dir, "two_rewards", reward_fn="rewards:length"),
+              reward_fn=length_reward)
+    capsys.readouterr()
+    code = main(["ppo", *base, "--kl-in", "both", "--run-name", "both"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error:") and "not both" in err and "\n" not in err
+    assert not (env / "runs" / "both").exists()
