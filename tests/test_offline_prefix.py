@@ -1,5 +1,6 @@
 """The prompt-shared pass gives the same log-probs and gradients as the concatenated pass."""
 
+import pytest
 import torch
 from offline_fixtures import preference_rows
 
@@ -9,14 +10,17 @@ from tether.train.dpo import pair_logprobs
 from tether.train.prefix import can_share, collate_shared
 
 
-def test_shared_prompt_matches_concatenated(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_matches_concatenated(tiny_model_dir, attention):
     tok = load_tokenizer(str(tiny_model_dir))
     model = disable_dropout(load_causal_lm(str(tiny_model_dir), tok))
+    model.set_attn_implementation(attention)
+    assert model.config._attn_implementation == attention
     rows = preference_rows(6, seed=4)
     rows[1]["chosen"] = " it"  # ragged lengths on both sides of the pad
     rows[2]["prompt"] = "the movie was fine and the plot was long"
     examples, _ = encode_preferences(tok, rows, max_length=64)
-    assert can_share(examples)
+    assert can_share(model, examples)
     results = []
     for batch in (collate_pairs(examples, tok.pad_token_id), collate_shared(examples, tok.pad_token_id)):
         model.zero_grad()
@@ -30,4 +34,4 @@ def test_shared_prompt_matches_concatenated(tiny_model_dir):
     torch.testing.assert_close(concat[4], shared[4], atol=1e-5, rtol=1e-3)
     # lengths are the response tokens incl. EOS, e.g. " it" + EOS = 2 tokens
     assert shared[2][1].item() == len(tok(" it", add_special_tokens=False)["input_ids"]) + 1
-    assert not can_share([examples[0].__class__([], examples[0].responses)])
+    assert not can_share(model, [examples[0].__class__([], examples[0].responses)])

@@ -6,9 +6,9 @@ With per-sequence summed log-probs and h = (log pi(y_c) - log ref(y_c)) - (log p
     ipo (Azar et al. 2023, eq. 17):               L = (h - 1 / (2 beta))^2 on per-token averages
 
 The formulas live in `tether.losses.dpo_loss`; this file is the loop. Chosen and rejected go
-through the policy together: by default the prompt runs once and both responses continue from
-its KV cache in one [2B, R] pass (`tether.train.prefix`); with `--no-share-prompt`, one
-concatenated [2B, P+R] pass (`collate_pairs`). With
+through the policy in one forward pass: by default one row per pair, [prompt | chosen | rejected]
+with an attention mask that keeps the two responses apart (`tether.train.prefix`); with
+`--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training.
 """
@@ -67,7 +67,7 @@ class DPOConfig(TrainConfig):
     precompute_ref_logprobs: bool = False
     """Score the reference once before training and drop it (one model in memory, no ref forward per step)."""
     share_prompt: bool = True
-    """Run each prompt once and continue chosen and rejected from its KV cache (same log-probs, fewer tokens)."""
+    """One row per pair, [prompt | chosen | rejected], masked so the responses never see each other (same log-probs, fewer tokens)."""
 
     def validate(self) -> None:
         super().validate()
@@ -78,16 +78,16 @@ class DPOConfig(TrainConfig):
             raise TetherError("config field 'label_smoothing' applies to loss=sigmoid only; set it to 0 for ipo")
 
 
-def collate(examples, pad_id: int, share_prompt: bool) -> dict[str, torch.Tensor]:
+def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch.Tensor]:
     """A prompt-shared batch when asked and possible, else the concatenated [2B, T] batch."""
-    if share_prompt and can_share(examples):
+    if share_prompt and can_share(model, examples):
         return collate_shared(examples, pad_id)
     return collate_pairs(examples, pad_id)
 
 
 def pair_logprobs(model, batch) -> tuple[torch.Tensor, ...]:
     """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each."""
-    if "prompt_ids" in batch:
+    if "segment" in batch:
         return shared_pair_logprobs(model, batch)
     logprobs, mask = response_logprobs(model, batch)  # [2B, T-1]: chosen rows, then rejected rows
     summed, lengths = (logprobs * mask).sum(-1), mask.sum(-1)  # [2B]
@@ -102,7 +102,7 @@ def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, de
     ref_model.eval()
     out = []
     for start in range(0, len(examples), cfg.batch_size):
-        batch = to_device(collate(examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
+        batch = to_device(collate(ref_model, examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
         with autocast(cfg.mixed_precision, device):
             chosen, rejected, _, _ = pair_logprobs(ref_model, batch)
         out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())
@@ -161,7 +161,8 @@ def run(cfg: DPOConfig) -> RunResult:
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
-        batch = to_device(collate([examples[i] for i in indices], tokenizer.pad_token_id, cfg.share_prompt), device)
+        pairs = [examples[i] for i in indices]
+        batch = to_device(collate(policy, pairs, tokenizer.pad_token_id, cfg.share_prompt), device)
         with autocast(cfg.mixed_precision, device):
             policy_chosen, policy_rejected, chosen_len, rejected_len = pair_logprobs(policy, batch)  # [B] each
             if ref_table is not None:

@@ -1,75 +1,96 @@
-"""Preference pairs with a shared prompt: run the prompt once, continue chosen and rejected from
-its KV cache.
+"""Preference pairs with a shared prompt: prompt, chosen and rejected in one row.
 
 A pair's two sequences share their prompt, so the plain concatenated batch (`collate_pairs`,
-[2B, P+R]) runs every prompt token through the model twice. Here the prompts go through once
-([B, P], left-padded so every cache ends at the same column), the cache is repeated for the two
-responses, and both responses go through together ([2B, R]); gradients flow back through the
-cache into the prompt pass. The log-probs equal the concatenated pass (up to float rounding);
-the saving is the prompt's share of the tokens plus less padding. Prefix sharing for DPO is
-described by Wang et al. 2024, "Accelerating Direct Preference Optimization with Prefix Sharing".
+[2B, P+R]) runs every prompt token through the model twice and pads 2B rows. Here each pair is
+one row `[prompt | chosen | rejected]` ([B, P+C+R]) with a custom attention mask: prompt tokens
+see earlier prompt tokens, chosen tokens see the prompt and earlier chosen tokens, rejected tokens
+see the prompt and earlier rejected tokens (never the chosen ones), and the rejected positions
+restart where the prompt ends. Every response token thus has exactly the context it has in its
+own sequence, so log-probs and gradients equal the concatenated pass (up to float rounding),
+with fewer token slots: the prompt once, and padding to one sum of lengths per pair instead of
+two. Prefix sharing for DPO: Wang et al. 2024, "Accelerating Direct Preference Optimization with
+Prefix Sharing".
+
+Notation: B pairs, L row length, R longest response, V vocabulary.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 
 from tether.data import Encoded
 from tether.logprobs import token_logprobs
 
+PAD, PROMPT, CHOSEN, REJECTED = -1, 0, 1, 2
+# Attention back-ends that take a custom [B, 1, L, L] mask as given.
+MASKABLE = ("sdpa", "eager")
+
+
+def can_share(model, examples: list[Encoded]) -> bool:
+    """The model takes a custom 4D mask, and every prompt has a token (its last logit predicts
+    the first token of both responses)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl in MASKABLE and all(len(e.prompt) > 0 for e in examples)
+
 
 def collate_shared(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    """Prompts `[B, P]` (left-padded) and responses `[2B, R]` (right-padded; row 2i is pair i's
-    chosen response, row 2i+1 its rejected one)."""
+    """One row per pair, with what `shared_pair_logprobs` needs to mask and gather.
+
+    Returns `input_ids`, `position_ids`, `segment` ([B, L]; segment is PAD/PROMPT/CHOSEN/REJECTED),
+    and `predict_index`, `targets`, `response_mask` ([B, 2, R]): response token t of side j
+    (0 chosen, 1 rejected) is `targets[:, j, t]`, predicted by the logits at `predict_index`.
+    """
     n = len(examples)
-    p_len = max(len(e.prompt) for e in examples)
+    row_len = max(len(e.prompt) + len(e.responses[0]) + len(e.responses[1]) for e in examples)
     r_len = max(len(r) for e in examples for r in e.responses)
-    prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, p_len), dtype=torch.long)
-    response_ids = torch.full((2 * n, r_len), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((2 * n, r_len), dtype=torch.long)
+    input_ids = torch.full((n, row_len), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((n, row_len), dtype=torch.long)
+    segment = torch.full((n, row_len), PAD, dtype=torch.long)
+    predict_index = torch.zeros((n, 2, r_len), dtype=torch.long)
+    targets = torch.full((n, 2, r_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, 2, r_len), dtype=torch.long)
     for i, ex in enumerate(examples):
-        if ex.prompt:
-            prompt_ids[i, p_len - len(ex.prompt):] = torch.tensor(ex.prompt)
-            prompt_mask[i, p_len - len(ex.prompt):] = 1
+        p, (c, r) = len(ex.prompt), (len(ex.responses[0]), len(ex.responses[1]))
+        input_ids[i, : p + c + r] = torch.tensor(ex.prompt + ex.responses[0] + ex.responses[1])
+        position_ids[i, : p + c] = torch.arange(p + c)
+        position_ids[i, p + c: p + c + r] = torch.arange(p, p + r)  # rejected restarts after the prompt
+        segment[i, :p], segment[i, p: p + c], segment[i, p + c: p + c + r] = PROMPT, CHOSEN, REJECTED
+        # chosen token t sits at p + t and is predicted at p + t - 1 (t = 0: the prompt's last token)
+        predict_index[i, 0, :c] = torch.arange(p - 1, p - 1 + c)
+        # rejected token t sits at p + c + t; t = 0 is predicted by the prompt's last token too
+        predict_index[i, 1, :r] = torch.cat([torch.tensor([p - 1]), torch.arange(p + c, p + c + r - 1)])
         for j, response in enumerate(ex.responses):
-            response_ids[2 * i + j, : len(response)] = torch.tensor(response)
-            response_mask[2 * i + j, : len(response)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-            "response_ids": response_ids, "response_mask": response_mask}
+            targets[i, j, : len(response)] = torch.tensor(response)
+            response_mask[i, j, : len(response)] = 1
+    return {"input_ids": input_ids, "position_ids": position_ids, "segment": segment,
+            "predict_index": predict_index, "targets": targets, "response_mask": response_mask}
 
 
-def can_share(examples: list[Encoded]) -> bool:
-    """Every prompt needs at least one token: its last logit predicts the response's first."""
-    return all(len(e.prompt) > 0 for e in examples)
-
-
-def _cache_kwarg(model) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache`; accept either spelling.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def shared_attention_mask(segment: torch.Tensor) -> torch.Tensor:
+    """`[B, 1, L, L]` boolean mask (True: query may attend to key) from `segment` `[B, L]`."""
+    length = segment.shape[1]
+    index = torch.arange(length, device=segment.device)
+    causal = index[:, None] >= index[None, :]  # [L, L]
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]  # [B, L, 1], [B, 1, L]
+    allowed = causal & (seg_k != PAD) & ((seg_k == PROMPT) | (seg_k == seg_q))
+    # A padding query sees only itself, so no row of the softmax is empty (NaN-free).
+    allowed |= torch.eye(length, dtype=torch.bool, device=segment.device) & (seg_q == PAD)
+    return allowed[:, None]
 
 
 def shared_pair_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Summed response log-probs and response lengths: (chosen, rejected, chosen_len, rejected_len),
     each `[B]`."""
-    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
-    key = _cache_kwarg(model)
-    out = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions,
-                use_cache=True)
-    cache = out["cache"] if "cache" in out else out["past_key_values"]
-    cache.batch_repeat_interleave(2)  # prompt i serves rows 2i (chosen) and 2i+1 (rejected)
-    prompt_mask2 = prompt_mask.repeat_interleave(2, dim=0)  # [2B, P]
-    r_len = response_mask.shape[1]
-    response_positions = prompt_mask2.sum(-1, keepdim=True) + torch.arange(r_len, device=prompt_mask.device)
-    cont = model(input_ids=batch["response_ids"], attention_mask=torch.cat([prompt_mask2, response_mask], 1),
-                 position_ids=response_positions, use_cache=False, **{key: cache})
-    # logits predicting response token t: the prompt's last position for t = 0, else response t-1
-    first = out.logits[:, -1:].repeat_interleave(2, dim=0)  # [2B, 1, V]
-    logits = torch.cat([first, cont.logits[:, :-1]], dim=1)  # [2B, R, V]
-    mask = response_mask.to(torch.float32)
-    summed = (token_logprobs(logits, batch["response_ids"]) * mask).sum(-1)  # [2B]
-    lengths = mask.sum(-1)
-    return summed[0::2], summed[1::2], lengths[0::2], lengths[1::2]
+    mask = shared_attention_mask(batch["segment"])
+    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask,
+                   position_ids=batch["position_ids"], use_cache=False).logits  # [B, L, V]
+    n, _, r_len = batch["predict_index"].shape
+    index = batch["predict_index"].reshape(n, 2 * r_len, 1).expand(-1, -1, logits.shape[-1])
+    predicting = logits.gather(1, index)  # [B, 2R, V]
+    response_mask = batch["response_mask"].to(torch.float32)  # [B, 2, R]
+    logprobs = token_logprobs(predicting, batch["targets"].reshape(n, 2 * r_len)).reshape(n, 2, r_len)
+    summed, lengths = (logprobs * response_mask).sum(-1), response_mask.sum(-1)  # [B, 2]
+    return summed[:, 0], summed[:, 1], lengths[:, 0], lengths[:, 1]
