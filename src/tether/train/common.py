@@ -19,7 +19,6 @@ from torch import nn
 
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig, require_positive
-from tether.errors import TetherError
 from tether.logprobs import token_logprobs
 from tether.rundir import RunDir
 
@@ -174,8 +173,3 @@ def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
     """Checkpoint every `save_every` steps (not at the last step: the final model follows)."""
     if cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps:
         save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state)
-
-
-def check_not_empty(n: int, what: str) -> None:
-    if n == 0:
-        raise TetherError(f"no {what} left to train on; check the data file")
