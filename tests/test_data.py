@@ -2,6 +2,7 @@ import json
 
 import datasets
 import pytest
+from offline_fixtures import single_torch_thread  # noqa: F401 (autouse)
 
 from tether.data import (
     batch_order,
