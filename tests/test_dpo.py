@@ -87,3 +87,13 @@ def test_python_api_returns_path_and_metrics(tiny_model_dir, tmp_path):
     assert result.output_path == tmp_path / "api" / "final"
     # cDPO at h = 0: -(0.8) log(1/2) - 0.2 log(1/2) = ln 2 again
     assert result.metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_separate_reference_model(tiny_model_dir, tmp_path):
+    # policy and reference loaded separately from the same weights: step 1 is still exactly ln 2
+    data = write_jsonl(tmp_path / "p.jsonl", preference_rows(8))
+    for precompute in (False, True):
+        cfg = DPOConfig(run_name=f"ref{precompute}", output_dir=str(tmp_path), model=str(tiny_model_dir),
+                        ref_model=str(tiny_model_dir), data=str(data), max_steps=1, batch_size=8,
+                        device="cpu", precompute_ref_logprobs=precompute)
+        assert run(cfg).metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-5)

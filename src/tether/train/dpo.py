@@ -114,7 +114,7 @@ def _reference(cfg: DPOConfig, policy, tokenizer, examples, device):
     """(frozen reference model, None) or (None, precomputed [N, 2] log-probs)."""
     if cfg.ref_model:
         ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
-        ref = frozen_copy(disable_dropout(ref)).to(device)
+        disable_dropout(ref).to(device).eval().requires_grad_(False)  # fresh load: no copy needed
     else:
         ref = policy if cfg.precompute_ref_logprobs else frozen_copy(policy)
     if not cfg.precompute_ref_logprobs:
