@@ -111,10 +111,12 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 advantages = whiten(advantages, mask)
 
             # 4. PPO epochs over minibatches.
+            update_started = time.perf_counter()
             update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
                                 advantages, returns, cfg,
                                 kl_loss_beta=beta if cfg.kl_in == "loss" else 0.0,
                                 generator=shuffle_gen)
+            update_s = time.perf_counter() - update_started
             lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
             setup.scheduler.step()
 
@@ -135,6 +137,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 "value/explained_var": explained_variance(old.values, returns, mask),
                 "perf/tokens_per_s": n_tokens / elapsed,
                 "perf/episodes_per_s": len(rollout) / elapsed,
+                "perf/rollout_s": elapsed - update_s,
+                "perf/update_s": update_s,
                 "optim/lr": lr,
                 **update,
             }
