@@ -5,8 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tether.tiny import save_tiny
+
+# The suite's models are tiny: with 2 intra-op threads the thread hand-offs cost more than the
+# maths (the offline-stage tests took 98 s with 2 threads and 10 s with 1 on an idle machine).
+torch.set_num_threads(1)
 
 WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene "
          "film story music ending long short loved hated it and but very quite").split()
