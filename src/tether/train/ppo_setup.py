@@ -67,6 +67,20 @@ def _reward_from_function(fn: Callable, what: str) -> Reward:
     return lambda prompts, responses, rollout: call_reward_function(fn, prompts, responses, what)
 
 
+def fuse_gelu(model: nn.Module) -> nn.Module:
+    """Swap transformers' Python `NewGELUActivation` (GPT-2's tanh GELU, five elementwise kernels
+    and as many saved tensors) for `nn.GELU(approximate="tanh")`, the same function in one fused
+    kernel (outputs agree to float rounding, ~2e-7). About 3x faster for the activation, forward
+    and backward, which is a sizeable share of a small model's step."""
+    from transformers.activations import NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(module, name, nn.GELU(approximate="tanh"))
+    return model
+
+
 def _frozen(model: nn.Module, device) -> nn.Module:
     disable_dropout(model)
     model.eval().requires_grad_(False)
@@ -100,7 +114,7 @@ def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk):
         rm = RewardModel.from_pretrained(cfg.reward_model, dtype=cfg.dtype,
                                          trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reward model": (rm.tokenizer, rm.backbone)})
-        rm = _frozen(rm, device)
+        rm = _frozen(fuse_gelu(rm), device)
         return _reward_from_model(rm, chunk), rm
     fn = reward_fn if reward_fn is not None else load_reward_function(cfg.reward_fn)
     return _reward_from_function(fn, "reward function"), None
@@ -139,6 +153,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     policy = load_causal_lm(cfg.policy, tokenizer, cfg.dtype, cfg.trust_remote_code)
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
     disable_dropout(policy)
+    fuse_gelu(policy)
     policy.eval().to(device)
     if cfg.ref_model:
         ref_tokenizer = load_tokenizer(cfg.ref_model, trust_remote_code=cfg.trust_remote_code)
@@ -147,7 +162,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         check_same_vocabulary(tokenizer, {"reference model": (None, reference)})
     else:
         reference = frozen_copy(policy)
-    reference = _frozen(reference, device)
+    reference = _frozen(fuse_gelu(reference), device)
     chunk = cfg.batch_size // cfg.num_minibatches
     reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, chunk)
     if gold_fn is None and cfg.gold_fn:
