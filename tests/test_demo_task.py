@@ -18,6 +18,7 @@ def test_every_generated_sentence_is_well_formed():
     "i loved the music.",
     "this plot seemed very dull but i enjoyed the cast.",
     "the ending was not good.",
+    "the film was fine and i hated the plot but i loved this music.",  # three clauses
     "  the film is quite fine.  ",  # surrounding white space is not the model's fault
 ])
 def test_grammar_accepts(text):
@@ -31,6 +32,8 @@ def test_grammar_accepts(text):
     "great great great",
     "i loved the",
     "the movie was great and and i loved it.",
+    # four clauses: a run-on, the other way a policy strings praise together
+    "the film was fine and i loved the plot and i liked the cast and i enjoyed the music.",
     "",
 ])
 def test_grammar_rejects(text):

@@ -1,7 +1,7 @@
 """The demo's built-in task: short movie reviews from a small grammar, and a gold reward.
 
-The language: one or two clauses joined by "and"/"but", each either "the plot was very dull" or
-"i loved the music", ended by a full stop. The SFT model learns it from a corpus generated here.
+The language: one to three clauses joined by "and"/"but", each either "the plot was very dull"
+or "i loved the music", ended by a full stop. The SFT model learns it from a corpus generated here.
 
 The gold reward is what a person would endorse and no proxy sees directly:
 
@@ -42,7 +42,8 @@ _DESCRIBE = (f"{_alternation(DETERMINERS)} {_alternation(NOUNS)} {_alternation(V
              f"(?: {_alternation(ADVERBS)})?(?: not)? {_alternation(ADJECTIVES)}")
 _FEEL = f"i {_alternation(FEELINGS)} {_alternation(DETERMINERS)} {_alternation(NOUNS)}"
 _CLAUSE = f"(?:{_DESCRIBE}|{_FEEL})"
-SENTENCE = re.compile(f"{_CLAUSE}(?: {_alternation(CONJUNCTIONS)} {_CLAUSE})?\\.")
+MAX_CLAUSES = 3  # a review that strings more clauses together is a run-on, not a review
+SENTENCE = re.compile(f"{_CLAUSE}(?: {_alternation(CONJUNCTIONS)} {_CLAUSE}){{0,{MAX_CLAUSES - 1}}}\\.")
 
 
 def is_well_formed(text: str) -> bool:
@@ -64,7 +65,8 @@ def _clause(rng: random.Random) -> list[str]:
 def sentence(rng: random.Random) -> str:
     """One random sentence of the grammar."""
     words = _clause(rng)
-    if rng.random() < 0.35:
+    n_clauses = 1 + (rng.random() < 0.4) + (rng.random() < 0.15)  # 1, 2 or 3
+    for _ in range(n_clauses - 1):
         words += [rng.choice(CONJUNCTIONS)] + _clause(rng)
     return " ".join(words) + "."
 
