@@ -74,6 +74,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         start = state["batch"]
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
+    if cfg.resume:  # lines logged after the checkpoint will be logged again
         rundir.truncate_metrics(after_step=start)
     metrics: dict[str, float] = {}
     bar = progress(cfg.n_batches, "ppo", initial=start)
@@ -144,7 +145,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             }
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(evaluate(setup, cfg))
-            if step % cfg.log_every == 0 or step == cfg.n_batches:
+            if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
                 rundir.log(step, metrics)
             if cfg.sample_every and step % cfg.sample_every == 0:
                 rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
