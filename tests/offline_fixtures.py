@@ -6,9 +6,6 @@ import json
 import random
 from pathlib import Path
 
-import pytest
-import torch
-
 WORDS = "the movie was fine dull fun plot actor scene film story music ending long short it and".split()
 
 
@@ -41,13 +38,3 @@ def preference_rows(n: int = 64, seed: int = 0) -> list[dict]:
         body = _phrase(rng)
         rows.append({"prompt": _phrase(rng), "chosen": f" {body} great.", "rejected": f" {body} awful."})
     return rows
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread():
-    """Run tiny models on one intra-op thread: on small shared CPUs, two threads made these tests
-    ~10x slower (thread hand-off costs more than the work). Restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

@@ -2,7 +2,6 @@ import json
 
 import datasets
 import pytest
-from offline_fixtures import single_torch_thread  # noqa: F401 (autouse)
 
 from tether.data import (
     batch_order,

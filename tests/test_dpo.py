@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from offline_fixtures import preference_rows, single_torch_thread, write_jsonl  # noqa: F401 (autouse)
+from offline_fixtures import preference_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from tether.cli import main

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from offline_fixtures import single_torch_thread  # noqa: F401 (autouse)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.errors import TetherError

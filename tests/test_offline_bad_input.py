@@ -4,7 +4,7 @@ import hashlib
 import re
 
 import pytest
-from offline_fixtures import preference_rows, sft_rows, single_torch_thread, write_jsonl  # noqa: F401 (autouse)
+from offline_fixtures import preference_rows, sft_rows, write_jsonl
 
 from tether.cli import main
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from offline_fixtures import preference_rows, single_torch_thread  # noqa: F401 (autouse)
+from offline_fixtures import preference_rows
 
 from tether.data import collate_pairs, encode_preferences
 from tether.models import disable_dropout, load_causal_lm, load_tokenizer

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from offline_fixtures import preference_rows, sft_rows, single_torch_thread, write_jsonl  # noqa: F401 (autouse)
+from offline_fixtures import preference_rows, sft_rows, write_jsonl
 from safetensors.torch import load_file
 
 from tether.train import dpo, sft

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from offline_fixtures import preference_rows, sft_rows, single_torch_thread, write_jsonl  # noqa: F401 (autouse)
+from offline_fixtures import preference_rows, sft_rows, write_jsonl
 
 from tether.cli import main
 from tether.data import collate_sft, encode_sft

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from offline_fixtures import sft_rows, single_torch_thread, write_jsonl  # noqa: F401 (autouse)
+from offline_fixtures import sft_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from tether.cli import main
