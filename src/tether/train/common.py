@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from torch import nn
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig, require_positive
 from tether.logprobs import token_logprobs
-from tether.rundir import RunDir
+from tether.rundir import RunDir, RunResult
 
 
 @dataclass(kw_only=True)
@@ -173,3 +174,9 @@ def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
     """Checkpoint every `save_every` steps (not at the last step: the final model follows)."""
     if cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps:
         save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state)
+
+
+def print_result(result: RunResult) -> None:
+    """One stderr line for the CLI: where the final model is, then the final metrics."""
+    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
+          file=sys.stderr)

@@ -15,7 +15,6 @@ only one model is in memory while training.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +41,7 @@ from tether.train.common import (
     make_optimizer,
     maybe_checkpoint,
     optimizer_step,
+    print_result,
     response_logprobs,
     resume_or_start,
     seed_everything,
@@ -193,7 +193,5 @@ def run(cfg: DPOConfig) -> RunResult:
 
 def cli(argv: list[str]) -> int:
     cfg = parse_config(DPOConfig, argv, prog="tether dpo")
-    result = run(cfg)
-    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
-          file=sys.stderr)
+    print_result(run(cfg))
     return 0

@@ -11,7 +11,6 @@ samples score mean 0, std 1; the constants are stored with the model and applied
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from tether.train.common import (
     make_optimizer,
     maybe_checkpoint,
     optimizer_step,
+    print_result,
     resume_or_start,
     seed_everything,
     to_device,
@@ -178,7 +178,5 @@ def run(cfg: RMConfig) -> RunResult:
 
 def cli(argv: list[str]) -> int:
     cfg = parse_config(RMConfig, argv, prog="tether rm")
-    result = run(cfg)
-    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
-          file=sys.stderr)
+    print_result(run(cfg))
     return 0

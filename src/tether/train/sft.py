@@ -9,7 +9,6 @@ to stop.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from tether.config import parse_config
@@ -24,6 +23,7 @@ from tether.train.common import (
     make_optimizer,
     maybe_checkpoint,
     optimizer_step,
+    print_result,
     response_logprobs,
     resume_or_start,
     seed_everything,
@@ -90,7 +90,5 @@ def run(cfg: SFTConfig) -> RunResult:
 
 def cli(argv: list[str]) -> int:
     cfg = parse_config(SFTConfig, argv, prog="tether sft")
-    result = run(cfg)
-    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
-          file=sys.stderr)
+    print_result(run(cfg))
     return 0
