@@ -79,17 +79,24 @@ def _resize_for(model: nn.Module, tokenizer) -> None:
             out.weight[old:] = out.weight[:old].mean(0, keepdim=True)
 
 
-def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
-    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set."""
+def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dtype: str,
+                        trust_remote_code: bool) -> nn.Module:
+    """`auto_class.from_pretrained`, resized to the tokenizer, with `pad_token_id` set; a load
+    failure becomes one TetherError line naming `what` could not be loaded."""
     _check_exists(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
+        model = auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise TetherError(f"cannot load a causal LM from {name_or_path}: {str(exc).splitlines()[0]}") from None
+        raise TetherError(f"cannot load {what} from {name_or_path}: {str(exc).splitlines()[0]}") from None
     _resize_for(model, tokenizer)
     _set_pad(model, tokenizer)
     return model
+
+
+def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set."""
+    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", name_or_path, tokenizer, dtype,
+                               trust_remote_code)
 
 
 def _set_pad(model: nn.Module, tokenizer) -> None:
@@ -188,14 +195,8 @@ class RewardModel(nn.Module):
                        trust_remote_code: bool = False) -> RewardModel:
         """A fresh reward model on the trunk of a causal LM (e.g. the SFT model); the head starts
         near zero so the first scores are near zero."""
-        _check_exists(name_or_path)
-        try:
-            backbone = AutoModel.from_pretrained(
-                name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as exc:
-            raise TetherError(f"cannot load a model trunk from {name_or_path}: {str(exc).splitlines()[0]}") from None
-        _resize_for(backbone, tokenizer)
-        _set_pad(backbone, tokenizer)
+        backbone = _load_for_tokenizer(AutoModel, "a model trunk", name_or_path, tokenizer, dtype,
+                                       trust_remote_code)
         model = cls(backbone, tokenizer)
         hidden = model.head.in_features
         nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
