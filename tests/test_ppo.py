@@ -165,15 +165,23 @@ def test_cli_end_to_end_with_eval_and_gold(env, tiny_model_dir, capsys):
                  "--sample-every", "1", "--kl-ctl", "annealed", "--beta-end", "0.01",
                  "--critic", "shared", "--stop-strings", ".", "--missing-eos-penalty", "0.5"])
     assert code == 0, capsys.readouterr().err
-    lines = [json.loads(x) for x in (env / "runs" / "cli" / "metrics.jsonl").read_text()
-             .splitlines()]
+    run_dir = env / "runs" / "cli"
+    evals, *lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Step 0 is the evaluation of the untouched policy, where every curve starts: KL exactly 0.
+    assert evals["step"] == 0 and evals["eval/kl"] == 0.0 and "eval/gold_score" in evals
+    assert [x["step"] for x in lines] == [1, 2]
     for key in ("objective/score", "objective/kl", "objective/beta", "objective/rlhf_reward",
                 "policy/entropy", "rollout/response_len", "rollout/eos_rate", "policy/clip_frac",
                 "policy/approx_kl", "value/loss", "value/explained_var", "perf/tokens_per_s",
-                "eval/score", "eval/gold_score", "eval/kl"):
+                "eval/score", "eval/gold_score", "eval/kl", "eval/distinct_2"):
         assert all(key in x for x in lines), key
     # Annealed over 2 batches from 0.05: beta 0.05 for batch 1, then 0.03 (halfway to 0.01).
-    assert [x["objective/beta"] for x in lines] == pytest.approx([0.05, 0.03])
+    assert [x["objective/beta"] for x in [evals, *lines]] == pytest.approx([0.05, 0.05, 0.03])
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    n_prompts = len((env / "prompts.jsonl").read_text().splitlines())
+    assert [x["step"] for x in samples] == [0, 1, 2]
+    assert all(len(x["samples"]) == n_prompts for x in samples)
+    assert {"prompt", "response", "score", "gold_score"} <= set(samples[0]["samples"][0])
     assert (env / "runs" / "cli" / "final" / "config.json").is_file()
     assert any((env / "runs" / "cli" / "tb").iterdir())
 

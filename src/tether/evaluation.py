@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tether.logprobs import entropy, token_logprobs
-from tether.rollout import Rollout, decode_responses, response_logits, sample_responses
+from tether.rollout import Rollout, decode_responses, left_pad, response_logits, sample_responses
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
@@ -26,17 +26,6 @@ def distinct_n(texts: list[str], n: int) -> float:
     grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
              for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] ids and mask with each sequence right-aligned (left padding)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()

@@ -51,6 +51,17 @@ class Rollout:
                        response_mask=self.response_mask[index], ended=self.ended[index])
 
 
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and mask with each sequence right-aligned (left padding)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions 0, 1, 2, ... over the real tokens of each row; pads get 0 (they are masked).
 

@@ -5,6 +5,7 @@ Layout::
 
     runs/<name>/config.yaml       the resolved config (YAML file + flags + defaults)
     runs/<name>/metrics.jsonl     one JSON object per logged step: {"step": N, "<metric>": value}
+    runs/<name>/samples.jsonl     evaluation samples: {"step": N, "samples": [{prompt, response, ...}]}
     runs/<name>/tb/               TensorBoard events
     runs/<name>/checkpoints/      step_<N>/ (see tether.checkpoint)
     runs/<name>/final/            the trained model, Hugging Face format
@@ -44,6 +45,7 @@ class RunDir:
         self.checkpoint_dir = self.path / "checkpoints"
         self.final_dir = self.path / "final"
         self.metrics_path = self.path / "metrics.jsonl"
+        self.samples_path = self.path / "samples.jsonl"
         has_results = any((self.path / name).exists() for name in RESULT_NAMES)
         if has_results and not resume:
             raise TetherError(f"run directory {self.path} already has results; "
@@ -62,12 +64,13 @@ class RunDir:
         return path
 
     def truncate_metrics(self, after_step: int) -> None:
-        """Drop metric lines logged after `after_step` (they will be logged again on resume)."""
-        if not self.metrics_path.exists():
-            return
-        keep = [line for line in self.metrics_path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= after_step]
-        atomic_write_bytes(self.metrics_path, "".join(line + "\n" for line in keep).encode("utf-8"))
+        """Drop metric and sample lines logged after `after_step` (logged again on resume)."""
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= after_step]
+            atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _tb(self):
         if self._writer is None:
@@ -84,6 +87,11 @@ class RunDir:
         writer = self._tb()
         for key, value in clean.items():
             writer.add_scalar(key, value, step)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Append `{"step": step, "samples": samples}` to samples.jsonl (generations to read later)."""
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": int(step), "samples": samples}) + "\n")
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """TensorBoard text (e.g. a markdown table of samples)."""

@@ -56,6 +56,13 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
     return rollout, responses, raw_scores
 
 
+def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
+    """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics."""
+    metrics, samples = evaluate(setup, cfg)
+    rundir.log_samples(step, samples)
+    return metrics
+
+
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
 
@@ -76,6 +83,9 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         normalizer.load_state_dict(state["score_norm"])
     if cfg.resume:  # lines logged after the checkpoint will be logged again
         rundir.truncate_metrics(after_step=start)
+    if cfg.eval_prompts and cfg.eval_every and start == 0:
+        # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
+        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
     metrics: dict[str, float] = {}
     bar = progress(cfg.n_batches, "ppo", initial=start)
     try:
@@ -144,7 +154,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 **update,
             }
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
-                metrics.update(evaluate(setup, cfg))
+                metrics.update(log_evaluation(rundir, setup, cfg, step))
             if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
                 rundir.log(step, metrics)
             if cfg.sample_every and step % cfg.sample_every == 0:
@@ -162,7 +172,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     finally:
         bar.close()
     if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
-        final_eval = evaluate(setup, cfg)
+        final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
         rundir.log(cfg.n_batches, final_eval)
         metrics.update(final_eval)
     save_model(setup.policy, setup.tokenizer, rundir.final_dir)

@@ -17,7 +17,7 @@ from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
 from tether.data import format_prompt, load_rows
 from tether.errors import TetherError
-from tether.logprobs import token_logprobs
+from tether.evaluation import evaluate_policy
 from tether.models import (
     RewardModel,
     disable_dropout,
@@ -27,7 +27,7 @@ from tether.models import (
     resolve_device,
 )
 from tether.reward_fn import call_reward_function, check_same_vocabulary, load_reward_function
-from tether.rollout import Rollout, decode_responses, response_logits, sample_responses
+from tether.rollout import Rollout, left_pad
 from tether.train.ppo_config import PPOConfig
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -200,17 +200,6 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
 
 
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] ids and mask with each sequence right-aligned (left padding)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> list[int]:
     """Rows of batch `batch`: a stream of seeded per-epoch shuffles, cut into batches.
 
@@ -267,40 +256,17 @@ class ScoreNormalizer:
         self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]
 
 
-@torch.no_grad()
-def evaluate(setup: Setup, cfg: PPOConfig) -> dict[str, float]:
-    """Held-out prompts: proxy score, gold score (if any), k1 KL to the reference, length.
+def evaluate(setup: Setup, cfg: PPOConfig) -> tuple[dict[str, float], list[dict]]:
+    """The held-out evaluation (`tether.evaluation.evaluate_policy`) of the current policy.
 
-    Sampled with a fixed seed, so successive evaluations differ only through the policy; a proxy
-    score that rises while the gold score falls is reward over-optimisation (Gao et al. 2022).
+    Sampled with the same seed each time, so successive evaluations differ only through the
+    policy; returns (metrics, samples).
     """
-    gen = torch.Generator(setup.device).manual_seed(cfg.seed + 7_919)
-    scores, gold, kls, lengths = [], [], [], []
-    pad = setup.tokenizer.pad_token_id
-    for start in range(0, len(setup.eval_prompts), cfg.batch_size):
-        prompts = setup.eval_prompts[start:start + cfg.batch_size]
-        ids, mask = left_pad(setup.eval_prompt_ids[start:start + cfg.batch_size], pad,
-                             setup.device)
-        rollout = sample_responses(setup.policy, ids, mask, max_new_tokens=cfg.max_new_tokens,
-                                   temperature=cfg.temperature,
-                                   eos_token_ids=setup.eos_token_ids, pad_token_id=pad,
-                                   generator=gen)
-        responses = decode_responses(setup.tokenizer, rollout)
-        scores.append(setup.reward(prompts, responses, rollout).cpu())
-        if setup.gold is not None:
-            gold.append(setup.gold(prompts, responses, rollout).cpu())
-        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length)
-        logprobs = token_logprobs(response_logits(setup.policy, *args)[0], rollout.responses,
-                                  cfg.temperature)
-        ref_logprobs = token_logprobs(response_logits(setup.reference, *args)[0],
-                                      rollout.responses, cfg.temperature)
-        kls.append(((logprobs - ref_logprobs) * rollout.response_mask).sum(1).cpu())
-        lengths.append(rollout.response_mask.sum(1).float().cpu())
-    out = {"eval/score": torch.cat(scores).mean().item(), "eval/kl": torch.cat(kls).mean().item(),
-           "eval/response_len": torch.cat(lengths).mean().item()}
-    if gold:
-        out["eval/gold_score"] = torch.cat(gold).mean().item()
-    return out
+    return evaluate_policy(setup.policy, setup.reference, setup.tokenizer, setup.eval_prompts,
+                           setup.eval_prompt_ids, setup.reward, setup.gold,
+                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                           eos_token_ids=setup.eos_token_ids, batch_size=cfg.batch_size,
+                           seed=cfg.seed + 7_919)
 
 
 def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,
