@@ -56,6 +56,26 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written `tmp` directory to `out`: fsync its files, rename, fsync the parent.
+
+    An old `out` is moved aside first and deleted only once the new one is in place, so a crash
+    leaves either the old directory or the new one, never a half-written one.
+    """
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """Save tensors as safetensors, atomically."""
     atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
@@ -130,14 +150,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
         (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
         payload = {"step": step, "state": state, "rng": rng_meta}
         (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
         final = root / f"{STEP_PREFIX}{step}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        replace_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:

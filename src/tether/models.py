@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from tether.checkpoint import replace_dir
 from tether.errors import TetherError
 
 PAD_TOKEN = "<|pad|>"
@@ -131,25 +131,6 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     ref.eval()
     ref.requires_grad_(False)
     return ref
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a fully written `tmp` directory to `out`, replacing any old `out` only at the end."""
-    _fsync_tree(tmp)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _temp_dir_beside(out: Path) -> Path:
