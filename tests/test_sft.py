@@ -84,4 +84,7 @@ def test_sft_python_api_with_chat_messages(tiny_model_dir, tmp_path):
     result = run(cfg)
     assert result.output_path == tmp_path / "runs" / "chat" / "final"
     assert result.metrics["data/rows"] == 8 and result.metrics["train/loss"] > 0
-    assert AutoModelForCausalLM.from_pretrained(result.output_path) is not None
+    # The output loads with plain transformers, and its embeddings fit the tokenizer saved with it
+    # (the added pad token included); `from_pretrained` would raise, never return None.
+    final = AutoModelForCausalLM.from_pretrained(result.output_path)
+    assert final.get_input_embeddings().weight.shape[0] == len(load_tokenizer(str(result.output_path)))
