@@ -45,6 +45,10 @@ def test_verdicts_say_plainly_when_a_run_does_not_show_it():
                          [0.8, 0.8, 0.8])
     found = verdicts([honest, drifting], kl_target=2.0)
     assert [v.holds for v in found] == [False, False]
+    # Gold that only falls from the first evaluation never peaked: no rise, no peak-then-fall.
+    falling = ppo_curve("ppo-no-kl", 2, [0.0, 1.0, 2.0], [0.3, 0.0, -0.5], [0, 5, 9],
+                        [0.8, 0.4, 0.2])
+    assert not verdicts([falling], kl_target=2.0)[0].holds
 
 
 def test_report_files_and_console_summary(tmp_path):

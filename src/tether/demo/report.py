@@ -8,7 +8,6 @@ same numbers. The verdicts are computed from the measurements and stated plainly
 from __future__ import annotations
 
 import html
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,16 +46,13 @@ class Verdict:
     evidence: str
 
 
-def _mean(xs: list[float]) -> float:
-    return statistics.fmean(xs) if xs else float("nan")
-
-
 def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
     """Check the thesis on each seed, from the measurements alone.
 
     1. Without the KL penalty the proxy keeps rising (its final value is within 10% of the run's
-       range of its maximum) while the gold reward peaks and then falls (final gold at least 0.1
-       below the peak) and diversity collapses (final distinct-2 below half its start).
+       range of its maximum) while the gold reward peaks and then falls (it rises above its start,
+       then ends at least 0.1 below that peak) and diversity collapses (final distinct-2 below
+       half its start).
     2. With the adaptive controller the KL ends within 50% of its target, and the final gold
        reward beats the unpenalised run's final gold reward.
     """
@@ -69,7 +65,9 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
             proxy, gold, dist = free.series("eval/score"), free.series("eval/gold_score"), free.series(
                 "eval/distinct_2")
             proxy_rising = proxy[-1] >= max(proxy) - 0.1 * (max(proxy) - min(proxy))
-            gold_fell = max(gold) - gold[-1] >= 0.1
+            peak = gold.index(max(gold))
+            # A peak needs a rise before the fall: gold that only falls from the start is not it.
+            gold_fell = peak > 0 and max(gold) > gold[0] and max(gold) - gold[-1] >= 0.1
             collapsed = dist[-1] < 0.5 * dist[0]
             out.append(Verdict(
                 "no KL penalty: proxy keeps rising, gold peaks then falls, diversity collapses",

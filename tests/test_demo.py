@@ -1,0 +1,45 @@
+"""`tether demo --quick` end to end through the CLI: every stage, the report, and no overwrite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_demo_report import check_rendered
+
+from tether.cli import main
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end(tmp_path, capsys):
+    code = main(["demo", "--quick", "--output-dir", str(tmp_path), "--ppo-batches", "12"])
+    assert code == 0, capsys.readouterr().err
+    root = tmp_path / "demo"
+    out = capsys.readouterr().out
+    assert "report written to" in out and "ppo-no-kl" in out
+    for run in ("sft", "rm", "ppo-no-kl-seed0", "ppo-fixed-seed0", "ppo-adaptive-seed0", "dpo",
+                "ipo"):
+        assert (root / run / "final" / "config.json").is_file(), run
+    # Each PPO run evaluated at step 0 (the SFT policy, KL exactly 0) and kept its samples.
+    lines = [json.loads(x) for x in (root / "ppo-fixed-seed0" / "metrics.jsonl").read_text()
+             .splitlines()]
+    evals = [x for x in lines if "eval/gold_score" in x]
+    assert evals[0]["step"] == 0 and evals[0]["eval/kl"] == 0.0 and evals[-1]["step"] == 12
+    samples = (root / "ppo-fixed-seed0" / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == len(evals)
+    # The three runs differ only in the leash: beta stays 0 and 0.1, the adaptive one moves
+    # (its KL is below target early on, so beta falls from its start of 0.2).
+    def betas(run):
+        return [json.loads(x)["objective/beta"] for x in (root / run / "metrics.jsonl")
+                .read_text().splitlines()]
+    assert set(betas("ppo-no-kl-seed0")) == {0.0}
+    assert set(betas("ppo-fixed-seed0")) == {0.1}
+    adaptive = betas("ppo-adaptive-seed0")
+    assert adaptive[0] == 0.2 and adaptive[-1] < 0.2
+    check_rendered(root / "report.html")
+
+    # A second run must not write over the first one's results.
+    before = (root / "report.html").read_bytes()
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 2
+    assert "already holds a demo" in capsys.readouterr().err
+    assert (root / "report.html").read_bytes() == before
