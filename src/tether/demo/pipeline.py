@@ -179,6 +179,16 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     return Curve(name, cfg.seed, [0], {k: [v] for k, v in metrics.items()}, {0: samples})
 
 
+def _announcer(started: float, total: int):
+    """Print `[k/total] what (elapsed)` lines, so a non-terminal log shows progress too."""
+    count = [0]
+
+    def say(what: str) -> None:
+        count[0] += 1
+        print(f"[{count[0]}/{total}] {what} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return say
+
+
 def run(cfg: DemoConfig) -> Path:
     """Run the demo end to end; returns the report's path."""
     cfg = cfg.scaled()
@@ -190,12 +200,20 @@ def run(cfg: DemoConfig) -> Path:
     if cfg.device == "cpu":
         # Tiny models: intra-op threads cost more in hand-offs than they save (~10x slower here).
         torch.set_num_threads(1)
+    # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    say = _announcer(started, 3 + cfg.seeds * len(PPO_VARIANTS))
+    say("data, tokenizer and an untrained tiny GPT-2")
     paths = prepare_data(root, cfg)
+    say("SFT, then the reward model from noisy preference pairs")
     policy, reward_model = train_sft_and_rm(root, cfg, paths)
     curves = []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
         for name in PPO_VARIANTS:
+            say(f"{name}, seed {seed}")
             curves.append(run_ppo(root, cfg, paths, policy, reward_model, name, seed))
+    say("DPO and IPO on the same pairs")
     curves += offline_curves(root, cfg, paths, policy, reward_model)
     minutes = (time.perf_counter() - started) / 60
     settings = {"quick": str(cfg.quick), "seeds": str(cfg.seeds),
