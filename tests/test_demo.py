@@ -43,3 +43,13 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 2
     assert "already holds a demo" in capsys.readouterr().err
     assert (root / "report.html").read_bytes() == before
+
+
+@pytest.mark.parametrize("args, field", [(["--seeds", "0"], "seeds"),
+                                         (["--kl-target", "-1"], "kl_target"),
+                                         (["--run-name", "a/b"], "run_name")])
+def test_demo_rejects_bad_settings_before_writing(tmp_path, capsys, args, field):
+    assert main(["demo", "--output-dir", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and field in err and "\n" not in err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tether.config import require_positive
 from tether.demo import task
 from tether.demo.report import Curve, write_report
 from tether.errors import TetherError
@@ -53,6 +54,14 @@ class DemoConfig:
     """Adaptive controller's horizon, in episodes (Ziegler et al. used 10000 over far longer runs)."""
     device: str = "cpu"
     """Device for every stage."""
+
+    def validate(self) -> None:
+        require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
+                         "adaptive_start_beta")
+        require_positive(self, "fixed_beta", allow_zero=True)
+        if not self.run_name or "/" in self.run_name:
+            raise TetherError(f"config field 'run_name' must be a plain non-empty name, got "
+                              f"{self.run_name!r}")
 
     def scaled(self) -> DemoConfig:  # derived: the --quick variant
         if not self.quick:
