@@ -171,11 +171,13 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     """One evaluation point for an offline-trained policy, measured as PPO measures its own."""
     from tether.data import format_prompt, load_rows
     from tether.evaluation import evaluate_policy
-    from tether.models import RewardModel, frozen_copy, load_causal_lm, load_tokenizer
+    from tether.models import RewardModel, disable_dropout, load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    policy = frozen_copy(load_causal_lm(model_dir, tokenizer))
-    reference = frozen_copy(load_causal_lm(ref_dir, tokenizer))
+    def frozen(path: str):  # loaded fresh, so no copy is needed to keep it apart
+        return disable_dropout(load_causal_lm(path, tokenizer)).eval().requires_grad_(False)
+
+    policy, reference = frozen(model_dir), frozen(ref_dir)
     reward_model = RewardModel.from_pretrained(reward_model).eval()
     prompts = [format_prompt(tokenizer, row) for row in load_rows(paths["eval_prompts"])]
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
