@@ -175,6 +175,11 @@ class EncodeStats:
     skipped_long_prompt: int = 0
     truncated: int = 0
 
+    def as_metrics(self) -> dict[str, float]:
+        """The counts under their metric names, as every stage logs them."""
+        return {"data/skipped_long_prompt": float(self.skipped_long_prompt),
+                "data/truncated": float(self.truncated)}
+
 
 def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     # A chat template already writes BOS and role markers; plain prompts get the tokenizer's

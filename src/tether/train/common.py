@@ -155,6 +155,18 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 # ----------------------------------------------------------------------------- run bookkeeping
 
+def start_training(run: RunDir, cfg: TrainConfig, model: nn.Module, n_rows: int):
+    """Optimizer, LR schedule and (with `cfg.resume`) the restored state of one offline stage.
+
+    Returns (total_steps, optimizer, scheduler, state); `state["step"]` is where the loop resumes.
+    """
+    total_steps = count_steps(n_rows, cfg)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
+    state = resume_or_start(run, cfg, {"model": model}, optimizer, scheduler)
+    return total_steps, optimizer, scheduler, state
+
+
 def resume_or_start(run: RunDir, cfg: RunConfig, models: dict[str, nn.Module], optimizer,
                     scheduler) -> dict[str, Any]:
     """Restore the latest checkpoint when `cfg.resume` (returns its state), else `{"step": 0}`.

@@ -36,15 +36,12 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
-    count_steps,
-    make_lr_schedule,
-    make_optimizer,
     maybe_checkpoint,
     optimizer_step,
     print_result,
     response_logprobs,
-    resume_or_start,
     seed_everything,
+    start_training,
     to_device,
 )
 from tether.train.prefix import can_share, collate_shared, shared_pair_logprobs
@@ -151,11 +148,9 @@ def run(cfg: DPOConfig) -> RunResult:
     policy = load_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code)
     disable_dropout(policy).to(device).train()  # DPO compares log-probs of fixed sequences
     reference, ref_table = _reference(cfg, policy, tokenizer, examples, device)
-    total_steps = count_steps(len(examples), cfg)
-    optimizer = make_optimizer(policy, cfg.lr, cfg.weight_decay)
-    scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
-    state = resume_or_start(run_dir, cfg, {"model": policy}, optimizer, scheduler)
-    data_stats = {"data/truncated": float(stats.truncated), "data/skipped_long_prompt": float(stats.skipped_long_prompt)}
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, policy,
+                                                              len(examples))
+    data_stats = stats.as_metrics()
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])

@@ -32,14 +32,11 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
-    count_steps,
-    make_lr_schedule,
-    make_optimizer,
     maybe_checkpoint,
     optimizer_step,
     print_result,
-    resume_or_start,
     seed_everything,
+    start_training,
     to_device,
 )
 
@@ -133,10 +130,8 @@ def run(cfg: RMConfig) -> RunResult:
     device = resolve_device(cfg.device)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code)
     disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
-    total_steps = count_steps(len(train), cfg)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
-    state = resume_or_start(run_dir, cfg, {"model": model}, optimizer, scheduler)
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
+                                                              len(train))
     pad_id = tokenizer.pad_token_id
 
     metrics: dict[str, float] = {}
@@ -165,7 +160,7 @@ def run(cfg: RMConfig) -> RunResult:
                          {"step": step})
     bar.close()
 
-    final = {"data/truncated": float(stats.truncated), "data/skipped_long_prompt": float(stats.skipped_long_prompt)}
+    final = stats.as_metrics()
     if held_out:
         final |= evaluate(model, held_out, pad_id, cfg.batch_size, device)
     if norm_examples:

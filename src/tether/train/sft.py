@@ -18,15 +18,12 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
-    count_steps,
-    make_lr_schedule,
-    make_optimizer,
     maybe_checkpoint,
     optimizer_step,
     print_result,
     response_logprobs,
-    resume_or_start,
     seed_everything,
+    start_training,
     to_device,
 )
 
@@ -59,12 +56,9 @@ def run(cfg: SFTConfig) -> RunResult:
     device = resolve_device(cfg.device)
     model = load_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code).to(device)
     model.train()
-    total_steps = count_steps(len(examples), cfg)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
-    state = resume_or_start(run_dir, cfg, {"model": model}, optimizer, scheduler)
-    data_stats = {"data/rows": len(examples), "data/skipped_long_prompt": stats.skipped_long_prompt,
-                  "data/truncated": stats.truncated}
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
+                                                              len(examples))
+    data_stats = {"data/rows": float(len(examples)), **stats.as_metrics()}
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"sft {cfg.run_name}", initial=state["step"])
