@@ -26,3 +26,12 @@ def sample_texts(n: int = 400, seed: int = 0) -> list[str]:
 def tiny_model_dir(tmp_path_factory):
     """Path to a saved tokenizer (BPE, ~300 tokens, no pad token) and 2-layer GPT-2 model."""
     return save_tiny(tmp_path_factory.mktemp("tiny_lm"), sample_texts(), vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Path to a saved Llama-style tokenizer (adds BOS, chat template, no pad token) and a 2-layer
+    Llama-style model (rotary positions, grouped-query attention, untied head)."""
+    from tether.tiny import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), sample_texts(), vocab_size=300)
