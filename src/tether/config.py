@@ -50,6 +50,24 @@ class RunConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the model weights are loaded in."""
 
+    # ---- memory and scale (docs/scaling.md)
+    lora_r: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA all roles share one frozen base (docs/scaling.md)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / r) * B A."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (offline stages only; RL keeps dropout off)."""
+    lora_target_modules: str = "all-linear"
+    """Comma-separated names of the linear layers that get adapters; all-linear: every linear layer of the trunk."""
+    merge_lora: bool = False
+    """Also write the adapter merged into its base as a plain Hugging Face model (<run>/merged/)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute)."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """Run forward passes under torch.autocast in bfloat16 (weights and optimizer stay in `dtype`; log-probs, KL and advantages in fp32)."""
+    chunked_lm_head: bool = True
+    """Compute log-probs, entropy and KL from hidden states through the LM head in chunks, never a [B, R, V] logits tensor (off: the plain path, for comparison)."""
+
     def validate(self) -> None:
         """Check values that the types alone cannot; raise TetherError naming the field."""
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
@@ -57,6 +75,12 @@ class RunConfig:
         for name in ("log_every",):
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
+        require_positive(self, "lora_alpha")
+        if self.lora_dropout >= 1:
+            raise TetherError(f"config field 'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_r and self.merge_lora:
+            raise TetherError("--merge-lora needs a LoRA run; pass --lora-r (e.g. 16) or drop --merge-lora")
         if self.save_every < 0:
             raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
         dev = self.device

@@ -54,8 +54,8 @@ class TrainConfig(RunConfig):
     """Learning-rate decay after warm-up: constant, linear to 0, or cosine to 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """Run forward passes under torch.autocast in bfloat16 (weights and optimizer stay in `dtype`)."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step: each forward/backward sees batch_size / grad_accum_steps rows (same update, less memory)."""
 
     def validate(self) -> None:
         super().validate()

@@ -94,6 +94,8 @@ class PPOConfig(RunConfig):
     """Passes over each rollout batch."""
     num_minibatches: int = 1
     """Minibatches per epoch; must divide --batch-size."""
+    micro_batch_size: int = 0
+    """Rows per forward/backward inside a minibatch, gradients accumulated (0: the whole minibatch; must divide it)."""
     lr: float = 1e-5
     """Peak learning rate (AdamW) for policy and critic."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
