@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save, save_model
+from safetensors.torch import load_file, load_model, save, save_model
 from torch import nn
 
 STEP_PREFIX = "step_"
@@ -116,6 +116,30 @@ def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Non
         torch.cuda.set_rng_state_all(cuda)
 
 
+def has_frozen_parameters(model: nn.Module) -> bool:
+    """True when some parameter takes no gradient (a LoRA base): such a model is checkpointed as
+    its trainable tensors only."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that take gradients, by name, on the CPU (each shared tensor once)."""
+    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()
+            if p.requires_grad}
+
+
+def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the trainable parameters of `model`; the names must match exactly."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if set(params) != set(tensors):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
+                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name])
+
+
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints as (step, path), oldest first; temp dirs are ignored."""
     root = Path(ckpt_root)
@@ -141,7 +165,10 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{STEP_PREFIX}{step}-", dir=root))
     try:
         for name, model in models.items():
-            save_model(model, str(tmp / f"{name}.safetensors"))  # handles tied weights
+            if has_frozen_parameters(model):  # LoRA: the frozen base is reloaded from its source
+                (tmp / f"{name}.safetensors").write_bytes(save(trainable_tensors(model)))
+            else:
+                save_model(model, str(tmp / f"{name}.safetensors"))  # handles tied weights
         if optimizer is not None:
             (tmp / "optimizer.pt").write_bytes(_torch_bytes(optimizer.state_dict()))
         if scheduler is not None:
@@ -170,14 +197,16 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         return None
     step, path = found[-1]
     for name, model in models.items():
-        load_model(model, str(path / f"{name}.safetensors"), strict=True)
+        if has_frozen_parameters(model):
+            load_trainable_tensors(model, load_file(str(path / f"{name}.safetensors")))
+        else:
+            load_model(model, str(path / f"{name}.safetensors"), strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
     if restore_rng:
-        from safetensors.torch import load_file
         set_rng_state(payload["rng"], load_file(str(path / "rng.safetensors")))
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])

@@ -10,6 +10,7 @@ import copy
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,15 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from tether.checkpoint import replace_dir
 from tether.errors import TetherError
+from tether.lora import (
+    TRAINED,
+    LoraSpec,
+    adapter_base,
+    add_adapter,
+    is_adapter,
+    load_adapter,
+    set_trainable,
+)
 
 PAD_TOKEN = "<|pad|>"
 REWARD_JSON = "tether_reward.json"
@@ -93,10 +103,67 @@ def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dty
     return model
 
 
+def _local(name_or_path: str) -> str:
+    """An existing local path made absolute (adapters record their base by this name), else the
+    name unchanged (a hub name)."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
+
+
 def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
-    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set."""
-    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", name_or_path, tokenizer, dtype,
-                               trust_remote_code)
+    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set.
+
+    A LoRA adapter directory (from a `--lora-r` run) gives its base with the adapter merged in: a
+    plain model, for stages that train every weight or only score.
+    """
+    if is_adapter(name_or_path):
+        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model",
+                                   adapter_base(name_or_path), tokenizer, dtype, trust_remote_code)
+        merged = load_adapter(base, _local(name_or_path), TRAINED).merge_and_unload()
+        return merged.requires_grad_(True)  # peft froze the base when it wrapped it
+    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", _local(name_or_path), tokenizer,
+                               dtype, trust_remote_code)
+
+
+@dataclass
+class TrainableLM:
+    """A causal LM ready to train: `model` is what the loop calls (a transformers model, with LoRA
+    layers injected when `peft` is set); `peft` is the PeftModel that owns the adapters (None for
+    full fine-tuning); `reference_adapter` is the adapter that reproduces the starting model
+    ("reference" when it was a LoRA adapter, None when the bare base is the start)."""
+
+    model: nn.Module
+    peft: nn.Module | None = None
+    reference_adapter: str | None = None
+    base: str = ""  # the base model's path or name, to tell whether another adapter shares it
+
+
+def load_trainable_lm(name_or_path: str, tokenizer, lora: LoraSpec | None, dtype: str = "float32",
+                      trust_remote_code: bool = False) -> TrainableLM:
+    """The model a stage trains: every weight (`lora` None), or a LoRA adapter on a frozen base.
+
+    Starting from a LoRA adapter directory, that adapter goes on training (its own r, alpha and
+    targets win over `lora`'s) and a frozen copy of it is kept as "reference", so the reference
+    is the starting model itself, not the bare base.
+    """
+    if lora is None:
+        return TrainableLM(load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code),
+                           base=_local(name_or_path))
+    if is_adapter(name_or_path):
+        base_name = adapter_base(name_or_path)
+        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model", base_name,
+                                   tokenizer, dtype, trust_remote_code)
+        peft = load_adapter(base, _local(name_or_path), TRAINED)
+        load_adapter(peft, _local(name_or_path), "reference")
+        reference = "reference"
+    else:
+        base_name = _local(name_or_path)
+        base = _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", base_name, tokenizer,
+                                   dtype, trust_remote_code)
+        peft = add_adapter(base, lora, TRAINED)
+        reference = None
+    set_trainable(peft, [TRAINED])
+    return TrainableLM(peft.get_base_model(), peft, reference, base=_local(base_name))
 
 
 def _set_pad(model: nn.Module, tokenizer) -> None:
@@ -139,17 +206,36 @@ def _temp_dir_beside(out: Path) -> Path:
 
 
 def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename)."""
+    """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename).
+
+    A PeftModel is saved as its trained adapter alone (PEFT format: `adapter_config.json`,
+    `adapter_model.safetensors`), loadable with peft's `PeftModel.from_pretrained(base, dir)`.
+    """
+    from peft import PeftModel
+
     out = Path(out_dir)
     tmp = _temp_dir_beside(out)
     try:
-        model.save_pretrained(tmp)
+        if isinstance(model, PeftModel):
+            # The embeddings are the base's: tether never trains them under LoRA.
+            model.save_pretrained(tmp, selected_adapters=[TRAINED], save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None) -> None:
+    """The end of a stage: the model (or the LoRA adapter) to `final_dir`; with `merged_dir`, also
+    the adapter merged into its base as a plain model loadable with AutoModelForCausalLM."""
+    save_model(lm.peft if lm.peft is not None else lm.model, tokenizer, final_dir)
+    if lm.peft is not None and merged_dir is not None:
+        merged = lm.peft.merge_and_unload(adapter_names=[TRAINED])  # last use: merges in place
+        save_model(merged, tokenizer, merged_dir)
 
 
 class RewardModel(nn.Module):
@@ -160,25 +246,35 @@ class RewardModel(nn.Module):
     reloaded.
     """
 
-    def __init__(self, backbone: nn.Module, tokenizer=None):
+    def __init__(self, backbone: nn.Module, tokenizer=None, lora: TrainableLM | None = None):
         super().__init__()
         self.backbone = backbone
         hidden = backbone.config.get_text_config().hidden_size
         self.head = nn.Linear(hidden, 1)
         self.tokenizer = tokenizer
         self.norm_mean, self.norm_std = 0.0, 1.0
-        dtype = next(backbone.parameters()).dtype
-        self.head.to(dtype)
+        # With LoRA the trunk lives inside a PeftModel over the causal LM (so the adapter's layer
+        # names match a policy's on the same base, which can then share it in PPO).
+        self.lora = lora
+        self.head.to(backbone.dtype)
 
     # ------------------------------------------------------------------ construction and I/O
     @classmethod
     def from_causal_lm(cls, name_or_path: str, tokenizer, dtype: str = "float32",
-                       trust_remote_code: bool = False) -> RewardModel:
+                       trust_remote_code: bool = False, lora: LoraSpec | None = None) -> RewardModel:
         """A fresh reward model on the trunk of a causal LM (e.g. the SFT model); the head starts
-        near zero so the first scores are near zero."""
-        backbone = _load_for_tokenizer(AutoModel, "a model trunk", name_or_path, tokenizer, dtype,
-                                       trust_remote_code)
-        model = cls(backbone, tokenizer)
+        near zero so the first scores are near zero. With `lora`, the trunk trains a LoRA adapter
+        (see `load_trainable_lm`)."""
+        if lora is not None:
+            lm = load_trainable_lm(name_or_path, tokenizer, lora, dtype, trust_remote_code)
+            model = cls(lm.model.base_model, tokenizer, lora=lm)
+        elif is_adapter(name_or_path):
+            merged = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
+            model = cls(merged.base_model, tokenizer)
+        else:
+            backbone = _load_for_tokenizer(AutoModel, "a model trunk", _local(name_or_path),
+                                           tokenizer, dtype, trust_remote_code)
+            model = cls(backbone, tokenizer)
         hidden = model.head.in_features
         nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(model.head.bias)
@@ -192,14 +288,29 @@ class RewardModel(nn.Module):
         meta_path = path / REWARD_JSON
         if not meta_path.is_file():
             raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one with `tether rm`")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        backbone = AutoModel.from_pretrained(path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
         tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
-        model = cls(backbone, tokenizer)
-        head = load_file(str(path / REWARD_HEAD))
-        model.head.load_state_dict({k: v.to(model.head.weight.dtype) for k, v in head.items()})
-        model.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
+        if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
+            base_name = adapter_base(path)
+            base = _load_for_tokenizer(AutoModelForCausalLM, "the reward adapter's base model",
+                                       base_name, tokenizer, dtype, trust_remote_code)
+            peft = load_adapter(base, _local(str(path)), TRAINED)
+            set_trainable(peft, [])
+            lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
+            model = cls(lm.model.base_model, tokenizer, lora=lm)
+        else:
+            backbone = AutoModel.from_pretrained(path, dtype=_dtype(dtype),
+                                                 trust_remote_code=trust_remote_code)
+            model = cls(backbone, tokenizer)
+        model.load_head(path)
         return model
+
+    def load_head(self, path: str | Path) -> None:
+        """Read the head and the normalisation constants written by `save_pretrained`."""
+        path = Path(path)
+        meta = json.loads((path / REWARD_JSON).read_text(encoding="utf-8"))
+        head = load_file(str(path / REWARD_HEAD))
+        self.head.load_state_dict({k: v.to(self.head.weight.dtype) for k, v in head.items()})
+        self.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
 
     def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
         """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
@@ -207,7 +318,11 @@ class RewardModel(nn.Module):
         out = Path(out_dir)
         tmp = _temp_dir_beside(out)
         try:
-            self.backbone.save_pretrained(tmp)
+            if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
+                self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
+                                               save_embedding_layers=False)
+            else:
+                self.backbone.save_pretrained(tmp)
             tok = tokenizer if tokenizer is not None else self.tokenizer
             if tok is not None:
                 tok.save_pretrained(tmp)
@@ -220,6 +335,16 @@ class RewardModel(nn.Module):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+    def save_merged(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """A LoRA reward model with its adapter merged into the trunk, saved as a plain tether
+        reward model (the adapter is merged in place: call this last)."""
+        if self.lora is None:
+            raise ValueError("save_merged needs a LoRA reward model")
+        merged = self.lora.peft.merge_and_unload(adapter_names=[TRAINED])
+        plain = RewardModel(merged.base_model, self.tokenizer)
+        plain.head, plain.norm_mean, plain.norm_std = self.head, self.norm_mean, self.norm_std
+        return plain.save_pretrained(out_dir, tokenizer)
 
     # ------------------------------------------------------------------ scoring
     def set_normalization(self, mean: float, std: float) -> None:

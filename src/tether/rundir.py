@@ -26,7 +26,7 @@ from tether.checkpoint import atomic_write_bytes
 from tether.config import config_to_dict
 from tether.errors import TetherError
 
-RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final")
+RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
 
 
 @dataclass
@@ -44,6 +44,7 @@ class RunDir:
         self.path = Path(output_dir) / run_name
         self.checkpoint_dir = self.path / "checkpoints"
         self.final_dir = self.path / "final"
+        self.merged_dir = self.path / "merged"  # a LoRA run's adapter merged into its base
         self.metrics_path = self.path / "metrics.jsonl"
         self.samples_path = self.path / "samples.jsonl"
         has_results = any((self.path / name).exists() for name in RESULT_NAMES)

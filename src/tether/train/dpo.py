@@ -23,14 +23,17 @@ import torch
 from tether.config import parse_config, require_positive
 from tether.data import batch_order, collate_pairs, encode_preferences, load_rows
 from tether.errors import TetherError
+from tether.lora import AdapterView, LoraSpec, check_targets
 from tether.losses import dpo_loss
 from tether.models import (
+    TrainableLM,
     disable_dropout,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
+    load_trainable_lm,
     resolve_device,
-    save_model,
+    save_trained_lm,
 )
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
@@ -71,6 +74,9 @@ class DPOConfig(TrainConfig):
         require_positive(self, "beta")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise TetherError(f"config field 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")
+        if self.lora_dropout > 0:
+            raise TetherError("--lora-dropout must be 0 for dpo: policy and reference log-probs "
+                              "are compared without dropout")
         if self.label_smoothing > 0 and self.loss == "ipo":
             raise TetherError("config field 'label_smoothing' applies to loss=sigmoid only; set it to 0 for ipo")
 
@@ -107,11 +113,15 @@ def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, de
     return torch.cat(out)
 
 
-def _reference(cfg: DPOConfig, policy, tokenizer, examples, device):
+def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, examples, device):
     """(frozen reference model, None) or (None, precomputed [N, 2] log-probs)."""
+    policy = lm.model
     if cfg.ref_model:
         ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
         disable_dropout(ref).to(device).eval().requires_grad_(False)  # fresh load: no copy needed
+    elif lm.peft is not None:
+        # LoRA: the shared base with the adapter off, or the starting adapter kept frozen.
+        ref = AdapterView(lm.peft, lm.reference_adapter)
     else:
         ref = policy if cfg.precompute_ref_logprobs else frozen_copy(policy)
     if not cfg.precompute_ref_logprobs:
@@ -140,14 +150,17 @@ def run(cfg: DPOConfig) -> RunResult:
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
     run_dir.save_config(cfg)
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    policy = load_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code)
+    lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+    policy = lm.model
     disable_dropout(policy).to(device).train()  # DPO compares log-probs of fixed sequences
-    reference, ref_table = _reference(cfg, policy, tokenizer, examples, device)
+    reference, ref_table = _reference(cfg, lm, tokenizer, examples, device)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, policy,
                                                               len(examples))
     data_stats = stats.as_metrics()
@@ -181,7 +194,7 @@ def run(cfg: DPOConfig) -> RunResult:
         maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": policy}, optimizer, scheduler,
                          {"step": step})
     bar.close()
-    save_model(policy, tokenizer, run_dir.final_dir)
+    save_trained_lm(lm, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None)
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | data_stats)
 

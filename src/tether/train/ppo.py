@@ -25,7 +25,7 @@ from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import parse_config
 from tether.errors import TetherError
-from tether.models import save_model
+from tether.models import save_trained_lm
 from tether.rollout import apply_stop_strings, decode_responses, sample_responses
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.ppo_config import PPOConfig
@@ -175,7 +175,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
         rundir.log(cfg.n_batches, final_eval)
         metrics.update(final_eval)
-    save_model(setup.policy, setup.tokenizer, rundir.final_dir)
+    save_trained_lm(setup.lm, setup.tokenizer, rundir.final_dir,
+                    rundir.merged_dir if cfg.merge_lora else None)
     rundir.close()
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)

@@ -157,6 +157,9 @@ class PPOConfig(RunConfig):
                          "eval_every", "sample_every", allow_zero=True)
         if self.kl_ctl == "adaptive":
             require_positive(self, "kl_target", "kl_max_error")
+        if self.lora_dropout > 0:
+            raise TetherError("--lora-dropout must be 0 for ppo: dropout stays off in RL, so the "
+                              "rollout and the update score the same tokens alike")
         if self.batch_size % self.num_minibatches:
             raise TetherError(f"--num-minibatches {self.num_minibatches} must divide --batch-size "
                               f"{self.batch_size}")

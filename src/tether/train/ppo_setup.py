@@ -18,16 +18,20 @@ from tether.critic import ValueHead, ValueModel
 from tether.data import format_prompt, load_rows
 from tether.errors import TetherError
 from tether.evaluation import evaluate_policy
+from tether.lora import AdapterView, LoraSpec, check_targets
 from tether.models import (
     RewardModel,
+    TrainableLM,
     disable_dropout,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
+    load_trainable_lm,
     resolve_device,
 )
 from tether.reward_fn import call_reward_function, check_same_vocabulary, load_reward_function
 from tether.rollout import Rollout, left_pad
+from tether.shared_base import lora_critic, shared_reward_model
 from tether.train.ppo_config import PPOConfig
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -41,6 +45,7 @@ class Setup:
     policy: nn.Module
     reference: nn.Module
     critic: nn.Module
+    lm: TrainableLM  # the policy and, with LoRA, the PeftModel that holds every role's adapter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: object
@@ -103,7 +108,7 @@ def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[
     return texts, ids
 
 
-def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk):
+def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk, lm: TrainableLM):
     given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
                                    ("--reward-fn", bool(cfg.reward_fn)),
                                    ("--reward-model", bool(cfg.reward_model))) if on]
@@ -111,8 +116,11 @@ def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk):
         raise TetherError("give exactly one reward: --reward-model, --reward-fn or a Python "
                           f"reward_fn (got {', '.join(given) if given else 'none'})")
     if cfg.reward_model:
-        rm = RewardModel.from_pretrained(cfg.reward_model, dtype=cfg.dtype,
-                                         trust_remote_code=cfg.trust_remote_code)
+        # A LoRA reward model on the policy's base joins it as one more adapter (no second base).
+        rm = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
+        if rm is None:
+            rm = RewardModel.from_pretrained(cfg.reward_model, dtype=cfg.dtype,
+                                             trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reward model": (rm.tokenizer, rm.backbone)})
         rm = _frozen(fuse_gelu(rm), device)
         return _reward_from_model(rm, chunk), rm
@@ -150,7 +158,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
-    policy = load_causal_lm(cfg.policy, tokenizer, cfg.dtype, cfg.trust_remote_code)
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.policy, lora, cfg.trust_remote_code)
+    lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+    policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
     disable_dropout(policy)
     fuse_gelu(policy)
@@ -160,11 +171,14 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
         reference = load_causal_lm(cfg.ref_model, ref_tokenizer, cfg.dtype, cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (None, reference)})
+    elif lm.peft is not None:
+        # LoRA: the same base with the adapter off, or the frozen starting adapter; no copy.
+        reference = AdapterView(lm.peft, lm.reference_adapter)
     else:
         reference = frozen_copy(policy)
     reference = _frozen(fuse_gelu(reference), device)
     chunk = cfg.batch_size // cfg.num_minibatches
-    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, chunk)
+    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, chunk, lm)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
     gold = _reward_from_function(gold_fn, "gold reward function") if gold_fn else None
@@ -172,6 +186,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     if cfg.critic == "shared":
         hidden = policy.config.get_text_config().hidden_size
         critic = ValueHead(hidden).to(device=device, dtype=next(policy.parameters()).dtype)
+    elif lm.peft is not None:
+        critic = lora_critic(lm, lora, reward_model, cfg.reward_model)
     elif reward_model is not None:
         critic = ValueModel.from_reward_model(reward_model).requires_grad_(True)
     else:
@@ -179,7 +195,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     disable_dropout(critic)
     critic.eval().to(device)
 
-    params = list(policy.parameters()) + list(critic.parameters())
+    params = [p for p in (*policy.parameters(), *critic.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
 
@@ -194,7 +210,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     if not eos:
         raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
     return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
-                 critic=critic, optimizer=optimizer, scheduler=scheduler,
+                 critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, gold=gold,
                  eos_token_ids=sorted(eos), prompts=prompts, prompt_ids=prompt_ids,
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)

@@ -83,7 +83,7 @@ def shared_pair_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     each `[B]`."""
     mask = shared_attention_mask(batch["segment"])
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
-        dtype = next(model.parameters()).dtype
+        dtype = model.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask,
                    position_ids=batch["position_ids"], use_cache=False).logits  # [B, L, V]

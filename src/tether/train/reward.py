@@ -26,6 +26,7 @@ from tether.data import (
     split_holdout,
 )
 from tether.errors import TetherError
+from tether.lora import LoraSpec, check_targets
 from tether.losses import bradley_terry_loss
 from tether.models import RewardModel, disable_dropout, load_tokenizer, resolve_device
 from tether.rundir import RunDir, RunResult, progress
@@ -63,6 +64,9 @@ class RMConfig(TrainConfig):
     def validate(self) -> None:
         super().validate()
         require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
+        if self.lora_dropout > 0:
+            raise TetherError("--lora-dropout must be 0 for a reward model: dropout stays off so a "
+                              "score does not depend on a dropout draw")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TetherError(f"config field 'eval_fraction' must be in [0, 1), got {self.eval_fraction}")
 
@@ -123,12 +127,14 @@ def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
     run_dir.save_config(cfg)
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code)
+    model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(train))
@@ -166,7 +172,9 @@ def run(cfg: RMConfig) -> RunResult:
     if norm_examples:
         final |= fit_normalization(model, norm_examples, pad_id, cfg.batch_size, device)
     run_dir.log(total_steps, final)
-    model.save_pretrained(run_dir.final_dir, tokenizer)
+    model.save_pretrained(run_dir.final_dir, tokenizer)  # with LoRA: the adapter and the head
+    if cfg.merge_lora:
+        model.save_merged(run_dir.merged_dir, tokenizer)
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | final)
 

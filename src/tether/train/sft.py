@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from tether.config import parse_config
 from tether.data import batch_order, collate_sft, encode_sft, load_rows
-from tether.models import load_causal_lm, load_tokenizer, resolve_device, save_model
+from tether.lora import LoraSpec, check_targets
+from tether.models import load_tokenizer, load_trainable_lm, resolve_device, save_trained_lm
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
@@ -49,12 +50,15 @@ def run(cfg: SFTConfig) -> RunResult:
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
     examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
     run_dir.save_config(cfg)
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    model = load_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code).to(device)
+    lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+    model = lm.model.to(device)  # with LoRA: the base with the adapter's layers injected
     model.train()
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(examples))
@@ -77,7 +81,7 @@ def run(cfg: SFTConfig) -> RunResult:
         maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": model}, optimizer, scheduler,
                          {"step": step})
     bar.close()
-    save_model(model, tokenizer, run_dir.final_dir)
+    save_trained_lm(lm, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None)
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | data_stats)
 
