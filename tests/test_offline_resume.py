@@ -31,10 +31,10 @@ def _losses(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_resume_matches_uninterrupted(stage, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage, lora", [("sft", 0), ("dpo", 0), ("sft", 4), ("dpo", 4)])
+def test_resume_matches_uninterrupted(stage, lora, tiny_model_dir, tmp_path, monkeypatch):
     if stage == "sft":  # SFT keeps GPT-2's dropout on, so the restored RNG state matters here
-        module, rows, extra = sft, sft_rows(24), {}
+        module, rows, extra = sft, sft_rows(24), {"lora_dropout": 0.1 if lora else 0.0}
         make = sft.SFTConfig
     else:
         module, rows, extra = dpo, preference_rows(24), {"precompute_ref_logprobs": True, "beta": 0.5}
@@ -42,7 +42,7 @@ def test_resume_matches_uninterrupted(stage, tiny_model_dir, tmp_path, monkeypat
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     common = dict(output_dir=str(tmp_path / "runs"), model=str(tiny_model_dir), data=str(data),
                   epochs=2, batch_size=5, lr=1e-3, warmup_steps=2, lr_schedule="cosine",
-                  save_every=3, log_every=1, seed=3, device="cpu", **extra)
+                  save_every=3, log_every=1, seed=3, device="cpu", lora_r=lora, **extra)
     whole = module.run(make(run_name="whole", **common))  # 2 epochs x 5 batches = 10 steps
 
     _stop_after(module, monkeypatch, 7)  # dies in step 8; the last checkpoint is step 6
@@ -51,8 +51,9 @@ def test_resume_matches_uninterrupted(stage, tiny_model_dir, tmp_path, monkeypat
     monkeypatch.undo()
     resumed = module.run(make(run_name="cut", resume=True, **common))
 
-    a = load_file(str(whole.output_path / "model.safetensors"))
-    b = load_file(str(resumed.output_path / "model.safetensors"))
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA: the adapter
+    a = load_file(str(whole.output_path / weights))
+    b = load_file(str(resumed.output_path / weights))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)

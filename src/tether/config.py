@@ -56,7 +56,7 @@ class RunConfig:
     lora_alpha: float = 16.0
     """LoRA scale numerator: the update is (alpha / r) * B A."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input (offline stages only; RL keeps dropout off)."""
+    """Dropout on the LoRA input (sft only: rm, dpo and ppo keep dropout off)."""
     lora_target_modules: str = "all-linear"
     """Comma-separated names of the linear layers that get adapters; all-linear: every linear layer of the trunk."""
     merge_lora: bool = False

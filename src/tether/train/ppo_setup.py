@@ -50,6 +50,7 @@ class Setup:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: object
     reward: Reward
+    reward_model: nn.Module | None  # the model behind `reward`, when it is one
     gold: Callable | None
     eos_token_ids: list[int]
     prompts: list[str]
@@ -211,7 +212,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
     return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
-                 kl_ctl=_kl_controller(cfg), reward=reward, gold=gold,
+                 kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=sorted(eos), prompts=prompts, prompt_ids=prompt_ids,
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
 
