@@ -28,15 +28,29 @@ HELP = {
 
 
 def usage() -> str:
-    lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]", "", "stages:"]
+    lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]",
+             "       tether --version", "", "stages:"]
     lines += [f"  {name:<6} {HELP[name]}" for name in STAGES]
     lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
               "Flags override values from --config; errors exit with code 2."]
     return "\n".join(lines)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("tether")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        print(f"tether {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if argv else 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -70,8 +71,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Check values that the types alone cannot; raise TetherError naming the field."""
-        if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
-            raise TetherError(f"config field 'run_name' must be a plain non-empty name, got {self.run_name!r}")
+        check_run_name(self.run_name)
         for name in ("log_every",):
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
@@ -83,9 +83,21 @@ class RunConfig:
             raise TetherError("--merge-lora needs a LoRA run; pass --lora-r (e.g. 16) or drop --merge-lora")
         if self.save_every < 0:
             raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
-        dev = self.device
-        if not (dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise TetherError(f"config field 'device' must be one of: auto, cpu, cuda, cuda:N, mps (got {dev!r})")
+        check_device(self.device)
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one plain directory name: never a path that could leave `output_dir`."""
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise TetherError(f"config field 'run_name' must be a plain non-empty name (no '/', not "
+                          f"'.' or '..'), got {name!r}")
+
+
+def check_device(device: str) -> None:
+    if not (device in ("auto", "cpu", "cuda", "mps")
+            or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise TetherError(f"config field 'device' must be one of: auto, cpu, cuda, cuda:N, mps "
+                          f"(got {device!r})")
 
 
 def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
@@ -150,14 +162,28 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             raise TetherError(f"config field '{name}' must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TetherError(f"config field '{name}' must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise TetherError(f"config field '{name}' must be a string, got {value!r}")
         return value
     return value
+
+
+def _float_spelling(text: str) -> float | str:
+    """A string that spells a finite float as people write it in YAML (`1e-4`, `3E5`, `+2.5`,
+    `1_000.0`), as that float; anything else unchanged, for the type error to name."""
+    try:
+        value = float(text.strip().replace("_", ""))
+    except ValueError:
+        return text
+    return value if math.isfinite(value) else text
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tether.config import require_positive
+from tether.config import check_device, check_run_name, require_positive
 from tether.demo import task
 from tether.demo.report import Curve, write_report
 from tether.errors import TetherError
@@ -59,9 +59,8 @@ class DemoConfig:
         require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
                          "adaptive_start_beta")
         require_positive(self, "fixed_beta", allow_zero=True)
-        if not self.run_name or "/" in self.run_name:
-            raise TetherError(f"config field 'run_name' must be a plain non-empty name, got "
-                              f"{self.run_name!r}")
+        check_run_name(self.run_name)
+        check_device(self.device)
 
     def scaled(self) -> DemoConfig:  # derived: the --quick variant
         if not self.quick:
