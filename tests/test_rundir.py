@@ -29,6 +29,8 @@ def test_layout_metrics_and_tensorboard(tmp_path):
 
 def test_refuses_to_overwrite_results(tmp_path):
     run = RunDir(tmp_path, "r1")
+    assert not run.path.exists()  # checked, not created: a start-up error leaves nothing
+    run.save_config(Cfg(run_name="r1"))
     run.log(1, {"x": 1.0})
     run.close()
     with pytest.raises(TetherError, match="already has results.*--resume"):

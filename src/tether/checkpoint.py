@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,10 @@ import torch
 from safetensors.torch import load_file, load_model, save, save_model
 from torch import nn
 
+from tether.errors import TetherError
+
 STEP_PREFIX = "step_"
+TEMP_PREFIX = ".tmp-"  # a checkpoint being written; one left behind was cut off by a kill
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,6 +120,31 @@ def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Non
         torch.cuda.set_rng_state_all(cuda)
 
 
+def check_finite_weights(model: nn.Module, what: str) -> None:
+    """Refuse to save weights holding NaN or inf: such a model is lost, and a checkpoint of it
+    would only be resumed into more NaN. Frozen weights are not checked (training never writes
+    them)."""
+    for name, param in model.named_parameters():
+        if (param.requires_grad or not has_frozen_parameters(model)) and not bool(
+                torch.isfinite(param.detach()).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+
+
+def remove_temp_dirs(directory: str | Path) -> list[Path]:
+    """Delete the temporary directories a killed run left in `directory` (a checkpoint cut off
+    mid-write, `.tmp-step_N-*`, or a final model, `.final.tmp-*`); returns what was removed."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = [p for p in root.iterdir()
+               if p.is_dir() and p.name.startswith(".") and TEMP_PREFIX in p.name]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 def has_frozen_parameters(model: nn.Module) -> bool:
     """True when some parameter takes no gradient (a LoRA base): such a model is checkpointed as
     its trainable tensors only."""
@@ -160,9 +189,11 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     Contents: `<name>.safetensors` per model, `optimizer.pt`, `scheduler.pt`, `rng.safetensors`,
     and `state.json` (the trainer's `state` plus the RNG metadata).
     """
+    for name, model in models.items():
+        check_finite_weights(model, f"the {name} at step {step}")
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{STEP_PREFIX}{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-", dir=root))
     try:
         for name, model in models.items():
             if has_frozen_parameters(model):  # LoRA: the frozen base is reloaded from its source
@@ -188,14 +219,32 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
 
 def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], optimizer,
                            scheduler, restore_rng: bool = True) -> dict[str, Any] | None:
-    """Restore the newest checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
+    """Restore the newest intact checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
+
+    A damaged checkpoint (truncated weights, a garbage optimizer file, a cut `state.json`: a disk
+    that filled up, a copy that broke off) is skipped with one line on stderr, and the one before
+    it is used; loading it overwrites whatever the damaged one had already restored.
 
     Returns the trainer `state` saved with it (with `step` added), or None when there is none.
     """
     found = list_checkpoints(ckpt_root)
     if not found:
         return None
-    step, path = found[-1]
+    for _, path in reversed(found):
+        try:
+            return _load_checkpoint(path, models, optimizer, scheduler, restore_rng)
+        except Exception as exc:  # noqa: BLE001 - any failure to read it means it is unusable
+            reason = (str(exc).splitlines() or [""])[0][:200]
+            print(f"warning: checkpoint {path} is damaged ({type(exc).__name__}: {reason}); "
+                  "falling back to the one before it", file=sys.stderr)
+    raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are damaged); "
+                      "delete the directory to start the run afresh")
+
+
+def _load_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, scheduler,
+                     restore_rng: bool) -> dict[str, Any]:
+    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    rng_tensors = load_file(str(path / "rng.safetensors"))
     for name, model in models.items():
         if has_frozen_parameters(model):
             load_trainable_tensors(model, load_file(str(path / f"{name}.safetensors")))
@@ -205,9 +254,8 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
     if restore_rng:
-        set_rng_state(payload["rng"], load_file(str(path / "rng.safetensors")))
+        set_rng_state(payload["rng"], rng_tensors)
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])
     return state

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tether.errors import TetherError
+from tether.errors import AlreadyFinished, TetherError
 
 STAGES = {
     "sft": "tether.train.sft",
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         raise
     try:
         return int(module.cli(rest) or 0)
+    except AlreadyFinished as exc:
+        print(str(exc), file=sys.stderr)
+        return 0
     except TetherError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,8 @@ class RunConfig:
     """Seed for Python, NumPy and torch (data order, initialisation, sampling)."""
     resume: bool = False
     """Continue from the last checkpoint in the run directory (model, optimizer, scheduler, RNG, data position)."""
+    resume_allow_changes: bool = False
+    """On --resume, accept changed logging, checkpoint or device settings (recorded in resumes.jsonl); other changes are refused."""
     log_every: int = 10
     """Optimizer steps between metric log lines (metrics.jsonl and TensorBoard)."""
     save_every: int = 100

@@ -14,3 +14,7 @@ class TetherError(Exception):
     def __init__(self, message: str):
         # One line is the contract with the CLI: fold any newline a caller let slip through.
         super().__init__(" ".join(str(message).split()))
+
+
+class AlreadyFinished(TetherError):
+    """`--resume` of a run that already finished: nothing to do (the CLI exits 0)."""

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from tether.checkpoint import replace_dir
+from tether.checkpoint import check_finite_weights, replace_dir
 from tether.errors import TetherError
 from tether.lora import (
     TRAINED,
@@ -213,6 +213,7 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     """
     from peft import PeftModel
 
+    check_finite_weights(model, "the model")
     out = Path(out_dir)
     tmp = _temp_dir_beside(out)
     try:
@@ -315,6 +316,7 @@ class RewardModel(nn.Module):
     def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
         """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
         tokenizer into `out_dir`, atomically."""
+        check_finite_weights(self, "the reward model")
         out = Path(out_dir)
         tmp = _temp_dir_beside(out)
         try:

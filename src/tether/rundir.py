@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from tether.checkpoint import atomic_write_bytes
+from tether.checkpoint import atomic_write_bytes, remove_temp_dirs
 from tether.config import config_to_dict
-from tether.errors import TetherError
+from tether.errors import AlreadyFinished, TetherError
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
 
@@ -37,40 +37,109 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# Config fields whose change on --resume does not change what is trained (with
+# --resume-allow-changes); any other difference makes the resumed run a different run.
+HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device")
+NOT_COMPARED = ("resume", "resume_allow_changes")
+
+
 class RunDir:
-    """Creates and writes one run directory; refuses to overwrite results unless resuming."""
+    """One run directory: checked when made (nothing is created yet), created by `save_config`.
+
+    Without `resume`, a directory that already holds results is refused. With `resume`, a
+    finished run (its final model exists) raises `AlreadyFinished`, and `save_config` checks the
+    config against the saved one instead of rewriting it.
+    """
 
     def __init__(self, output_dir: str | Path, run_name: str, resume: bool = False):
         self.path = Path(output_dir) / run_name
+        self.resume = resume
         self.checkpoint_dir = self.path / "checkpoints"
         self.final_dir = self.path / "final"
         self.merged_dir = self.path / "merged"  # a LoRA run's adapter merged into its base
         self.metrics_path = self.path / "metrics.jsonl"
         self.samples_path = self.path / "samples.jsonl"
+        self.config_path = self.path / "config.yaml"
         has_results = any((self.path / name).exists() for name in RESULT_NAMES)
         if has_results and not resume:
             raise TetherError(f"run directory {self.path} already has results; "
                               "pass --resume to continue it or choose another --run-name")
+        if resume and self.final_dir.exists():
+            raise AlreadyFinished(f"{self.path} already finished (final model in "
+                                  f"{self.final_dir}); nothing was run or rewritten")
+        self._writer = None
+
+    def save_config(self, cfg: Any) -> Path:
+        """Create the directory and write the resolved config as `config.yaml` (atomically).
+
+        On resume the saved config stays as it is (it describes the run): a field that changes
+        the result is an error listing the differences; a harmless one (logging, checkpoint
+        cadence, device) needs `--resume-allow-changes` and is recorded in `resumes.jsonl`.
+        """
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TetherError(f"cannot create run directory {self.path}: {exc.strerror}") from None
-        self._writer = None
+        for directory in (self.path, self.checkpoint_dir):
+            for leftover in remove_temp_dirs(directory):
+                print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
+        new = config_to_dict(cfg)
+        if self.resume and self.config_path.exists():
+            self._check_resumed_config(new, bool(new.get("resume_allow_changes")))
+            return self.config_path
+        atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
+        return self.config_path
 
-    def save_config(self, cfg: Any) -> Path:
-        """Write the resolved config as `config.yaml` (atomically)."""
-        path = self.path / "config.yaml"
-        text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-        atomic_write_bytes(path, text.encode("utf-8"))
-        return path
+    def _check_resumed_config(self, new: dict[str, Any], allow_harmless: bool) -> None:
+        try:
+            old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            raise TetherError(f"{self.config_path} cannot be read; the run cannot be resumed "
+                              "safely: start a new run") from None
+        changed = {k: (old.get(k), v) for k, v in new.items()
+                   if k not in NOT_COMPARED and k in old and old[k] != v}
+        changed |= {k: (None, v) for k, v in new.items() if k not in old and k not in NOT_COMPARED}
+        harmful = {k: d for k, d in changed.items() if k not in HARMLESS_ON_RESUME}
+        if harmful:
+            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(harmful.items()))
+            raise TetherError(f"--resume with a different config would mix two runs ({diff}); "
+                              f"resume with the settings in {self.config_path}, or start a new "
+                              "run under another --run-name")
+        if changed and not allow_harmless:
+            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise TetherError(f"--resume with changed settings ({diff}); pass "
+                              "--resume-allow-changes to accept them (they do not change what is "
+                              "trained)")
+        if changed:
+            record = {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
+            with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"changes": record}) + "\n")
+
+    def announce_resume(self, step: int | None) -> None:
+        """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
+        if not self.resume:
+            return
+        if step is not None:
+            print(f"resuming {self.path} from step {step}", file=sys.stderr)
+        elif self.metrics_path.exists() or self.checkpoint_dir.exists():
+            print(f"no checkpoint in {self.path} yet: restarting it from step 0", file=sys.stderr)
+        else:
+            print(f"nothing to resume in {self.path}: starting fresh", file=sys.stderr)
 
     def truncate_metrics(self, after_step: int) -> None:
-        """Drop metric and sample lines logged after `after_step` (logged again on resume)."""
+        """Drop metric and sample lines logged after `after_step` (logged again on resume), and a
+        line cut off by a kill mid-write."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
-            keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= after_step]
+            keep = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a partial line: the step it belonged to runs again
+                if record.get("step", 0) <= after_step:
+                    keep.append(line)
             atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _tb(self):
@@ -101,8 +170,13 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text(encoding="utf-8").splitlines()
-                if line.strip()]
+        records = []
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # empty, or cut off by a kill
+        return records
 
     def close(self) -> None:
         if self._writer is not None:

@@ -176,9 +176,9 @@ def resume_or_start(run: RunDir, cfg: RunConfig, models: dict[str, nn.Module], o
     state = None
     if cfg.resume:
         state = load_latest_checkpoint(run.checkpoint_dir, models, optimizer, scheduler)
-    state = state or {"step": 0}
-    run.truncate_metrics(after_step=state["step"])
-    return state
+    run.announce_resume(state["step"] if state else None)
+    run.truncate_metrics(after_step=state["step"] if state else -1)
+    return state or {"step": 0}
 
 
 def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,

@@ -152,8 +152,7 @@ def run(cfg: DPOConfig) -> RunResult:
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
-    run_dir.save_config(cfg)
+    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
@@ -161,6 +160,7 @@ def run(cfg: DPOConfig) -> RunResult:
     policy = lm.model
     disable_dropout(policy).to(device).train()  # DPO compares log-probs of fixed sequences
     reference, ref_table = _reference(cfg, lm, tokenizer, examples, device)
+    run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, policy,
                                                               len(examples))
     data_stats = stats.as_metrics()

@@ -69,8 +69,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
     of --reward-fn / --gold-fn (give a reward one way only).
     """
-    rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)
-    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)
+    rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
+    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
     rundir.save_config(cfg)
     models = {"policy": setup.policy, "critic": setup.critic}
     normalizer = ScoreNormalizer(cfg.score_norm)
@@ -82,7 +82,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
     if cfg.resume:  # lines logged after the checkpoint will be logged again
-        rundir.truncate_metrics(after_step=start)
+        rundir.announce_resume(start if state is not None else None)
+        rundir.truncate_metrics(after_step=start if state is not None else -1)
     if cfg.eval_prompts and cfg.eval_every and start == 0:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
         rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})

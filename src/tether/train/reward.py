@@ -129,13 +129,13 @@ def run(cfg: RMConfig) -> RunResult:
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
-    run_dir.save_config(cfg)
+    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
+    run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(train))
     pad_id = tokenizer.pad_token_id

@@ -52,14 +52,14 @@ def run(cfg: SFTConfig) -> RunResult:
     examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)
-    run_dir.save_config(cfg)
+    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
 
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     model = lm.model.to(device)  # with LoRA: the base with the adapter's layers injected
     model.train()
+    run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(examples))
     data_stats = {"data/rows": float(len(examples)), **stats.as_metrics()}
