@@ -43,9 +43,13 @@ def test_refuses_to_overwrite_results(tmp_path):
     again.close()
 
 
-def test_progress_bar_silent_off_terminal(capsys):
-    bar = progress(total=3, desc="t")  # pytest captures stderr, so it is not a TTY
-    bar.update(2)
+def test_progress_off_terminal_prints_plain_lines(capsys):
+    bar = progress(total=40, desc="sft r")  # pytest captures stderr, so it is not a TTY
+    for step in range(40):
+        bar.set_postfix(loss=f"{4.0 - step / 10:.2f}")
+        bar.update(1)
     bar.close()
-    assert bar.total == 3 and bar.disable
-    assert capsys.readouterr().err == ""
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 20  # one per twentieth of the run
+    assert lines[0].startswith("sft r: step 2/40 loss=3.90 elapsed 0:00:0")
+    assert lines[-1].startswith("sft r: step 40/40 loss=0.10") and "eta 0:00:00" in lines[-1]

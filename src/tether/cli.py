@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    # The stages' own progress lines tell the story; transformers' load and save bars only add
+    # noise (and, off a terminal, lines of control characters).
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     try:
         module = importlib.import_module(STAGES[stage])
     except ModuleNotFoundError as exc:

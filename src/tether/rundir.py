@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,8 +187,48 @@ class RunDir:
 
 
 def progress(total: int, desc: str, initial: int = 0):
-    """A tqdm bar with ETA; silent when stderr is not a terminal (logs and CI stay clean)."""
+    """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
+    that prints a plain line now and then, so a log shows where the run is."""
+    if not sys.stderr.isatty():
+        return PlainProgress(total, desc, initial)
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, initial=initial, disable=not sys.stderr.isatty(),
-                dynamic_ncols=True, unit="step")
+    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class PlainProgress:
+    """The tqdm calls the stages use (`update`, `set_postfix`, `close`), printed as one line per
+    twentieth of the run (and at the end): `desc: step 40/100 loss=1.23 elapsed 0:00:12 eta 0:00:18`."""
+
+    def __init__(self, total: int, desc: str, initial: int = 0, lines: int = 20):
+        self.total, self.desc, self.n, self.start_n = total, desc, initial, initial
+        self.every = max(1, total // lines)
+        self.postfix: dict[str, str] = {}
+        self.started = time.monotonic()
+        self.printed_at = initial
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = {k: str(v) for k, v in values.items()}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n - self.printed_at >= self.every or self.n >= self.total:
+            self._print()
+
+    def _print(self) -> None:
+        self.printed_at = self.n
+        elapsed = time.monotonic() - self.started
+        done = self.n - self.start_n
+        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: step {self.n}/{self.total} {fields} elapsed {_clock(elapsed)} "
+              f"eta {_clock(eta)}".replace("  ", " "), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
