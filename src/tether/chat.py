@@ -25,20 +25,22 @@ def is_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                where: str = "data") -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise TetherError("rows use chat messages but the tokenizer has no chat template; "
+        raise TetherError(f"{where} uses chat messages but the tokenizer has no chat template; "
                           "give plain-text rows or use a tokenizer with a chat_template")
     return tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 
 
-def split_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
+def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[str, str]:
     """(prompt text, response text) for a chat whose last message is the assistant's reply."""
     if not messages or messages[-1].get("role") != "assistant":
-        raise TetherError("each 'messages' row must end with an assistant message (the response to learn)")
-    prompt = render_chat(tokenizer, messages[:-1], add_generation_prompt=True)
-    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+        raise TetherError(f"{where}: each 'messages' row must end with an assistant message "
+                          "(the response to learn)")
+    prompt = render_chat(tokenizer, messages[:-1], add_generation_prompt=True, where=where)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
     if not full.startswith(prompt):
         raise TetherError("the chat template renders the prompt differently inside the full chat; "
                           "use plain-text rows for this tokenizer")
@@ -55,6 +57,23 @@ def _turns(value: Any, what: str, where: str) -> list[dict]:
         return list(value)
     raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
                       f"{{role, content}} messages (got {type(value).__name__})")
+
+
+def check_prompt(value: Any, where: str) -> None:
+    """A `prompt` is text or a chat; anything else (a list of strings, a dict) is an error, never
+    its Python repr."""
+    if isinstance(value, (list, dict)) and not is_messages(value):
+        raise TetherError(f"{where} 'prompt' must be a string or a list of {{role, content}} "
+                          f"messages (got a {type(value).__name__} of other things)")
+
+
+def preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], bool]:
+    """(prompt text, [chosen text, rejected text], chat) of one preference row, plain or chat."""
+    if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
+        return (*chat_preference_texts(tokenizer, row, where), True)
+    if row.get("prompt") is None:
+        raise TetherError(f"{where} has no column 'prompt'; plain-text rows need a prompt")
+    return str(row["prompt"]), [str(row["chosen"]), str(row["rejected"])], False
 
 
 def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
@@ -81,6 +100,7 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     prompt = row.get("prompt")
     chosen = _turns(row["chosen"], "chosen", where)
     rejected = _turns(row["rejected"], "rejected", where)
+    check_prompt(prompt, where)
     if prompt is None:
         prompt_messages = _common_prefix(chosen, rejected)
         if prompt_messages and prompt_messages[-1].get("role") == "assistant":
@@ -96,7 +116,7 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     texts = []
     for what, turns in (("chosen", chosen), ("rejected", rejected)):
         reply = _reply(turns, prompt_messages, what, where)
-        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply])
+        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where)
         texts.append(response_text)
     return prompt_text, texts
 

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from tether.chat import chat_preference_texts, is_messages, render_chat, split_chat, truncate_chat
+from tether.chat import (
+    check_prompt,
+    is_messages,
+    preference_texts,
+    render_chat,
+    split_chat,
+    truncate_chat,
+)
 from tether.errors import TetherError
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
@@ -141,6 +148,7 @@ def format_prompt(tokenizer, row: dict) -> str:
     """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
     rendered with the generation prompt."""
     messages = row.get("messages")
+    check_prompt(row.get("prompt"), "a prompt row")
     if messages is None and is_messages(row.get("prompt")):
         messages = row["prompt"]
     if messages is not None:
@@ -280,14 +288,15 @@ def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: 
     return Encoded(prompt, [r[:room] for r in responses])
 
 
-def _sft_texts(tokenizer, row: dict) -> tuple[str, str, bool]:
+def _sft_texts(tokenizer, row: dict, where: str) -> tuple[str, str, bool]:
     """(prompt text, response text, chat) of one SFT row."""
     if row.get("messages") is not None:
-        return (*split_chat(tokenizer, list(row["messages"])), True)
+        return (*split_chat(tokenizer, list(row["messages"]), where), True)
+    check_prompt(row["prompt"], where)
     if is_messages(row["prompt"]):  # a chat prompt with the reply beside it
         reply = row["response"]
         reply = reply if isinstance(reply, dict) else {"role": "assistant", "content": str(reply)}
-        return (*split_chat(tokenizer, list(row["prompt"]) + [reply]), True)
+        return (*split_chat(tokenizer, list(row["prompt"]) + [reply], where), True)
     return str(row["prompt"]), str(row["response"]), False
 
 
@@ -298,7 +307,7 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
     require_columns(rows, ["messages"] if chat else ["prompt", "response"], source)
     stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        prompt_text, response_text, is_chat = _sft_texts(tokenizer, row)
+        prompt_text, response_text, is_chat = _sft_texts(tokenizer, row, f"{source}: row {i}")
         prompt, responses = encode_pair(tokenizer, prompt_text, [response_text], is_chat, prefix)
         ex = _fit(prompt, responses, max_length, i, on_long_prompt, source, stats)
         if ex is not None:
@@ -306,15 +315,6 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
     if not out:
         raise TetherError(f"{source}: every row was skipped (prompts over max_length={max_length})")
     return out, stats
-
-
-def _preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], bool]:
-    """(prompt text, [chosen text, rejected text], chat) of one preference row."""
-    if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
-        return (*chat_preference_texts(tokenizer, row, where), True)
-    if row.get("prompt") is None:
-        raise TetherError(f"{where} has no column 'prompt'; plain-text rows need a prompt")
-    return str(row["prompt"]), [str(row["chosen"]), str(row["rejected"])], False
 
 
 def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
@@ -326,7 +326,7 @@ def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_pro
     require_columns(rows, required + ([margin_column] if margin_column else []), source)
     stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        prompt_text, texts, is_chat = _preference_texts(tokenizer, row, f"{source}: row {i}")
+        prompt_text, texts, is_chat = preference_texts(tokenizer, row, f"{source}: row {i}")
         if texts[0] == texts[1]:
             raise TetherError(f"{source}: row {i} has identical chosen and rejected responses, "
                               "which carry no preference; remove or fix the row")
