@@ -101,9 +101,11 @@ def test_chat_preference_rows_read_like_sft_messages(llama_tok, row):
     chosen, rejected = _sft_equivalent(tok, [USER], REPLY), _sft_equivalent(tok, [USER], OTHER)
     assert ex.prompt == chosen.prompt == rejected.prompt
     assert ex.responses == [chosen.responses[0], rejected.responses[0]]
-    # one BOS, no Python repr of the messages, one EOS (the template's) closing each response
+    # one BOS, no Python repr of the messages, one EOS (the template's) closing each response:
+    # the "\n" the template writes after it is never generated, so it is not trained on either
     assert ex.prompt.count(tok.bos_token_id) == 1 and "{'role'" not in tok.decode(ex.prompt)
     assert [r.count(tok.eos_token_id) for r in ex.responses] == [1, 1]
+    assert [r[-1] for r in ex.responses] == [tok.eos_token_id] * 2
 
 
 def test_plain_rows_no_second_bos_or_eos(llama_tok):

@@ -108,7 +108,10 @@ def test_sft_on_chat_templates_and_sentencepiece_tokenizers(family, request, tmp
     total, count = 0.0, 0
     for row in rows:
         prompt = tok.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(row["messages"], tokenize=False)
+        # the reply ends at its EOS: the newline the Llama-style template writes after it is
+        # never generated, so it is not trained on
+        full = tok.apply_chat_template(row["messages"], tokenize=False).rstrip("\n")
+        assert full.endswith(tok.eos_token)
         ids = tok(full, add_special_tokens=not full.startswith(tok.bos_token))["input_ids"]
         n_prompt = len(tok(prompt, add_special_tokens=not prompt.startswith(tok.bos_token))["input_ids"])
         assert ids.count(tok.bos_token_id) == 1

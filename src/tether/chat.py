@@ -44,7 +44,19 @@ def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[st
     if not full.startswith(prompt):
         raise TetherError("the chat template renders the prompt differently inside the full chat; "
                           "use plain-text rows for this tokenizer")
-    return prompt, full[len(prompt):]
+    return prompt, _end_at_turn_token(tokenizer, full[len(prompt):])
+
+
+def _end_at_turn_token(tokenizer, response: str) -> str:
+    """Drop the whitespace a template writes after the reply's end-of-turn token ("</s>\n",
+    "<|im_end|>\n"): generation stops at that token, so the policy never emits what follows,
+    and a reward model must read its score at the token, as it does on PPO's samples."""
+    stripped = response.rstrip()
+    specials = set(tokenizer.all_special_tokens)
+    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    if stripped != response and any(stripped.endswith(s) for s in specials if s):
+        return stripped
+    return response
 
 
 def _turns(value: Any, what: str, where: str) -> list[dict]:
