@@ -78,7 +78,7 @@ def test_window_matters_and_an_unwindowed_mask_would_be_wrong(family, request, m
     assert (concat[4] - unwindowed[4]).norm() > 1e-2 * concat[4].norm()
 
 
-def test_layouts_read_like_transformers(tiny_llama_dir, tiny_qwen2_dir):
+def test_layouts_read_like_transformers(tiny_llama_dir):
     from transformers import AutoConfig, MistralConfig, Qwen2Config
 
     assert attention_layout(AutoConfig.from_pretrained(tiny_llama_dir)) == ({"full_attention"}, None)
