@@ -35,3 +35,23 @@ def tiny_llama_dir(tmp_path_factory):
     from tether.tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), sample_texts(), vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    """A Mistral-style model (sliding window 8, GQA, untied head) with a SentencePiece-style
+    Metaspace tokenizer that adds BOS and an `[INST]` template that does not write BOS."""
+    from tether.tiny import save_tiny_mistral
+
+    return save_tiny_mistral(tmp_path_factory.mktemp("tiny_mistral"), sample_texts(),
+                             vocab_size=300, sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A Qwen2.5-Instruct-style model: ChatML, pad `<|endoftext|>`, two EOS ids in
+    generation_config, tied head; layer 0 full attention, layer 1 a window of 8."""
+    from tether.tiny import save_tiny_qwen2
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), sample_texts(), vocab_size=300,
+                           use_sliding_window=True, sliding_window=8, max_window_layers=1)

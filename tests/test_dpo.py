@@ -97,3 +97,40 @@ def test_separate_reference_model(tiny_model_dir, tmp_path):
                         ref_model=str(tiny_model_dir), data=str(data), max_steps=1, batch_size=8,
                         device="cpu", precompute_ref_logprobs=precompute)
         assert run(cfg).metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def _chat_rows(n: int) -> list[dict]:
+    """Chat preference rows (prompt as messages, replies as assistant messages) from the plain ones."""
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]}
+            for r in preference_rows(n)]
+
+
+@pytest.mark.parametrize("family", ["tiny_model_dir", "tiny_llama_dir"])
+def test_first_step_is_ln2_on_each_family(family, request, tmp_path):
+    model_dir = request.getfixturevalue(family)
+    # the Llama-style model reads chat preference rows with its own template
+    rows = _chat_rows(8) if family == "tiny_llama_dir" else preference_rows(8)
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = DPOConfig(run_name="f", output_dir=str(tmp_path), model=str(model_dir), data=str(data),
+                    max_steps=1, batch_size=8, device="cpu")
+    assert run(cfg).metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_sliding_window_model_same_logps_with_and_without_prefix_sharing(tiny_mistral_dir, tmp_path):
+    # Mistral-style, window 8, pairs far longer than the window, Metaspace tokenizer: the shared
+    # pass must carry the window (it once gave step-1 logps/chosen -39.86 against -39.15).
+    rows = [r | {"prompt": r["prompt"] + " and the story was long but the music was fun",
+                 "chosen": r["chosen"] + " the ending was fine"} for r in preference_rows(8)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    results = {}
+    for share in (True, False):
+        cfg = DPOConfig(run_name=f"share{share}", output_dir=str(tmp_path), model=str(tiny_mistral_dir),
+                        data=str(data), max_steps=2, batch_size=8, lr=1e-3, device="cpu",
+                        share_prompt=share, log_every=1)
+        run(cfg)
+        results[share] = _metrics(tmp_path / f"share{share}")
+    for shared, concat in zip(results[True], results[False], strict=True):
+        for key in ("logps/chosen", "logps/rejected", "train/loss", "train/grad_norm"):
+            assert shared[key] == pytest.approx(concat[key], rel=1e-4, abs=1e-4), key

@@ -43,6 +43,16 @@ CASES = {
                                ["--max-length", "32"], "prompt has .* tokens.*max_length=32"),
     "chosen == rejected": ("rm", "x.jsonl", b'{"prompt": "p", "chosen": "same", "rejected": "same"}\n', [],
                            "identical chosen and rejected"),
+    "chat rows without a chat template": (
+        "dpo", "x.jsonl", b'{"prompt": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"}\n',
+        [], "row 0.*no chat template"),
+    "chosen not an assistant message": (
+        "rm", "x.jsonl", b'{"prompt": [{"role": "user", "content": "hi"}], '
+        b'"chosen": [{"role": "user", "content": "a"}], "rejected": "b"}\n',
+        [], "row 0 'chosen' must be one assistant message after the prompt"),
+    "list prompt that is not a chat": (
+        "dpo", "x.jsonl", b'{"prompt": ["the", "movie"], "chosen": "a", "rejected": "b"}\n',
+        [], "row 0 'prompt' must be a string or a list of .role, content. messages"),
     "unknown config field": ("dpo", "c.yaml", b"beta: 0.1\nbetta: 0.2\n", ["--config"],
                              "unknown config field 'betta'.*allowed fields:.*beta"),
     "bad choice": ("dpo", "c.yaml", b"loss: hinge\n", ["--config"], "'loss' must be one of: sigmoid, ipo"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tether import models
 from tether.advantages import kl_shaped_rewards
 from tether.cli import main
 from tether.config import parse_config
@@ -61,10 +62,11 @@ def fresh_rollout(setup, cfg):
                             generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("family", ["tiny_model_dir", "tiny_llama_dir"])
 @pytest.mark.parametrize("critic", ["separate", "shared"])
-def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, tiny_model_dir, critic):
-    cfg = config(env, tiny_model_dir, f"fresh_{critic}", critic=critic, num_minibatches=2,
-                 temperature=0.7)
+def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, request):
+    cfg = config(env, request.getfixturevalue(family), f"fresh_{critic}_{family}", critic=critic,
+                 num_minibatches=2, temperature=0.7)
     setup = build(cfg, reward_fn=length_reward)
     # The reference is a frozen copy: no shared tensor, no gradient, dropout off.
     policy_ptrs = {p.data_ptr() for p in setup.policy.parameters()}
@@ -202,6 +204,49 @@ def test_reward_model_path_and_value_model_from_it(env, tiny_model_dir):
         assert value == pytest.approx(rm(ids[:, :-1], mask[:, :-1]).item(), abs=1e-5)
     result = run(config(env, tiny_model_dir, "with_rm", reward_model=str(env / "rm")))
     assert math.isfinite(result.metrics["objective/score"])
+
+
+def _always_emits(loader, token_id: int):
+    """A `loader` whose model puts +100 on `token_id`'s logit: every sample is that token."""
+    def load(*args, **kwargs):
+        model = loader(*args, **kwargs)
+        def push(module, inputs, logits):
+            logits[..., token_id] += 100.0
+            return logits
+        model.lm_head.register_forward_hook(push)
+        return model
+    return load
+
+
+def test_two_eos_model_stops_on_either_eos(env, tiny_qwen2_dir, monkeypatch):
+    # Qwen2.5-Instruct style: generation_config lists <|im_end|> and <|endoftext|>, and the
+    # tokenizer ships <|endoftext|> as its pad. A response that emits <|endoftext|> has ended.
+    tok = load_tokenizer(str(tiny_qwen2_dir))
+    endoftext, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    chat = env / "chat_prompts.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
+                            for p in PROMPTS))
+    cfg = config(env, tiny_qwen2_dir, "two_eos", prompts=str(chat), total_episodes=8)
+    setup = build(cfg, reward_fn=length_reward)
+    assert setup.eos_token_ids == sorted([endoftext, im_end])
+    assert setup.tokenizer.pad_token_id not in setup.eos_token_ids
+    # ChatML writes no BOS and the tokenizer adds none: the prompt is the rendered text's ids
+    rendered = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert setup.prompt_ids[0] == tok(rendered)["input_ids"]
+
+    monkeypatch.setattr(models, "load_causal_lm", _always_emits(models.load_causal_lm, endoftext))
+    seen = []
+
+    def reward(prompts, responses):
+        seen.extend(responses)
+        return [0.0] * len(responses)
+    result = run(cfg, reward_fn=reward)
+    # every response is the one EOS token: ended (no missing-EOS penalty), length 1, and the
+    # reward sees nothing after it
+    assert result.metrics["rollout/eos_rate"] == 1.0
+    assert result.metrics["rollout/response_len"] == 1.0
+    assert seen == [""] * 8
 
 
 def test_score_normalizer_running_uses_all_scores_so_far():

@@ -59,3 +59,33 @@ def test_rm_margin_and_centring_change_the_objective(tiny_model_dir, tmp_path):
     c, r = center["rewards/chosen"], center["rewards/rejected"]
     assert center["train/loss"] > center["train/bt_loss"]
     assert center["train/loss"] - center["train/bt_loss"] >= 2.0 * ((c + r) ** 2) - 1e-6  # Jensen
+
+
+def test_rm_reads_chat_preference_rows_like_sft_messages(tiny_llama_dir, tmp_path):
+    # Llama-style model, chat preference rows (the shape of most public preference sets). The
+    # step-1 scores (before the update) must be those of the same chats encoded as SFT
+    # {messages} rows, scored by an identically initialised reward model.
+    from tether.models import load_tokenizer
+    from tether.train.common import seed_everything
+
+    user = [{"role": "user", "content": r["prompt"]} for r in preference_rows(8)]
+    replies = {k: [{"role": "assistant", "content": r[k].strip()} for r in preference_rows(8)]
+               for k in ("chosen", "rejected")}
+    rows = [{"prompt": [u], "chosen": c, "rejected": r}
+            for u, c, r in zip(user, replies["chosen"], replies["rejected"], strict=True)]
+    cfg = RMConfig(run_name="chat", output_dir=str(tmp_path), model=str(tiny_llama_dir),
+                   data=str(write_jsonl(tmp_path / "p.jsonl", rows)), max_steps=1, batch_size=8,
+                   eval_fraction=0.0, device="cpu", seed=3)
+    metrics = run(cfg).metrics
+    tok = load_tokenizer(str(tiny_llama_dir))
+    seed_everything(3)
+    model = RewardModel.from_causal_lm(str(tiny_llama_dir), tok).eval()
+    means = {}
+    for key in ("chosen", "rejected"):
+        chats = [{"messages": [u, m]} for u, m in zip(user, replies[key], strict=True)]
+        batch = collate_sft(encode_sft(tok, chats, 64)[0], tok.pad_token_id)
+        assert (batch["input_ids"] == tok.bos_token_id).sum(1).tolist() == [1] * 8
+        with torch.no_grad():
+            means[key] = model(batch["input_ids"], batch["attention_mask"]).mean().item()
+    assert metrics["rewards/chosen"] == pytest.approx(means["chosen"], abs=1e-5)
+    assert metrics["rewards/rejected"] == pytest.approx(means["rejected"], abs=1e-5)

@@ -22,8 +22,9 @@ class LogitsLeaf(torch.nn.Module):
         return type("Out", (), {"logits": self.logits})()
 
 
-def test_prompt_positions_get_no_gradient(tiny_model_dir):
-    tok = load_tokenizer(str(tiny_model_dir))
+@pytest.mark.parametrize("family", ["tiny_model_dir", "tiny_llama_dir"])
+def test_prompt_positions_get_no_gradient(family, request):
+    tok = load_tokenizer(str(request.getfixturevalue(family)))
     examples, _ = encode_sft(tok, sft_rows(3), max_length=64)
     batch = collate_sft(examples, tok.pad_token_id)
     n, t = batch["input_ids"].shape
@@ -88,3 +89,35 @@ def test_sft_python_api_with_chat_messages(tiny_model_dir, tmp_path):
     # (the added pad token included); `from_pretrained` would raise, never return None.
     final = AutoModelForCausalLM.from_pretrained(result.output_path)
     assert final.get_input_embeddings().weight.shape[0] == len(load_tokenizer(str(result.output_path)))
+
+
+@pytest.mark.parametrize("family", ["tiny_llama_dir", "tiny_mistral_dir"])
+def test_sft_on_chat_templates_and_sentencepiece_tokenizers(family, request, tmp_path):
+    # Llama-style (template writes BOS) and Mistral-style (Metaspace tokenizer adds BOS, template
+    # does not): the first step's loss is the model's mean response NLL on ids computed here from
+    # the whole rendered chat, so SFT trains on exactly the ids the model sees in context.
+    model_dir = request.getfixturevalue(family)
+    rows = [{"messages": [{"role": "user", "content": r["prompt"]},
+                          {"role": "assistant", "content": r["response"].strip()}]} for r in sft_rows(4)]
+    cfg = SFTConfig(run_name="s", output_dir=str(tmp_path / "runs"), model=str(model_dir),
+                    data=str(write_jsonl(tmp_path / "chat.jsonl", rows)), max_steps=1, batch_size=4,
+                    lr=1e-9, device="cpu")
+    loss = run(cfg).metrics["train/loss"]
+    tok = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir), tok).eval()
+    total, count = 0.0, 0
+    for row in rows:
+        prompt = tok.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        # the reply ends at its EOS: the newline the Llama-style template writes after it is
+        # never generated, so it is not trained on
+        full = tok.apply_chat_template(row["messages"], tokenize=False).rstrip("\n")
+        assert full.endswith(tok.eos_token)
+        ids = tok(full, add_special_tokens=not full.startswith(tok.bos_token))["input_ids"]
+        n_prompt = len(tok(prompt, add_special_tokens=not prompt.startswith(tok.bos_token))["input_ids"])
+        assert ids.count(tok.bos_token_id) == 1
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
+        targets = torch.tensor(ids[1:])
+        token_logp = logp.gather(-1, targets[:, None])[:, 0][n_prompt - 1:]
+        total, count = total - token_logp.sum().item(), count + len(token_logp)
+    assert loss == pytest.approx(total / count, rel=1e-4)

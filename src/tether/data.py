@@ -3,8 +3,12 @@
 Row formats
 - SFT: `{prompt, response}` or `{messages}` (a chat; the last message is the assistant's reply,
   rendered with the tokenizer's chat template).
-- Preference: `{prompt, chosen, rejected}` (+ optional numeric `margin` for reward modelling).
+- Preference: `{prompt, chosen, rejected}` (+ optional numeric `margin` for reward modelling), as
+  plain text or as chat messages (`tether.chat`).
 - Prompts for generation (PPO): `{prompt}` or `{messages}`.
+
+Every stage turns text into ids by one rule (see "the encoding rule" below), so PPO prompts are
+encoded exactly as SFT, RM and DPO saw them.
 
 Loss masks cover response tokens only. A prompt that leaves no room for a response within
 `max_length` is never cut: it is an error, or (when asked) skipped and counted. Responses that
@@ -21,6 +25,14 @@ from typing import Any
 
 import torch
 
+from tether.chat import (
+    check_prompt,
+    is_messages,
+    preference_texts,
+    render_chat,
+    split_chat,
+    truncate_chat,
+)
 from tether.errors import TetherError
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
@@ -132,31 +144,111 @@ def require_columns(rows: list[dict], columns: list[str] | tuple[str, ...], sour
 
 # ----------------------------------------------------------------------------- text rendering
 
-def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise TetherError("rows use 'messages' but the tokenizer has no chat template; "
-                          "use {prompt, response} rows or a tokenizer with a chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
 def format_prompt(tokenizer, row: dict) -> str:
-    """The text a policy continues: `prompt`, or `messages` rendered with the generation prompt."""
-    if "messages" in row and row["messages"] is not None:
-        return _render_chat(tokenizer, list(row["messages"]), add_generation_prompt=True)
+    """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
+    rendered with the generation prompt."""
+    messages = row.get("messages")
+    check_prompt(row.get("prompt"), "a prompt row")
+    if messages is None and is_messages(row.get("prompt")):
+        messages = row["prompt"]
+    if messages is not None:
+        return render_chat(tokenizer, list(messages), add_generation_prompt=True)
     return str(row["prompt"])
 
 
-def split_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
-    """(prompt text, response text) for a chat whose last message is the assistant's reply."""
-    if not messages or messages[-1].get("role") != "assistant":
-        raise TetherError("each 'messages' row must end with an assistant message (the response to learn)")
-    prompt = _render_chat(tokenizer, messages[:-1], add_generation_prompt=True)
-    full = _render_chat(tokenizer, messages, add_generation_prompt=False)
-    if not full.startswith(prompt):
-        raise TetherError("the chat template renders the prompt differently inside the full chat; "
-                          "use {prompt, response} rows for this tokenizer")
-    return prompt, full[len(prompt):]
+# ----------------------------------------------------------------------------- the encoding rule
+# One rule for every stage (SFT, RM, DPO, PPO prompts):
+# 1. A text gets the tokenizer's special prefix (e.g. Llama's BOS) unless it already starts with
+#    it: a chat template that writes BOS (Llama 3) is not given a second one, a template that
+#    relies on the tokenizer (Zephyr, Mistral) gets it, and so does a plain prompt.
+# 2. A response is tokenised together with its prompt and its ids are what follows the prompt's:
+#    SentencePiece-style tokenizers (Llama 2, Mistral) give a text other ids when it is tokenised
+#    alone (a leading `▁`), so encoding apart would train on ids the model never sees in context.
+# 3. A plain response gets EOS appended unless it already ends with it; a chat response carries
+#    the template's own end-of-turn tokens.
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before every text (Llama's `[BOS]`; `[]` for GPT-2, Qwen)."""
+    probe = "a"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list[int]:
+    """Ids of a prompt (or prompt + response) under rule 1. `prefix`: `special_prefix(tokenizer)`,
+    passed when encoding many texts."""
+    prefix = special_prefix(tokenizer) if prefix is None else prefix
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids if ids[:len(prefix)] == prefix else prefix + ids
+
+
+def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bool,
+                prefix: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, response ids) under rules 1-3, one prompt shared by every response.
+
+    The prompt ids are the longest common start of the prompt alone and of each prompt + response
+    (the prompt alone, unless a token merges across the boundary; then the merged token belongs to
+    the response).
+    """
+    prompt = encode_prompt(tokenizer, prompt_text, prefix)
+    fulls = [encode_prompt(tokenizer, prompt_text + text, prefix) for text in response_texts]
+    shared = len(prompt)
+    for full in fulls:
+        n = 0
+        while n < min(shared, len(full)) and full[n] == prompt[n]:
+            n += 1
+        shared = n
+    if shared == 0:  # nothing in common (e.g. a one-token prompt merged away): encode apart
+        fulls = [prompt + tokenizer(t, add_special_tokens=False)["input_ids"] for t in response_texts]
+        shared = len(prompt)
+    eos = tokenizer.eos_token_id
+    responses = []
+    for full in fulls:
+        ids = full[shared:]
+        if not chat and eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]  # the model must learn to stop: EOS carries loss
+        responses.append(ids)
+    return prompt[:shared], responses
+
+
+def _special_head(tokenizer, ids: list[int]) -> list[int]:
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    n = 0
+    while n < len(ids) and ids[n] in special:
+        n += 1
+    return ids[:n]
+
+
+def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None
+                      ) -> tuple[str, list[int]]:
+    """(text, ids) of a generation prompt row (`{prompt}` or `{messages}`) under rule 1, in at
+    most `max_tokens` ids.
+
+    A long prompt loses the start of its content, never its special prefix: a chat is re-rendered
+    with the oldest non-system content cut (BOS, role markers, system message and generation
+    prompt stay); a plain prompt keeps its leading special tokens (BOS) and its last tokens.
+    The text is the full prompt (what a reward function reads).
+    """
+    prefix = special_prefix(tokenizer) if prefix is None else prefix
+    text = format_prompt(tokenizer, row)
+    ids = encode_prompt(tokenizer, text, prefix)
+    if len(ids) <= max_tokens:
+        return text, ids
+    messages = row.get("messages")
+    if messages is None and is_messages(row.get("prompt")):
+        messages = row["prompt"]
+    if messages is not None:
+        return text, truncate_chat(tokenizer, list(messages), max_tokens,
+                                   lambda t: encode_prompt(tokenizer, t, prefix))[1]
+    head = _special_head(tokenizer, ids)
+    if len(head) >= max_tokens:
+        raise TetherError(f"max_prompt_len={max_tokens} leaves no room for prompt content after "
+                          f"{len(head)} special tokens; raise --max-prompt-len")
+    return text, head + ids[len(ids) - (max_tokens - len(head)):]
 
 
 # ----------------------------------------------------------------------------- tokenising
@@ -181,19 +273,6 @@ class EncodeStats:
                 "data/truncated": float(self.truncated)}
 
 
-def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    # A chat template already writes BOS and role markers; plain prompts get the tokenizer's
-    # usual special tokens (e.g. Llama's BOS).
-    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
-
-
-def _encode_response(tokenizer, text: str, chat: bool) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not chat and tokenizer.eos_token_id is not None:
-        ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop: EOS carries loss
-    return ids
-
-
 def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: int,
          on_long_prompt: str, source: str, stats: EncodeStats) -> Encoded | None:
     if len(prompt) >= max_length:
@@ -209,20 +288,28 @@ def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: 
     return Encoded(prompt, [r[:room] for r in responses])
 
 
+def _sft_texts(tokenizer, row: dict, where: str) -> tuple[str, str, bool]:
+    """(prompt text, response text, chat) of one SFT row."""
+    if row.get("messages") is not None:
+        return (*split_chat(tokenizer, list(row["messages"]), where), True)
+    check_prompt(row["prompt"], where)
+    if is_messages(row["prompt"]):  # a chat prompt with the reply beside it
+        reply = row["response"]
+        reply = reply if isinstance(reply, dict) else {"role": "assistant", "content": str(reply)}
+        return (*split_chat(tokenizer, list(row["prompt"]) + [reply], where), True)
+    return str(row["prompt"]), str(row["response"]), False
+
+
 def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
                source: str = "data") -> tuple[list[Encoded], EncodeStats]:
-    """Tokenise SFT rows (`{prompt, response}` or `{messages}`)."""
+    """Tokenise SFT rows (`{prompt, response}` or `{messages}`) under the encoding rule."""
     chat = "messages" in rows[0]
     require_columns(rows, ["messages"] if chat else ["prompt", "response"], source)
-    stats, out = EncodeStats(), []
+    stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        if chat:
-            prompt_text, response_text = split_chat(tokenizer, list(row["messages"]))
-        else:
-            prompt_text, response_text = str(row["prompt"]), str(row["response"])
-        prompt = _encode_prompt(tokenizer, prompt_text, chat)
-        response = _encode_response(tokenizer, response_text, chat)
-        ex = _fit(prompt, [response], max_length, i, on_long_prompt, source, stats)
+        prompt_text, response_text, is_chat = _sft_texts(tokenizer, row, f"{source}: row {i}")
+        prompt, responses = encode_pair(tokenizer, prompt_text, [response_text], is_chat, prefix)
+        ex = _fit(prompt, responses, max_length, i, on_long_prompt, source, stats)
         if ex is not None:
             out.append(ex)
     if not out:
@@ -232,15 +319,18 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
 
 def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
                        source: str = "data", margin_column: str = "") -> tuple[list[Encoded], EncodeStats]:
-    """Tokenise `{prompt, chosen, rejected}` rows; identical chosen and rejected is an error."""
-    require_columns(rows, ["prompt", "chosen", "rejected"] + ([margin_column] if margin_column else []), source)
-    stats, out = EncodeStats(), []
+    """Tokenise preference rows under the encoding rule: `{prompt, chosen, rejected}` as plain
+    text, or as chat (see `tether.chat`); identical chosen and rejected is an error."""
+    chat = not isinstance(rows[0].get("prompt", ""), str) or is_messages(rows[0].get("chosen"))
+    required = ["chosen", "rejected"] if chat else ["prompt", "chosen", "rejected"]
+    require_columns(rows, required + ([margin_column] if margin_column else []), source)
+    stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        if str(row["chosen"]) == str(row["rejected"]):
+        prompt_text, texts, is_chat = preference_texts(tokenizer, row, f"{source}: row {i}")
+        if texts[0] == texts[1]:
             raise TetherError(f"{source}: row {i} has identical chosen and rejected responses, "
                               "which carry no preference; remove or fix the row")
-        prompt = _encode_prompt(tokenizer, str(row["prompt"]), chat=False)
-        responses = [_encode_response(tokenizer, str(row[k]), chat=False) for k in ("chosen", "rejected")]
+        prompt, responses = encode_pair(tokenizer, prompt_text, texts, is_chat, prefix)
         ex = _fit(prompt, responses, max_length, i, on_long_prompt, source, stats)
         if ex is None:
             continue

@@ -59,19 +59,48 @@ def _check_exists(name_or_path: str) -> None:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """Load a tokenizer; when it has no pad token (or pads with EOS), add a distinct `<|pad|>`.
+    """Load a tokenizer; when it has no pad token, or pads with an EOS id (its own, or one the
+    model's `generation_config` declares, like Qwen2.5-Instruct's `<|endoftext|>`), add a
+    distinct `<|pad|>`.
 
     Pad must not be EOS: masking pads would then also mask the real EOS the model must learn to
-    emit, and the reward would be read at the wrong position.
+    emit, a sampled EOS would not stop generation, and the reward would be read at the wrong
+    position.
     """
     _check_exists(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise TetherError(f"cannot load tokenizer from {name_or_path}: {str(exc).splitlines()[0]}") from None
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+    declared = eos_token_ids(tokenizer, *_saved_configs(name_or_path, trust_remote_code))
+    if tokenizer.pad_token is None or tokenizer.pad_token_id in declared:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return tokenizer
+
+
+def _saved_configs(name_or_path: str, trust_remote_code: bool) -> list:
+    """The model's config and `generation_config` (where Qwen2.5-Instruct lists its second EOS),
+    those that exist beside the tokenizer."""
+    from transformers import AutoConfig, GenerationConfig
+
+    configs = []
+    for loader in (AutoConfig, GenerationConfig):
+        try:
+            configs.append(loader.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+        except (OSError, ValueError, KeyError):  # none saved (e.g. a tokenizer-only directory)
+            pass
+    return configs
+
+
+def eos_token_ids(tokenizer, *configs) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and each `eos_token_id` (an int or a
+    list) of the given model configs / generation configs (None entries are skipped)."""
+    ids = {tokenizer.eos_token_id}
+    for config in configs:
+        value = getattr(config, "eos_token_id", None)
+        ids |= set(value if isinstance(value, (list, tuple)) else [value])
+    ids.discard(None)
+    return sorted(ids)
 
 
 def _resize_for(model: nn.Module, tokenizer) -> None:

@@ -2,9 +2,16 @@
 
 Tests, benchmarks and the demo use these so the real Hugging Face loading code runs on models that
 fit a laptop CPU: train a byte-level BPE on text we already have, wrap it as a
-`PreTrainedTokenizerFast`, build a model with `from_config`, and `save_pretrained` both. Two
-families: GPT-2-style (absolute positions, tied head, BOS = EOS) and Llama-style (rotary
-positions, grouped-query attention, untied head, a tokenizer that adds BOS, a chat template).
+`PreTrainedTokenizerFast`, build a model with `from_config`, and `save_pretrained` both. Four
+families:
+- GPT-2-style: absolute positions, tied head, BOS = EOS.
+- Llama-style: rotary positions, grouped-query attention, untied head, a tokenizer that adds BOS,
+  a chat template that writes BOS itself.
+- Mistral-style: Llama's architecture with a sliding attention window, and a SentencePiece-style
+  (Metaspace) tokenizer that adds BOS, with an `[INST]` chat template that does not write BOS.
+- Qwen2-style: tied head, a byte-level tokenizer with no BOS, ChatML template, `<|endoftext|>`
+  as pad token and two EOS ids in `generation_config` (like Qwen2.5-Instruct), optional sliding
+  window on the upper layers.
 """
 
 from __future__ import annotations
@@ -114,6 +121,124 @@ def save_tiny_llama(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     tokenizer = make_llama_tokenizer(texts, vocab_size)
     model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                           **lm_kwargs)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- Mistral-style
+
+UNK = "<unk>"
+# Mistral-Instruct v0.1's shape: no BOS in the template (the tokenizer adds it), `[INST]` as plain
+# text, the reply closed by EOS.
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+    "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+# Characters a chat template or a test may use beyond the training texts (there is no byte
+# fallback, so anything else would become <unk>).
+_ASCII = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def make_metaspace_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer like Llama 2's and Mistral's: spaces become `▁` and are
+    part of the next word's token (Metaspace pre-tokenizer and decoder, a `▁` prepended to the
+    first word only), a BPE over those pieces, BOS added before every text, no pad token.
+
+    Its defining trait for training code: a text tokenised alone gets a `▁` in front ("was" ->
+    `▁was`), while the same text inside a longer one after a special token or `]` does not
+    ("[/INST]was" -> `... ] was`), so a response tokenised apart from its prompt gets other ids.
+    """
+    from tokenizers import processors
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, LLAMA_EOS],
+                                  initial_alphabet=_ASCII + ["\u2581"], show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=LLAMA_EOS,
+                                        unk_token=UNK)
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
+                      sliding_window: int = 8, n_layer: int = 2, hidden_size: int = 64,
+                      n_head: int = 4, n_kv_head: int = 2, seed: int = 0) -> Path:
+    """A Mistral-style model (Llama's blocks, attention limited to the last `sliding_window`
+    positions, untied head, GQA) with a Metaspace tokenizer, saved to `out_dir`."""
+    import torch
+    from transformers import MistralConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_metaspace_tokenizer(texts, vocab_size)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                           intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
+                           num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+                           sliding_window=sliding_window, max_position_embeddings=256,
+                           tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- Qwen2-style
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE like Qwen2.5-Instruct's: no BOS, EOS `<|im_end|>`, pad `<|endoftext|>`
+    (which is also one of the model's EOS ids), ChatML template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, IM_START, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOS)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
+                    use_sliding_window: bool = False, sliding_window: int = 8,
+                    max_window_layers: int = 1, n_layer: int = 2, hidden_size: int = 64,
+                    n_head: int = 4, n_kv_head: int = 2, seed: int = 0) -> Path:
+    """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
+    `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
+
+    With `use_sliding_window`, layers from `max_window_layers` up attend within a window and the
+    ones below attend to everything (Qwen2's mixed layout).
+    """
+    import torch
+    from transformers import Qwen2Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_qwen2_tokenizer(texts, vocab_size)
+    im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
+                         num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+                         use_sliding_window=use_sliding_window, sliding_window=sliding_window,
+                         max_window_layers=max_window_layers, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = [im_end, endoftext]
+    model.generation_config.pad_token_id = endoftext
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
     return out

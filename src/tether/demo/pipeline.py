@@ -168,9 +168,15 @@ def offline_curves(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: s
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
                    name: str, cfg: DemoConfig) -> Curve:
     """One evaluation point for an offline-trained policy, measured as PPO measures its own."""
-    from tether.data import format_prompt, load_rows
+    from tether.data import encode_prompt_row, load_rows
     from tether.evaluation import evaluate_policy
-    from tether.models import RewardModel, disable_dropout, load_causal_lm, load_tokenizer
+    from tether.models import (
+        RewardModel,
+        disable_dropout,
+        eos_token_ids,
+        load_causal_lm,
+        load_tokenizer,
+    )
 
     tokenizer = load_tokenizer(model_dir)
     def frozen(path: str):  # loaded fresh, so no copy is needed to keep it apart
@@ -178,13 +184,16 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
 
     policy, reference = frozen(model_dir), frozen(ref_dir)
     reward_model = RewardModel.from_pretrained(reward_model).eval()
-    prompts = [format_prompt(tokenizer, row) for row in load_rows(paths["eval_prompts"])]
-    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    # the encoding rule PPO uses, so every policy in the comparison continues the same ids
+    encoded = [encode_prompt_row(tokenizer, row, max_tokens=1 << 30)
+               for row in load_rows(paths["eval_prompts"])]
+    prompts, prompt_ids = [text for text, _ in encoded], [ids for _, ids in encoded]
     metrics, samples = evaluate_policy(
         policy, reference, tokenizer, prompts, prompt_ids,
         reward=lambda p, r, rollout: reward_model.score(rollout.input_ids, rollout.attention_mask),
         gold=lambda p, r, rollout: torch.tensor(task.gold_reward(p, r)),
-        max_new_tokens=20, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
+        max_new_tokens=20, temperature=1.0,
+        eos_token_ids=eos_token_ids(tokenizer, policy.config, policy.generation_config),
         batch_size=64, seed=cfg.seed + 7_919)
     return Curve(name, cfg.seed, [0], {k: [v] for k, v in metrics.items()}, {0: samples})
 

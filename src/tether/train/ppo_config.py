@@ -47,7 +47,7 @@ class PPOConfig(RunConfig):
     eval_prompts: str = ""
     """Held-out prompts scored every --eval-every batches (empty: no evaluation)."""
     max_prompt_len: int = 256
-    """Prompts longer than this many tokens keep their last tokens."""
+    """Longer prompts lose the start of their content; BOS, role markers and the generation prompt stay."""
     total_episodes: int = 1024
     """Responses to sample over the run; batches = total_episodes // batch_size."""
     batch_size: int = 32

@@ -15,7 +15,7 @@ from torch import nn
 
 from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
-from tether.data import format_prompt, load_rows
+from tether.data import encode_prompt_row, load_rows, special_prefix
 from tether.errors import TetherError
 from tether.evaluation import evaluate_policy
 from tether.lora import AdapterView, LoraSpec, check_targets
@@ -23,6 +23,7 @@ from tether.models import (
     RewardModel,
     TrainableLM,
     disable_dropout,
+    eos_token_ids,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
@@ -94,15 +95,16 @@ def _frozen(model: nn.Module, device) -> nn.Module:
 
 
 def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and ids, encoded by the rule every stage uses (`tether.data`), each cut to
+    `max_len` ids without losing its special prefix."""
     rows = load_rows(source)
-    texts, ids = [], []
+    texts, ids, prefix = [], [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
         if "prompt" not in row and "messages" not in row:
             raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
                               "give one of them per row")
-        text = format_prompt(tokenizer, row)
-        tokens = tokenizer(text)["input_ids"][-max_len:]  # keep the end, next to the response
-        if not tokens:
+        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix)
+        if not tokens or not text.strip():
             raise TetherError(f"{source}: row {i} has an empty prompt; remove it")
         texts.append(text)
         ids.append(tokens)
@@ -203,17 +205,14 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     eval_prompts, eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
                               if cfg.eval_prompts else ([], []))
-    eos = {tokenizer.eos_token_id}
-    extra = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    eos |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-    eos.discard(None)
-    eos.discard(tokenizer.pad_token_id)  # pad is never EOS
+    # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
+    eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
     if not eos:
         raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
     return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
-                 eos_token_ids=sorted(eos), prompts=prompts, prompt_ids=prompt_ids,
+                 eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
 
 

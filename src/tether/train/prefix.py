@@ -11,6 +11,13 @@ with fewer token slots: the prompt once, and padding to one sum of lengths per p
 two. Prefix sharing for DPO: Wang et al. 2024, "Accelerating Direct Preference Optimization with
 Prefix Sharing".
 
+A custom mask replaces the model's own, so it must also carry the model's sliding window
+(Mistral, Qwen2 with `use_sliding_window`): in the concatenated pass transformers lets query i see
+key j only when i - W < j <= i (`masking_utils.sliding_window_overlay`); here the same rule is
+applied to position ids, which in the shared row are exactly the positions each token has in its
+own sequence. Models whose layers mix full and windowed attention (Qwen2's `max_window_layers`)
+get one mask per layer type, as transformers' `generate` passes them.
+
 Notation: B pairs, L row length, R longest response, V vocabulary.
 """
 
@@ -26,11 +33,35 @@ PAD, PROMPT, CHOSEN, REJECTED = -1, 0, 1, 2
 MASKABLE = ("sdpa", "eager")
 
 
+# Layer kinds whose concatenated-pass mask this file reproduces.
+KNOWN_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def attention_layout(config) -> tuple[set[str], int | None]:
+    """(the layer kinds the model uses, its sliding window or None), read as transformers does:
+    `layer_types` when the config lists them, else every layer is windowed exactly when
+    `sliding_window` is set (Mistral)."""
+    window = getattr(config, "sliding_window", None)  # Qwen2 sets None without use_sliding_window
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+    else:
+        kinds = {"sliding_attention" if window is not None else "full_attention"}
+    if "sliding_attention" not in kinds:
+        window = None
+    return kinds, window
+
+
 def can_share(model, examples: list[Encoded]) -> bool:
-    """The model takes a custom 4D mask, and every prompt has a token (its last logit predicts
-    the first token of both responses)."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return impl in MASKABLE and all(len(e.prompt) > 0 for e in examples)
+    """The model takes a custom 4D mask, its layers are full or sliding-window attention (the
+    two this file can reproduce), and every prompt has a token (its last logit predicts the
+    first token of both responses)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in MASKABLE or not all(len(e.prompt) > 0 for e in examples):
+        return False
+    kinds, window = attention_layout(config)
+    return kinds <= KNOWN_LAYERS and ("sliding_attention" not in kinds or window is not None)
 
 
 def collate_shared(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
@@ -66,25 +97,46 @@ def collate_shared(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tens
             "predict_index": predict_index, "targets": targets, "response_mask": response_mask}
 
 
-def shared_attention_mask(segment: torch.Tensor) -> torch.Tensor:
-    """`[B, 1, L, L]` boolean mask (True: query may attend to key) from `segment` `[B, L]`."""
+def shared_attention_mask(segment: torch.Tensor, position_ids: torch.Tensor | None = None,
+                          sliding_window: int | None = None) -> torch.Tensor:
+    """`[B, 1, L, L]` boolean mask (True: query may attend to key) from `segment` `[B, L]`.
+
+    With `sliding_window` W, a query at position p also sees only keys at positions > p - W
+    (`position_ids` `[B, L]`, as made by `collate_shared`), the window of the concatenated pass.
+    """
     length = segment.shape[1]
     index = torch.arange(length, device=segment.device)
     causal = index[:, None] >= index[None, :]  # [L, L]
     seg_q, seg_k = segment[:, :, None], segment[:, None, :]  # [B, L, 1], [B, 1, L]
     allowed = causal & (seg_k != PAD) & ((seg_k == PROMPT) | (seg_k == seg_q))
+    if sliding_window is not None:
+        pos_q, pos_k = position_ids[:, :, None], position_ids[:, None, :]  # [B, L, 1], [B, 1, L]
+        allowed &= pos_k > pos_q - sliding_window
     # A padding query sees only itself, so no row of the softmax is empty (NaN-free).
     allowed |= torch.eye(length, dtype=torch.bool, device=segment.device) & (seg_q == PAD)
     return allowed[:, None]
 
 
+def model_attention_mask(model, batch: dict[str, torch.Tensor]
+                         ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The shared-row mask in the form `model` takes: `[B, 1, L, L]` (boolean for sdpa, additive
+    for eager, which adds it to the scores), windowed where the model's layers are; a dict
+    {layer kind: mask} when full and windowed layers are mixed."""
+    kinds, window = attention_layout(model.config)
+    masks = {kind: shared_attention_mask(batch["segment"], batch["position_ids"],
+                                         window if kind == "sliding_attention" else None)
+             for kind in kinds}
+    if model.config._attn_implementation == "eager":
+        dtype = model.dtype  # a LoRA view owns no parameters; it has a dtype
+        masks = {kind: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                 for kind, m in masks.items()}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
 def shared_pair_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Summed response log-probs and response lengths: (chosen, rejected, chosen_len, rejected_len),
     each `[B]`."""
-    mask = shared_attention_mask(batch["segment"])
-    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
-        dtype = model.dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    mask = model_attention_mask(model, batch)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask,
                    position_ids=batch["position_ids"], use_cache=False).logits  # [B, L, V]
     n, _, r_len = batch["predict_index"].shape

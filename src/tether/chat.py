@@ -1,0 +1,156 @@
+"""Chat rows: rendering messages with the tokenizer's chat template, and reading chat preference
+rows into (prompt text, response texts).
+
+Chat preference rows come in the shapes most public preference sets use:
+- `prompt` as messages, `chosen` / `rejected` as one assistant message (a dict, a one-message
+  list, or a plain string, taken as the assistant's content);
+- `prompt` as messages, `chosen` / `rejected` as full conversations that start with the prompt;
+- no `prompt`: `chosen` / `rejected` as full conversations; the prompt is their common prefix.
+
+Each side is rendered exactly as SFT renders `{messages}`: the prompt with the generation prompt,
+the response as what the full chat adds after it (so the template's end-of-turn tokens, e.g.
+EOS or `<|im_end|>`, are part of the response and carry loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tether.errors import TetherError
+
+
+def is_messages(value: Any) -> bool:
+    """True for a non-empty list of {role, content} dicts (a chat)."""
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                where: str = "data") -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise TetherError(f"{where} uses chat messages but the tokenizer has no chat template; "
+                          "give plain-text rows or use a tokenizer with a chat_template")
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[str, str]:
+    """(prompt text, response text) for a chat whose last message is the assistant's reply."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise TetherError(f"{where}: each 'messages' row must end with an assistant message "
+                          "(the response to learn)")
+    prompt = render_chat(tokenizer, messages[:-1], add_generation_prompt=True, where=where)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
+    if not full.startswith(prompt):
+        raise TetherError("the chat template renders the prompt differently inside the full chat; "
+                          "use plain-text rows for this tokenizer")
+    return prompt, _end_at_turn_token(tokenizer, full[len(prompt):])
+
+
+def _end_at_turn_token(tokenizer, response: str) -> str:
+    """Drop the whitespace a template writes after the reply's end-of-turn token ("</s>\n",
+    "<|im_end|>\n"): generation stops at that token, so the policy never emits what follows,
+    and a reward model must read its score at the token, as it does on PPO's samples."""
+    stripped = response.rstrip()
+    specials = set(tokenizer.all_special_tokens)
+    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    if stripped != response and any(stripped.endswith(s) for s in specials if s):
+        return stripped
+    return response
+
+
+def _turns(value: Any, what: str, where: str) -> list[dict]:
+    """`chosen` / `rejected` as a list of messages (a string is the assistant's content)."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict) and "role" in value and "content" in value:
+        return [value]
+    if is_messages(value):
+        return list(value)
+    raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
+                      f"{{role, content}} messages (got {type(value).__name__})")
+
+
+def check_prompt(value: Any, where: str) -> None:
+    """A `prompt` is text or a chat; anything else (a list of strings, a dict) is an error, never
+    its Python repr."""
+    if isinstance(value, (list, dict)) and not is_messages(value):
+        raise TetherError(f"{where} 'prompt' must be a string or a list of {{role, content}} "
+                          f"messages (got a {type(value).__name__} of other things)")
+
+
+def preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], bool]:
+    """(prompt text, [chosen text, rejected text], chat) of one preference row, plain or chat."""
+    if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
+        return (*chat_preference_texts(tokenizer, row, where), True)
+    if row.get("prompt") is None:
+        raise TetherError(f"{where} has no column 'prompt'; plain-text rows need a prompt")
+    return str(row["prompt"]), [str(row["chosen"]), str(row["rejected"])], False
+
+
+def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def _reply(turns: list[dict], prompt: list[dict], what: str, where: str) -> dict:
+    """The one assistant message that `turns` adds after `prompt`."""
+    if len(turns) > len(prompt) and turns[:len(prompt)] == prompt:
+        turns = turns[len(prompt):]  # a full conversation that starts with the prompt
+    if len(turns) != 1 or turns[0].get("role") != "assistant":
+        roles = [m.get("role") for m in turns]
+        raise TetherError(f"{where} '{what}' must be one assistant message after the prompt "
+                          f"(got roles {roles}); give the reply alone or the prompt plus the reply")
+    return turns[0]
+
+
+def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str]]:
+    """(prompt text, [chosen text, rejected text]) of a chat preference row, rendered as SFT
+    renders `{messages}`."""
+    prompt = row.get("prompt")
+    chosen = _turns(row["chosen"], "chosen", where)
+    rejected = _turns(row["rejected"], "rejected", where)
+    check_prompt(prompt, where)
+    if prompt is None:
+        prompt_messages = _common_prefix(chosen, rejected)
+        if prompt_messages and prompt_messages[-1].get("role") == "assistant":
+            prompt_messages = prompt_messages[:-1]
+    elif is_messages(prompt):
+        prompt_messages = list(prompt)
+    else:
+        raise TetherError(f"{where} mixes a plain-text prompt with chat responses; give the "
+                          "prompt as a list of messages too, or all three as plain text")
+    if not prompt_messages:
+        raise TetherError(f"{where} has no prompt messages; give a 'prompt' list or conversations "
+                          "that share their opening turns")
+    texts = []
+    for what, turns in (("chosen", chosen), ("rejected", rejected)):
+        reply = _reply(turns, prompt_messages, what, where)
+        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where)
+        texts.append(response_text)
+    return prompt_text, texts
+
+
+def truncate_chat(tokenizer, messages: list[dict], max_tokens: int, encode) -> tuple[str, list[int]]:
+    """Render `messages` with the generation prompt in at most `max_tokens` ids, cutting the start
+    of the oldest non-system content first; template tokens (BOS, role markers, generation
+    prompt) and the system message are kept. `encode(text) -> ids` is the prompt-encoding rule.
+    """
+    messages = [dict(m) for m in messages]
+    for _ in range(len(messages) + 8):  # each pass empties a message or lands within a token or two
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+        ids = encode(text)
+        excess = len(ids) - max_tokens
+        if excess <= 0:
+            return text, ids
+        index = next((i for i, m in enumerate(messages)
+                      if m.get("role") != "system" and str(m["content"])), None)
+        if index is None:
+            break
+        content = tokenizer(str(messages[index]["content"]), add_special_tokens=False)["input_ids"]
+        messages[index]["content"] = tokenizer.decode(content[min(excess, len(content)):])
+    raise TetherError(f"a chat prompt cannot fit max_prompt_len={max_tokens} tokens even with its "
+                      "content cut (the template and system message alone are longer); raise "
+                      "--max-prompt-len or shorten the system message")
