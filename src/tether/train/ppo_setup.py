@@ -28,6 +28,7 @@ from tether.models import (
 )
 from tether.reward_fn import call_reward_function, check_same_vocabulary, load_reward_function
 from tether.rollout import Rollout, left_pad
+from tether.train.common import enable_gradient_checkpointing
 from tether.train.ppo_config import PPOConfig
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -163,8 +164,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     else:
         reference = frozen_copy(policy)
     reference = _frozen(fuse_gelu(reference), device)
-    chunk = cfg.batch_size // cfg.num_minibatches
-    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, chunk)
+    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, cfg.micro_batch_rows)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
     gold = _reward_from_function(gold_fn, "gold reward function") if gold_fn else None
@@ -178,6 +178,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         critic = ValueModel.from_causal_lm(policy)
     disable_dropout(critic)
     critic.eval().to(device)
+    if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
+        enable_gradient_checkpointing(policy)
+        if isinstance(critic, ValueModel):  # a shared critic's head reads the policy's trunk
+            enable_gradient_checkpointing(critic)
 
     params = list(policy.parameters()) + list(critic.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
