@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, value_loss
+from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, token_mean, value_loss
 
 LN2 = math.log(2.0)
 
@@ -112,6 +112,55 @@ def test_value_loss_hand_computed():
 
 
 # ---------------------------------------------------------------- Bradley-Terry
+
+
+# ---------------------------------------------------------------- micro-batch token counts
+
+
+def test_token_count_replaces_the_masked_mean_denominator():
+    # One real token with squared error (2 - 0)^2 = 4 and no clipping effect (values = old):
+    # 0.5 * 4 / 1 = 2 as a token mean; divided by a minibatch count of 4 it is 0.5.
+    values, returns = torch.tensor([[2.0, 5.0]]), torch.zeros(1, 2)
+    mask = torch.tensor([[True, False]])
+    assert float(value_loss(values, values, returns, mask)[0]) == pytest.approx(2.0)
+    assert float(value_loss(values, values, returns, mask, n_tokens=4)[0]) == pytest.approx(0.5)
+    # Policy: on-policy, A = 3 on the one real token: -3 / 1 as a mean, -3 / 4 with n_tokens = 4;
+    # the stats stay means over the mask (ratio 1, no clipping).
+    logprobs, advantages = torch.tensor([[-1.0, -2.0]]), torch.tensor([[3.0, 9.0]])
+    loss, stats = ppo_policy_loss(logprobs, logprobs, advantages, mask, n_tokens=4)
+    assert float(loss) == pytest.approx(-0.75)
+    assert float(stats["ratio_mean"]) == 1.0
+    # An empty mask divides by max(n_tokens, 1), like the masked mean.
+    assert float(token_mean(torch.ones(1, 2), torch.zeros(1, 2), n_tokens=0)) == 0.0
+    with pytest.raises(ValueError, match="n_tokens must be >= 0"):
+        token_mean(torch.ones(1, 2), mask, n_tokens=-1)
+
+
+def test_micro_batch_losses_add_up_to_the_minibatch_loss_and_gradient():
+    # Rows split 1 + 3 with the minibatch's token count: the losses and their gradients sum to the
+    # whole minibatch's masked means (a second implementation: the loss on all rows at once).
+    torch.manual_seed(0)
+    old = torch.randn(4, 6)
+    logprobs = (old + 0.3 * torch.randn(4, 6)).requires_grad_()
+    values = torch.randn(4, 6, requires_grad=True)
+    advantages, returns, old_values = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 6)
+    mask = torch.rand(4, 6) > 0.3
+    n_tokens = int(mask.sum())
+
+    def total(rows, n=None):
+        pg, _ = ppo_policy_loss(logprobs[rows], old[rows], advantages[rows], mask[rows], 0.2, n)
+        v, _ = value_loss(values[rows], old_values[rows], returns[rows], mask[rows], 0.2, n)
+        return pg + 0.1 * v
+
+    full = total(slice(None))
+    full_grads = torch.autograd.grad(full, (logprobs, values))
+    parts = total(slice(0, 1), n_tokens) + total(slice(1, 4), n_tokens)
+    part_grads = torch.autograd.grad(parts, (logprobs, values))
+    torch.testing.assert_close(parts, full)
+    for a, b in zip(part_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    # Without the count each part is its own mean: the sum is a different (wrong) number.
+    assert float(total(slice(0, 1)) + total(slice(1, 4))) != pytest.approx(float(full))
 
 
 def test_bradley_terry_hand_computed():

@@ -33,6 +33,9 @@ def _write(root, name, content: bytes):
     return path
 
 
+SFT_ROW = b'{"prompt": "the movie", "response": " was fine."}\n'
+PAIR_ROW = b'{"prompt": "the movie", "chosen": " was fine.", "rejected": " was dull."}\n'
+
 CASES = {
     "missing column": ("sft", "x.jsonl", b'{"prompt": "the movie"}\n', [], "no column 'response'"),
     "empty file": ("sft", "x.jsonl", b"", [], "has no rows"),
@@ -56,6 +59,19 @@ CASES = {
     "unknown config field": ("dpo", "c.yaml", b"beta: 0.1\nbetta: 0.2\n", ["--config"],
                              "unknown config field 'betta'.*allowed fields:.*beta"),
     "bad choice": ("dpo", "c.yaml", b"loss: hinge\n", ["--config"], "'loss' must be one of: sigmoid, ipo"),
+    # memory and precision knobs: a value that cannot mean what it says is refused up front
+    "accumulation does not divide the batch": ("sft", "x.jsonl", SFT_ROW, ["--grad-accum-steps", "3"],
+                                               "--grad-accum-steps 3 must be >= 1 and divide --batch-size 8"),
+    "accumulation steps 0": ("rm", "x.jsonl", PAIR_ROW, ["--grad-accum-steps", "0"],
+                             "--grad-accum-steps 0 must be >= 1"),
+    "more micro-batches than rows": ("dpo", "x.jsonl", PAIR_ROW,
+                                     ["--batch-size", "4", "--grad-accum-steps", "8"],
+                                     "--grad-accum-steps 8 must be >= 1 and divide --batch-size 4"),
+    "bf16 autocast of float16 weights": ("sft", "x.jsonl", SFT_ROW,
+                                         ["--mixed-precision", "bf16", "--dtype", "float16"],
+                                         "--mixed-precision bf16 would recast float16 weights"),
+    "unknown precision": ("dpo", "c.yaml", b"mixed_precision: fp16\n", ["--config"],
+                          "'mixed_precision' must be one of: no, bf16"),
 }
 
 

@@ -83,6 +83,9 @@ class RunConfig:
             raise TetherError(f"config field 'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
         if not self.lora_r and self.merge_lora:
             raise TetherError("--merge-lora needs a LoRA run; pass --lora-r (e.g. 16) or drop --merge-lora")
+        if self.mixed_precision == "bf16" and self.dtype == "float16":
+            raise TetherError("--mixed-precision bf16 would recast float16 weights to bfloat16; "
+                              "use --dtype float32 (or bfloat16) with it")
         if self.save_every < 0:
             raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
         check_device(self.device)

@@ -3,6 +3,11 @@
 Notation: B batch, T response positions; `mask` [B, T] is true on real response tokens. Token
 means are masked means over the whole batch (every real token weighs the same). Each loss returns
 the loss plus detached statistics and never logs.
+
+Micro-batches: PPO's losses take an optional `n_tokens`, the real-token count of the whole
+minibatch. Given it, the masked sum over this (micro-)batch is divided by `n_tokens` instead of by
+its own count, so the losses of a minibatch's micro-batches add up to the minibatch's token mean
+(and their gradients to its gradient).
 """
 
 from __future__ import annotations
@@ -22,8 +27,22 @@ def assert_finite(name: str, value: torch.Tensor) -> None:
             "skipped. Lower the learning rate, check the rewards for NaN, or clip them")
 
 
+def token_mean(x: torch.Tensor, mask: torch.Tensor, n_tokens: float | None = None) -> torch.Tensor:
+    """sum(x * mask) / n_tokens; with `n_tokens` None, the masked mean (n_tokens = sum(mask)).
+
+    Args:
+        x: [B, T] values. mask: [B, T] bool or 0/1.
+        n_tokens: >= 0, the count to divide by (clamped to at least 1, like the masked mean).
+    """
+    if n_tokens is None:
+        return masked_mean(x, mask)
+    non_negative("n_tokens", n_tokens)
+    return (x * mask.to(x.dtype)).sum() / max(float(n_tokens), 1.0)
+
+
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip: float = 0.2) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor, clip: float = 0.2,
+                    n_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7), negated to a loss.
 
@@ -36,10 +55,13 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
         advantages: [B, T] advantages (usually whitened).
         mask: [B, T] bool.
         clip: eps > 0.
+        n_tokens: optional divisor of the masked sum (the minibatch's token count when this is
+            one of its micro-batches); default: sum(mask), the token mean.
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
-        is taken), `approx_kl` (mean of k3 for KL(pi_old || pi), Schulman 2020), `ratio_mean`.
+        is taken), `approx_kl` (mean of k3 for KL(pi_old || pi), Schulman 2020), `ratio_mean`;
+        the stats are always means over `mask`, whatever `n_tokens`.
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     non_negative("clip", clip)
@@ -47,7 +69,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(pg_loss1, pg_loss2), mask)
+    loss = token_mean(torch.maximum(pg_loss1, pg_loss2), mask, n_tokens)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
@@ -58,7 +80,8 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, clip: float = 0.2) -> tuple[torch.Tensor, dict]:
+               mask: torch.Tensor, clip: float = 0.2,
+               n_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped value loss (the PPO baselines' variant, as in Ziegler et al. 2019's code release).
 
     V_clip = V_old + clip(V - V_old, -eps, eps)
@@ -70,16 +93,17 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         returns: [B, T] GAE returns.
         mask: [B, T] bool.
         clip: eps >= 0, in the units of the value.
+        n_tokens: optional divisor of the masked sum, as in `ppo_policy_loss`.
 
     Returns:
-        (loss, stats): scalar loss; stats `clip_frac`, `value_mean`.
+        (loss, stats): scalar loss; stats `clip_frac`, `value_mean` (means over `mask`).
     """
     same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     non_negative("clip", clip)
     values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     vf_loss1 = (values - returns).square()
     vf_loss2 = (values_clipped - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(vf_loss1, vf_loss2), mask)
+    loss = 0.5 * token_mean(torch.maximum(vf_loss1, vf_loss2), mask, n_tokens)
     with torch.no_grad():
         stats = {"clip_frac": masked_mean((vf_loss2 > vf_loss1).float(), mask),
                  "value_mean": masked_mean(values, mask)}

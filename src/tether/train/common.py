@@ -20,6 +20,7 @@ from torch import nn
 
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig, require_positive
+from tether.errors import TetherError
 from tether.logprobs import token_logprobs
 from tether.rundir import RunDir, RunResult
 
@@ -62,6 +63,10 @@ class TrainConfig(RunConfig):
         require_positive(self, "max_length", "batch_size", "epochs", "lr")
         require_positive(self, "max_steps", "warmup_steps", "weight_decay", "max_grad_norm",
                          allow_zero=True)
+        if self.grad_accum_steps < 1 or self.batch_size % self.grad_accum_steps:
+            raise TetherError(f"--grad-accum-steps {self.grad_accum_steps} must be >= 1 and divide "
+                              f"--batch-size {self.batch_size} (each micro-batch has batch_size / "
+                              "grad_accum_steps rows)")
 
 
 # ----------------------------------------------------------------------------- optimisation
@@ -111,13 +116,37 @@ def count_steps(n_rows: int, cfg: TrainConfig) -> int:
     return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
 
 
-def optimizer_step(model: nn.Module, optimizer, scheduler, loss: torch.Tensor,
-                   max_grad_norm: float) -> float:
-    """Backward, clip, step, schedule. Refuses a non-finite loss instead of a silent bad update."""
+def micro_batches(rows: list[int], n: int) -> list[list[int]]:
+    """`rows` cut into `n` consecutive micro-batches of (near) equal size, empty ones dropped.
+
+    `n` divides `batch_size` (validated), so full batches split evenly; the last batch of an epoch
+    may be shorter and then splits into sizes that differ by at most one row. Callers weight each
+    micro-batch by its share of the batch's rows or tokens, so uneven sizes are still exact.
+    """
+    size, extra = divmod(len(rows), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        if end > start:
+            out.append(rows[start:end])
+        start = end
+    return out
+
+
+def backward(loss: torch.Tensor) -> None:
+    """Add d(loss)/d(params) to the gradients; refuses a non-finite loss instead of a silent bad
+    update."""
     if not torch.isfinite(loss):
         raise FloatingPointError(f"loss is {loss.item()}; lower the learning rate or check the data")
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
+
+
+def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip the accumulated gradients, step, schedule, then zero the gradients for the next step.
+
+    The gradients are those `backward` summed over the step's micro-batches; returns their norm
+    before clipping.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -125,7 +154,35 @@ def optimizer_step(model: nn.Module, optimizer, scheduler, loss: torch.Tensor,
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     optimizer.step()
     scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def enable_gradient_checkpointing(model: nn.Module, context_fn=None) -> nn.Module:
+    """Recompute each transformer layer's activations in the backward pass (less memory).
+
+    Works on a plain Hugging Face model, on tether's wrappers (`RewardModel`, `ValueModel`: their
+    `backbone`) and on a peft `PeftModel` (its wrapped transformers model): the outermost
+    `PreTrainedModel` inside `model` gets transformers' checkpointing, non-reentrant. Non-reentrant
+    checkpointing needs no input that requires grad, so a frozen base with LoRA adapters still
+    gets its adapter gradients (transformers adds an input-grad hook anyway; it is harmless).
+    transformers checkpoints a layer only while the module is in training mode and grad is on.
+    `context_fn` goes to `torch.utils.checkpoint` (LoRA roles on one base pass
+    `tether.lora.adapter_recompute_context`, so a layer is recomputed under the adapter it ran with).
+    """
+    from transformers import PreTrainedModel
+
+    trunk = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if trunk is None or not trunk.supports_gradient_checkpointing:
+        name = type(trunk if trunk is not None else model).__name__
+        raise TetherError(f"{name} does not support gradient checkpointing; drop "
+                          "--gradient-checkpointing")
+    kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+    if hasattr(trunk, "activation_checkpointing_enable"):  # transformers >= 5.2x: the new name
+        trunk.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
 
 
 # ----------------------------------------------------------------------------- log-probs

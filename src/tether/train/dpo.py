@@ -10,7 +10,8 @@ through the policy in one forward pass: by default one row per pair, [prompt | c
 with an attention mask that keeps the two responses apart (`tether.train.prefix`); with
 `--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
-only one model is in memory while training.
+only one model is in memory while training. DPO and IPO losses are means over pairs, so with
+--grad-accum-steps each micro-batch contributes its pairs' loss sum divided by the batch's pairs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
+    backward,
+    enable_gradient_checkpointing,
     maybe_checkpoint,
+    micro_batches,
     optimizer_step,
     print_result,
     response_logprobs,
@@ -131,6 +135,17 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, examples, device):
     return None, table
 
 
+def pair_losses(cfg: DPOConfig, policy_logps, ref_chosen, ref_rejected):
+    """`dpo_loss` on (chosen, rejected, chosen_len, rejected_len) policy log-probs and the reference's;
+    returns (losses, chosen_rewards, rejected_rewards), `[B]` each."""
+    policy_chosen, policy_rejected, chosen_len, rejected_len = policy_logps
+    ipo = cfg.loss == "ipo"  # IPO compares per-token averages (Azar et al. 2023)
+    return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
+                    loss_type=cfg.loss, label_smoothing=cfg.label_smoothing,
+                    chosen_lengths=chosen_len if ipo else None,
+                    rejected_lengths=rejected_len if ipo else None)
+
+
 def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[str, float]:
     """Per-step statistics; rewards are beta * log(pi / ref) of each response."""
     margins = chosen_rewards - rejected_rewards
@@ -161,6 +176,8 @@ def run(cfg: DPOConfig) -> RunResult:
     disable_dropout(policy).to(device).train()  # DPO compares log-probs of fixed sequences
     reference, ref_table = _reference(cfg, lm, tokenizer, examples, device)
     run_dir.save_config(cfg)
+    if cfg.gradient_checkpointing:  # after the reference copy: only the trained model recomputes
+        enable_gradient_checkpointing(policy)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, policy,
                                                               len(examples))
     data_stats = stats.as_metrics()
@@ -169,24 +186,29 @@ def run(cfg: DPOConfig) -> RunResult:
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
-        pairs = [examples[i] for i in indices]
-        batch = to_device(collate(policy, pairs, tokenizer.pad_token_id, cfg.share_prompt), device)
-        with autocast(cfg.mixed_precision, device):
-            policy_chosen, policy_rejected, chosen_len, rejected_len = pair_logprobs(policy, batch)  # [B] each
-            if ref_table is not None:
-                ref_chosen, ref_rejected = ref_table[indices].to(device).unbind(-1)
-            else:
-                with torch.no_grad():
-                    ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch)
-        ipo = cfg.loss == "ipo"  # IPO compares per-token averages (Azar et al. 2023)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
-            loss_type=cfg.loss, label_smoothing=cfg.label_smoothing,
-            chosen_lengths=chosen_len if ipo else None, rejected_lengths=rejected_len if ipo else None)
-        grad_norm = optimizer_step(policy, optimizer, scheduler, losses.mean(), cfg.max_grad_norm)
+        parts = []
+        for rows in micro_batches(indices, cfg.grad_accum_steps):
+            batch = to_device(collate(policy, [examples[i] for i in rows], tokenizer.pad_token_id,
+                                      cfg.share_prompt), device)
+            with autocast(cfg.mixed_precision, device):
+                policy_logps = pair_logprobs(policy, batch)  # chosen, rejected, their lengths: [b] each
+                if ref_table is not None:
+                    ref_chosen, ref_rejected = ref_table[rows].to(device).unbind(-1)
+                else:
+                    with torch.no_grad():
+                        ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch)
+            losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
+            backward(losses.sum() / len(indices))  # the loss is a mean over the batch's pairs
+            parts.append([t.detach() for t in (*policy_logps, ref_chosen, ref_rejected)])
+        *policy_logps, ref_chosen, ref_rejected = (torch.cat(x) for x in zip(*parts, strict=True))
+        # Metrics are the full batch's, from the log-probs the micro-batches produced.
+        losses, chosen_rewards, rejected_rewards = pair_losses(cfg, policy_logps, ref_chosen,
+                                                               ref_rejected)
+        grad_norm = optimizer_step(policy, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
         metrics = dpo_metrics(losses, chosen_rewards, rejected_rewards, cfg.beta)
-        metrics |= {"logps/chosen": policy_chosen.mean().item(), "logps/rejected": policy_rejected.mean().item(),
+        metrics |= {"logps/chosen": policy_logps[0].mean().item(),
+                    "logps/rejected": policy_logps[1].mean().item(),
                     "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if step % cfg.log_every == 0 or step == total_steps:

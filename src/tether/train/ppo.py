@@ -28,6 +28,7 @@ from tether.errors import TetherError
 from tether.models import save_trained_lm
 from tether.rollout import apply_stop_strings, decode_responses, sample_responses
 from tether.rundir import RunDir, RunResult, progress
+from tether.train.common import autocast
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import (
     ScoreNormalizer,
@@ -58,7 +59,8 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
 
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
     """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics."""
-    metrics, samples = evaluate(setup, cfg)
+    with autocast(cfg.mixed_precision, setup.device):
+        metrics, samples = evaluate(setup, cfg)
     rundir.log_samples(step, samples)
     return metrics
 
@@ -98,18 +100,21 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
             prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
 
-            # 1. Rollout and reward.
-            rollout, responses, raw_scores = rollout_batch(setup, cfg, prompts, prompt_ids,
-                                                           prompt_mask, gen)
+            # 1. Rollout and reward. With --mixed-precision bf16 every model forward here and in
+            #    step 2 runs under autocast; log-probs, values and scores come out in fp32.
+            with autocast(cfg.mixed_precision, setup.device):
+                rollout, responses, raw_scores = rollout_batch(setup, cfg, prompts, prompt_ids,
+                                                               prompt_mask, gen)
             scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
             scores = normalizer(scores)
             if cfg.reward_clip > 0:
                 scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
 
-            # 2. Score the same tokens: old policy, reference, critic (same temperature).
-            mb_size = cfg.batch_size // cfg.num_minibatches
-            old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
-                                cfg.temperature, mb_size)
+            # 2. Score the same tokens: old policy, reference, critic (same temperature), in the
+            #    rows of the first epoch's micro-batches, so its ratio is exactly 1.
+            with autocast(cfg.mixed_precision, setup.device):
+                old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
+                                    cfg.temperature, cfg.micro_batch_rows)
             mask = rollout.response_mask
 
             # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a

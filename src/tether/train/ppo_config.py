@@ -132,6 +132,14 @@ class PPOConfig(RunConfig):
         return self.total_episodes // self.batch_size
 
     @property
+    def minibatch_size(self) -> int:  # derived: rows per optimizer step
+        return self.batch_size // self.num_minibatches
+
+    @property
+    def micro_batch_rows(self) -> int:  # derived: rows per forward/backward (0: the minibatch)
+        return self.micro_batch_size or self.minibatch_size
+
+    @property
     def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3 in the loss
         if self.kl_estimator != "auto":
             return self.kl_estimator
@@ -163,6 +171,10 @@ class PPOConfig(RunConfig):
         if self.batch_size % self.num_minibatches:
             raise TetherError(f"--num-minibatches {self.num_minibatches} must divide --batch-size "
                               f"{self.batch_size}")
+        if self.micro_batch_size < 0 or self.minibatch_size % self.micro_batch_rows:
+            raise TetherError(f"--micro-batch-size {self.micro_batch_size} must divide the minibatch "
+                              f"of {self.minibatch_size} rows (--batch-size {self.batch_size} / "
+                              f"--num-minibatches {self.num_minibatches}); or 0 for the whole minibatch")
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")

@@ -18,7 +18,7 @@ from tether.critic import ValueHead, ValueModel
 from tether.data import encode_prompt_row, load_rows, special_prefix
 from tether.errors import TetherError
 from tether.evaluation import evaluate_policy
-from tether.lora import AdapterView, LoraSpec, check_targets
+from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models import (
     RewardModel,
     TrainableLM,
@@ -33,6 +33,7 @@ from tether.models import (
 from tether.reward_fn import call_reward_function, check_same_vocabulary, load_reward_function
 from tether.rollout import Rollout, left_pad
 from tether.shared_base import lora_critic, shared_reward_model
+from tether.train.common import enable_gradient_checkpointing
 from tether.train.ppo_config import PPOConfig
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -180,8 +181,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     else:
         reference = frozen_copy(policy)
     reference = _frozen(fuse_gelu(reference), device)
-    chunk = cfg.batch_size // cfg.num_minibatches
-    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, chunk, lm)
+    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, cfg.micro_batch_rows, lm)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
     gold = _reward_from_function(gold_fn, "gold reward function") if gold_fn else None
@@ -197,6 +197,13 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         critic = ValueModel.from_causal_lm(policy)
     disable_dropout(critic)
     critic.eval().to(device)
+    if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
+        # With LoRA the critic's trunk is the policy's base under another adapter: one call
+        # covers both, and each layer is recomputed under the adapter it ran with.
+        recompute = adapter_recompute_context(lm.peft) if lm.peft is not None else None
+        enable_gradient_checkpointing(policy, recompute)
+        if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
+            enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
 
     params = [p for p in (*policy.parameters(), *critic.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

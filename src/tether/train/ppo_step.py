@@ -2,21 +2,27 @@
 
 Notation: B rollout batch, R response width, V vocabulary. `train/ppo.py` calls these in order;
 each one is a function of tensors and models, so tests can run any of them alone.
+
+Memory knobs: a minibatch (one optimizer step) runs as micro-batches of `micro_batch_rows` rows,
+forward and backward each, gradients summed; every loss term is divided by the minibatch's token
+count, so the sum is the minibatch's gradient. With --mixed-precision bf16 the forwards run under
+autocast; log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tether import kl as kl_lib
-from tether._checks import masked_mean
 from tether.critic import policy_and_values
 from tether.logprobs import entropy, token_logprobs
-from tether.losses import assert_finite, ppo_policy_loss, value_loss
+from tether.losses import assert_finite, ppo_policy_loss, token_mean, value_loss
 from tether.rollout import Rollout, response_logits
+from tether.train.common import autocast
 
 
 @dataclass
@@ -33,6 +39,10 @@ class Scored:
                                            self.entropy)))
 
 
+# minibatch_loss stats that are means over a batch's real tokens (the rest are loss values).
+TOKEN_MEANS = ("policy/clip_frac", "policy/approx_kl", "policy/ratio_mean", "value/clip_frac")
+
+
 def chunks(n: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -42,8 +52,9 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
                   temperature: float, chunk_size: int) -> Scored:
     """Policy, reference and critic on the sampled tokens, in chunks of `chunk_size` rows.
 
-    The chunks are the first epoch's minibatches, and the forward is `policy_and_values`, the one
-    the update uses: same rows, same code, so the first epoch's ratio is exactly 1.
+    The chunks are the first epoch's micro-batches (`cfg.micro_batch_rows`), and the forward is
+    `policy_and_values`, the one the update uses: same rows, same code, so the first epoch's ratio
+    is exactly 1.
     """
     parts = []
     context = rollout.context_length
@@ -63,10 +74,15 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
 
 
 def minibatch_loss(policy: nn.Module, critic: nn.Module, sub: Rollout, old: Scored,
-                   advantages: torch.Tensor, returns: torch.Tensor, cfg, kl_loss_beta: float):
+                   advantages: torch.Tensor, returns: torch.Tensor, cfg, kl_loss_beta: float,
+                   n_tokens: int | None = None):
     """PPO loss on one minibatch: clipped surrogate + vf_coef * clipped value loss
     (Schulman et al. 2017, eq. 9, without the entropy bonus), plus beta * KL when the KL is a loss
     term (GRPO, Shao et al. 2024, eq. 3, with its k3 estimator by default).
+
+    When `sub` is a micro-batch of a minibatch with `n_tokens` real tokens, every loss term is
+    divided by `n_tokens`, so the losses (and the `*/loss` stats) of the micro-batches add up to
+    the minibatch's; the other stats (`TOKEN_MEANS`) are means over this micro-batch's tokens.
 
     Returns (loss, stats) with detached float stats.
     """
@@ -74,20 +90,67 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module, sub: Rollout, old: Scor
     logits, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length)
     logprobs = token_logprobs(logits, sub.responses, cfg.temperature) * mask
-    pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range)
-    v_loss, v_stats = value_loss(values * mask, old.values, returns, mask, cfg.value_clip_range)
+    pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
+                                        n_tokens)
+    v_loss, v_stats = value_loss(values * mask, old.values, returns, mask, cfg.value_clip_range,
+                                 n_tokens)
     loss = pg_loss + cfg.vf_coef * v_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),
              "policy/ratio_mean": float(pg_stats["ratio_mean"]),
              "value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
     if kl_loss_beta > 0:
-        kl_term = masked_mean(kl_lib.estimate(logprobs, old.ref_logprobs, cfg.resolved_estimator),
-                              mask)
+        kl_term = token_mean(kl_lib.estimate(logprobs, old.ref_logprobs, cfg.resolved_estimator),
+                             mask, n_tokens)
         loss = loss + kl_loss_beta * kl_term
         stats["objective/kl_loss"] = kl_term.item()
     assert_finite("PPO loss", loss)
     return loss, stats
+
+
+def accumulate_minibatch(policy: nn.Module, critic: nn.Module, rollout: Rollout, old: Scored,
+                         advantages: torch.Tensor, returns: torch.Tensor, index: torch.Tensor,
+                         cfg, kl_loss_beta: float) -> dict[str, float]:
+    """Forward and backward over the minibatch `index` in micro-batches of `cfg.micro_batch_rows`
+    rows, adding to the gradients; returns the stats the whole minibatch would give (loss shares
+    summed, token means weighted by each micro-batch's tokens).
+
+    Each forward runs under bf16 autocast when `cfg.mixed_precision` asks; the backward outside it
+    (as torch.autocast recommends).
+    """
+    n_tokens = int(rollout.response_mask[index].sum())  # the minibatch's real tokens
+    device = rollout.input_ids.device
+    sums: dict[str, float] = {}
+    for rows in chunks(len(index), cfg.micro_batch_rows):
+        micro = index[rows]
+        with autocast(cfg.mixed_precision, device):
+            loss, part = minibatch_loss(policy, critic, rollout.select(micro), old.select(micro),
+                                        advantages[micro], returns[micro], cfg, kl_loss_beta,
+                                        n_tokens)
+        loss.backward()
+        micro_tokens = int(rollout.response_mask[micro].sum())
+        for key, value in part.items():  # losses are already shares; weight the token means
+            sums[key] = sums.get(key, 0.0) + (value * micro_tokens if key in TOKEN_MEANS else value)
+    return {key: value / n_tokens if key in TOKEN_MEANS else value for key, value in sums.items()}
+
+
+@contextlib.contextmanager
+def update_mode(cfg, *models: nn.Module):
+    """Training mode for the update when gradient checkpointing is on, eval mode again after.
+
+    transformers recomputes a layer's activations only while the module is in training mode, but
+    PPO keeps its models in eval mode so that rollout and update forwards agree. Dropout is already
+    zeroed everywhere (`disable_dropout`), so training mode computes exactly what eval mode does
+    and the first epoch's ratio stays exactly 1.
+    """
+    trained = models if cfg.gradient_checkpointing else ()
+    for model in trained:
+        model.train()
+    try:
+        yield
+    finally:
+        for model in trained:
+            model.eval()
 
 
 def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer,
@@ -99,34 +162,34 @@ def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Opti
     the ratio starts at exactly 1); later epochs shuffle. Trust-region guard: when a minibatch's
     approx KL(pi_old || pi) already exceeds `cfg.target_kl` (> 0), that step is not taken and the
     batch's remaining epochs are skipped, a cheap stand-in for TRPO's hard KL constraint
-    (Schulman et al. 2015, eq. 12).
+    (Schulman et al. 2015, eq. 12). The guard judges the whole minibatch, so it runs after the
+    micro-batches' backward passes; a refused step's gradients are dropped.
     """
     batch = len(rollout)
-    size = batch // cfg.num_minibatches
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: off
     history: list[dict[str, float]] = []
     stopped = False
-    for epoch in range(cfg.ppo_epochs):
-        order = (torch.arange(batch) if epoch == 0
-                 else torch.randperm(batch, generator=generator))
-        for rows in chunks(batch, size):
-            index = order[rows].to(advantages.device)
-            sub = rollout.select(index)
-            loss, stats = minibatch_loss(policy, critic, sub, old.select(index),
-                                         advantages[index], returns[index], cfg, kl_loss_beta)
-            if cfg.target_kl > 0 and stats["policy/approx_kl"] > cfg.target_kl:
-                stopped = True
+    with update_mode(cfg, policy, critic):
+        for epoch in range(cfg.ppo_epochs):
+            order = (torch.arange(batch) if epoch == 0
+                     else torch.randperm(batch, generator=generator))
+            for rows in chunks(batch, cfg.minibatch_size):
+                index = order[rows].to(advantages.device)
+                optimizer.zero_grad(set_to_none=True)
+                stats = accumulate_minibatch(policy, critic, rollout, old, advantages, returns,
+                                             index, cfg, kl_loss_beta)
+                if cfg.target_kl > 0 and stats["policy/approx_kl"] > cfg.target_kl:
+                    optimizer.zero_grad(set_to_none=True)
+                    stopped = True
+                    break
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                assert_finite("gradient norm", grad_norm)
+                optimizer.step()
+                stats["policy/grad_norm"] = float(grad_norm)
+                history.append(stats)
+            if stopped:
                 break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            assert_finite("gradient norm", grad_norm)
-            optimizer.step()
-            stats["policy/grad_norm"] = float(grad_norm)
-            history.append(stats)
-        if stopped:
-            break
     out = {key: sum(s[key] for s in history) / len(history) for key in history[0]}
     out["policy/updates"] = float(len(history))
     out["policy/early_stopped"] = float(stopped)

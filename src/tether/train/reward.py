@@ -7,6 +7,8 @@ margin m (Touvron et al. 2023, eq. 2); the second, off by default, is reward cen
 et al. 2023, "Helping or Herding?", sec. 3), which pins the otherwise free offset of the scores
 near zero. Accuracy is measured on a held-out split. Optionally the scores are normalised so SFT
 samples score mean 0, std 1; the constants are stored with the model and applied by `score`.
+Both terms are means over pairs, so with --grad-accum-steps each micro-batch's loss is weighted by
+its share of the batch's pairs and the accumulated gradient is the full batch's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
+    backward,
+    enable_gradient_checkpointing,
     maybe_checkpoint,
+    micro_batches,
     optimizer_step,
     print_result,
     seed_everything,
@@ -76,6 +81,14 @@ def pair_scores(model: RewardModel, batch) -> tuple[torch.Tensor, torch.Tensor]:
     scores = model(batch["input_ids"], batch["attention_mask"])
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]
+
+
+def rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
+            center_rewards_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, Bradley-Terry part) of `[B]` chosen and rejected scores: both means over pairs."""
+    bt_loss = bradley_terry_loss(chosen, rejected, margin)
+    center_loss = ((chosen + rejected) ** 2).mean()  # Eisenstein et al. 2023, sec. 3
+    return bt_loss + center_rewards_coef * center_loss, bt_loss
 
 
 @torch.no_grad()
@@ -135,6 +148,8 @@ def run(cfg: RMConfig) -> RunResult:
     device = resolve_device(cfg.device)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(train))
@@ -144,13 +159,20 @@ def run(cfg: RMConfig) -> RunResult:
     bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)
-        batch = to_device(collate_pairs([train[i] for i in indices], pad_id), device)
-        with autocast(cfg.mixed_precision, device):
-            chosen, rejected = pair_scores(model, batch)  # [B], [B]
-        bt_loss = bradley_terry_loss(chosen, rejected, batch["margin"] if cfg.margin_column else None)
-        center_loss = ((chosen + rejected) ** 2).mean()  # Eisenstein et al. 2023, sec. 3
-        loss = bt_loss + cfg.center_rewards_coef * center_loss
-        grad_norm = optimizer_step(model, optimizer, scheduler, loss, cfg.max_grad_norm)
+        parts = []
+        for rows in micro_batches(indices, cfg.grad_accum_steps):
+            batch = to_device(collate_pairs([train[i] for i in rows], pad_id), device)
+            with autocast(cfg.mixed_precision, device):
+                chosen, rejected = pair_scores(model, batch)  # [b], [b]
+            margin = batch["margin"] if cfg.margin_column else None
+            part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
+            backward(part * len(rows) / len(indices))  # a mean over this share of the pairs
+            parts.append((chosen.detach(), rejected.detach(), batch["margin"]))
+        chosen, rejected, margins = (torch.cat(x) for x in zip(*parts, strict=True))  # [B] each
+        # The logged loss is the full batch's, from the scores the micro-batches produced.
+        loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
+                                cfg.center_rewards_coef)
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}")
         metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),

@@ -2,6 +2,9 @@
 
     L = - sum_{t in response} log p(y_t | y_<t) / (number of response tokens in the batch)
 
+With --grad-accum-steps k the batch runs as k micro-batches; each divides its token sum by the
+whole batch's token count, so the summed gradients are the full batch's (not a mean of k means).
+
 Prompt tokens condition the model but carry no loss (InstructGPT, Ouyang et al. 2022, sec. 3.5;
 the prompt is given, not something to imitate). EOS is part of the response so the model learns
 to stop.
@@ -19,7 +22,10 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
     autocast,
+    backward,
+    enable_gradient_checkpointing,
     maybe_checkpoint,
+    micro_batches,
     optimizer_step,
     print_result,
     response_logprobs,
@@ -37,11 +43,19 @@ class SFTConfig(TrainConfig):
     """Peak learning rate (AdamW)."""
 
 
-def sft_loss(model, batch) -> tuple:
-    """Token-mean negative log-likelihood over response tokens; returns (loss, n_tokens)."""
+def response_tokens(batch) -> int:
+    """Response tokens that carry loss (the first token has no prediction)."""
+    return int(batch["response_mask"][:, 1:].sum())
+
+
+def sft_loss(model, batch, batch_tokens: int | None = None) -> tuple:
+    """Negative log-likelihood summed over response tokens, divided by `batch_tokens` (the whole
+    step's count when this is one of its micro-batches; default: this batch's own count, a token
+    mean). Returns (loss, n_tokens of this batch)."""
     logprobs, mask = response_logprobs(model, batch)  # [N, T-1] each
-    n_tokens = mask.sum().clamp(min=1)
-    return -(logprobs * mask).sum() / n_tokens, n_tokens
+    n_tokens = mask.sum()
+    denominator = n_tokens if batch_tokens is None else batch_tokens
+    return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
 
 
 def run(cfg: SFTConfig) -> RunResult:
@@ -59,6 +73,8 @@ def run(cfg: SFTConfig) -> RunResult:
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     model = lm.model.to(device)  # with LoRA: the base with the adapter's layers injected
     model.train()
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
                                                               len(examples))
@@ -68,13 +84,19 @@ def run(cfg: SFTConfig) -> RunResult:
     bar = progress(total_steps, f"sft {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
-        batch = to_device(collate_sft([examples[i] for i in indices], tokenizer.pad_token_id), device)
-        with autocast(cfg.mixed_precision, device):
-            loss, n_tokens = sft_loss(model, batch)
-        grad_norm = optimizer_step(model, optimizer, scheduler, loss, cfg.max_grad_norm)
+        micro = [collate_sft([examples[i] for i in rows], tokenizer.pad_token_id)
+                 for rows in micro_batches(indices, cfg.grad_accum_steps)]
+        n_tokens = sum(response_tokens(batch) for batch in micro)  # the whole batch's tokens
+        loss = 0.0
+        for batch in micro:
+            with autocast(cfg.mixed_precision, device):
+                part, _ = sft_loss(model, to_device(batch, device), n_tokens)
+            backward(part)
+            loss += part.item()
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        metrics = {"train/loss": loss.item(), "train/tokens": float(n_tokens),
+        bar.set_postfix(loss=f"{loss:.4f}")
+        metrics = {"train/loss": loss, "train/tokens": float(n_tokens),
                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if step % cfg.log_every == 0 or step == total_steps:
             run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
