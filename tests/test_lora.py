@@ -319,3 +319,50 @@ def test_ppo_lora_resume_is_bit_identical(lora_runs, data, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     last = load_file(str(tmp_path / "full" / "checkpoints" / "step_3" / "policy.safetensors"))
     assert any(not torch.equal(last[k], ckpt[k]) for k in ckpt)  # batch 3 did train
+
+
+def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_context: bool = True):
+    """Gradients of every trainable tensor after one PPO minibatch loss on the first batch
+    (LoRA policy and critic adapters on one base, shared LoRA reward model)."""
+    import tether.train.ppo_setup as ppo_setup
+    from tether.advantages import gae, kl_shaped_rewards
+    from tether.train.ppo_step import minibatch_loss, update_mode
+
+    cfg = _ppo_cfg(data, lora_runs["base"], tmp_path, f"g{checkpointing}{recompute_context}",
+                   reward_model=str(lora_runs["rm"]), gradient_checkpointing=checkpointing)
+    original = ppo_setup.adapter_recompute_context
+    if not recompute_context:  # what a naive setup would do: recompute under the active adapter
+        ppo_setup.adapter_recompute_context = lambda model: None
+    try:
+        torch.manual_seed(0)
+        setup = build(cfg)
+    finally:
+        ppo_setup.adapter_recompute_context = original
+    with torch.no_grad():  # the critic adapter must differ from the policy's for the test to bite
+        for name, p in setup.lm.peft.named_parameters():
+            if ".critic." in name and "lora_B" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    rollout, old = _first_batch(setup, cfg)
+    scores = torch.linspace(-1, 1, len(rollout))
+    rewards, _ = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask, 0.1)
+    advantages, returns = gae(rewards, old.values, rollout.response_mask)
+    with update_mode(cfg, setup.policy, setup.critic):
+        loss, _ = minibatch_loss(setup.policy, setup.critic, rollout, old, advantages, returns, cfg,
+                                 kl_loss_beta=0.0)
+        loss.backward()
+    params = [*setup.lm.peft.named_parameters(), *setup.critic.head.named_parameters()]
+    return {n: p.grad.clone() for n, p in params if p.requires_grad}
+
+
+def test_gradient_checkpointing_with_lora_roles_keeps_each_adapters_gradients(lora_runs, data,
+                                                                               tmp_path):
+    plain = _lora_grads(lora_runs, data, tmp_path, checkpointing=False)
+    checkpointed = _lora_grads(lora_runs, data, tmp_path, checkpointing=True)
+    assert plain.keys() == checkpointed.keys() and any(".critic." in k for k in plain)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Without recomputing under the adapter a layer ran with, the critic's layers would be
+    # recomputed under the policy's adapter in backward(), and its gradients would be wrong.
+    naive = _lora_grads(lora_runs, data, tmp_path, checkpointing=True, recompute_context=False)
+    worst = max(float((naive[k] - plain[k]).abs().max()) for k in plain if ".critic." in k)
+    assert worst > 1e-4
