@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
 
-import pytest
-import torch
+# The suite never reaches a model or data hub: names that are not local fail fast, offline. Set
+# before anything imports huggingface_hub, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tether.tiny import save_tiny
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tether.tiny import save_tiny  # noqa: E402
 
 # The suite's models are tiny: with 2 intra-op threads the thread hand-offs cost more than the
 # maths (the offline-stage tests took 98 s with 2 threads and 10 s with 1 on an idle machine).

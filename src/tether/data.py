@@ -98,6 +98,12 @@ def _read_saved_dataset(path: Path, split: str) -> list[dict]:
 
 def _read_hub(name: str, split: str) -> list[dict]:
     import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE and not Path(datasets.config.HF_DATASETS_CACHE).joinpath(
+            name.replace("/", "___")).exists():
+        raise TetherError(f"data {name!r} is not a local file and HF_HUB_OFFLINE is set, and the "
+                          "datasets cache has no copy of it; pass a local .jsonl/.parquet/.csv file")
 
     try:
         return datasets.load_dataset(name, split=split).to_list()

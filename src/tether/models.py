@@ -51,11 +51,28 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def hub_offline() -> bool:
+    """True when the Hugging Face hub must not be contacted (HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 def _check_exists(name_or_path: str) -> None:
-    # A string that looks like a local path but is missing is a typo, not a hub name.
+    """Local paths first: a string that looks like a path but is missing is a typo, not a hub
+    name. A hub name in offline mode must be in the local cache, or loading it would only fail
+    after retries and a page of log lines."""
+    path = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local and not Path(name_or_path).expanduser().exists():
+    if looks_local and not path.exists():
         raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
+    if not path.exists() and hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            raise TetherError(f"{name_or_path} is not a local directory and HF_HUB_OFFLINE is set, "
+                              "and the hub cache has no copy of it; pass a local model directory "
+                              "or download it first")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
@@ -72,6 +89,11 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise TetherError(f"cannot load tokenizer from {name_or_path}: {str(exc).splitlines()[0]}") from None
+    # A directory with a model but no tokenizer files still "loads" an empty tokenizer from the
+    # config alone, which then encodes every text to no tokens: training would run on nothing.
+    if len(tokenizer) < 8 or not tokenizer("a b c", add_special_tokens=False)["input_ids"]:
+        raise TetherError(f"{name_or_path} has no usable tokenizer (vocabulary of {len(tokenizer)} "
+                          "tokens); save the tokenizer beside the model (tokenizer.save_pretrained)")
     declared = eos_token_ids(tokenizer, *_saved_configs(name_or_path, trust_remote_code))
     if tokenizer.pad_token is None or tokenizer.pad_token_id in declared:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
@@ -123,13 +145,30 @@ def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dty
     """`auto_class.from_pretrained`, resized to the tokenizer, with `pad_token_id` set; a load
     failure becomes one TetherError line naming `what` could not be loaded."""
     _check_exists(name_or_path)
-    try:
-        model = auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise TetherError(f"cannot load {what} from {name_or_path}: {str(exc).splitlines()[0]}") from None
+    model = _from_pretrained(auto_class, what, name_or_path, dtype, trust_remote_code)
     _resize_for(model, tokenizer)
     _set_pad(model, tokenizer)
     return model
+
+
+def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
+                     trust_remote_code: bool) -> nn.Module:
+    """`auto_class.from_pretrained`; a missing, truncated or corrupt weight file, or a pickle
+    payload that torch's safe loader refuses, becomes one TetherError line."""
+    from pickle import UnpicklingError
+
+    from safetensors import SafetensorError
+
+    try:
+        return auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype),
+                                          trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, SafetensorError, UnpicklingError, EOFError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        fix = ("it holds a pickle that torch's safe loader refuses: convert it to safetensors "
+               "from a trusted copy" if isinstance(exc, UnpicklingError) else
+               "the weight files are missing or damaged: copy or save the model again")
+        raise TetherError(f"cannot load {what} from {name_or_path} ({type(exc).__name__}: "
+                          f"{first}); {fix}") from None
 
 
 def _local(name_or_path: str) -> str:
@@ -328,8 +367,8 @@ class RewardModel(nn.Module):
             lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
             model = cls(lm.model.base_model, tokenizer, lora=lm)
         else:
-            backbone = AutoModel.from_pretrained(path, dtype=_dtype(dtype),
-                                                 trust_remote_code=trust_remote_code)
+            backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
+                                        trust_remote_code)
             model = cls(backbone, tokenizer)
         model.load_head(path)
         return model

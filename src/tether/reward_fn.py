@@ -64,11 +64,18 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
     except Exception as exc:  # the user's code: report it as an input problem, on one line
         raise TetherError(f"{what} {name} raised {type(exc).__name__}: {exc}; fix the function "
                           f"({fix}); checkpoints written so far are intact") from exc
+    returned = f"{type(scores).__name__} {str(scores)[:60]}"
     try:
+        # float() would take a dict's keys, or the string "1.5": both score the wrong thing
+        if isinstance(scores, (dict, str, bytes)):
+            raise TypeError
+        scores = list(scores)
+        if any(isinstance(s, (str, bytes)) for s in scores):
+            raise TypeError
         values = [float(s) for s in scores]
     except (TypeError, ValueError):
-        raise TetherError(f"{what} {name} returned {type(scores).__name__} that is not a list "
-                          f"of numbers; {fix}") from None
+        raise TetherError(f"{what} {name} returned {returned}, not a list of numbers; "
+                          f"{fix}") from None
     if len(values) != len(responses):
         raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
                           f"responses; {fix}")

@@ -137,7 +137,9 @@ def backward(loss: torch.Tensor) -> None:
     """Add d(loss)/d(params) to the gradients; refuses a non-finite loss instead of a silent bad
     update."""
     if not torch.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss.item()}; lower the learning rate or check the data")
+        raise TetherError(f"the loss is {loss.item()}: the step was not taken and nothing was "
+                          "saved over the last good checkpoint; lower --lr or check the data, "
+                          "then --resume")
     loss.backward()
 
 
@@ -152,6 +154,11 @@ def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    if not torch.isfinite(grad_norm):  # a finite loss can still have an overflowing gradient
+        optimizer.zero_grad(set_to_none=True)
+        raise TetherError(f"the gradient norm is {float(grad_norm)}: the step was not taken and "
+                          "nothing was saved over the last good checkpoint; lower --lr or "
+                          "--max-grad-norm, then --resume")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

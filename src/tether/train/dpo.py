@@ -36,6 +36,7 @@ from tether.models import (
     resolve_device,
     save_trained_lm,
 )
+from tether.reward_fn import check_same_vocabulary
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     TrainConfig,
@@ -121,6 +122,9 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, examples, device):
     """(frozen reference model, None) or (None, precomputed [N, 2] log-probs)."""
     policy = lm.model
     if cfg.ref_model:
+        # DPO compares the two models' log-probs of the same token ids: one vocabulary.
+        ref_tokenizer = load_tokenizer(cfg.ref_model, cfg.trust_remote_code)
+        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
         ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
         disable_dropout(ref).to(device).eval().requires_grad_(False)  # fresh load: no copy needed
     elif lm.peft is not None:
