@@ -1,8 +1,14 @@
-"""Losses: PPO's clipped surrogate and value loss, Bradley-Terry, DPO and IPO.
+"""Losses: PPO's clipped surrogate, the KL loss term, the value loss, Bradley-Terry, DPO and IPO.
 
 Notation: B batch, T response positions; `mask` [B, T] is true on real response tokens. Token
 means are masked means over the whole batch (every real token weighs the same). Each loss returns
 the loss plus detached statistics and never logs.
+
+Two reductions over tokens (`per_token_mean`): the masked token mean over the batch,
+sum_{i,t} m x / sum_{i,t} m, and per-sequence sums averaged over sequences, 1/B sum_i sum_t m x.
+They differ by the factor L = sum m / B, the batch's mean response length. When the KL is a loss
+term beside the policy loss, both must use the same reduction, or beta is multiplied by L (or
+1/L) relative to the reward placement.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tether._checks import choice, masked_mean, non_negative, same_shape
-from tether.kl import LOG_RATIO_CLAMP
+from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
 
 
 def assert_finite(name: str, value: torch.Tensor) -> None:
@@ -22,8 +28,20 @@ def assert_finite(name: str, value: torch.Tensor) -> None:
             "skipped. Lower the learning rate, check the rewards for NaN, or clip them")
 
 
+def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool) -> torch.Tensor:
+    """Scalar reduction of a [B, T] per-token quantity over the real tokens of `mask`.
+
+    per_token_mean=True: sum_{i,t} m x / sum_{i,t} m (masked token mean over the batch);
+    per_token_mean=False: 1/B sum_i sum_t m x (per-sequence sums, mean over sequences).
+    """
+    if per_token_mean:
+        return masked_mean(x, mask)
+    return (x * mask.to(x.dtype)).sum(dim=-1).mean()
+
+
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip: float = 0.2) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor, clip: float = 0.2,
+                    per_token_mean: bool = True) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7), negated to a loss.
 
@@ -36,6 +54,9 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
         advantages: [B, T] advantages (usually whitened).
         mask: [B, T] bool.
         clip: eps > 0.
+        per_token_mean: True (default): the masked token mean over the batch; False:
+            per-sequence sums averaged over sequences, the units of `kl_penalty`'s default
+            (see the module docstring: pass the same value to both).
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
@@ -47,7 +68,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(pg_loss1, pg_loss2), mask)
+    loss = reduce_tokens(torch.maximum(pg_loss1, pg_loss2), mask, per_token_mean)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
@@ -55,6 +76,102 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               mask: torch.Tensor, estimator: str = "k3_ratio",
+               per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+    """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
+
+    On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
+    ratio rho_t = pi(y_t) / pi_old(y_t) (pi_old detached; log-ratios clamped to +-20):
+
+        k2:        c_t = d_t^2 / 2
+        k3:        c_t = exp(-d_t) - 1 + d_t                 (GRPO's term, Shao et al. 2024)
+        k3_ratio:  c_t = rho_t * (exp(-d_t) - 1 + d_t)       (both factors carry the gradient)
+
+        penalty = 1/B sum_i sum_t m_{i,t} c_{i,t}            (per_token_mean=False)
+                = sum_{i,t} m c / sum_{i,t} m                 (per_token_mean=True)
+
+    Expected gradient at one position, y ~ pi_old (Schulman 2020's estimators; the sums are
+    checked over a whole vocabulary in tests/test_kl_gradients.py):
+        k2:       grad KL(pi || ref) where pi = pi_old (the first, on-policy epoch), not after;
+        k3:       grad KL(ref || pi), the forward KL, where pi = pi_old;
+        k3_ratio: grad KL(pi || ref) for every pi, since E_{pi_old}[rho * k3] = E_pi[k3]
+                  = KL(pi || ref) exactly; hence the default.
+    With several tokens, each position's KL is differentiated at its sampled prefix: the effect
+    of a token on the KL of later tokens is not in the gradient, as it is with the KL in the
+    return. For the exact per-position KL use `exact_kl_penalty`.
+
+    Units: the default, per-sequence sums averaged over sequences, is the per-sequence KL that
+    the controller and the reward placement use; it matches `ppo_policy_loss(...,
+    per_token_mean=False)`. Beside the default (token-mean) `ppo_policy_loss`, pass
+    per_token_mean=True here, or beta acts L = (real tokens / B) times stronger.
+
+    Args:
+        logprobs: [B, T] log pi(y_t) under the policy being updated (differentiable).
+        old_logprobs: [B, T] log pi_old(y_t) at rollout time (detached here).
+        ref_logprobs: [B, T] log ref(y_t).
+        mask: [B, T] bool, true on real response tokens; padding may hold anything.
+        estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
+        per_token_mean: the reduction, see above.
+
+    Returns:
+        (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
+        over sequences of the summed c) and `kl_per_token` (masked token mean of c).
+    """
+    if estimator in ("k1", "abs"):
+        raise ValueError(f"KL estimator {estimator!r} cannot be a loss term: its expected "
+                         "gradient is not a KL's (k1's is 0 on-policy); use k3_ratio, k2 or k3")
+    if estimator == "exact":
+        raise ValueError("the exact KL needs the full logits: compute tether.kl.exact(logits, "
+                         "ref_logits) per position and pass it to exact_kl_penalty")
+    choice("KL loss estimator", estimator, LOSS_ESTIMATORS)
+    same_shape(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+               mask=mask)
+    real = mask.bool()
+    # Zero the padding before any exp, so neither its value nor its gradient can turn NaN.
+    logprobs = torch.where(real, logprobs, 0.0)
+    old_logprobs = torch.where(real, old_logprobs.detach(), 0.0)
+    ref_logprobs = torch.where(real, ref_logprobs.detach(), 0.0)
+    if estimator == "k2":
+        per_token = estimate(logprobs, ref_logprobs, "k2")
+    else:
+        per_token = estimate(logprobs, ref_logprobs, "k3")
+        if estimator == "k3_ratio":
+            log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            per_token = torch.exp(log_ratio) * per_token
+    return _reduced_penalty(per_token, mask, per_token_mean)
+
+
+def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor,
+                     per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+    """The exact KL as a loss term: KL(pi(.|prefix) || ref(.|prefix)) summed over the whole
+    vocabulary at every sampled prefix, reduced as in `kl_penalty`.
+
+    Its gradient is that of KL(pi || ref) at each position, for every pi, with no sampling noise
+    over the vocabulary (the prefixes are still sampled, and held fixed).
+
+    Args:
+        exact_kl: [B, T] per-position exact KL, differentiable, e.g. `tether.kl.exact(logits,
+            ref_logits, temperature)` at the response positions.
+        mask: [B, T] bool, true on real response tokens.
+        per_token_mean: the reduction, as in `kl_penalty`.
+
+    Returns:
+        (penalty, stats), as `kl_penalty`.
+    """
+    same_shape(exact_kl=exact_kl, mask=mask)
+    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean)
+
+
+def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor,
+                     per_token_mean: bool) -> tuple[torch.Tensor, dict]:
+    penalty = reduce_tokens(per_token, mask, per_token_mean)
+    with torch.no_grad():
+        stats = {"kl_per_sequence": reduce_tokens(per_token, mask, per_token_mean=False),
+                 "kl_per_token": reduce_tokens(per_token, mask, per_token_mean=True)}
+    return penalty, stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
