@@ -78,9 +78,9 @@ def test_grpo_std_fixed_point_is_self_consistent(beta, eps):
 
 
 def test_grpo_std_small_beta_has_no_point_short_of_collapse():
-    # Here sigma_pi = std under ref exp(r / (beta sigma)) / Z meets sigma only for beta above ~0.7
-    # (scanned by hand over sigma in (0, 1.2)): below it, dividing the reward by its shrinking
-    # spread outruns any KL pull and the policy goes deterministic.
+    # Here the std under ref exp(r / (beta sigma)) / Z equals sigma somewhere only for beta above
+    # about 0.77 (a scan over sigma in (0, 1.5)): below it, dividing the reward by its shrinking
+    # spread outruns the KL's pull and the policy goes deterministic.
     with pytest.raises(ValueError, match="collapses"):
         fixed_point_grpo_std(REF, REWARDS, beta=0.5)
 
