@@ -92,3 +92,73 @@ def fixed_point_grpo_std(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: f
             return policy(new_sigma)
         sigma = new_sigma
     raise ValueError(f"fixed-point iteration for sigma did not converge in {max_iter} steps")
+
+
+GROUP_ADVANTAGES = ("rloo", "grpo_none", "grpo_group")
+
+
+def group_expected_update(theta: torch.Tensor, ref_probs: torch.Tensor, rewards: torch.Tensor,
+                          beta: float, k: int, advantage: str, eps: float = 1e-4) -> torch.Tensor:
+    """The exact expected on-policy update direction in softmax logits, [V], for k samples per
+    prompt with outcome advantages and the KL(pi || ref) gradient as a loss term:
+
+        E_{y_1..k ~ pi}[ 1/k sum_i A_i grad log pi(y_i) ] - beta grad KL(pi || ref)
+
+    summed over all V^k groups (no sampling). A_i: "rloo" R_i - mean of the others; "grpo_none"
+    R_i - group mean; "grpo_group" (R_i - group mean) / (sample std + eps).
+    """
+    if advantage not in GROUP_ADVANTAGES:
+        raise ValueError(f"advantage must be one of {GROUP_ADVANTAGES}, got {advantage!r}")
+    vocab = ref_probs.numel()
+    if vocab**k > 1_000_000:
+        raise ValueError(f"{vocab}^{k} groups are too many to enumerate; use a smaller k or V")
+    pi = torch.softmax(theta, dim=-1)
+    groups = torch.cartesian_prod(*[torch.arange(vocab)] * k).view(-1, k)  # [V^k, k]
+    probability = pi[groups].prod(dim=-1)  # [V^k]
+    group_rewards = rewards[groups]  # [V^k, k]
+    centred = group_rewards - group_rewards.mean(dim=-1, keepdim=True)
+    if advantage == "rloo":
+        advantages = centred * k / (k - 1)
+    elif advantage == "grpo_none":
+        advantages = centred
+    else:
+        advantages = centred / (group_rewards.std(dim=-1, keepdim=True) + eps)
+    score = torch.nn.functional.one_hot(groups, vocab).to(pi.dtype) - pi  # grad log pi(y_i)
+    policy_gradient = (probability[:, None] * (advantages[..., None] * score).mean(1)).sum(0)
+    log_ratio = pi.log() - ref_probs.log()
+    kl_gradient = pi * (log_ratio - (pi * log_ratio).sum())
+    return policy_gradient - beta * kl_gradient
+
+
+def fixed_point_group(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, k: int,
+                      advantage: str = "grpo_group", eps: float = 1e-4) -> torch.Tensor:
+    """Where the exact expected update of `group_expected_update` vanishes; [V] probabilities.
+
+    Newton's method in the logits, theta_0 held at 0 (softmax is shift-invariant and both
+    gradients sum to 0 over the outcomes), from the reference. Closed forms it must agree with:
+    rloo -> fixed_point_reverse_kl(beta); grpo_none -> fixed_point_reverse_kl(beta k / (k - 1)),
+    since its group mean includes the sample and shrinks the reward by (k - 1) / k. grpo_group
+    has none; it tends to `fixed_point_grpo_std` as k grows.
+    """
+    _check(ref_probs, rewards, beta)
+    if k < 2:
+        raise ValueError(f"k must be >= 2, got {k}")
+    ref_probs, rewards = ref_probs.double(), rewards.double()
+    free = (ref_probs.log() - ref_probs.log()[0])[1:].clone()
+
+    def residual(free_logits: torch.Tensor) -> torch.Tensor:
+        theta = torch.cat([free_logits.new_zeros(1), free_logits])
+        return group_expected_update(theta, ref_probs, rewards, beta, k, advantage, eps)[1:]
+
+    for _ in range(100):
+        value = residual(free)
+        if float(value.abs().max()) < 1e-13:
+            return torch.softmax(torch.cat([free.new_zeros(1), free]), dim=-1)
+        jacobian = torch.autograd.functional.jacobian(residual, free)
+        step = torch.linalg.solve(jacobian, value)
+        scale = 1.0  # backtrack until the residual shrinks
+        while scale > 1e-4 and float(residual(free - scale * step).abs().max()) >= float(
+                value.abs().max()):
+            scale *= 0.5
+        free = free - scale * step
+    raise ValueError("Newton's method did not find where the expected update vanishes")

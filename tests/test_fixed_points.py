@@ -3,9 +3,20 @@ gradient of each regularised objective, taken by autograd in softmax logits, van
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from fixed_points import fixed_point_forward_kl, fixed_point_grpo_std, fixed_point_reverse_kl
+from fixed_points import (
+    fixed_point_forward_kl,
+    fixed_point_group,
+    fixed_point_grpo_std,
+    fixed_point_reverse_kl,
+    group_expected_update,
+)
+
+from tether.advantages import grpo, kl_shaped_rewards, rloo
+from tether.losses import kl_penalty, ppo_policy_loss
 
 REF = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
 REWARDS = torch.tensor([0.0, 1.0, 0.5, 2.0], dtype=torch.float64)
@@ -85,6 +96,72 @@ def test_grpo_std_small_beta_has_no_point_short_of_collapse():
         fixed_point_grpo_std(REF, REWARDS, beta=0.5)
 
 
+# A three-outcome bandit for the k-sample estimators (V^k groups are enumerated).
+REF3 = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+REWARDS3 = torch.tensor([1.0, 0.0, -0.5], dtype=torch.float64)
+
+
+def _tv(p, q):
+    return float(0.5 * (p - q).abs().sum())
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_group_fixed_points_match_their_closed_forms(k):
+    # RLOO's baseline excludes the sample: the update is exactly grad E[r] - beta grad KL.
+    # Dr. GRPO's group mean includes it, so its advantage is (k-1)/k RLOO's and with the KL in
+    # the loss beta acts as beta k/(k-1).
+    beta = 1.0
+    reverse = fixed_point_reverse_kl(REF3, REWARDS3, beta)
+    assert _tv(fixed_point_group(REF3, REWARDS3, beta, k, "rloo"), reverse) < 1e-12
+    assert _tv(fixed_point_group(REF3, REWARDS3, beta, k, "grpo_none"),
+               fixed_point_reverse_kl(REF3, REWARDS3, beta * k / (k - 1))) < 1e-12
+    assert _tv(fixed_point_group(REF3, REWARDS3, beta, k, "grpo_none"), reverse) > 0.01
+
+
+def test_grpo_std_fixed_point_tends_to_the_many_samples_point():
+    # With the group's sample std, finite k lands well away from the sigma_pi idealisation
+    # (TV 0.33 at k = 2) and approaches it as k grows (0.19 at k = 4, 0.10 at k = 8, measured).
+    ideal = fixed_point_grpo_std(REF3, REWARDS3, 1.0, eps=1e-4)
+    distances = []
+    for k in (2, 3, 4, 6):
+        landing = fixed_point_group(REF3, REWARDS3, 1.0, k, "grpo_group")
+        theta = landing.log()
+        assert float(group_expected_update(theta, REF3, REWARDS3, 1.0, k,
+                                           "grpo_group").abs().max()) < 1e-12
+        distances.append(_tv(landing, ideal))
+    assert distances == sorted(distances, reverse=True)
+    assert distances[0] > 0.3 and distances[-1] < 0.15
+
+
+@pytest.mark.parametrize("advantage, estimator", [(rloo, None), (grpo, "group"),
+                                                  (grpo, "none")])
+def test_group_update_is_tethers_expected_update(advantage, estimator):
+    # The helper's vectorised update against tether's own functions, enumerated group by group:
+    # kl_shaped_rewards (beta 0) -> rloo / grpo -> ppo_policy_loss + beta * kl_penalty(k3_ratio).
+    # Minimising the loss moves theta along minus its gradient, which must be the helper's update.
+    k, beta = 3, 0.7
+    theta = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64, requires_grad=True)
+    log_pi, log_ref = torch.log_softmax(theta, -1), REF3.log()
+    mask = torch.ones(k, 1, dtype=torch.bool)
+    expected = torch.zeros((), dtype=torch.float64)
+    for group in itertools.product(range(3), repeat=k):
+        tokens = torch.tensor(group).view(k, 1)
+        logprobs, old = log_pi[tokens], log_pi[tokens].detach()
+        rewards, _ = kl_shaped_rewards(REWARDS3[tokens].view(k).float(), old, log_ref[tokens],
+                                       mask, 0.0)
+        if estimator is None:
+            advantages = advantage(rewards, mask, k)
+        else:
+            advantages = advantage(rewards, mask, k, scale_rewards=estimator)
+        loss, _ = ppo_policy_loss(logprobs, old, advantages.double(), mask)
+        penalty, _ = kl_penalty(logprobs, old, log_ref[tokens], mask, "k3_ratio")
+        expected = expected + old.sum().exp() * (loss + beta * penalty)
+    (gradient,) = torch.autograd.grad(expected, theta)
+    name = {None: "rloo", "group": "grpo_group", "none": "grpo_none"}[estimator]
+    update = group_expected_update(theta.detach(), REF3, REWARDS3, beta, k, name)
+    torch.testing.assert_close(-gradient, update, rtol=1e-5, atol=1e-7)
+
+
 def test_helpers_reject_bad_input():
     with pytest.raises(ValueError, match="sum to 1"):
         fixed_point_reverse_kl(REF * 2, REWARDS, 1.0)
@@ -92,3 +169,7 @@ def test_helpers_reject_bad_input():
         fixed_point_forward_kl(REF, REWARDS, 0.0)
     with pytest.raises(ValueError, match="one length"):
         fixed_point_grpo_std(REF, REWARDS[:3], 1.0)
+    with pytest.raises(ValueError, match="k must be"):
+        fixed_point_group(REF3, REWARDS3, 1.0, 1)
+    with pytest.raises(ValueError, match="advantage"):
+        fixed_point_group(REF3, REWARDS3, 1.0, 2, "ppo")
