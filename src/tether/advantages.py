@@ -201,7 +201,8 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
     GRPO implementations compute it; the paper writes std(r) without saying which), and eps
     (TRL's 1e-4) keeps a group of equal rewards at A = 0 instead of 0/0. Dividing by the group's
     std weighs prompts by how much their rewards vary and scales the reward, not a KL loss term:
-    Liu et al. remove it. `none` equals `rloo` times (k - 1)/k.
+    Liu et al. remove it. `none` equals `rloo` times (k - 1)/k: the group mean includes the
+    sample, so beside a KL loss term beta acts as beta * k/(k - 1) (docs/ppo.md).
 
     Args:
         rewards: [B, T] per-token rewards (`kl_shaped_rewards`), B = n_prompts * k.

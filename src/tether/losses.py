@@ -95,7 +95,7 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
 
     Expected gradient at one position, y ~ pi_old (Schulman 2020's estimators; the sums are
     checked over a whole vocabulary in tests/test_kl_gradients.py):
-        k2:       grad KL(pi || ref) where pi = pi_old (the first, on-policy epoch), not after;
+        k2:       grad KL(pi || ref) where pi = pi_old (the first step on a batch), not after;
         k3:       grad KL(ref || pi), the forward KL, where pi = pi_old;
         k3_ratio: grad KL(pi || ref) for every pi, since E_{pi_old}[rho * k3] = E_pi[k3]
                   = KL(pi || ref) exactly; hence the default.
