@@ -70,7 +70,8 @@ def fixed_point_grpo_std(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: f
     under pi itself), found by iterating sigma <- std under the pi that sigma gives, from the
     reference's std (where the loop starts). The iteration is damped (half steps), since the map
     can overshoot. A small beta can leave no point short of collapse: sigma then shrinks towards
-    0 and this raises, unless eps > 0 keeps the temperature finite.
+    0 and this raises (with eps > 0 too, where the "point" would be a near-deterministic policy at
+    temperature beta * eps).
     """
     _check(ref_probs, rewards, beta)
     ref_probs, rewards = ref_probs.double(), rewards.double()
@@ -82,12 +83,12 @@ def fixed_point_grpo_std(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: f
         mean = float((probs * rewards).sum())
         return float((probs * (rewards - mean).square()).sum()) ** 0.5
 
-    sigma = spread(ref_probs)
+    sigma = start = spread(ref_probs)
     for _ in range(max_iter):
         new_sigma = 0.5 * (sigma + spread(policy(sigma)))
-        if new_sigma + eps < 1e-9:
+        if new_sigma < 1e-6 * start:
             raise ValueError("std-scaled fixed point collapses to a deterministic policy "
-                             f"(sigma -> 0) at beta={beta}; pass eps > 0 or a larger beta")
+                             f"(sigma -> 0) at beta={beta}; a larger beta has a point")
         if abs(new_sigma - sigma) <= tol * max(sigma, 1.0):
             return policy(new_sigma)
         sigma = new_sigma

@@ -119,18 +119,29 @@ def test_group_fixed_points_match_their_closed_forms(k):
 
 
 def test_grpo_std_fixed_point_tends_to_the_many_samples_point():
-    # With the group's sample std, finite k lands well away from the sigma_pi idealisation
-    # (TV 0.33 at k = 2) and approaches it as k grows (0.19 at k = 4, 0.10 at k = 8, measured).
-    ideal = fixed_point_grpo_std(REF3, REWARDS3, 1.0, eps=1e-4)
+    # Above the collapse threshold (beta ~ 1.55 for this bandit), the group's sample std makes
+    # finite k land on the less greedy side of the sigma_pi point, well away at k = 2 (TV 0.18)
+    # and closing in as k grows (0.10 at k = 4, 0.05 at k = 8, measured).
+    beta = 2.0
+    ideal = fixed_point_grpo_std(REF3, REWARDS3, beta, eps=1e-4)
     distances = []
     for k in (2, 3, 4, 6):
-        landing = fixed_point_group(REF3, REWARDS3, 1.0, k, "grpo_group")
-        theta = landing.log()
-        assert float(group_expected_update(theta, REF3, REWARDS3, 1.0, k,
+        landing = fixed_point_group(REF3, REWARDS3, beta, k, "grpo_group")
+        assert float(group_expected_update(landing.log(), REF3, REWARDS3, beta, k,
                                            "grpo_group").abs().max()) < 1e-12
+        assert float(landing[0]) < float(ideal[0])  # less mass on the best outcome
         distances.append(_tv(landing, ideal))
     assert distances == sorted(distances, reverse=True)
-    assert distances[0] > 0.3 and distances[-1] < 0.15
+    assert distances[0] > 0.15 and distances[-1] < 0.08
+
+
+def test_grpo_std_below_the_threshold_finite_k_drifts_towards_collapse():
+    # At beta = 1 the many-samples limit has no point short of collapse (eps or not); finite k
+    # stops short of it, with more mass on the best outcome as k grows.
+    with pytest.raises(ValueError, match="collapses"):
+        fixed_point_grpo_std(REF3, REWARDS3, 1.0, eps=1e-4)
+    best = [float(fixed_point_group(REF3, REWARDS3, 1.0, k, "grpo_group")[0]) for k in (2, 4, 6)]
+    assert best == sorted(best) and best[0] < 0.7 and best[-1] > 0.85
 
 
 @pytest.mark.parametrize("advantage, estimator", [(rloo, None), (grpo, "group"),
