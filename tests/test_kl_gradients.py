@@ -18,7 +18,7 @@ import itertools
 
 import pytest
 import torch
-from fixed_points import fixed_point_reverse_kl
+from fixed_points import fixed_point_forward_kl, fixed_point_reverse_kl
 
 from tether import kl as kl_lib
 from tether.advantages import gae, kl_shaped_rewards, rloo
@@ -163,7 +163,7 @@ BANDIT_MASK = torch.tensor([[True, False], [True, True]])
 BETA = 0.5
 
 
-def bandit_gradient(probs, placement, pg_token_mean, kl_token_mean=False):
+def bandit_gradient(probs, placement, pg_token_mean, kl_token_mean=False, estimator="k3_ratio"):
     """Expected gradient of the whole loss at pi = probs (on-policy), summed exactly over the
     3^3 joint outcomes of the three real tokens; advantages from rloo with k = 2."""
     theta = probs.log().clone().requires_grad_(True)
@@ -180,7 +180,7 @@ def bandit_gradient(probs, placement, pg_token_mean, kl_token_mean=False):
         loss, _ = ppo_policy_loss(logprobs, old, advantages, BANDIT_MASK,
                                   per_token_mean=pg_token_mean)
         if placement == "loss":
-            penalty, _ = kl_penalty(logprobs, old, ref_logprobs, BANDIT_MASK, "k3_ratio",
+            penalty, _ = kl_penalty(logprobs, old, ref_logprobs, BANDIT_MASK, estimator,
                                     per_token_mean=kl_token_mean)
             loss = loss + BETA * penalty
         probability = old[BANDIT_MASK].exp().prod()
@@ -203,6 +203,21 @@ def test_kl_in_the_reward_keeps_beta_whatever_the_reduction(pg_token_mean):
 @pytest.mark.parametrize("token_mean", [True, False])
 def test_kl_in_the_loss_keeps_beta_when_the_reductions_match(token_mean):
     grad = bandit_gradient(pi_star(BETA), "loss", token_mean, kl_token_mean=token_mean)
+    assert float(grad.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("token_mean", [True, False])
+def test_plain_k3_in_the_loss_lands_on_the_forward_kl_point(token_mean):
+    # the same composition with GRPO's k3: matched reductions stop at the forward KL's point,
+    # not at the reverse one; mismatched, at the forward point for beta scaled by L
+    forward = fixed_point_forward_kl(BANDIT_REF, BANDIT_R, BETA)
+    grad = bandit_gradient(forward, "loss", token_mean, token_mean, estimator="k3")
+    assert float(grad.abs().max()) < 1e-6
+    grad = bandit_gradient(pi_star(BETA), "loss", token_mean, token_mean, estimator="k3")
+    assert float(grad.abs().max()) > 1e-2
+    scale = 1.5 if token_mean else 1 / 1.5
+    shifted = fixed_point_forward_kl(BANDIT_REF, BANDIT_R, BETA * scale)
+    grad = bandit_gradient(shifted, "loss", token_mean, not token_mean, estimator="k3")
     assert float(grad.abs().max()) < 1e-6
 
 
