@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, token_mean, value_loss
+from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, reduce_tokens, value_loss
 
 LN2 = math.log(2.0)
 
@@ -123,17 +123,19 @@ def test_token_count_replaces_the_masked_mean_denominator():
     values, returns = torch.tensor([[2.0, 5.0]]), torch.zeros(1, 2)
     mask = torch.tensor([[True, False]])
     assert float(value_loss(values, values, returns, mask)[0]) == pytest.approx(2.0)
-    assert float(value_loss(values, values, returns, mask, n_tokens=4)[0]) == pytest.approx(0.5)
-    # Policy: on-policy, A = 3 on the one real token: -3 / 1 as a mean, -3 / 4 with n_tokens = 4;
+    assert float(value_loss(values, values, returns, mask, denominator=4)[0]) == pytest.approx(0.5)
+    # Policy: on-policy, A = 3 on the one real token: -3 / 1 as a mean, -3 / 4 with denominator 4;
     # the stats stay means over the mask (ratio 1, no clipping).
     logprobs, advantages = torch.tensor([[-1.0, -2.0]]), torch.tensor([[3.0, 9.0]])
-    loss, stats = ppo_policy_loss(logprobs, logprobs, advantages, mask, n_tokens=4)
+    loss, stats = ppo_policy_loss(logprobs, logprobs, advantages, mask, denominator=4)
     assert float(loss) == pytest.approx(-0.75)
     assert float(stats["ratio_mean"]) == 1.0
-    # An empty mask divides by max(n_tokens, 1), like the masked mean.
-    assert float(token_mean(torch.ones(1, 2), torch.zeros(1, 2), n_tokens=0)) == 0.0
-    with pytest.raises(ValueError, match="n_tokens must be >= 0"):
-        token_mean(torch.ones(1, 2), mask, n_tokens=-1)
+    # An empty mask divides by max(denominator, 1), like the masked mean.
+    assert float(reduce_tokens(torch.ones(1, 2), torch.zeros(1, 2), denominator=0)) == 0.0
+    with pytest.raises(ValueError, match="denominator must be >= 0"):
+        reduce_tokens(torch.ones(1, 2), mask, denominator=-1)
+    # Per-sequence sums: one row whose real tokens sum to 4, divided by a minibatch of 2 rows.
+    assert float(reduce_tokens(torch.tensor([[4.0, 9.0]]), mask, False, denominator=2)) == 2.0
 
 
 def test_micro_batch_losses_add_up_to_the_minibatch_loss_and_gradient():
@@ -148,8 +150,10 @@ def test_micro_batch_losses_add_up_to_the_minibatch_loss_and_gradient():
     n_tokens = int(mask.sum())
 
     def total(rows, n=None):
-        pg, _ = ppo_policy_loss(logprobs[rows], old[rows], advantages[rows], mask[rows], 0.2, n)
-        v, _ = value_loss(values[rows], old_values[rows], returns[rows], mask[rows], 0.2, n)
+        pg, _ = ppo_policy_loss(logprobs[rows], old[rows], advantages[rows], mask[rows], 0.2,
+                                denominator=n)
+        v, _ = value_loss(values[rows], old_values[rows], returns[rows], mask[rows], 0.2,
+                          denominator=n)
         return pg + 0.1 * v
 
     full = total(slice(None))

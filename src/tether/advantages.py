@@ -9,6 +9,12 @@ The total reward of a response y to a prompt x (Ziegler et al. 2019; Stiennon et
 
 spread over tokens: every real token gets r_t = -beta * kl_t, and the sequence score R_RM is added
 at the last real token, where the whole response is known.
+
+Advantages come from a critic (`gae`) or, critic-free, from k samples per prompt. Rows come in
+groups: B = n_prompts * k, and rows i*k .. i*k + k - 1 answer prompt i. `rloo` and `grpo` use the
+sequence return R_i = sum_t r_{i,t} (gamma = 1) on every real token (outcome supervision);
+`reinforce_pp` whitens the per-token return-to-go over the batch. With the KL in the loss, the
+rewards are `kl_shaped_rewards` with beta = 0: the score alone, on the last real token.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tether import kl as kl_lib
-from tether._checks import non_negative, same_shape
+from tether._checks import choice, non_negative, positive, same_shape
 
 
 def last_true_index(mask: torch.Tensor) -> torch.Tensor:
@@ -131,3 +137,116 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask_f
+
+
+def _group_returns(rewards: torch.Tensor, mask: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """[B // k, k] sequence returns R_i = sum_t r_{i,t} over real tokens, one row per prompt."""
+    same_shape(rewards=rewards, mask=mask)
+    if rewards.dim() != 2:
+        raise ValueError(f"{name} takes [B, T] rewards and mask, got {tuple(rewards.shape)}")
+    if k < 2:
+        raise ValueError(f"{name} needs k >= 2 samples per prompt (a baseline from the other "
+                         f"samples of the group), got k={k}")
+    batch = rewards.shape[0]
+    if batch % k:
+        raise ValueError(f"{name}: a batch of {batch} rows is not a whole number of groups of "
+                         f"k={k}; pass n_prompts * k rows, the k samples of a prompt adjacent")
+    if not bool(mask.bool().any(dim=-1).all()):
+        raise ValueError("a response has no real tokens in mask; every row needs at least one")
+    returns = torch.where(mask.bool(), rewards.float(), 0.0).sum(dim=-1)  # [B]
+    return returns.view(batch // k, k)
+
+
+def _on_real_tokens(sequence_advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each row's advantage on its real tokens, 0 on padding."""
+    return torch.where(mask.bool(), sequence_advantages.reshape(-1, 1), 0.0)
+
+
+def rloo(rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for
+    Free!"; for RLHF, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+    Optimization for Learning from Human Feedback in LLMs").
+
+    R_i = sum_t r_{i,t}
+    A_i = R_i - 1/(k - 1) * sum_{j != i, j in group(i)} R_j  =  k/(k - 1) * (R_i - mean_group R)
+
+    The baseline of sample i excludes R_i, so it is independent of y_i and the gradient estimate
+    stays unbiased. The advantages of a group sum to 0.
+
+    Args:
+        rewards: [B, T] per-token rewards (`kl_shaped_rewards`), B = n_prompts * k.
+        mask: [B, T] bool, true on real response tokens; every row needs at least one.
+        k: samples per prompt, >= 2; rows i*k .. i*k + k - 1 share a prompt.
+
+    Returns:
+        [B, T] fp32 advantages: A_i on every real token of row i, 0 on padding.
+    """
+    returns = _group_returns(rewards, mask, k, "rloo")  # [n_prompts, k]
+    others_mean = (returns.sum(dim=1, keepdim=True) - returns) / (k - 1)
+    return _on_real_tokens(returns - others_mean, mask)
+
+
+GRPO_SCALES = ("group", "none")
+
+
+def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str = "group",
+         eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages, outcome supervision (Shao et al. 2024, "DeepSeekMath", GRPO).
+
+    group: A_i = (R_i - mean_group R) / (std_group R + eps)
+    none:  A_i =  R_i - mean_group R          (Dr. GRPO, Liu et al. 2025, "Understanding
+                                               R1-Zero-Like Training: A Critical Perspective")
+
+    std is the sample standard deviation (Bessel-corrected, torch.std's default, as the common
+    GRPO implementations compute it; the paper writes std(r) without saying which), and eps
+    (TRL's 1e-4) keeps a group of equal rewards at A = 0 instead of 0/0. Dividing by the group's
+    std weighs prompts by how much their rewards vary and scales the reward, not a KL loss term:
+    Liu et al. remove it. `none` equals `rloo` times (k - 1)/k: the group mean includes the
+    sample, so beside a KL loss term beta acts as beta * k/(k - 1) (docs/ppo.md).
+
+    Args:
+        rewards: [B, T] per-token rewards (`kl_shaped_rewards`), B = n_prompts * k.
+        mask: [B, T] bool, true on real response tokens; every row needs at least one.
+        k: samples per prompt, >= 2; rows i*k .. i*k + k - 1 share a prompt.
+        scale_rewards: "group" (divide by the group's std) or "none".
+        eps: > 0, added to the std.
+
+    Returns:
+        [B, T] fp32 advantages: A_i on every real token of row i, 0 on padding.
+    """
+    choice("scale_rewards", scale_rewards, GRPO_SCALES)
+    positive("eps", eps)
+    returns = _group_returns(rewards, mask, k, "grpo")  # [n_prompts, k]
+    advantages = returns - returns.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        advantages = advantages / (returns.std(dim=1, keepdim=True) + eps)
+    return _on_real_tokens(advantages, mask)
+
+
+def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                 eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+    Language Models"): the per-token return-to-go, whitened over the whole batch.
+
+    G_t = sum_{s >= t} gamma^(s - t) r_s      (real tokens only)
+    A_t = (G_t - mean(G)) / sqrt(var(G) + eps)  over all real tokens of the batch
+
+    Subtracting the batch mean makes it a baseline shared by every token of the batch (no
+    critic, no groups: k is not needed); it is a token mean, so longer responses weigh more in
+    it, and it depends on the sample itself, a bias of order 1/(number of tokens). The division
+    by the std scales the KL-shaped return as a whole, so with the KL in the reward it changes
+    the step size, not the fixed point. Under data parallelism the statistics must be global.
+
+    Args:
+        rewards: [B, T] per-token rewards (`kl_shaped_rewards`).
+        mask: [B, T] bool, true on real response tokens.
+        gamma: discount in [0, 1].
+        eps: added to the (population) variance, as in `whiten`.
+
+    Returns:
+        [B, T] fp32 advantages, 0 on padding.
+    """
+    # GAE with V = 0 and lambda = 1 is exactly the discounted return-to-go.
+    returns_to_go, _ = gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask,
+                           gamma=gamma, lam=1.0)
+    return whiten(returns_to_go, mask, shift_mean=True, eps=eps)

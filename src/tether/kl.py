@@ -13,6 +13,13 @@ and, following Schulman (2020), "Approximating KL Divergence", with r = ref(y) /
        = exp(-d) - 1 + d
     abs = |d|                 a biased, non-negative magnitude
 
+Where the penalty sits decides which divergence's gradient the update follows (docs/ppo.md,
+"Critic-free advantages and the KL placements"). KL(pi || ref) is the *reverse*, mode-seeking KL
+that the RLHF objective penalises; KL(ref || pi) is the *forward*, mass-covering one. In the
+reward, k1 gives the gradient of KL(pi || ref). As a loss term on tokens sampled from pi_old, at
+pi = pi_old: k2 gives the gradient of KL(pi || ref), k3 that of KL(ref || pi), and k3 * pi/pi_old
+(`k3_ratio`) and the exact per-position KL give the gradient of KL(pi || ref) for every pi.
+
 The controllers set beta in R_total = R_RM - beta * KL. `AdaptiveKL` is the proportional
 controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences", eq. 2.
 """
@@ -26,7 +33,12 @@ import torch
 from tether._checks import choice, non_negative, positive, same_shape
 from tether.logprobs import map_row_chunks
 
+# Per-token estimators of KL(pi || ref): `estimate` and the KL-in-the-reward placement take these.
 ESTIMATORS = ("k1", "k2", "k3", "abs")
+# The terms `tether.losses.kl_penalty` accepts for the KL-as-a-loss placement, default first.
+# k1 and abs are refused there: k1's expected gradient is 0 on-policy, abs's is no KL's gradient.
+# k3_ratio (k3 * pi/pi_old) and exact exist only as loss terms.
+LOSS_ESTIMATORS = ("k3_ratio", "k2", "k3", "exact")
 
 # exp(-d) in k3 overflows fp32 near d = -88; a log-ratio of 20 already means a probability ratio
 # of 5e8, so clamping there changes nothing a training run can use and keeps k3 finite.

@@ -1,13 +1,19 @@
-"""Losses: PPO's clipped surrogate and value loss, Bradley-Terry, DPO and IPO.
+"""Losses: PPO's clipped surrogate, the KL loss term, the value loss, Bradley-Terry, DPO and IPO.
 
 Notation: B batch, T response positions; `mask` [B, T] is true on real response tokens. Token
 means are masked means over the whole batch (every real token weighs the same). Each loss returns
 the loss plus detached statistics and never logs.
 
-Micro-batches: PPO's losses take an optional `n_tokens`, the real-token count of the whole
-minibatch. Given it, the masked sum over this (micro-)batch is divided by `n_tokens` instead of by
-its own count, so the losses of a minibatch's micro-batches add up to the minibatch's token mean
-(and their gradients to its gradient).
+Two reductions over tokens (`per_token_mean`): the masked token mean over the batch,
+sum_{i,t} m x / sum_{i,t} m, and per-sequence sums averaged over sequences, 1/B sum_i sum_t m x.
+They differ by the factor L = sum m / B, the batch's mean response length. When the KL is a loss
+term beside the policy loss, both must use the same reduction, or beta is multiplied by L (or
+1/L) relative to the reward placement.
+
+Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
+or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
+micro-batch is divided by it instead of by its own count, so the losses of a minibatch's
+micro-batches add up to the minibatch's loss (and their gradients to its gradient).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tether._checks import choice, masked_mean, non_negative, same_shape
-from tether.kl import LOG_RATIO_CLAMP
+from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
 
 
 def assert_finite(name: str, value: torch.Tensor) -> None:
@@ -27,22 +33,31 @@ def assert_finite(name: str, value: torch.Tensor) -> None:
             "skipped. Lower the learning rate, check the rewards for NaN, or clip them")
 
 
-def token_mean(x: torch.Tensor, mask: torch.Tensor, n_tokens: float | None = None) -> torch.Tensor:
-    """sum(x * mask) / n_tokens; with `n_tokens` None, the masked mean (n_tokens = sum(mask)).
+def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = True,
+                  denominator: float | None = None) -> torch.Tensor:
+    """Scalar reduction of a [B, T] per-token quantity over the real tokens of `mask`.
+
+    per_token_mean=True: sum_{i,t} m x / sum_{i,t} m (masked token mean over the batch);
+    per_token_mean=False: 1/B sum_i sum_t m x (per-sequence sums, mean over sequences).
 
     Args:
         x: [B, T] values. mask: [B, T] bool or 0/1.
-        n_tokens: >= 0, the count to divide by (clamped to at least 1, like the masked mean).
+        denominator: > 0 replaces sum(m) (or B): the whole minibatch's count when this batch is
+            one of its micro-batches (see the module docstring).
     """
-    if n_tokens is None:
-        return masked_mean(x, mask)
-    non_negative("n_tokens", n_tokens)
-    return (x * mask.to(x.dtype)).sum() / max(float(n_tokens), 1.0)
+    summed = (x * mask.to(x.dtype)).sum()
+    if denominator is None:
+        if per_token_mean:
+            return masked_mean(x, mask)
+        denominator = x.shape[0]
+    non_negative("denominator", denominator)
+    return summed / max(float(denominator), 1.0)
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip: float = 0.2,
-                    n_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+                    per_token_mean: bool = True,
+                    denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7), negated to a loss.
 
@@ -55,13 +70,16 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
         advantages: [B, T] advantages (usually whitened).
         mask: [B, T] bool.
         clip: eps > 0.
-        n_tokens: optional divisor of the masked sum (the minibatch's token count when this is
-            one of its micro-batches); default: sum(mask), the token mean.
+        per_token_mean: True (default): the masked token mean over the batch; False:
+            per-sequence sums averaged over sequences, the units of `kl_penalty`'s default
+            (see the module docstring: pass the same value to both).
+        denominator: the whole minibatch's token (or sequence) count when this is one of its
+            micro-batches; default: this batch's own.
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
         is taken), `approx_kl` (mean of k3 for KL(pi_old || pi), Schulman 2020), `ratio_mean`;
-        the stats are always means over `mask`, whatever `n_tokens`.
+        the stats are always means over `mask`, whatever `denominator`.
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     non_negative("clip", clip)
@@ -69,7 +87,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = token_mean(torch.maximum(pg_loss1, pg_loss2), mask, n_tokens)
+    loss = reduce_tokens(torch.maximum(pg_loss1, pg_loss2), mask, per_token_mean, denominator)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
@@ -79,9 +97,105 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     return loss, stats
 
 
+def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               mask: torch.Tensor, estimator: str = "k3_ratio",
+               per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+    """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
+
+    On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
+    ratio rho_t = pi(y_t) / pi_old(y_t) (pi_old detached; log-ratios clamped to +-20):
+
+        k2:        c_t = d_t^2 / 2
+        k3:        c_t = exp(-d_t) - 1 + d_t                 (GRPO's term, Shao et al. 2024)
+        k3_ratio:  c_t = rho_t * (exp(-d_t) - 1 + d_t)       (both factors carry the gradient)
+
+        penalty = 1/B sum_i sum_t m_{i,t} c_{i,t}            (per_token_mean=False)
+                = sum_{i,t} m c / sum_{i,t} m                 (per_token_mean=True)
+
+    Expected gradient at one position, y ~ pi_old (Schulman 2020's estimators; the sums are
+    checked over a whole vocabulary in tests/test_kl_gradients.py):
+        k2:       grad KL(pi || ref) where pi = pi_old (the first step on a batch), not after;
+        k3:       grad KL(ref || pi), the forward KL, where pi = pi_old;
+        k3_ratio: grad KL(pi || ref) for every pi, since E_{pi_old}[rho * k3] = E_pi[k3]
+                  = KL(pi || ref) exactly; hence the default.
+    With several tokens, each position's KL is differentiated at its sampled prefix: the effect
+    of a token on the KL of later tokens is not in the gradient, as it is with the KL in the
+    return. For the exact per-position KL use `exact_kl_penalty`.
+
+    Units: the default, per-sequence sums averaged over sequences, is the per-sequence KL that
+    the controller and the reward placement use; it matches `ppo_policy_loss(...,
+    per_token_mean=False)`. Beside the default (token-mean) `ppo_policy_loss`, pass
+    per_token_mean=True here, or beta acts L = (real tokens / B) times stronger.
+
+    Args:
+        logprobs: [B, T] log pi(y_t) under the policy being updated (differentiable).
+        old_logprobs: [B, T] log pi_old(y_t) at rollout time (detached here).
+        ref_logprobs: [B, T] log ref(y_t).
+        mask: [B, T] bool, true on real response tokens; padding may hold anything.
+        estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
+        per_token_mean: the reduction, see above.
+
+    Returns:
+        (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
+        over sequences of the summed c) and `kl_per_token` (masked token mean of c).
+    """
+    if estimator in ("k1", "abs"):
+        raise ValueError(f"KL estimator {estimator!r} cannot be a loss term: its expected "
+                         "gradient is not a KL's (k1's is 0 on-policy); use k3_ratio, k2 or k3")
+    if estimator == "exact":
+        raise ValueError("the exact KL needs the full logits: compute tether.kl.exact(logits, "
+                         "ref_logits) per position and pass it to exact_kl_penalty")
+    choice("KL loss estimator", estimator, LOSS_ESTIMATORS)
+    same_shape(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+               mask=mask)
+    real = mask.bool()
+    # Zero the padding before any exp, so neither its value nor its gradient can turn NaN.
+    logprobs = torch.where(real, logprobs, 0.0)
+    old_logprobs = torch.where(real, old_logprobs.detach(), 0.0)
+    ref_logprobs = torch.where(real, ref_logprobs.detach(), 0.0)
+    if estimator == "k2":
+        per_token = estimate(logprobs, ref_logprobs, "k2")
+    else:
+        per_token = estimate(logprobs, ref_logprobs, "k3")
+        if estimator == "k3_ratio":
+            log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            per_token = torch.exp(log_ratio) * per_token
+    return _reduced_penalty(per_token, mask, per_token_mean)
+
+
+def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor,
+                     per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+    """The exact KL as a loss term: KL(pi(.|prefix) || ref(.|prefix)) summed over the whole
+    vocabulary at every sampled prefix, reduced as in `kl_penalty`.
+
+    Its gradient is that of KL(pi || ref) at each position, for every pi, with no sampling noise
+    over the vocabulary (the prefixes are still sampled, and held fixed).
+
+    Args:
+        exact_kl: [B, T] per-position exact KL, differentiable, e.g. `tether.kl.exact(logits,
+            ref_logits, temperature)` at the response positions.
+        mask: [B, T] bool, true on real response tokens.
+        per_token_mean: the reduction, as in `kl_penalty`.
+
+    Returns:
+        (penalty, stats), as `kl_penalty`.
+    """
+    same_shape(exact_kl=exact_kl, mask=mask)
+    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean)
+
+
+def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor,
+                     per_token_mean: bool) -> tuple[torch.Tensor, dict]:
+    penalty = reduce_tokens(per_token, mask, per_token_mean)
+    with torch.no_grad():
+        stats = {"kl_per_sequence": reduce_tokens(per_token, mask, per_token_mean=False),
+                 "kl_per_token": reduce_tokens(per_token, mask, per_token_mean=True)}
+    return penalty, stats
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                mask: torch.Tensor, clip: float = 0.2,
-               n_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+               denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped value loss (the PPO baselines' variant, as in Ziegler et al. 2019's code release).
 
     V_clip = V_old + clip(V - V_old, -eps, eps)
@@ -93,7 +207,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         returns: [B, T] GAE returns.
         mask: [B, T] bool.
         clip: eps >= 0, in the units of the value.
-        n_tokens: optional divisor of the masked sum, as in `ppo_policy_loss`.
+        denominator: the minibatch's real-token count for a micro-batch, as in `ppo_policy_loss`.
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac`, `value_mean` (means over `mask`).
@@ -103,7 +217,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     vf_loss1 = (values - returns).square()
     vf_loss2 = (values_clipped - returns).square()
-    loss = 0.5 * token_mean(torch.maximum(vf_loss1, vf_loss2), mask, n_tokens)
+    loss = 0.5 * reduce_tokens(torch.maximum(vf_loss1, vf_loss2), mask, True, denominator)
     with torch.no_grad():
         stats = {"clip_frac": masked_mean((vf_loss2 > vf_loss1).float(), mask),
                  "value_mean": masked_mean(values, mask)}

@@ -20,7 +20,7 @@ from torch import nn
 from tether import kl as kl_lib
 from tether.critic import policy_and_values
 from tether.logprobs import entropy, token_logprobs
-from tether.losses import assert_finite, ppo_policy_loss, token_mean, value_loss
+from tether.losses import assert_finite, ppo_policy_loss, reduce_tokens, value_loss
 from tether.rollout import Rollout, response_logits
 from tether.train.common import autocast
 
@@ -91,17 +91,17 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module, sub: Rollout, old: Scor
                                        sub.context_length)
     logprobs = token_logprobs(logits, sub.responses, cfg.temperature) * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
-                                        n_tokens)
+                                        denominator=n_tokens)
     v_loss, v_stats = value_loss(values * mask, old.values, returns, mask, cfg.value_clip_range,
-                                 n_tokens)
+                                 denominator=n_tokens)
     loss = pg_loss + cfg.vf_coef * v_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),
              "policy/ratio_mean": float(pg_stats["ratio_mean"]),
              "value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
     if kl_loss_beta > 0:
-        kl_term = token_mean(kl_lib.estimate(logprobs, old.ref_logprobs, cfg.resolved_estimator),
-                             mask, n_tokens)
+        kl_term = reduce_tokens(kl_lib.estimate(logprobs, old.ref_logprobs, cfg.resolved_estimator),
+                                mask, True, n_tokens)
         loss = loss + kl_loss_beta * kl_term
         stats["objective/kl_loss"] = kl_term.item()
     assert_finite("PPO loss", loss)
