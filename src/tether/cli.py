@@ -5,10 +5,13 @@ A `TetherError` (bad input or config) prints one line, `error: <message>`, and e
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
+from tether import interrupt
 from tether.errors import AlreadyFinished, TetherError
+from tether.interrupt import Interrupted
 
 STAGES = {
     "sft": "tether.train.sft",
@@ -69,11 +72,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
             return 2
         raise
+    interrupt.install()
     try:
         return int(module.cli(rest) or 0)
     except AlreadyFinished as exc:
         print(str(exc), file=sys.stderr)
         return 0
+    except Interrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: quit at once; the last checkpoint is kept (--resume continues from "
+              "it)", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            raise
+        print(f"error: cannot write {exc.filename or 'the run directory'}: {exc.strerror}; free "
+              "space or choose a writable --output-dir (the last complete checkpoint is intact)",
+              file=sys.stderr)
+        return 2
     except TetherError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

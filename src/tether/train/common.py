@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tether import interrupt
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig, require_positive
 from tether.errors import TetherError
@@ -247,9 +248,13 @@ def resume_or_start(run: RunDir, cfg: RunConfig, models: dict[str, nn.Module], o
 
 def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
                      models: dict[str, nn.Module], optimizer, scheduler, state: dict[str, Any]) -> None:
-    """Checkpoint every `save_every` steps (not at the last step: the final model follows)."""
-    if cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps:
+    """Checkpoint every `save_every` steps (not at the last step: the final model follows), and
+    after any step when Ctrl-C or SIGTERM asked the run to stop (then raise `Interrupted`)."""
+    due = cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps
+    if due or interrupt.requested():
         save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state)
+    if interrupt.requested():
+        raise interrupt.stop(step, str(run.checkpoint_dir))
 
 
 def print_result(result: RunResult) -> None:

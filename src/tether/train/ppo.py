@@ -17,10 +17,12 @@ Setup (loading, checks) lives in `ppo_setup.py`; the per-batch pieces in `ppo_st
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
+from tether import interrupt
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import parse_config
@@ -28,7 +30,7 @@ from tether.errors import TetherError
 from tether.models import save_trained_lm
 from tether.rollout import apply_stop_strings, decode_responses, sample_responses
 from tether.rundir import RunDir, RunResult, progress
-from tether.train.common import autocast
+from tether.train.common import autocast, print_result
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import (
     ScoreNormalizer,
@@ -55,6 +57,33 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
     responses = decode_responses(setup.tokenizer, rollout)
     raw_scores = setup.reward(prompts, responses, rollout).to(setup.device)
     return rollout, responses, raw_scores
+
+
+# A policy whose entropy is near 0 nats per token while it sits far (in KL) from the reference has
+# collapsed onto a few sequences (seen with --lr 1.0: entropy 0, KL ~40 nats). --target-kl cannot
+# catch it: each batch's first update starts on-policy, with ratio 1.
+COLLAPSE_ENTROPY, COLLAPSE_KL = 0.1, 10.0
+
+
+def collapsed(metrics: dict[str, float]) -> bool:
+    return (metrics["policy/entropy"] < COLLAPSE_ENTROPY
+            and metrics["objective/kl"] > COLLAPSE_KL)
+
+
+def warn_or_stop(metrics: dict[str, float], max_kl: float, step: int, warned: bool) -> bool:
+    """Warn once, loudly, when the policy collapses; stop the run past `max_kl` (> 0). Returns
+    whether the warning has been given."""
+    kl, beta = metrics["objective/kl"], metrics["objective/beta"]
+    if metrics["policy/collapsed"] and not warned:
+        print(f"warning: batch {step}: the policy is collapsing (entropy "
+              f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta {beta:.3g}); "
+              "lower --lr, raise --beta, or stop it with --max-kl", file=sys.stderr, flush=True)
+        warned = True
+    if max_kl > 0 and kl > max_kl:
+        raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past --max-kl "
+                          f"{max_kl:g}, at beta {beta:.3g}; stopped, earlier checkpoints are kept. "
+                          "Lower --lr or raise --beta")
+    return warned
 
 
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
@@ -90,7 +119,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
         rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
     metrics: dict[str, float] = {}
-    bar = progress(cfg.n_batches, "ppo", initial=start)
+    warned = False
+    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)
     try:
         for batch in range(start, cfg.n_batches):
             step = batch + 1
@@ -159,6 +189,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 "optim/lr": lr,
                 **update,
             }
+            metrics["policy/collapsed"] = float(collapsed(metrics))
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
             if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
@@ -168,11 +199,15 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             bar.update(1)
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches):
+            warned = warn_or_stop(metrics, cfg.max_kl, step, warned)
+            due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
+            if due or interrupt.requested():
                 save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer,
                                 setup.scheduler, {"batch": step,
                                                   "kl_ctl": setup.kl_ctl.state_dict(),
                                                   "score_norm": normalizer.state_dict()})
+            if interrupt.requested():  # Ctrl-C or SIGTERM: stop here, resumable
+                raise interrupt.stop(step, str(rundir.checkpoint_dir))
     except FloatingPointError as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
@@ -191,6 +226,5 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
 def cli(argv: list[str]) -> int:
     """`tether ppo [--config FILE.yaml] [--field value ...]`."""
     cfg = parse_config(PPOConfig, argv, prog="tether ppo")
-    result = run(cfg)
-    print(f"policy saved to {result.output_path}")
+    print_result(run(cfg))
     return 0

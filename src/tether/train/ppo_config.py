@@ -118,6 +118,8 @@ class PPOConfig(RunConfig):
     """GAE lambda."""
     whiten_advantages: bool = True
     """Standardise advantages over the batch's real tokens."""
+    max_kl: float = 0.0
+    """Stop the run (exit 2, checkpoints kept) once a batch's mean sequence KL passes this many nats (0: off)."""
     target_kl: float = 0.0
     """Trust-region guard: stop a batch's epochs once its approx KL to the rollout policy passes this (0: off)."""
 
@@ -161,7 +163,7 @@ class PPOConfig(RunConfig):
                          "num_minibatches", "max_prompt_len", "kl_horizon")
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
                          "max_grad_norm", "clip_range", "value_clip_range", "vf_coef",
-                         "warmup_batches", "weight_decay", "beta_end", "anneal_batches",
+                         "warmup_batches", "weight_decay", "max_kl", "beta_end", "anneal_batches",
                          "eval_every", "sample_every", allow_zero=True)
         if self.kl_ctl == "adaptive":
             require_positive(self, "kl_target", "kl_max_error")
