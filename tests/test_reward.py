@@ -89,3 +89,23 @@ def test_rm_reads_chat_preference_rows_like_sft_messages(tiny_llama_dir, tmp_pat
             means[key] = model(batch["input_ids"], batch["attention_mask"]).mean().item()
     assert metrics["rewards/chosen"] == pytest.approx(means["chosen"], abs=1e-5)
     assert metrics["rewards/rejected"] == pytest.approx(means["rejected"], abs=1e-5)
+
+
+def test_score_texts_encodes_like_training(tiny_model_dir, tmp_path):
+    """score_texts == score on the ids `tether rm` trains on (prompt, response, EOS), and not the
+    score of the raw text without EOS."""
+    from tether.data import collate_sft, encode_sft
+    from tether.models import RewardModel, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    rm = RewardModel.from_causal_lm(str(tiny_model_dir), tok)
+    torch.nn.init.normal_(rm.head.weight, std=1.0)
+    prompts, responses = ["the movie was", "it"], [" good and fun.", " dull"]
+    rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+    batch = collate_sft(encode_sft(tok, rows, 64)[0], tok.pad_token_id)
+    assert batch["input_ids"][0, int(batch["attention_mask"][0].sum()) - 1] == tok.eos_token_id
+    expected = rm.score(batch["input_ids"], batch["attention_mask"])
+    got = rm.score_texts(prompts, responses, batch_size=1)
+    torch.testing.assert_close(got, expected)
+    raw = tok([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True)
+    assert not torch.allclose(rm.score(raw["input_ids"], raw["attention_mask"]), expected)

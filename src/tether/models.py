@@ -441,3 +441,24 @@ class RewardModel(nn.Module):
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Normalised scores `[B]`: `(raw - mean) / std` with the stored constants."""
         return (self(input_ids, attention_mask) - self.norm_mean) / self.norm_std
+
+    @torch.no_grad()
+    def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
+                    max_length: int = 4096) -> torch.Tensor:
+        """Normalised scores `[N]` of (prompt, response) texts, encoded exactly as `tether rm`
+        encoded its training pairs: the prompt under the one encoding rule (a chat prompt, a
+        list of messages, through the chat template), the response with EOS appended, which is
+        where the score is read. Without that EOS a score is read at an arbitrary token."""
+        from tether.data import collate_sft, encode_sft
+
+        if self.tokenizer is None:
+            raise ValueError("score_texts needs the reward model's tokenizer")
+        rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
+        examples, _ = encode_sft(self.tokenizer, rows, max_length, source="score_texts")
+        device = self.head.weight.device
+        scores = []
+        for start in range(0, len(examples), batch_size):
+            batch = collate_sft(examples[start:start + batch_size], self.tokenizer.pad_token_id)
+            scores.append(self.score(batch["input_ids"].to(device),
+                                     batch["attention_mask"].to(device)))
+        return torch.cat(scores)
