@@ -21,6 +21,15 @@ STAGES = {
     "demo": "tether.demo",
 }
 
+# Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
+CONFIGS = {
+    "sft": ("tether.train.offline_config", "SFTConfig"),
+    "rm": ("tether.train.offline_config", "RMConfig"),
+    "dpo": ("tether.train.offline_config", "DPOConfig"),
+    "ppo": ("tether.train.ppo_config", "PPOConfig"),
+    "demo": ("tether.demo.config", "DemoConfig"),
+}
+
 HELP = {
     "sft": "supervised fine-tuning: next-token loss on response tokens",
     "rm": "reward model: Bradley-Terry loss on preference pairs",
@@ -61,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
+        from tether.config import parse_config
+
+        module_name, class_name = CONFIGS[stage]
+        config = getattr(importlib.import_module(module_name), class_name)
+        try:
+            parse_config(config, ["--help"], prog=f"tether {stage}")
+        except SystemExit as exc:
+            return int(exc.code or 0)
     # The stages' own progress lines tell the story; transformers' load and save bars only add
     # noise (and, off a terminal, lines of control characters).
     from transformers.utils import logging as hf_logging

@@ -32,6 +32,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class RunConfig:
     """Fields every stage shares: where outputs go, seeding, checkpointing, device."""
 
+    # ---- run and logging
     run_name: str
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
     output_dir: str = "runs"
@@ -46,6 +47,7 @@ class RunConfig:
     """Optimizer steps between metric log lines (metrics.jsonl and TensorBoard)."""
     save_every: int = 100
     """Optimizer steps between checkpoints (0: only the final model)."""
+    # ---- model and device
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
     trust_remote_code: bool = False
@@ -275,12 +277,29 @@ def _check_flags(cls: type, argv: list[str]) -> None:
             raise TetherError(f"unknown option {arg.split('=', 1)[0]}; allowed options: {allowed}")
 
 
+def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: str) -> None:
+    """Name every required field that neither the YAML file nor a flag gives, on one line."""
+    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in values and f.name not in given]
+    if missing:
+        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+        raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "
+                          f"(give them as flags or in --config FILE.yaml; see {prog} --help)")
+
+
 def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
     yaml_path, rest = _split_config_flag(list(argv))
-    if "-h" not in rest and "--help" not in rest:
-        _check_flags(cls, rest)
+    if "-h" in rest or "--help" in rest:
+        from tether.config_help import help_text
+
+        print(help_text(cls, prog or cls.__name__, _description(cls)))
+        raise SystemExit(0)
+    _check_flags(cls, rest)
     values = _check_dict(cls, load_yaml(yaml_path), yaml_path) if yaml_path else {}
+    _check_required(cls, values, rest, prog or cls.__name__)
     default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
     stderr = io.StringIO()
     try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 def cli(argv: list[str]) -> int:
     """`tether demo [--quick] [--field value ...]`."""
     from tether.config import parse_config
-    from tether.demo.pipeline import DemoConfig, run
+    from tether.demo.config import DemoConfig
+    from tether.demo.pipeline import run
 
     run(parse_config(DemoConfig, argv, prog="tether demo"))
     return 0

@@ -11,8 +11,7 @@ import contextlib
 import math
 import random
 import sys
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,55 +19,11 @@ from torch import nn
 
 from tether import interrupt
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
-from tether.config import RunConfig, require_positive
+from tether.config import RunConfig
 from tether.errors import TetherError
 from tether.logprobs import token_logprobs
 from tether.rundir import RunDir, RunResult
-
-
-@dataclass(kw_only=True)
-class TrainConfig(RunConfig):
-    """Fields of every offline stage: model, data, batching and optimisation."""
-
-    model: str
-    """Causal LM to start from: a local directory or a hub name."""
-    data: str
-    """Training rows: .jsonl, .json, .parquet, .csv, a save_to_disk directory, or a hub dataset name."""
-    split: str = "train"
-    """Split to read when `data` is a dataset with splits."""
-    max_length: int = 512
-    """Maximum tokens per sequence (prompt + response); longer responses are truncated and counted."""
-    on_long_prompt: Literal["error", "skip"] = "error"
-    """What to do with a prompt that leaves no room for a response: stop with an error, or skip the row (counted)."""
-    batch_size: int = 8
-    """Rows (SFT) or pairs (RM, DPO) per optimizer step."""
-    epochs: int = 1
-    """Passes over the data (ignored when max_steps > 0)."""
-    max_steps: int = 0
-    """Optimizer steps to run; 0 means `epochs` passes over the data."""
-    lr: float = 1e-5
-    """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (applied to matrices only, not to biases or norms)."""
-    warmup_steps: int = 0
-    """Steps of linear warm-up from 0 to `lr`."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    """Learning-rate decay after warm-up: constant, linear to 0, or cosine to 0."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this value (0 disables clipping)."""
-    grad_accum_steps: int = 1
-    """Micro-batches per optimizer step: each forward/backward sees batch_size / grad_accum_steps rows (same update, less memory)."""
-
-    def validate(self) -> None:
-        super().validate()
-        require_positive(self, "max_length", "batch_size", "epochs", "lr")
-        require_positive(self, "max_steps", "warmup_steps", "weight_decay", "max_grad_norm",
-                         allow_zero=True)
-        if self.grad_accum_steps < 1 or self.batch_size % self.grad_accum_steps:
-            raise TetherError(f"--grad-accum-steps {self.grad_accum_steps} must be >= 1 and divide "
-                              f"--batch-size {self.batch_size} (each micro-batch has batch_size / "
-                              "grad_accum_steps rows)")
-
+from tether.train.offline_config import TrainConfig  # noqa: F401 - also exported from here
 
 # ----------------------------------------------------------------------------- optimisation
 

@@ -16,14 +16,10 @@ only one model is in memory while training. DPO and IPO losses are means over pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-from tether.config import parse_config, require_positive
+from tether.config import parse_config
 from tether.data import batch_order, collate_pairs, encode_preferences, load_rows
-from tether.errors import TetherError
 from tether.lora import AdapterView, LoraSpec, check_targets
 from tether.losses import dpo_loss
 from tether.models import (
@@ -39,7 +35,6 @@ from tether.models import (
 from tether.reward_fn import check_same_vocabulary
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
-    TrainConfig,
     autocast,
     backward,
     enable_gradient_checkpointing,
@@ -52,38 +47,8 @@ from tether.train.common import (
     start_training,
     to_device,
 )
+from tether.train.offline_config import DPOConfig
 from tether.train.prefix import can_share, collate_shared, shared_pair_logprobs
-
-
-@dataclass(kw_only=True)
-class DPOConfig(TrainConfig):
-    """DPO / IPO on {prompt, chosen, rejected} rows (start from the SFT model)."""
-
-    lr: float = 5e-7
-    """Peak learning rate (AdamW); DPO wants a small one (Rafailov et al. 2023 use 5e-7)."""
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: DPO's logistic loss; ipo: IPO's squared loss on per-token log-ratio averages."""
-    beta: float = 0.1
-    """Strength of the implicit KL leash (DPO beta, IPO tau); larger stays closer to the reference."""
-    label_smoothing: float = 0.0
-    """Assumed probability that a preference label is flipped, in [0, 0.5) (conservative DPO; sigmoid only)."""
-    ref_model: str = ""
-    """Reference model; empty: the starting `model` itself."""
-    precompute_ref_logprobs: bool = False
-    """Score the reference once before training and drop it (one model in memory, no ref forward per step)."""
-    share_prompt: bool = True
-    """One row per pair, [prompt | chosen | rejected], masked so the responses never see each other (same log-probs, fewer tokens)."""
-
-    def validate(self) -> None:
-        super().validate()
-        require_positive(self, "beta")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise TetherError(f"config field 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")
-        if self.lora_dropout > 0:
-            raise TetherError("--lora-dropout must be 0 for dpo: policy and reference log-probs "
-                              "are compared without dropout")
-        if self.label_smoothing > 0 and self.loss == "ipo":
-            raise TetherError("config field 'label_smoothing' applies to loss=sigmoid only; set it to 0 for ipo")
 
 
 def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch.Tensor]:

@@ -13,11 +13,9 @@ its share of the batch's pairs and the accumulated gradient is the full batch's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from tether.config import parse_config, require_positive
+from tether.config import parse_config
 from tether.data import (
     batch_order,
     collate_pairs,
@@ -27,13 +25,11 @@ from tether.data import (
     load_rows,
     split_holdout,
 )
-from tether.errors import TetherError
 from tether.lora import LoraSpec, check_targets
 from tether.losses import bradley_terry_loss
 from tether.models import RewardModel, disable_dropout, load_tokenizer, resolve_device
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
-    TrainConfig,
     autocast,
     backward,
     enable_gradient_checkpointing,
@@ -45,35 +41,7 @@ from tether.train.common import (
     start_training,
     to_device,
 )
-
-
-@dataclass(kw_only=True)
-class RMConfig(TrainConfig):
-    """Reward model on {prompt, chosen, rejected} rows (start from the SFT model)."""
-
-    lr: float = 1e-5
-    """Peak learning rate (AdamW)."""
-    margin_column: str = ""
-    """Name of a numeric column to use as the Bradley-Terry margin m (empty: no margin)."""
-    center_rewards_coef: float = 0.0
-    """Weight c of the centring term c * mean((r_chosen + r_rejected)^2) (0: off)."""
-    eval_data: str = ""
-    """Held-out preference rows; empty: hold out `eval_fraction` of the training rows."""
-    eval_fraction: float = 0.1
-    """Fraction of training rows held out for accuracy when `eval_data` is empty (0: no eval)."""
-    eval_every: int = 0
-    """Steps between held-out evaluations (0: only at the end)."""
-    normalize_data: str = ""
-    """SFT-format rows ({prompt, response}); after training, scores are normalised to mean 0, std 1 on them."""
-
-    def validate(self) -> None:
-        super().validate()
-        require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
-        if self.lora_dropout > 0:
-            raise TetherError("--lora-dropout must be 0 for a reward model: dropout stays off so a "
-                              "score does not depend on a dropout draw")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise TetherError(f"config field 'eval_fraction' must be in [0, 1), got {self.eval_fraction}")
+from tether.train.offline_config import RMConfig
 
 
 def pair_scores(model: RewardModel, batch) -> tuple[torch.Tensor, torch.Tensor]:

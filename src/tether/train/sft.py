@@ -12,15 +12,12 @@ to stop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tether.config import parse_config
 from tether.data import batch_order, collate_sft, encode_sft, load_rows
 from tether.lora import LoraSpec, check_targets
 from tether.models import load_tokenizer, load_trainable_lm, resolve_device, save_trained_lm
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
-    TrainConfig,
     autocast,
     backward,
     enable_gradient_checkpointing,
@@ -33,14 +30,7 @@ from tether.train.common import (
     start_training,
     to_device,
 )
-
-
-@dataclass(kw_only=True)
-class SFTConfig(TrainConfig):
-    """Supervised fine-tuning on {prompt, response} or {messages} rows."""
-
-    lr: float = 2e-5
-    """Peak learning rate (AdamW)."""
+from tether.train.offline_config import SFTConfig
 
 
 def response_tokens(batch) -> int:

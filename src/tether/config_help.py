@@ -1,0 +1,93 @@
+"""`tether <stage> --help`: every config field, grouped into the sections its class declares.
+
+A config class marks a section with a comment line `# ---- name` above its fields; each field's
+docstring (the string after it) is its help. Fields a subclass redefines keep the section of the
+base class that introduced them, unless the subclass puts them under a section of its own. Only
+the config modules are imported, so help comes up without loading torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
+from typing import Any, Literal
+
+SECTION = re.compile(r"^\s*# ---- ([^(]+?)\s*(\(.*\))?\s*$")
+WIDTH = 100
+
+
+def _class_fields(cls: type) -> list[tuple[str, str | None, str]]:
+    """(field, section or None, docstring) for the fields `cls` itself defines, in order."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return []
+    lines = source.splitlines()
+    body = ast.parse(source).body[0].body
+    out = []
+    for i, node in enumerate(body):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        doc = ""
+        if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(
+                getattr(body[i + 1], "value", None), ast.Constant):
+            doc = str(body[i + 1].value.value)
+        section = None
+        for line in reversed(lines[:node.lineno - 1]):
+            match = SECTION.match(line)
+            if match:
+                section = match.group(1)
+                break
+        out.append((node.target.id, section, " ".join(doc.split())))
+    return out
+
+
+def field_sections(cls: type) -> dict[str, list[tuple[str, str]]]:
+    """Section -> [(field, help)]: the stage's own sections first (model, data, rollout, KL,
+    optimisation), the shared ones (device, memory, run and logging) after them."""
+    section_of: dict[str, str] = {}
+    help_of: dict[str, str] = {}
+    classes = [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]
+    for klass in reversed(classes):
+        for name, section, doc in _class_fields(klass):
+            section_of[name] = section or section_of.get(name, "options")
+            help_of[name] = doc or help_of.get(name, "")
+    sections: dict[str, list[tuple[str, str]]] = {}
+    for klass in classes:  # section order: the sections of the most derived class first
+        for _, section, _ in _class_fields(klass):
+            if section:
+                sections.setdefault(section, [])
+    for field in dataclasses.fields(cls):
+        sections.setdefault(section_of.get(field.name, "options"), []).append(
+            (field.name, help_of.get(field.name, "")))
+    return sections
+
+
+def _flag(name: str, tp: Any) -> str:
+    flag = "--" + name.replace("_", "-")
+    if tp is bool:
+        return f"{flag}, --no-{name.replace('_', '-')}"
+    if typing.get_origin(tp) is Literal:
+        return f"{flag} {{{','.join(str(a) for a in typing.get_args(tp))}}}"
+    return f"{flag} {getattr(tp, '__name__', 'VALUE').upper()}"
+
+
+def help_text(cls: type, prog: str, description: str) -> str:
+    """The whole help page of config `cls`."""
+    hints = typing.get_type_hints(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = [f"usage: {prog} [--config FILE.yaml] [--field value ...]", "", description, "",
+           "  -h, --help  show this help and exit"]
+    for section, fields in field_sections(cls).items():
+        out += ["", f"{section}:"]
+        for name, doc in fields:
+            default = defaults[name]
+            shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+            out.append("  " + _flag(name, hints[name]))
+            out += textwrap.wrap(f"{doc} ({shown})", WIDTH, initial_indent=" " * 6,
+                                 subsequent_indent=" " * 6)
+    return "\n".join(out)

@@ -1,0 +1,49 @@
+"""`DemoConfig`: the demo's few knobs, apart from the pipeline so that `--help` imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.config import check_device, check_run_name, require_positive
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """The demo's few knobs; the defaults finish in minutes on two CPU cores."""
+
+    output_dir: str = "runs"
+    """Directory that holds run directories."""
+    run_name: str = "demo"
+    """Everything is written to <output_dir>/<run_name>/ (refused if it already holds a report)."""
+    quick: bool = False
+    """A smaller, faster demo (one seed, shorter runs): first contact and CI."""
+    seed: int = 0
+    """Seed of the data, SFT and reward model; PPO runs use seed, seed+1, ..."""
+    seeds: int = 3
+    """PPO seeds per variant (--quick uses 1)."""
+    ppo_batches: int = 100
+    """PPO batches of 32 prompts per run (--quick: 40)."""
+    ppo_lr: float = 1e-4
+    """PPO learning rate of the tiny policy (and its critic)."""
+    fixed_beta: float = 0.1
+    """beta of the fixed-penalty run."""
+    adaptive_start_beta: float = 0.2
+    """Adaptive run's starting beta."""
+    kl_target: float = 3.0
+    """Adaptive controller's KL target, in nats per response."""
+    kl_horizon: int = 256
+    """Adaptive controller's horizon, in episodes (Ziegler et al. used 10000 over far longer runs)."""
+    device: str = "cpu"
+    """Device for every stage."""
+
+    def validate(self) -> None:
+        require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
+                         "adaptive_start_beta")
+        require_positive(self, "fixed_beta", allow_zero=True)
+        check_run_name(self.run_name)
+        check_device(self.device)
+
+    def scaled(self) -> DemoConfig:  # derived: the --quick variant
+        if not self.quick:
+            return self
+        return DemoConfig(**{**self.__dict__, "seeds": 1, "ppo_batches": min(self.ppo_batches, 40)})
