@@ -112,13 +112,16 @@ def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[
     return texts, ids
 
 
-def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk, lm: TrainableLM):
+def _check_one_reward(cfg: PPOConfig, reward_fn) -> None:
     given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
                                    ("--reward-fn", bool(cfg.reward_fn)),
                                    ("--reward-model", bool(cfg.reward_model))) if on]
     if len(given) != 1:
         raise TetherError("give exactly one reward: --reward-model, --reward-fn or a Python "
                           f"reward_fn (got {', '.join(given) if given else 'none'})")
+
+
+def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk, lm: TrainableLM):
     if cfg.reward_model:
         # A LoRA reward model on the policy's base joins it as one more adapter (no second base).
         rm = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
@@ -128,8 +131,8 @@ def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk, lm: TrainableLM
         check_same_vocabulary(tokenizer, {"reward model": (rm.tokenizer, rm.backbone)})
         rm = _frozen(fuse_gelu(rm), device)
         return _reward_from_model(rm, chunk), rm
-    fn = reward_fn if reward_fn is not None else load_reward_function(cfg.reward_fn)
-    return _reward_from_function(fn, "reward function"), None
+    # a Python callable, loaded (and its import checked) before the models
+    return _reward_from_function(reward_fn, "reward function"), None
 
 
 def _kl_controller(cfg: PPOConfig):
@@ -162,6 +165,15 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
+    # What needs no model first: a bad file or flag fails before anything large loads.
+    prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
+    eval_prompts, eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
+                              if cfg.eval_prompts else ([], []))
+    _check_one_reward(cfg, reward_fn)
+    if reward_fn is None and cfg.reward_fn:
+        reward_fn = load_reward_function(cfg.reward_fn)
+    if gold_fn is None and cfg.gold_fn:
+        gold_fn = load_reward_function(cfg.gold_fn)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.policy, lora, cfg.trust_remote_code)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
@@ -182,8 +194,6 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         reference = frozen_copy(policy)
     reference = _frozen(fuse_gelu(reference), device)
     reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, cfg.micro_batch_rows, lm)
-    if gold_fn is None and cfg.gold_fn:
-        gold_fn = load_reward_function(cfg.gold_fn)
     gold = _reward_from_function(gold_fn, "gold reward function") if gold_fn else None
 
     if cfg.critic == "shared":
@@ -209,9 +219,6 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
 
-    prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    eval_prompts, eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
-                              if cfg.eval_prompts else ([], []))
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
     eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
     if not eos:
