@@ -47,6 +47,8 @@ class RunConfig:
     """Optimizer steps between metric log lines (metrics.jsonl and TensorBoard)."""
     save_every: int = 100
     """Optimizer steps between checkpoints (0: only the final model)."""
+    report_to: str = "tensorboard"
+    """Trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none (wandb and mlflow are extras: pip install 'tether[wandb]')."""
     # ---- model and device
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
@@ -76,6 +78,9 @@ class RunConfig:
     def validate(self) -> None:
         """Check values that the types alone cannot; raise TetherError naming the field."""
         check_run_name(self.run_name)
+        from tether.trackers import parse_report_to
+
+        parse_report_to(self.report_to)
         for name in ("log_every",):
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")

@@ -26,6 +26,7 @@ import yaml
 from tether.checkpoint import atomic_write_bytes, remove_temp_dirs
 from tether.config import config_to_dict
 from tether.errors import AlreadyFinished, TetherError
+from tether.trackers import parse_report_to, start_trackers
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
 
@@ -40,7 +41,8 @@ class RunResult:
 
 # Config fields whose change on --resume does not change what is trained (with
 # --resume-allow-changes); any other difference makes the resumed run a different run.
-HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device")
+HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
+                      "report_to")
 NOT_COMPARED = ("resume", "resume_allow_changes")
 
 
@@ -68,7 +70,8 @@ class RunDir:
         if resume and self.final_dir.exists():
             raise AlreadyFinished(f"{self.path} already finished (final model in "
                                   f"{self.final_dir}); nothing was run or rewritten")
-        self._writer = None
+        self._trackers: list | None = None
+        self._config: dict[str, Any] = {}
 
     def save_config(self, cfg: Any) -> Path:
         """Create the directory and write the resolved config as `config.yaml` (atomically).
@@ -85,6 +88,7 @@ class RunDir:
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
         new = config_to_dict(cfg)
+        self._config = new
         if self.resume and self.config_path.exists():
             self._check_resumed_config(new, bool(new.get("resume_allow_changes")))
             return self.config_path
@@ -143,11 +147,12 @@ class RunDir:
                     keep.append(line)
             atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
-    def _tb(self):
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # slow import: only when logging
-            self._writer = SummaryWriter(log_dir=str(self.path / "tb"))
-        return self._writer
+    def _sinks(self) -> list:
+        """The trackers of `--report-to` (TensorBoard alone by default), started at first use."""
+        if self._trackers is None:
+            names = parse_report_to(self._config.get("report_to", "tensorboard"))
+            self._trackers = start_trackers(names, self.path, self.path.name, self._config)
+        return self._trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append `{"step": step, **metrics}` to metrics.jsonl and write TensorBoard scalars."""
@@ -155,9 +160,8 @@ class RunDir:
         record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        writer = self._tb()
-        for key, value in clean.items():
-            writer.add_scalar(key, value, step)
+        for tracker in self._sinks():
+            tracker.log(step, clean)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append `{"step": step, "samples": samples}` to samples.jsonl (generations to read later)."""
@@ -165,8 +169,9 @@ class RunDir:
             f.write(json.dumps({"step": int(step), "samples": samples}) + "\n")
 
     def log_text(self, step: int, tag: str, text: str) -> None:
-        """TensorBoard text (e.g. a markdown table of samples)."""
-        self._tb().add_text(tag, text, step)
+        """Text for the trackers (e.g. a markdown table of samples)."""
+        for tracker in self._sinks():
+            tracker.text(step, tag, text)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -180,10 +185,9 @@ class RunDir:
         return records
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        for tracker in self._trackers or []:
+            tracker.close()
+        self._trackers = None
 
 
 def progress(total: int, desc: str, initial: int = 0):

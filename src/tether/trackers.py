@@ -1,0 +1,115 @@
+"""Experiment trackers a run reports to (`--report-to tensorboard,wandb,mlflow`).
+
+`metrics.jsonl` is always written (it is what resume and the reports read); trackers are extra
+sinks. Each one is a small class with `log(step, metrics)`, `text(step, tag, text)` and `close()`,
+created lazily at the first log line, so a run that fails its input checks starts none.
+
+- tensorboard: event files in `<run>/tb/` (the default).
+- wandb: `wandb.init(project="tether", name=<run name>, dir=<run>, config=<the run's config>)`.
+  Offline with `WANDB_MODE=offline` (files in `<run>/wandb/`, `wandb sync` uploads them later).
+- mlflow: a run named after tether's, its config as params, under `MLFLOW_TRACKING_URI` (default
+  `<run>/mlruns`, a local file store; metric names use `.` for `/`, e.g. `train.loss`).
+wandb and mlflow are optional: `pip install 'tether[wandb]'` or `'tether[mlflow]'`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from tether.errors import TetherError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
+
+
+def parse_report_to(value: str) -> list[str]:
+    """`tensorboard,wandb` -> ["tensorboard", "wandb"]; `none` -> []; checks names and that the
+    optional packages are installed, so the error comes before the run starts."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    for name in names:
+        if name not in TRACKERS:
+            raise TetherError(f"--report-to {name!r} is not a tracker; use a comma-separated list "
+                              f"of {', '.join(TRACKERS)}, or none")
+        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
+            raise TetherError(f"--report-to {name} needs the {name} package; "
+                              f"pip install 'tether[{name}]'")
+    return names
+
+
+class TensorBoard:
+    def __init__(self, run_path: Path, run_name: str, config: dict[str, Any]):
+        from torch.utils.tensorboard import SummaryWriter  # slow import: only when logging
+
+        self.writer = SummaryWriter(log_dir=str(run_path / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+
+
+class WandB:
+    def __init__(self, run_path: Path, run_name: str, config: dict[str, Any]):
+        import wandb
+
+        # One wandb run per tether run: the id is stable, so a resumed run continues it.
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tether"), name=run_name,
+                              id=f"{run_name}-{_digest(run_path)}",
+                              dir=str(run_path), config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.run.log({tag: text}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflow:
+    def __init__(self, run_path: Path, run_name: str, config: dict[str, Any]):
+        import mlflow
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_path / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 wants an opt-in for its (offline) file store
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name("tether")
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment("tether"))
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        for key, value in config.items():
+            self.client.log_param(self.run_id, key, str(value)[:500])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.client.log_metric(self.run_id, key.replace("/", "."), value, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.client.log_text(self.run_id, text, f"{tag}/step_{step}.md")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def start_trackers(names: list[str], run_path: Path, run_name: str,
+                   config: dict[str, Any]) -> list:
+    classes = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+    return [classes[name](run_path, run_name, config) for name in names]
