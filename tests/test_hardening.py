@@ -230,3 +230,27 @@ def test_signal_stops_with_a_checkpoint_and_resumes_bit_identically(tiny_model_d
     a = load_file(str(out / "cut" / "final" / "model.safetensors"))
     b = load_file(str(out / "whole" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_resumed_before_its_first_checkpoint_logs_step_zero_once(tiny_model_dir, tmp_path,
+                                                                      capsys):
+    eval_prompts = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in PROMPTS[:2]])
+    cfg = dict(eval_prompts=str(eval_prompts), eval_every=1, save_every=5)
+
+    calls = []
+
+    def dies(prompts, responses):  # scores the step-0 evaluation, then dies in batch 1
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("reward server went away")
+        return [0.0] * len(responses)
+
+    with pytest.raises(TetherError, match="reward server went away"):
+        run(_ppo_cfg(tmp_path, tiny_model_dir, "early", **cfg), reward_fn=dies)
+    metrics = tmp_path / "runs" / "early" / "metrics.jsonl"
+    assert [m["step"] for m in _lines(metrics)] == [0]  # the step-0 evaluation was logged
+    capsys.readouterr()
+    run(_ppo_cfg(tmp_path, tiny_model_dir, "early", resume=True, **cfg),
+        reward_fn=lambda prompts, responses: [0.0] * len(responses))
+    assert "no checkpoint in" in capsys.readouterr().err
+    assert [m["step"] for m in _lines(metrics)] == [0, 1, 2]
