@@ -10,11 +10,11 @@ from tether.data import (
     encode_preferences,
     encode_prompt_row,
     encode_sft,
+    load_prompts,
     special_prefix,
 )
 from tether.errors import TetherError
 from tether.models import eos_token_ids, load_causal_lm, load_tokenizer
-from tether.train.ppo_setup import load_prompts
 
 # Zephyr's shape: no bos_token in the template; the tokenizer's post-processor adds BOS.
 ZEPHYR_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"

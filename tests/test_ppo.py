@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from tether import models
-from tether.advantages import kl_shaped_rewards
+from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.cli import main
 from tether.config import parse_config
 from tether.critic import ValueModel
+from tether.data import prompt_indices
 from tether.errors import TetherError
 from tether.models import RewardModel, load_tokenizer
 from tether.rollout import sample_responses
 from tether.tiny import save_tiny
 from tether.train.ppo import PPOConfig, run
-from tether.train.ppo_setup import ScoreNormalizer, build, prompt_batch, prompt_indices
+from tether.train.ppo_setup import build, prompt_batch
 from tether.train.ppo_step import minibatch_loss, ppo_update, score_rollout
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
@@ -311,3 +312,25 @@ def test_config_errors(env, tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error:") and "not both" in err and "\n" not in err
     assert not (env / "runs" / "both").exists()
+
+
+def test_ppo_uses_the_optimizer_and_schedule_of_every_stage(env, tiny_model_dir):
+    """One optimizer rule (AdamW, decay on matrices only) and one schedule ((k+1)/w warm-up, then
+    linear decay) for SFT, RM, DPO and PPO; a PPO step is one rollout batch."""
+    from tether.optim import lr_factor
+
+    cfg = config(env, tiny_model_dir, "optim", weight_decay=0.1, warmup_batches=2,
+                 total_episodes=48, lr=1e-3)
+    setup = build(cfg, reward_fn=length_reward)
+    decayed, plain = setup.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
+    trainable = [p for m in (setup.policy, setup.critic) for p in m.parameters() if p.requires_grad]
+    assert len(decayed["params"]) + len(plain["params"]) == len({id(p) for p in trainable})
+    lrs = []
+    for _ in range(cfg.n_batches):
+        lrs.append(setup.scheduler.get_last_lr()[0])
+        setup.optimizer.step()
+        setup.scheduler.step()
+    assert lrs == pytest.approx([1e-3 * lr_factor(k, 6, 2, "linear") for k in range(6)])
+    assert lrs[:3] == pytest.approx([0.5e-3, 1e-3, 1e-3])  # (k + 1) / 2, then decay from the peak

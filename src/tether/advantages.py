@@ -19,6 +19,8 @@ rewards are `kl_shaped_rewards` with beta = 0: the score alone, on the last real
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tether import kl as kl_lib
@@ -250,3 +252,38 @@ def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
     returns_to_go, _ = gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask,
                            gamma=gamma, lam=1.0)
     return whiten(returns_to_go, mask, shift_mean=True, eps=eps)
+
+
+class ScoreNormalizer:
+    """Scores -> (score - mean) / std: per batch, or with running moments over the run (the
+    running form is a streaming version of the reward normalisation of Ziegler et al. 2019).
+
+    mode "none": unchanged; "batch": population moments of this batch; "running": moments of
+    every score seen so far (Chan et al.'s parallel update), checkpointed with `state_dict`.
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.mode == "none":
+            return scores
+        if self.mode == "batch":
+            return (scores - scores.mean()) / (scores.std(unbiased=False) + 1e-8)
+        # Chan et al. parallel update of the running mean and sum of squared deviations.
+        n, mean = scores.numel(), scores.mean().item()
+        m2 = ((scores - mean) ** 2).sum().item()
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta ** 2 * self.count * n / total
+        self.count = total
+        std = math.sqrt(self.m2 / total) if total > 1 else 1.0
+        return (scores - self.mean) / (std + 1e-8)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]

@@ -1,4 +1,6 @@
-"""Reading rows, turning them into token ids with response masks, and batching them.
+"""Turning rows into token ids with response masks, PPO's prompts and their order, batching.
+
+Rows are read by `tether.rows` (`load_rows` is importable from here too).
 
 Row formats
 - SFT: `{prompt, response}` or `{messages}` (a chat; the last message is the assistant's reply,
@@ -17,10 +19,7 @@ run past `max_length` are truncated and counted (`data/truncated`).
 
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,119 +33,7 @@ from tether.chat import (
     truncate_chat,
 )
 from tether.errors import TetherError
-
-FORMATS = (".jsonl", ".json", ".parquet", ".csv")
-
-
-# ----------------------------------------------------------------------------- reading rows
-
-def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TetherError(f"{path} is not valid UTF-8 (bad byte at offset {exc.start}); "
-                          "re-encode the file as UTF-8") from None
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    text = _read_text(path)
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TetherError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise TetherError(f"{path} line {lineno} is not valid JSON ({exc.msg}); "
-                              "each line must be one JSON object") from None
-    return rows
-
-
-def _read_csv(path: Path) -> list[dict]:
-    return [dict(row) for row in csv.DictReader(_read_text(path).splitlines())]
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        raise TetherError(f"{path} is not a readable Parquet file ({type(exc).__name__})") from None
-
-
-def _read_saved_dataset(path: Path, split: str) -> list[dict]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise TetherError(f"{path} is a directory but not a saved `datasets` dataset; "
-                          "pass a .jsonl/.parquet/.csv file or a save_to_disk directory") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise TetherError(f"{path} has no split {split!r}; available: {', '.join(ds)}")
-        ds = ds[split]
-    return ds.to_list()
-
-
-def _read_hub(name: str, split: str) -> list[dict]:
-    import datasets
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE and not Path(datasets.config.HF_DATASETS_CACHE).joinpath(
-            name.replace("/", "___")).exists():
-        raise TetherError(f"data {name!r} is not a local file and HF_HUB_OFFLINE is set, and the "
-                          "datasets cache has no copy of it; pass a local .jsonl/.parquet/.csv file")
-
-    try:
-        return datasets.load_dataset(name, split=split).to_list()
-    except Exception as exc:  # offline, unknown name, bad split: all become one line
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TetherError(f"cannot load dataset {name!r} (not a local file; hub load failed: {first})") from None
-
-
-def load_rows(source: str, split: str = "train") -> list[dict]:
-    """Rows from a JSONL/JSON/Parquet/CSV file, a `save_to_disk` directory, or a hub dataset name."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        rows = _read_saved_dataset(path, split)
-    elif path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            rows = _read_jsonl(path)
-        elif suffix == ".csv":
-            rows = _read_csv(path)
-        elif suffix == ".parquet":
-            rows = _read_parquet(path)
-        else:
-            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(FORMATS)}")
-    elif path.suffix.lower() in FORMATS or source.startswith((".", "/", "~")):
-        raise TetherError(f"data file {source} not found; check the path")
-    else:
-        rows = _read_hub(source, split)
-    if not rows:
-        raise TetherError(f"{source} has no rows; give a file with at least one example")
-    if not all(isinstance(row, dict) for row in rows):
-        raise TetherError(f"{source}: every row must be an object with named fields")
-    return rows
-
-
-def require_columns(rows: list[dict], columns: list[str] | tuple[str, ...], source: str) -> None:
-    """TetherError naming the first missing column and the first row that lacks it."""
-    for col in columns:
-        for i, row in enumerate(rows):
-            if col not in row or row[col] is None:
-                have = ", ".join(sorted(rows[0]))
-                raise TetherError(f"{source}: row {i} has no column {col!r} (columns found: {have}); "
-                                  f"add the column or rename it to {col!r}")
-
+from tether.rows import FORMATS, load_rows, require_columns  # noqa: F401 - part of this module's API
 
 # ----------------------------------------------------------------------------- text rendering
 
@@ -350,6 +237,41 @@ def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_pro
     if not out:
         raise TetherError(f"{source}: every row was skipped (prompts over max_length={max_length})")
     return out, stats
+
+
+# ----------------------------------------------------------------------------- PPO's prompts
+
+def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows, encoded by the rule
+    every stage uses, each cut to `max_len` ids without losing its special prefix."""
+    rows = load_rows(source)
+    texts, ids, prefix = [], [], special_prefix(tokenizer)
+    for i, row in enumerate(rows):
+        if "prompt" not in row and "messages" not in row:
+            raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
+                              "give one of them per row")
+        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix)
+        if not tokens or not text.strip():
+            raise TetherError(f"{source}: row {i} has an empty prompt; remove it")
+        texts.append(text)
+        ids.append(tokens)
+    return texts, ids
+
+
+def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> list[int]:
+    """Prompt rows of rollout batch `batch`: a stream of seeded per-epoch shuffles, cut into
+    batches. A pure function of (seed, batch), so a resumed run sees the prompts an uninterrupted
+    one would, and a batch may be larger than the prompt set."""
+    out: list[int] = []
+    position = batch * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(position, n_prompts)
+        perm = torch.randperm(n_prompts,
+                              generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        take = perm[offset: offset + batch_size - len(out)].tolist()
+        out += take
+        position += len(take)
+    return out
 
 
 # ----------------------------------------------------------------------------- batching

@@ -7,16 +7,14 @@ tether output loads with plain transformers. `trust_remote_code` is off unless t
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.checkpoint import check_finite_weights, replace_dir
 from tether.errors import TetherError
@@ -31,8 +29,6 @@ from tether.lora import (
 )
 
 PAD_TOKEN = "<|pad|>"
-REWARD_JSON = "tether_reward.json"
-REWARD_HEAD = "reward_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -260,12 +256,31 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def freeze(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """The one way tether freezes a model it only scores with (a reference, a reward model):
+    dropout off, eval mode, no gradients, optionally moved to `device`; in place."""
+    disable_dropout(model)
+    model.eval().requires_grad_(False)
+    return model if device is None else model.to(device)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
-    """A deep copy in eval mode with gradients off; it shares no tensor with `model`."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    ref.requires_grad_(False)
-    return ref
+    """A frozen deep copy (see `freeze`); it shares no tensor with `model`."""
+    return freeze(copy.deepcopy(model))
+
+
+def fuse_gelu(model: nn.Module) -> nn.Module:
+    """Swap transformers' Python `NewGELUActivation` (GPT-2's tanh GELU, five elementwise kernels
+    and as many saved tensors) for `nn.GELU(approximate="tanh")`, the same function in one fused
+    kernel (outputs agree to float rounding, ~2e-7). About 3x faster for the activation, forward
+    and backward, which is a sizeable share of a small model's step."""
+    from transformers.activations import NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(module, name, nn.GELU(approximate="tanh"))
+    return model
 
 
 def _temp_dir_beside(out: Path) -> Path:
@@ -307,158 +322,5 @@ def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Pat
         save_model(merged, tokenizer, merged_dir)
 
 
-class RewardModel(nn.Module):
-    """A causal LM's trunk plus a linear head; the score is read at the last non-pad token.
-
-    `forward` returns raw scores; `score` applies the stored normalisation `(raw - mean) / std`
-    (identity until `set_normalization` is called), so a normalised model keeps its meaning when
-    reloaded.
-    """
-
-    def __init__(self, backbone: nn.Module, tokenizer=None, lora: TrainableLM | None = None):
-        super().__init__()
-        self.backbone = backbone
-        hidden = backbone.config.get_text_config().hidden_size
-        self.head = nn.Linear(hidden, 1)
-        self.tokenizer = tokenizer
-        self.norm_mean, self.norm_std = 0.0, 1.0
-        # With LoRA the trunk lives inside a PeftModel over the causal LM (so the adapter's layer
-        # names match a policy's on the same base, which can then share it in PPO).
-        self.lora = lora
-        self.head.to(backbone.dtype)
-
-    # ------------------------------------------------------------------ construction and I/O
-    @classmethod
-    def from_causal_lm(cls, name_or_path: str, tokenizer, dtype: str = "float32",
-                       trust_remote_code: bool = False, lora: LoraSpec | None = None) -> RewardModel:
-        """A fresh reward model on the trunk of a causal LM (e.g. the SFT model); the head starts
-        near zero so the first scores are near zero. With `lora`, the trunk trains a LoRA adapter
-        (see `load_trainable_lm`)."""
-        if lora is not None:
-            lm = load_trainable_lm(name_or_path, tokenizer, lora, dtype, trust_remote_code)
-            model = cls(lm.model.base_model, tokenizer, lora=lm)
-        elif is_adapter(name_or_path):
-            merged = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
-            model = cls(merged.base_model, tokenizer)
-        else:
-            backbone = _load_for_tokenizer(AutoModel, "a model trunk", _local(name_or_path),
-                                           tokenizer, dtype, trust_remote_code)
-            model = cls(backbone, tokenizer)
-        hidden = model.head.in_features
-        nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
-        nn.init.zeros_(model.head.bias)
-        return model
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32",
-                        trust_remote_code: bool = False) -> RewardModel:
-        """Load a reward model written by `save_pretrained` (trunk, head, normalisation, tokenizer)."""
-        path = Path(path)
-        meta_path = path / REWARD_JSON
-        if not meta_path.is_file():
-            raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one with `tether rm`")
-        tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
-        if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
-            base_name = adapter_base(path)
-            base = _load_for_tokenizer(AutoModelForCausalLM, "the reward adapter's base model",
-                                       base_name, tokenizer, dtype, trust_remote_code)
-            peft = load_adapter(base, _local(str(path)), TRAINED)
-            set_trainable(peft, [])
-            lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
-            model = cls(lm.model.base_model, tokenizer, lora=lm)
-        else:
-            backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
-                                        trust_remote_code)
-            model = cls(backbone, tokenizer)
-        model.load_head(path)
-        return model
-
-    def load_head(self, path: str | Path) -> None:
-        """Read the head and the normalisation constants written by `save_pretrained`."""
-        path = Path(path)
-        meta = json.loads((path / REWARD_JSON).read_text(encoding="utf-8"))
-        head = load_file(str(path / REWARD_HEAD))
-        self.head.load_state_dict({k: v.to(self.head.weight.dtype) for k, v in head.items()})
-        self.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
-
-    def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
-        """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
-        tokenizer into `out_dir`, atomically."""
-        check_finite_weights(self, "the reward model")
-        out = Path(out_dir)
-        tmp = _temp_dir_beside(out)
-        try:
-            if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
-                self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
-                                               save_embedding_layers=False)
-            else:
-                self.backbone.save_pretrained(tmp)
-            tok = tokenizer if tokenizer is not None else self.tokenizer
-            if tok is not None:
-                tok.save_pretrained(tmp)
-            head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
-            save_file(head, str(tmp / REWARD_HEAD))
-            meta = {"format": "tether-reward-v1", "mean": self.norm_mean, "std": self.norm_std,
-                    "head_file": REWARD_HEAD, "score": "(raw - mean) / std at the last non-pad token"}
-            (tmp / REWARD_JSON).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            replace_dir(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return out
-
-    def save_merged(self, out_dir: str | Path, tokenizer=None) -> Path:
-        """A LoRA reward model with its adapter merged into the trunk, saved as a plain tether
-        reward model (the adapter is merged in place: call this last)."""
-        if self.lora is None:
-            raise ValueError("save_merged needs a LoRA reward model")
-        merged = self.lora.peft.merge_and_unload(adapter_names=[TRAINED])
-        plain = RewardModel(merged.base_model, self.tokenizer)
-        plain.head, plain.norm_mean, plain.norm_std = self.head, self.norm_mean, self.norm_std
-        return plain.save_pretrained(out_dir, tokenizer)
-
-    # ------------------------------------------------------------------ scoring
-    def set_normalization(self, mean: float, std: float) -> None:
-        if not std > 0:
-            raise ValueError(f"normalisation std must be > 0, got {std}")
-        self.norm_mean, self.norm_std = float(mean), float(std)
-
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
-        right-padded batches give the same states for the same text."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids)
-        return out.last_hidden_state
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Raw scores `[B]`, read at each row's last non-pad token (left or right padding)."""
-        hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return self.head(hidden[rows, last]).squeeze(-1).float()
-
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Normalised scores `[B]`: `(raw - mean) / std` with the stored constants."""
-        return (self(input_ids, attention_mask) - self.norm_mean) / self.norm_std
-
-    @torch.no_grad()
-    def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
-                    max_length: int = 4096) -> torch.Tensor:
-        """Normalised scores `[N]` of (prompt, response) texts, encoded exactly as `tether rm`
-        encoded its training pairs: the prompt under the one encoding rule (a chat prompt, a
-        list of messages, through the chat template), the response with EOS appended, which is
-        where the score is read. Without that EOS a score is read at an arbitrary token."""
-        from tether.data import collate_sft, encode_sft
-
-        if self.tokenizer is None:
-            raise ValueError("score_texts needs the reward model's tokenizer")
-        rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
-        examples, _ = encode_sft(self.tokenizer, rows, max_length, source="score_texts")
-        device = self.head.weight.device
-        scores = []
-        for start in range(0, len(examples), batch_size):
-            batch = collate_sft(examples[start:start + batch_size], self.tokenizer.pad_token_id)
-            scores.append(self.score(batch["input_ids"].to(device),
-                                     batch["attention_mask"].to(device)))
-        return torch.cat(scores)
+# The reward model lives in tether/reward_model.py; it is imported from here too.
+from tether.reward_model import RewardModel  # noqa: E402, F401

@@ -13,6 +13,7 @@ import importlib.util
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,8 @@ from torch import nn
 from tether.errors import TetherError
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+# What the loop calls: reward(prompts, responses, rollout) -> scores [B]
+Reward = Callable[[list[str], list[str], Any], torch.Tensor]
 
 
 def load_reward_function(spec: str) -> RewardFn:
@@ -102,3 +105,41 @@ def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.M
                 raise TetherError(f"the {name} has {rows} embedding rows but the policy's "
                                   f"tokenizer has {len(policy_tokenizer)} tokens; train the "
                                   f"{name} from the same SFT model")
+
+
+def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_model: str) -> None:
+    """Exactly one reward source: a Python callable, `--reward-fn` or `--reward-model`."""
+    given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
+                                   ("--reward-fn", bool(reward_fn_spec)),
+                                   ("--reward-model", bool(reward_model))) if on]
+    if len(given) != 1:
+        raise TetherError("give exactly one reward: --reward-model, --reward-fn or a Python "
+                          f"reward_fn (got {', '.join(given) if given else 'none'})")
+
+
+def reward_from_model(reward_model: nn.Module, chunk: int) -> Reward:
+    """A reward model as a `Reward`: it scores the policy's own token ids (no re-tokenising),
+    `chunk` rows at a time, read at each response's last real token (EOS)."""
+    @torch.no_grad()
+    def reward(prompts, responses, rollout) -> torch.Tensor:  # rollout: tether.rollout.Rollout
+        # The reward model reads the policy's own token ids at the last real token (EOS).
+        return torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
+                                             rollout.attention_mask[i:i + chunk])
+                          for i in range(0, len(rollout), chunk)])
+    return reward
+
+
+def reward_from_function(fn: Callable, what: str) -> Reward:
+    """A Python `(prompts, responses) -> scores` function as a `Reward`, checked on every call."""
+    return lambda prompts, responses, rollout: call_reward_function(fn, prompts, responses, what)
+
+
+def load_reward_model(path: str, policy_tokenizer, dtype: str = "float32",
+                      trust_remote_code: bool = False) -> nn.Module:
+    """A reward model written by `tether rm`, checked to share the policy's vocabulary (it
+    scores the policy's token ids directly)."""
+    from tether.reward_model import RewardModel
+
+    model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_same_vocabulary(policy_tokenizer, {"reward model": (model.tokenizer, model.backbone)})
+    return model

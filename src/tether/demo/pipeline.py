@@ -129,15 +129,15 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     from tether.evaluation import evaluate_policy
     from tether.models import (
         RewardModel,
-        disable_dropout,
         eos_token_ids,
+        freeze,
         load_causal_lm,
         load_tokenizer,
     )
 
     tokenizer = load_tokenizer(model_dir)
     def frozen(path: str):  # loaded fresh, so no copy is needed to keep it apart
-        return disable_dropout(load_causal_lm(path, tokenizer)).eval().requires_grad_(False)
+        return freeze(load_causal_lm(path, tokenizer))
 
     policy, reference = frozen(model_dir), frozen(ref_dir)
     reward_model = RewardModel.from_pretrained(reward_model).eval()

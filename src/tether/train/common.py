@@ -8,7 +8,6 @@ stage's file, readable top to bottom.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig
 from tether.errors import TetherError
 from tether.logprobs import token_logprobs
+from tether.optim import lr_factor, make_lr_schedule, make_optimizer  # noqa: F401 - one for all stages
 from tether.rundir import RunDir, RunResult
 from tether.train.offline_config import TrainConfig  # noqa: F401 - also exported from here
 
@@ -32,39 +32,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
-    """AdamW over trainable parameters; decay on matrices only (biases and norms are not shrunk,
-    as in GPT-2/nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Multiplier on the peak lr at `step`: linear warm-up, then constant / linear / cosine to 0."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(max(progress, 0.0), 1.0)
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr schedule {schedule!r}")
-
-
-def make_lr_schedule(optimizer, total_steps: int, warmup_steps: int = 0, schedule: str = "linear"):
-    """A LambdaLR following `lr_factor`; its state (the step count) is checkpointed."""
-    def factor(step: int) -> float:
-        return lr_factor(step, total_steps, warmup_steps, schedule)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def count_steps(n_rows: int, cfg: TrainConfig) -> int:

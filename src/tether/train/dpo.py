@@ -25,6 +25,7 @@ from tether.losses import dpo_loss
 from tether.models import (
     TrainableLM,
     disable_dropout,
+    freeze,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
@@ -91,7 +92,7 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, examples, device):
         ref_tokenizer = load_tokenizer(cfg.ref_model, cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
         ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
-        disable_dropout(ref).to(device).eval().requires_grad_(False)  # fresh load: no copy needed
+        freeze(ref, device)  # a fresh load: no copy needed
     elif lm.peft is not None:
         # LoRA: the shared base with the adapter off, or the starting adapter kept frozen.
         ref = AdapterView(lm.peft, lm.reference_adapter)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from tether import interrupt
-from tether.advantages import gae, kl_shaped_rewards, whiten
+from tether.advantages import ScoreNormalizer, gae, kl_shaped_rewards, whiten
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import parse_config
 from tether.errors import TetherError
@@ -33,7 +33,6 @@ from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import autocast, print_result
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import (
-    ScoreNormalizer,
     Setup,
     build,
     evaluate,

@@ -1,12 +1,12 @@
-"""Everything `tether ppo` needs before its loop: models, reward, critic, optimiser, prompts.
-
-Also the small helpers the loop calls once per batch: the prompt batch, score normalisation,
-evaluation on held-out prompts (proxy and gold reward), and the sample table.
+"""Everything `tether ppo` needs before its loop: models, reward, critic, optimiser, prompts
+(`build`), and the small per-batch helpers that need them: the prompt batch, the held-out
+evaluation and the sample table. The pieces live by concern: prompts and their order in
+`tether.data`, reward sources in `tether.reward_fn`, score normalisation beside the shaping maths
+in `tether.advantages`, freezing in `tether.models`, the optimizer in `tether.optim`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,29 +15,36 @@ from torch import nn
 
 from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
-from tether.data import encode_prompt_row, load_rows, special_prefix
+from tether.data import load_prompts, prompt_indices
 from tether.errors import TetherError
 from tether.evaluation import evaluate_policy
 from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models import (
-    RewardModel,
     TrainableLM,
     disable_dropout,
     eos_token_ids,
+    freeze,
     frozen_copy,
+    fuse_gelu,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
     resolve_device,
 )
-from tether.reward_fn import call_reward_function, check_same_vocabulary, load_reward_function
-from tether.rollout import Rollout, left_pad
+from tether.optim import make_lr_schedule, make_optimizer
+from tether.reward_fn import (
+    Reward,
+    check_one_reward,
+    check_same_vocabulary,
+    load_reward_function,
+    load_reward_model,
+    reward_from_function,
+    reward_from_model,
+)
+from tether.rollout import left_pad
 from tether.shared_base import lora_critic, shared_reward_model
 from tether.train.common import enable_gradient_checkpointing
 from tether.train.ppo_config import PPOConfig
-
-# reward(prompts, responses, rollout) -> scores [B]
-Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
 
 
 @dataclass
@@ -61,80 +68,6 @@ class Setup:
     eval_prompt_ids: list[list[int]]
 
 
-def _reward_from_model(reward_model: RewardModel, chunk: int) -> Reward:
-    @torch.no_grad()
-    def reward(prompts, responses, rollout: Rollout) -> torch.Tensor:
-        # The reward model reads the policy's own token ids at the last real token (EOS).
-        return torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
-                                             rollout.attention_mask[i:i + chunk])
-                          for i in range(0, len(rollout), chunk)])
-    return reward
-
-
-def _reward_from_function(fn: Callable, what: str) -> Reward:
-    return lambda prompts, responses, rollout: call_reward_function(fn, prompts, responses, what)
-
-
-def fuse_gelu(model: nn.Module) -> nn.Module:
-    """Swap transformers' Python `NewGELUActivation` (GPT-2's tanh GELU, five elementwise kernels
-    and as many saved tensors) for `nn.GELU(approximate="tanh")`, the same function in one fused
-    kernel (outputs agree to float rounding, ~2e-7). About 3x faster for the activation, forward
-    and backward, which is a sizeable share of a small model's step."""
-    from transformers.activations import NewGELUActivation
-
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is NewGELUActivation:
-                setattr(module, name, nn.GELU(approximate="tanh"))
-    return model
-
-
-def _frozen(model: nn.Module, device) -> nn.Module:
-    disable_dropout(model)
-    model.eval().requires_grad_(False)
-    return model.to(device)
-
-
-def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and ids, encoded by the rule every stage uses (`tether.data`), each cut to
-    `max_len` ids without losing its special prefix."""
-    rows = load_rows(source)
-    texts, ids, prefix = [], [], special_prefix(tokenizer)
-    for i, row in enumerate(rows):
-        if "prompt" not in row and "messages" not in row:
-            raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
-                              "give one of them per row")
-        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix)
-        if not tokens or not text.strip():
-            raise TetherError(f"{source}: row {i} has an empty prompt; remove it")
-        texts.append(text)
-        ids.append(tokens)
-    return texts, ids
-
-
-def _check_one_reward(cfg: PPOConfig, reward_fn) -> None:
-    given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
-                                   ("--reward-fn", bool(cfg.reward_fn)),
-                                   ("--reward-model", bool(cfg.reward_model))) if on]
-    if len(given) != 1:
-        raise TetherError("give exactly one reward: --reward-model, --reward-fn or a Python "
-                          f"reward_fn (got {', '.join(given) if given else 'none'})")
-
-
-def _reward(cfg: PPOConfig, reward_fn, tokenizer, device, chunk, lm: TrainableLM):
-    if cfg.reward_model:
-        # A LoRA reward model on the policy's base joins it as one more adapter (no second base).
-        rm = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
-        if rm is None:
-            rm = RewardModel.from_pretrained(cfg.reward_model, dtype=cfg.dtype,
-                                             trust_remote_code=cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reward model": (rm.tokenizer, rm.backbone)})
-        rm = _frozen(fuse_gelu(rm), device)
-        return _reward_from_model(rm, chunk), rm
-    # a Python callable, loaded (and its import checked) before the models
-    return _reward_from_function(reward_fn, "reward function"), None
-
-
 def _kl_controller(cfg: PPOConfig):
     if cfg.kl_ctl == "adaptive":
         return kl_lib.AdaptiveKL(cfg.beta, cfg.kl_target, cfg.kl_horizon, cfg.kl_max_error)
@@ -142,19 +75,6 @@ def _kl_controller(cfg: PPOConfig):
         return kl_lib.AnnealedKL(cfg.beta, cfg.beta_end, cfg.anneal_batches or cfg.n_batches,
                                  cfg.anneal_shape)
     return kl_lib.FixedKL(cfg.beta)
-
-
-def _lr_lambda(cfg: PPOConfig) -> Callable[[int], float]:
-    def factor(k: int) -> float:  # k = batches done
-        if k < cfg.warmup_batches:
-            return (k + 1) / (cfg.warmup_batches + 1)
-        t = (k - cfg.warmup_batches) / max(1, cfg.n_batches - cfg.warmup_batches)
-        if cfg.lr_schedule == "linear":
-            return max(0.0, 1.0 - t)
-        if cfg.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
-        return 1.0
-    return factor
 
 
 def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
@@ -169,7 +89,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     eval_prompts, eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
                               if cfg.eval_prompts else ([], []))
-    _check_one_reward(cfg, reward_fn)
+    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_function(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
@@ -180,7 +100,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
     disable_dropout(policy)
-    fuse_gelu(policy)
+    fuse_gelu(policy)  # the same function, fused: a large share of a small model's step
     policy.eval().to(device)
     if cfg.ref_model:
         ref_tokenizer = load_tokenizer(cfg.ref_model, trust_remote_code=cfg.trust_remote_code)
@@ -192,9 +112,18 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         reference = AdapterView(lm.peft, lm.reference_adapter)
     else:
         reference = frozen_copy(policy)
-    reference = _frozen(fuse_gelu(reference), device)
-    reward, reward_model = _reward(cfg, reward_fn, tokenizer, device, cfg.micro_batch_rows, lm)
-    gold = _reward_from_function(gold_fn, "gold reward function") if gold_fn else None
+    reference = freeze(fuse_gelu(reference), device)
+    reward_model = None
+    if cfg.reward_model:
+        # A LoRA reward model on the policy's base joins it as one more adapter (no second base).
+        reward_model = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
+                        or load_reward_model(cfg.reward_model, tokenizer, cfg.dtype,
+                                             cfg.trust_remote_code))
+        reward_model = freeze(fuse_gelu(reward_model), device)
+        reward = reward_from_model(reward_model, cfg.micro_batch_rows)
+    else:
+        reward = reward_from_function(reward_fn, "reward function")
+    gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
 
     if cfg.critic == "shared":
         hidden = policy.config.get_text_config().hidden_size
@@ -215,9 +144,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
             enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
 
-    params = [p for p in (*policy.parameters(), *critic.parameters()) if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    # The optimizer and schedule of every stage; a PPO step is one rollout batch.
+    optimizer = make_optimizer([policy, critic], cfg.lr, cfg.weight_decay)
+    scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
 
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
     eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
@@ -230,60 +159,11 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
 
 
-def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> list[int]:
-    """Rows of batch `batch`: a stream of seeded per-epoch shuffles, cut into batches.
-
-    A pure function of (seed, batch), so a resumed run sees the prompts an uninterrupted one
-    would, and batches may be larger than the prompt set.
-    """
-    out: list[int] = []
-    position = batch * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(position, n_prompts)
-        perm = torch.randperm(n_prompts,
-                              generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        take = perm[offset: offset + batch_size - len(out)].tolist()
-        out += take
-        position += len(take)
-    return out
-
-
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
     rows = prompt_indices(len(setup.prompts), cfg.batch_size, cfg.seed, batch)
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
                          setup.device)
     return [setup.prompts[i] for i in rows], ids, mask
-
-
-class ScoreNormalizer:
-    """Scores -> (score - mean) / std: per batch, or with running moments over the run (the
-    running form is a streaming version of the reward normalisation of Ziegler et al. 2019)."""
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.mode == "none":
-            return scores
-        if self.mode == "batch":
-            return (scores - scores.mean()) / (scores.std(unbiased=False) + 1e-8)
-        # Chan et al. parallel update of the running mean and sum of squared deviations.
-        n, mean = scores.numel(), scores.mean().item()
-        m2 = ((scores - mean) ** 2).sum().item()
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2 + delta ** 2 * self.count * n / total
-        self.count = total
-        std = math.sqrt(self.m2 / total) if total > 1 else 1.0
-        return (scores - self.mean) / (std + 1e-8)
-
-    def state_dict(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]
 
 
 def evaluate(setup: Setup, cfg: PPOConfig) -> tuple[dict[str, float], list[dict]]:
