@@ -82,11 +82,12 @@ def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch
     return collate_pairs(examples, pad_id)
 
 
-def pair_logprobs(model, batch) -> tuple[torch.Tensor, ...]:
-    """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each."""
+def pair_logprobs(model, batch, chunked: bool = True) -> tuple[torch.Tensor, ...]:
+    """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each.
+    `chunked`: through the LM head in chunks (tether.lm_head), never the full logits."""
     if "segment" in batch:
-        return shared_pair_logprobs(model, batch)
-    logprobs, mask = response_logprobs(model, batch)  # [2B, T-1]: chosen rows, then rejected rows
+        return shared_pair_logprobs(model, batch, chunked)
+    logprobs, mask = response_logprobs(model, batch, chunked)  # [2B, T-1]: chosen rows, then rejected rows
     summed, lengths = (logprobs * mask).sum(-1), mask.sum(-1)  # [2B]
     half = summed.shape[0] // 2
     return summed[:half], summed[half:], lengths[:half], lengths[half:]
@@ -101,7 +102,7 @@ def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, de
     for start in range(0, len(examples), cfg.batch_size):
         batch = to_device(collate(ref_model, examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
         with autocast(cfg.mixed_precision, device):
-            chosen, rejected, _, _ = pair_logprobs(ref_model, batch)
+            chosen, rejected, _, _ = pair_logprobs(ref_model, batch, cfg.chunked_lm_head)
         out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())
     ref_model.train(was_training)
     return torch.cat(out)
@@ -159,12 +160,12 @@ def run(cfg: DPOConfig) -> RunResult:
         pairs = [examples[i] for i in indices]
         batch = to_device(collate(policy, pairs, tokenizer.pad_token_id, cfg.share_prompt), device)
         with autocast(cfg.mixed_precision, device):
-            policy_chosen, policy_rejected, chosen_len, rejected_len = pair_logprobs(policy, batch)  # [B] each
+            policy_chosen, policy_rejected, chosen_len, rejected_len = pair_logprobs(policy, batch, cfg.chunked_lm_head)  # [B] each
             if ref_table is not None:
                 ref_chosen, ref_rejected = ref_table[indices].to(device).unbind(-1)
             else:
                 with torch.no_grad():
-                    ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch)
+                    ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch, cfg.chunked_lm_head)
         ipo = cfg.loss == "ipo"  # IPO compares per-token averages (Azar et al. 2023)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta,

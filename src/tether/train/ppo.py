@@ -108,7 +108,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             # 2. Score the same tokens: old policy, reference, critic (same temperature).
             mb_size = cfg.batch_size // cfg.num_minibatches
             old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
-                                cfg.temperature, mb_size)
+                                cfg.temperature, mb_size, cfg.chunked_lm_head)
             mask = rollout.response_mask
 
             # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a

@@ -36,9 +36,10 @@ class SFTConfig(TrainConfig):
     """Peak learning rate (AdamW)."""
 
 
-def sft_loss(model, batch) -> tuple:
-    """Token-mean negative log-likelihood over response tokens; returns (loss, n_tokens)."""
-    logprobs, mask = response_logprobs(model, batch)  # [N, T-1] each
+def sft_loss(model, batch, chunked: bool = True) -> tuple:
+    """Token-mean negative log-likelihood over response tokens; returns (loss, n_tokens).
+    `chunked`: log-probs through the LM head in chunks (tether.lm_head), never the full logits."""
+    logprobs, mask = response_logprobs(model, batch, chunked)  # [N, T-1] each
     n_tokens = mask.sum().clamp(min=1)
     return -(logprobs * mask).sum() / n_tokens, n_tokens
 
@@ -66,7 +67,7 @@ def run(cfg: SFTConfig) -> RunResult:
         indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
         batch = to_device(collate_sft([examples[i] for i in indices], tokenizer.pad_token_id), device)
         with autocast(cfg.mixed_precision, device):
-            loss, n_tokens = sft_loss(model, batch)
+            loss, n_tokens = sft_loss(model, batch, cfg.chunked_lm_head)
         grad_norm = optimizer_step(model, optimizer, scheduler, loss, cfg.max_grad_norm)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}")
