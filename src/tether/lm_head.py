@@ -8,8 +8,10 @@ h [N, d] the final (normed) hidden states, W [V, d] and b [V] the head, y [N] th
 
 The logits of a training batch are the largest tensor in the update: at B=8, R=1024, V=128256 they
 take 4 GiB in fp32, and the plain path keeps them for the backward pass and builds a gradient of
-the same size. Here no [N, V] tensor ever exists: the forward pass computes the logits of a chunk
-of positions (~16 MiB of fp32 logits), reduces them to log p(y), and drops them.
+the same size. Here no [N, V] tensor ever exists. An nn.Linear head goes over chunks of the
+vocabulary, all positions at once (~16 MiB of fp32 logits a chunk, [N, V_c]), keeping a running
+logsumexp per position; chunks of the vocabulary rather than of positions, because a chunk of 32
+positions at V=128256 makes a matmul that streams all of W for little work (3x slower on CPU).
 
 Backward, with g = d loss / d log p(y) [N]:
 
@@ -19,13 +21,14 @@ Backward, with g = d loss / d log p(y) [N]:
 
 Two exact ways to get there, picked by what needs a gradient:
 - head frozen (LoRA elsewhere, or the reference): dh_n = g_n * a_n with a = (onehot(y) - p) W / T_s
-  [N, d], which does not depend on g, so the forward pass computes it while the chunk's logits are
-  at hand. Backward is a multiplication: 2 matmuls of [N, d] x [d, V] in all, as the plain path.
-- head trainable (full fine-tuning, tied embeddings): the forward keeps only logsumexp(x) [N];
-  the backward recomputes the logits over chunks of the vocabulary (p = exp(x - lse)) and takes
-  dh, dW and db from each. 4 matmuls against the plain path's 3: exactness costs one recompute.
+  [N, d], which does not depend on g, so the forward pass accumulates it while each chunk's logits
+  are at hand. Backward is a multiplication: 2 matmuls of [N, d] x [d, V] in all, as the plain path.
+- head trainable (full fine-tuning, tied embeddings): the forward keeps only lse = logsumexp(x)
+  [N]; the backward recomputes each vocabulary chunk's logits (p = exp(x - lse)) and takes dh,
+  dW and db from it. 4 matmuls against the plain path's 3: exactness costs one recompute.
 Any other head module (a peft LoRA-wrapped lm_head, a head with a logit transform) goes through
 `torch.utils.checkpoint` per chunk of positions: chunked, exact, gradients reach every parameter.
+Everything runs in fp32 after the matmul; under autocast the matmuls run in bf16, as in the plain path.
 """
 
 from __future__ import annotations
@@ -71,29 +74,80 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def _linear_forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction):
-    """log p(y) over row chunks; see the module docstring for what is kept for backward."""
-    dtype = _compute_dtype(hidden)
-    h, w = hidden.to(dtype), weight.to(dtype)  # one cast of W, not one per chunk
-    b = None if bias is None else bias.to(dtype)
-    n_rows = h.shape[0]
-    out = torch.empty(n_rows, dtype=torch.float32, device=h.device)  # [N]
-    lse = torch.empty(n_rows, dtype=torch.float32, device=h.device)  # [N]
-    direction = (torch.empty(h.shape, dtype=torch.float32, device=h.device)
-                 if keep_direction else None)  # [N, d]
-    for rows in _row_slices(n_rows, w.shape[0]):
-        x = _scaled(F.linear(h[rows], w, b), temperature)  # [chunk, V] fp32, the only big tensor
-        y = tokens[rows, None]
-        lse[rows] = torch.logsumexp(x, dim=-1)
-        out[rows] = x.gather(-1, y).squeeze(-1) - lse[rows]
-        if direction is not None:
-            # a = (onehot(y) - p) W / T_s = -((p - onehot(y)) W) / T_s; the token's entry is
-            # p_y - 1, never w_y - E_p[w] (which cancels catastrophically when p_y -> 1).
-            p = x.sub_(lse[rows, None]).exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=x.dtype))
-            direction[rows] = (p.to(dtype) @ w).float().div_(-temperature)
-    ctx.save_for_backward(hidden, weight, bias, tokens, lse, direction)
-    ctx.temperature, ctx.dtype, ctx.keep_direction = temperature, dtype, keep_direction
+def _vocab_slices(n_rows: int, vocab: int) -> list[slice]:
+    """Chunks of the vocabulary, each with ~CHUNK_ELEMENTS logits over all positions."""
+    return _slices(vocab, max(1, CHUNK_ELEMENTS // max(1, n_rows)))
+
+
+def _token_hits(tokens: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns within the chunk) of the positions whose token lies in `cols`."""
+    rows = ((tokens >= cols.start) & (tokens < cols.stop)).nonzero().squeeze(-1)
+    return rows, tokens[rows] - cols.start
+
+
+def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy=False) -> dict:
+    """One pass over vocabulary chunks with a running logsumexp; returns lse, log p(y) and, when
+    asked, the gradient direction a [N, d] and the entropy H [N].
+
+    Per position, over chunks: m = running max of x, s = sum_v exp(x_v - m), rescaled by
+    exp(m_old - m_new) when m grows (Milakov & Gimelshein 2018, "Online normalizer calculation
+    for softmax"); lse = m + log s. For a frozen head, also s' = sum_{v != y} exp(x_v - m) and
+    A = sum_{v != y} exp(x_v - m) w_v, rescaled alike, and
+
+        a = d log p(y) / dh = (w_y (1 - p_y) - sum_{v != y} p_v w_v) / T_s = (s' w_y - A) / (s T_s)
+
+    which never subtracts two nearly equal numbers, even when p_y -> 1. Entropy: with
+    u = sum_v exp(x_v - m) (x_v - m), H = lse - E_p[x] = log s - u / s.
+    """
+    n_rows, vocab = h.shape[0], w.shape[0]
+    f32 = {"dtype": torch.float32, "device": h.device}
+    token_x = torch.empty(n_rows, **f32)  # x_y
+    running_max = torch.full((n_rows,), float("-inf"), **f32)  # m
+    sum_exp, sum_exp_other, sum_exp_x = (torch.zeros(n_rows, **f32) for _ in range(3))  # s, s', u
+    weighted = torch.zeros(h.shape, **f32) if keep_direction else None  # A, [N, d]
+    for cols in _vocab_slices(n_rows, vocab):
+        # [N, Vc] fp32: the only tensor with a vocabulary dimension
+        x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
+        hit_rows, hit_cols = _token_hits(tokens, cols)
+        token_x[hit_rows] = x[hit_rows, hit_cols]
+        new_max = torch.maximum(running_max, x.amax(dim=-1))
+        rescale = torch.exp(running_max - new_max)  # [N], 0 on the first chunk
+        if with_entropy:  # u in the new max's frame: rescale * (u - (m_new - m_old) s)
+            shifted = rescale * (sum_exp_x - (new_max - running_max) * sum_exp)
+            sum_exp_x = torch.where(rescale > 0, shifted, 0.0)
+        running_max = new_max
+        z = x.sub_(new_max[:, None])  # x - m, in place
+        if with_entropy:
+            sum_exp_x.add_((z.exp() * z).sum(-1))
+        exp_z = z.exp_()
+        sum_exp.mul_(rescale).add_(exp_z.sum(-1))
+        if keep_direction:
+            exp_z[hit_rows, hit_cols] = 0.0  # the token's own term is w_y (1 - p_y) above
+            sum_exp_other.mul_(rescale).add_(exp_z.sum(-1))
+            weighted.mul_(rescale[:, None]).add_((exp_z.to(w.dtype) @ w[cols]).float())
+    lse = running_max + sum_exp.log()
+    out = {"lse": lse, "logprobs": token_x - lse}
+    if keep_direction:
+        out["direction"] = ((sum_exp_other[:, None] * w[tokens].float() - weighted)
+                            .div_(sum_exp[:, None] * temperature))
+    if with_entropy:
+        out["entropy"] = sum_exp.log() - sum_exp_x / sum_exp
     return out
+
+
+def _cast(hidden, weight, bias):
+    """h, W, b in the dtype the matmuls run in (one cast of W per call, not one per chunk)."""
+    dtype = _compute_dtype(hidden)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _linear_forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction):
+    """log p(y) by `_vocab_pass`, keeping lse [N] (trainable head) or a [N, d] (frozen head)."""
+    h, w, b = _cast(hidden, weight, bias)
+    result = _vocab_pass(h, w, b, tokens, temperature, keep_direction)
+    ctx.save_for_backward(hidden, weight, bias, tokens, result["lse"], result.get("direction"))
+    ctx.temperature, ctx.keep_direction = temperature, keep_direction
+    return result["logprobs"]
 
 
 def _linear_backward(ctx, grad_out):
@@ -103,27 +157,25 @@ def _linear_backward(ctx, grad_out):
     if ctx.keep_direction:
         return (g[:, None] * direction).to(hidden.dtype), None, None, None, None, None
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    temperature, dtype = ctx.temperature, ctx.dtype
-    h, w = hidden.to(dtype), weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
+    temperature = ctx.temperature
+    h, w, b = _cast(hidden, weight, bias)  # custom_bwd restored the forward's autocast state
     n_rows, vocab = h.shape[0], w.shape[0]
     grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
     grad_w = torch.empty(w.shape, dtype=torch.float32, device=h.device) if need_w else None
     grad_b = torch.empty(vocab, dtype=torch.float32, device=h.device) if need_b else None
-    # Chunks of the vocabulary, all positions at once: every matmul has a long inner dimension
-    # (N or V_chunk) and each slice of dW is written once. Row chunks would rewrite all of dW
-    # ([V, d], 1 GiB at V=128256, d=2048) once per chunk of 32 rows.
-    for cols in _slices(vocab, max(1, CHUNK_ELEMENTS // max(1, n_rows))):
+    # Chunks of the vocabulary, all positions at once, as in the forward pass: each slice of dW
+    # is written once (row chunks would rewrite all of dW, 1 GiB at V=128256, d=2048, per chunk).
+    for cols in _vocab_slices(n_rows, vocab):
         x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)  # [N, Vc]
         # G = g (onehot(y) - p) / T_s with p = exp(x - lse), lse from the forward pass
         grad_x = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])
-        hit = ((tokens >= cols.start) & (tokens < cols.stop)).nonzero().squeeze(-1)
-        grad_x.index_put_((hit, tokens[hit] - cols.start), g[hit], accumulate=True)
+        hit_rows, hit_cols = _token_hits(tokens, cols)
+        grad_x[hit_rows, hit_cols] += g[hit_rows]
         if temperature != 1.0:
             grad_x.div_(temperature)
-        grad_chunk = grad_x.to(dtype)
+        grad_chunk = grad_x.to(w.dtype)
         if need_h:
-            grad_h.add_(grad_chunk @ w[cols])
+            grad_h.add_((grad_chunk @ w[cols]).float())
         if need_w:
             grad_w[cols] = grad_chunk.t() @ h
         if need_b:
@@ -183,6 +235,24 @@ def _checkpointed_rows(fn, n_rows: int, vocab: int, heads: tuple[nn.Module, ...]
     return torch.cat(parts)
 
 
+def _flat_inputs(hidden, head, tokens, temperature):
+    """Checked [N, d] hidden states, [N] long tokens and V."""
+    positive("temperature", temperature)
+    if hidden.shape[:-1] != tokens.shape:
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)} needs tokens of shape "
+                         f"{tuple(hidden.shape[:-1])}, got {tuple(tokens.shape)}")
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).long()  # [N, d], [N]
+    vocab = vocab_size(head)
+    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}), the head's vocabulary")
+    return flat_h, flat_y, vocab
+
+
+def _needs_grad(hidden: torch.Tensor, head: nn.Module) -> bool:
+    return torch.is_grad_enabled() and (hidden.requires_grad
+                                        or any(p.requires_grad for p in head.parameters()))
+
+
 def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Tensor,
                         temperature: float = 1.0) -> torch.Tensor:
     """log softmax(head(hidden) / T_s) at `tokens`, without a [N, V] logits tensor.
@@ -199,20 +269,15 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
     Returns:
         [...] fp32 log-probs, differentiable with respect to `hidden` and the head's parameters.
     """
-    positive("temperature", temperature)
-    if hidden.shape[:-1] != tokens.shape:
-        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)} needs tokens of shape "
-                         f"{tuple(hidden.shape[:-1])}, got {tuple(tokens.shape)}")
-    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).long()  # [N, d], [N]
-    vocab = vocab_size(head)
-    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}), the head's vocabulary")
+    flat_h, flat_y, vocab = _flat_inputs(hidden, head, tokens, temperature)
     if is_plain_linear(head):
         weight, bias = head.weight, head.bias
         trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
         keep_direction = torch.is_grad_enabled() and flat_h.requires_grad and not trainable
         device = flat_h.device.type
-        function = _FUNCTIONS.setdefault(device, _linear_function(device))
+        if device not in _FUNCTIONS:
+            _FUNCTIONS[device] = _linear_function(device)
+        function = _FUNCTIONS[device]
         out = function.apply(flat_h, weight, bias, flat_y, float(temperature), keep_direction)
     else:
         def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -251,6 +316,9 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
     Returns:
         [...] fp32 entropies in nats, differentiable (each chunk is recomputed in backward).
     """
+    if is_plain_linear(head) and not _needs_grad(hidden, head):
+        tokens = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+        return head_logprobs_and_entropy(hidden, head, tokens, temperature)[1]
     positive("temperature", temperature)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
 
@@ -259,6 +327,27 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
 
     out = _checkpointed_rows(chunk_entropy, flat_h.shape[0], vocab_size(head), (head,), flat_h)
     return out.reshape(hidden.shape[:-1])
+
+
+def head_logprobs_and_entropy(hidden: torch.Tensor, head: nn.Module, tokens: torch.Tensor,
+                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head_token_logprobs, head_entropy) of the same positions, in one pass over the vocabulary
+    when nothing needs a gradient and the head is an nn.Linear (rollout scoring, evaluation): the
+    logits are computed once, as the plain path computes them once for both.
+
+    The log-probs are bitwise those of `head_token_logprobs` (same code, same chunks), which the
+    PPO update relies on for its first-epoch ratio of exactly 1.
+
+    Returns:
+        ([...], [...]) fp32 log-probs and entropies.
+    """
+    if _needs_grad(hidden, head) or not is_plain_linear(head):
+        return (head_token_logprobs(hidden, head, tokens, temperature),
+                head_entropy(hidden, head, temperature))
+    flat_h, flat_y, _ = _flat_inputs(hidden, head, tokens, temperature)
+    h, w, b = _cast(flat_h, head.weight, head.bias)
+    result = _vocab_pass(h, w, b, flat_y, float(temperature), with_entropy=True)
+    return result["logprobs"].reshape(tokens.shape), result["entropy"].reshape(tokens.shape)
 
 
 def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tensor,
@@ -456,6 +545,8 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                               states)
     trunk, head = split
     states = response_hidden(trunk, input_ids, attention_mask, context_length)  # [B, R, d]
-    return ResponseScores(head_token_logprobs(states, head, tokens, temperature),
-                          head_entropy(states, head, temperature) if entropy else None,
-                          states if hidden else None)
+    if entropy:
+        logprobs, entropies = head_logprobs_and_entropy(states, head, tokens, temperature)
+    else:
+        logprobs, entropies = head_token_logprobs(states, head, tokens, temperature), None
+    return ResponseScores(logprobs, entropies, states if hidden else None)
