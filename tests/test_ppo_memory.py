@@ -20,8 +20,10 @@ from scale_helpers import (
     weights,
 )
 
+from tether import lm_head
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
+from tether.lm_head import trunk_and_head
 from tether.models import RewardModel, load_causal_lm, load_tokenizer
 from tether.rollout import sample_responses
 from tether.train import ppo as ppo_module
@@ -153,6 +155,8 @@ def test_bf16_update_is_fp32_maths_and_close_to_the_fp32_update(env, tiny_model_
         cfg, setup, rollout = fresh_setup(env, tiny_model_dir, f"prec_{precision}",
                                           mixed_precision=precision)
         before = weights(setup.policy)
+        for model in (setup.policy, setup.reference):  # the chunked head's one-time fp32 check
+            trunk_and_head(model)
         with layer_output_dtypes() as dtypes:
             old, _, advantages, _ = score_and_update(cfg, setup, rollout)
         after = weights(setup.policy)
@@ -183,12 +187,15 @@ def test_bf16_end_to_end_with_reward_model_and_critic(env, tiny_llama_dir, monke
     chunk_sizes = []
 
     def recording_score_rollout(*args):
-        chunk_sizes.append(args[-1])
+        chunk_sizes.append(args[5])  # (policy, reference, critic, rollout, T, chunk_size, ...)
         return score_rollout(*args)
 
     # The loop scores in the first epoch's micro-batch rows (on a GPU, batch shape can change
     # the last bits of a forward, so other chunks would break the exact ratio of 1).
     monkeypatch.setattr(ppo_module, "score_rollout", recording_score_rollout)
+    # The chunked head checks each model's split once in fp32 (tether.lm_head._logits_match);
+    # that check is not part of the batch and would show up as fp32 layer outputs here.
+    monkeypatch.setattr(lm_head, "_logits_match", lambda model, trunk, head: True)
     with layer_output_dtypes() as dtypes:
         metrics = run(cfg).metrics
     assert chunk_sizes == [4]

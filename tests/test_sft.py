@@ -29,7 +29,7 @@ def test_prompt_positions_get_no_gradient(family, request):
     batch = collate_sft(examples, tok.pad_token_id)
     n, t = batch["input_ids"].shape
     logits = torch.randn(n, t, len(tok), requires_grad=True)
-    loss, n_tokens = sft_loss(LogitsLeaf(logits), batch)
+    loss, n_tokens = sft_loss(LogitsLeaf(logits), batch, chunked=False)  # the plain path
     loss.backward()
     grad_rows = logits.grad.abs().sum(-1)  # [N, T]: nonzero where a position's prediction has loss
     # logits at t predict token t+1: exactly the positions before a response token carry loss

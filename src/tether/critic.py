@@ -21,7 +21,8 @@ import copy
 import torch
 from torch import nn
 
-from tether.rollout import position_ids_from_mask, response_logits
+from tether.lm_head import score_responses
+from tether.rollout import position_ids_from_mask
 
 
 class ValueHead(nn.Module):
@@ -71,15 +72,19 @@ class ValueModel(nn.Module):
 
 
 def policy_and_values(policy: nn.Module, critic: nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, context_length: int):
-    """Response logits [B, R, V] of the policy and values [B, R] of the critic, in one call.
+                      attention_mask: torch.Tensor, context_length: int, temperature: float, *,
+                      chunked: bool = True, entropy: bool = False):
+    """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
+    of the critic, in one call.
 
     The rollout scoring and the PPO update both go through this function, so the "old" log-probs
     and values are computed by the very code that computes the new ones, and the first epoch's
-    probability ratio is exactly 1.
+    probability ratio is exactly 1. `chunked`: log-probs through the LM head in chunks
+    (tether.lm_head, no [B, R, V] logits); the shared critic reads the same hidden states.
     """
     shared = isinstance(critic, ValueHead)
-    logits, hidden = response_logits(policy, input_ids, attention_mask, context_length,
-                                     with_hidden=shared)
-    values = critic(hidden) if shared else critic(input_ids, attention_mask, context_length)
-    return logits, values
+    scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
+                             chunked=chunked, entropy=entropy, hidden=shared)
+    values = (critic(scores.hidden) if shared
+              else critic(input_ids, attention_mask, context_length))
+    return scores, values

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tether.logprobs import entropy, token_logprobs
-from tether.rollout import Rollout, decode_responses, left_pad, response_logits, sample_responses
+from tether.lm_head import score_responses
+from tether.rollout import Rollout, decode_responses, left_pad, sample_responses
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
@@ -32,7 +32,8 @@ def distinct_n(texts: list[str], n: int) -> float:
 def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts: list[str],
                     prompt_ids: list[list[int]], reward: Reward, gold: Reward | None, *,
                     max_new_tokens: int, temperature: float, eos_token_ids: list[int],
-                    batch_size: int, seed: int) -> tuple[dict[str, float], list[dict]]:
+                    batch_size: int, seed: int,
+                    chunked_lm_head: bool = True) -> tuple[dict[str, float], list[dict]]:
     """Sample one response per prompt (seeded) and measure it.
 
     Metrics: `eval/score` (proxy), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
@@ -40,6 +41,7 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts:
     of pi), `eval/response_len`, `eval/eos_rate`, `eval/distinct_2` (diversity of the responses).
     The seed is fixed, so successive evaluations differ only through the policy; a proxy score
     that rises while the gold score falls is over-optimisation (Gao et al. 2022).
+    `chunked_lm_head`: log-probs and entropies through the LM head in chunks (tether.lm_head).
 
     Returns:
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
@@ -61,14 +63,12 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts:
         parts["score"].append(reward(chunk, responses, rollout).float().cpu())
         if gold is not None:
             parts["gold"].append(gold(chunk, responses, rollout).float().cpu())
-        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length)
-        logits = response_logits(policy, *args)[0]  # [B, R, V]
-        logprobs = token_logprobs(logits, rollout.responses, temperature)
-        ref_logprobs = token_logprobs(response_logits(reference, *args)[0], rollout.responses,
-                                      temperature)
+        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length, temperature)
+        scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True)
+        ref = score_responses(reference, *args, chunked=chunked_lm_head)
         response_mask = rollout.response_mask.float()
-        parts["kl"].append(((logprobs - ref_logprobs) * response_mask).sum(1).cpu())
-        token_entropy = entropy(logits, temperature) * response_mask
+        parts["kl"].append(((scores.logprobs - ref.logprobs) * response_mask).sum(1).cpu())
+        token_entropy = scores.entropy * response_mask
         parts["ent"].append((token_entropy.sum(1) / response_mask.sum(1)).cpu())
         parts["len"].append(response_mask.sum(1).cpu())
         parts["eos"].append(rollout.ended.float().cpu())

@@ -20,6 +20,7 @@ from tether import interrupt
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig
 from tether.errors import TetherError
+from tether.lm_head import chunked_split, final_hidden, masked_head_token_logprobs
 from tether.logprobs import token_logprobs
 from tether.optim import lr_factor, make_lr_schedule, make_optimizer  # noqa: F401 - one for all stages
 from tether.rundir import RunDir, RunResult
@@ -117,16 +118,26 @@ def enable_gradient_checkpointing(model: nn.Module, context_fn=None) -> nn.Modul
 
 # ----------------------------------------------------------------------------- log-probs
 
-def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]
+def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token and the mask of those that belong to the response.
+    """Log-probs of each next token of the response and the mask of those tokens.
 
     Logits at position t predict token t+1, so both outputs are `[N, T-1]`: `logprobs[:, t]` is
-    log p(input_ids[:, t+1]) and `mask[:, t]` is response_mask[:, t+1].
+    log p(input_ids[:, t+1]) where `mask[:, t]` (= response_mask[:, t+1]) is 1, and 0 elsewhere.
+    `chunked`: only the response positions' hidden states go through the LM head, in chunks
+    (tether.lm_head; no [N, T, V] logits); else the plain path through the full logits.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logprobs = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])  # [N, T-1]
-    return logprobs, batch["response_mask"][:, 1:].to(logprobs.dtype)
+    mask = batch["response_mask"][:, 1:]
+    tokens = batch["input_ids"][:, 1:]  # [N, T-1]
+    split = chunked_split(model, chunked)
+    if split is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logprobs = token_logprobs(logits[:, :-1], tokens) * mask  # [N, T-1]
+    else:
+        trunk, head = split
+        hidden = final_hidden(trunk, batch["input_ids"], batch["attention_mask"])  # [N, T, d]
+        logprobs = masked_head_token_logprobs(hidden[:, :-1], head, tokens, mask)
+    return logprobs, mask.to(logprobs.dtype)
 
 
 def autocast(mixed_precision: str, device: torch.device):

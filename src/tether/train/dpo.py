@@ -59,11 +59,12 @@ def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch
     return collate_pairs(examples, pad_id)
 
 
-def pair_logprobs(model, batch) -> tuple[torch.Tensor, ...]:
-    """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each."""
+def pair_logprobs(model, batch, chunked: bool = True) -> tuple[torch.Tensor, ...]:
+    """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each.
+    `chunked`: through the LM head in chunks (tether.lm_head), never the full logits."""
     if "segment" in batch:
-        return shared_pair_logprobs(model, batch)
-    logprobs, mask = response_logprobs(model, batch)  # [2B, T-1]: chosen rows, then rejected rows
+        return shared_pair_logprobs(model, batch, chunked)
+    logprobs, mask = response_logprobs(model, batch, chunked)  # [2B, T-1]: chosen rows, then rejected rows
     summed, lengths = (logprobs * mask).sum(-1), mask.sum(-1)  # [2B]
     half = summed.shape[0] // 2
     return summed[:half], summed[half:], lengths[:half], lengths[half:]
@@ -78,7 +79,7 @@ def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, de
     for start in range(0, len(examples), cfg.batch_size):
         batch = to_device(collate(ref_model, examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
         with autocast(cfg.mixed_precision, device):
-            chosen, rejected, _, _ = pair_logprobs(ref_model, batch)
+            chosen, rejected, _, _ = pair_logprobs(ref_model, batch, cfg.chunked_lm_head)
         out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())
     ref_model.train(was_training)
     return torch.cat(out)
@@ -161,12 +162,12 @@ def run(cfg: DPOConfig) -> RunResult:
             batch = to_device(collate(policy, [examples[i] for i in rows], tokenizer.pad_token_id,
                                       cfg.share_prompt), device)
             with autocast(cfg.mixed_precision, device):
-                policy_logps = pair_logprobs(policy, batch)  # chosen, rejected, their lengths: [b] each
+                policy_logps = pair_logprobs(policy, batch, cfg.chunked_lm_head)  # chosen, rejected, their lengths: [b] each
                 if ref_table is not None:
                     ref_chosen, ref_rejected = ref_table[rows].to(device).unbind(-1)
                 else:
                     with torch.no_grad():
-                        ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch)
+                        ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch, cfg.chunked_lm_head)
             losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
             backward(losses.sum() / len(indices))  # the loss is a mean over the batch's pairs
             parts.append([t.detach() for t in (*policy_logps, ref_chosen, ref_rejected)])

@@ -176,7 +176,7 @@ def evaluate(setup: Setup, cfg: PPOConfig) -> tuple[dict[str, float], list[dict]
                            setup.eval_prompt_ids, setup.reward, setup.gold,
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            eos_token_ids=setup.eos_token_ids, batch_size=cfg.batch_size,
-                           seed=cfg.seed + 7_919)
+                           seed=cfg.seed + 7_919, chunked_lm_head=cfg.chunked_lm_head)
 
 
 def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,

@@ -19,9 +19,9 @@ from torch import nn
 
 from tether import kl as kl_lib
 from tether.critic import policy_and_values
-from tether.logprobs import entropy, token_logprobs
+from tether.lm_head import score_responses
 from tether.losses import assert_finite, ppo_policy_loss, reduce_tokens, value_loss
-from tether.rollout import Rollout, response_logits
+from tether.rollout import Rollout
 from tether.train.common import autocast
 
 
@@ -49,26 +49,25 @@ def chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, rollout: Rollout,
-                  temperature: float, chunk_size: int) -> Scored:
+                  temperature: float, chunk_size: int, chunked: bool = True) -> Scored:
     """Policy, reference and critic on the sampled tokens, in chunks of `chunk_size` rows.
 
     The chunks are the first epoch's micro-batches (`cfg.micro_batch_rows`), and the forward is
     `policy_and_values`, the one the update uses: same rows, same code, so the first epoch's ratio
-    is exactly 1.
+    is exactly 1. `chunked`: log-probs and entropies through the LM head in chunks
+    (tether.lm_head; no [B, R, V] logits).
     """
     parts = []
     context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
         sub = rollout.select(rows)
-        logits, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                           context)
-        ref_logits, _ = response_logits(reference, sub.input_ids, sub.attention_mask, context)
+        scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
+                                           context, temperature, chunked=chunked, entropy=True)
+        ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
+                              chunked=chunked)
         mask = sub.response_mask.float()
-        parts.append(Scored(logprobs=token_logprobs(logits, sub.responses, temperature) * mask,
-                            ref_logprobs=token_logprobs(ref_logits, sub.responses,
-                                                        temperature) * mask,
-                            values=values.float() * mask,
-                            entropy=entropy(logits, temperature) * mask))
+        parts.append(Scored(logprobs=scores.logprobs * mask, ref_logprobs=ref.logprobs * mask,
+                            values=values.float() * mask, entropy=scores.entropy * mask))
     return Scored(*(torch.cat([getattr(p, name) for p in parts])
                     for name in ("logprobs", "ref_logprobs", "values", "entropy")))
 
@@ -87,9 +86,10 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module, sub: Rollout, old: Scor
     Returns (loss, stats) with detached float stats.
     """
     mask = sub.response_mask
-    logits, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                       sub.context_length)
-    logprobs = token_logprobs(logits, sub.responses, cfg.temperature) * mask
+    scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
+                                       sub.context_length, cfg.temperature,
+                                       chunked=cfg.chunked_lm_head)
+    logprobs = scores.logprobs * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
                                         denominator=n_tokens)
     v_loss, v_stats = value_loss(values * mask, old.values, returns, mask, cfg.value_clip_range,

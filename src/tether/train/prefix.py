@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from tether.data import Encoded
+from tether.lm_head import chunked_split, final_hidden, masked_head_token_logprobs
 from tether.logprobs import token_logprobs
 
 PAD, PROMPT, CHOSEN, REJECTED = -1, 0, 1, 2
@@ -133,16 +134,27 @@ def model_attention_mask(model, batch: dict[str, torch.Tensor]
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
-def shared_pair_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def shared_pair_logprobs(model, batch: dict[str, torch.Tensor], chunked: bool = True
+                         ) -> tuple[torch.Tensor, ...]:
     """Summed response log-probs and response lengths: (chosen, rejected, chosen_len, rejected_len),
-    each `[B]`."""
+    each `[B]`. `chunked`: the hidden states at `predict_index` go through the LM head in chunks
+    (tether.lm_head; no [B, L, V] logits); else the plain path through the full logits."""
     mask = model_attention_mask(model, batch)
-    logits = model(input_ids=batch["input_ids"], attention_mask=mask,
-                   position_ids=batch["position_ids"], use_cache=False).logits  # [B, L, V]
     n, _, r_len = batch["predict_index"].shape
-    index = batch["predict_index"].reshape(n, 2 * r_len, 1).expand(-1, -1, logits.shape[-1])
-    predicting = logits.gather(1, index)  # [B, 2R, V]
+    targets = batch["targets"].reshape(n, 2 * r_len)  # [B, 2R]
     response_mask = batch["response_mask"].to(torch.float32)  # [B, 2, R]
-    logprobs = token_logprobs(predicting, batch["targets"].reshape(n, 2 * r_len)).reshape(n, 2, r_len)
+    split = chunked_split(model, chunked)
+    if split is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask,
+                       position_ids=batch["position_ids"], use_cache=False).logits  # [B, L, V]
+        index = batch["predict_index"].reshape(n, 2 * r_len, 1).expand(-1, -1, logits.shape[-1])
+        logprobs = token_logprobs(logits.gather(1, index), targets)  # [B, 2R]
+    else:
+        trunk, head = split
+        hidden = final_hidden(trunk, batch["input_ids"], mask, batch["position_ids"])  # [B, L, d]
+        index = batch["predict_index"].reshape(n, 2 * r_len, 1).expand(-1, -1, hidden.shape[-1])
+        logprobs = masked_head_token_logprobs(hidden.gather(1, index), head, targets,
+                                              response_mask.reshape(n, 2 * r_len))  # [B, 2R]
+    logprobs = logprobs.reshape(n, 2, r_len)
     summed, lengths = (logprobs * response_mask).sum(-1), response_mask.sum(-1)  # [B, 2]
     return summed[:, 0], summed[:, 1], lengths[:, 0], lengths[:, 1]

@@ -38,11 +38,12 @@ def response_tokens(batch) -> int:
     return int(batch["response_mask"][:, 1:].sum())
 
 
-def sft_loss(model, batch, batch_tokens: int | None = None) -> tuple:
+def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True) -> tuple:
     """Negative log-likelihood summed over response tokens, divided by `batch_tokens` (the whole
     step's count when this is one of its micro-batches; default: this batch's own count, a token
-    mean). Returns (loss, n_tokens of this batch)."""
-    logprobs, mask = response_logprobs(model, batch)  # [N, T-1] each
+    mean). Returns (loss, n_tokens of this batch). `chunked`: log-probs through the LM head in
+    chunks (tether.lm_head), never the full logits."""
+    logprobs, mask = response_logprobs(model, batch, chunked)  # [N, T-1] each
     n_tokens = mask.sum()
     denominator = n_tokens if batch_tokens is None else batch_tokens
     return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
@@ -80,7 +81,7 @@ def run(cfg: SFTConfig) -> RunResult:
         loss = 0.0
         for batch in micro:
             with autocast(cfg.mixed_precision, device):
-                part, _ = sft_loss(model, to_device(batch, device), n_tokens)
+                part, _ = sft_loss(model, to_device(batch, device), n_tokens, cfg.chunked_lm_head)
             backward(part)
             loss += part.item()
         grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
