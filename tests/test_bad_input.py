@@ -139,7 +139,7 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-fn", "rewards.py:score", "--prompts", "missing.jsonl"], "not found"),
     (["--reward-fn", "rewards.py:score", "--prompts", "noprompt.jsonl"], "row 0 has neither"),
     (["--reward-fn", "rewards.py:score", "--prompts", "emptyprompt.jsonl"], "empty prompt"),
-    (["--reward-fn", "rewards.py:score", "--kl-in", "both"], "reward or in the loss, not both"),
+    (["--reward-fn", "rewards.py:score", "--kl-in", "both"], "'kl_in' must be one of: reward, loss"),
     (["--reward-fn", "rewards.py:score", "--kl-in", "loss", "--kl-estimator", "k1"],
      "no useful gradient as a loss term"),
     (["--reward-fn", "rewards.py:score", "--batch-size", "8", "--num-minibatches", "3"],

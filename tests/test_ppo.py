@@ -94,21 +94,28 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
     assert not all(a.equal(b) for a, b in zip(ref_before, setup.policy.parameters(), strict=True))
 
 
-def test_kl_as_loss_adds_beta_times_k3(env, tiny_model_dir):
-    cfg = config(env, tiny_model_dir, "kl_loss", kl_in="loss")
-    assert cfg.resolved_estimator == "k3"
+@pytest.mark.parametrize("estimator, per_token_mean", [("k3", True), ("auto", False)])
+def test_kl_as_loss_adds_beta_times_the_kl_term(env, tiny_model_dir, estimator, per_token_mean):
+    cfg = config(env, tiny_model_dir, f"kl_loss_{estimator}", kl_in="loss",
+                 kl_estimator=estimator, kl_per_token_mean=per_token_mean)
+    assert cfg.resolved_estimator == ("k3" if estimator == "k3" else "k3_ratio")
     setup = build(cfg, reward_fn=length_reward)
     rollout = fresh_rollout(setup, cfg)
     old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, cfg.temperature, 8)
     # Pretend the reference gives every real token 0.3 nats less: d = log pi - log ref = 0.3 on
-    # every real token, so k3 = exp(-0.3) - 1 + 0.3 = 0.0408182 on each, and so is its mean.
+    # every real token, so k3 = exp(-0.3) - 1 + 0.3 = 0.0408182 on each; on-policy the ratio is
+    # exactly 1, so k3 x ratio is the same number.
     old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     args = (setup.policy, setup.critic, rollout, old, advantages, advantages, cfg)
     loss_without, _ = minibatch_loss(*args, 0.0)
     loss_with, stats = minibatch_loss(*args, 2.0)
-    assert stats["objective/kl_loss"] == pytest.approx(math.exp(-0.3) - 1 + 0.3, rel=1e-5)
-    assert (loss_with - loss_without).item() == pytest.approx(2.0 * 0.0408182, rel=1e-4)
+    k3 = math.exp(-0.3) - 1 + 0.3
+    # Token mean: k3 itself. Per-sequence sums averaged over sequences: k3 times the mean length.
+    length = float(rollout.response_mask.sum()) / len(rollout)
+    expected = k3 if per_token_mean else k3 * length
+    assert stats["objective/kl_loss"] == pytest.approx(expected, rel=1e-5)
+    assert (loss_with - loss_without).item() == pytest.approx(2.0 * expected, rel=1e-4)
 
 
 def test_trust_region_guard_stops_epochs(env, tiny_model_dir):
@@ -298,8 +305,14 @@ def test_different_vocabularies_are_rejected(env, tiny_model_dir):
 
 def test_config_errors(env, tiny_model_dir, capsys):
     base = ["--policy", str(tiny_model_dir), "--prompts", str(env / "prompts.jsonl")]
-    with pytest.raises(TetherError, match="not both"):
+    with pytest.raises(TetherError, match="'kl_in' must be one of: reward, loss"):
         parse_config(PPOConfig, base + ["--kl-in", "reward,loss"])
+    with pytest.raises(TetherError, match="--samples-per-prompt 3 must be >= 1 and divide"):
+        parse_config(PPOConfig, base + ["--batch-size", "8", "--samples-per-prompt", "3"])
+    with pytest.raises(TetherError, match="--advantage rloo compares .* --samples-per-prompt 2"):
+        parse_config(PPOConfig, base + ["--advantage", "rloo"])
+    with pytest.raises(TetherError, match="k3_ratio is a loss term"):
+        parse_config(PPOConfig, base + ["--kl-estimator", "k3_ratio"])
     with pytest.raises(TetherError, match="k1 has no useful gradient"):
         parse_config(PPOConfig, base + ["--kl-in", "loss", "--kl-estimator", "k1"])
     with pytest.raises(TetherError, match="must divide"):
@@ -310,7 +323,8 @@ def test_config_errors(env, tiny_model_dir, capsys):
     capsys.readouterr()
     code = main(["ppo", *base, "--kl-in", "both", "--run-name", "both"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("error:") and "not both" in err and "\n" not in err
+    assert code == 2 and err.startswith("error:") and "must be one of: reward, loss" in err
+    assert "\n" not in err
     assert not (env / "runs" / "both").exists()
 
 

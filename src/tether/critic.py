@@ -71,20 +71,25 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
-def policy_and_values(policy: nn.Module, critic: nn.Module, input_ids: torch.Tensor,
+def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, context_length: int, temperature: float, *,
-                      chunked: bool = True, entropy: bool = False):
+                      chunked: bool = True, entropy: bool = False, hidden: bool = False):
     """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
     of the critic, in one call.
 
-    The rollout scoring and the PPO update both go through this function, so the "old" log-probs
+    `critic` None (the critic-free estimators) gives zero values. The rollout scoring and the
+    PPO update both go through this function, so the "old" log-probs
     and values are computed by the very code that computes the new ones, and the first epoch's
     probability ratio is exactly 1. `chunked`: log-probs through the LM head in chunks
     (tether.lm_head, no [B, R, V] logits); the shared critic reads the same hidden states.
     """
     shared = isinstance(critic, ValueHead)
     scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
-                             chunked=chunked, entropy=entropy, hidden=shared)
-    values = (critic(scores.hidden) if shared
-              else critic(input_ids, attention_mask, context_length))
+                             chunked=chunked, entropy=entropy, hidden=shared or hidden)
+    if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
+        values = torch.zeros_like(scores.logprobs)
+    elif shared:
+        values = critic(scores.hidden)
+    else:
+        values = critic(input_ids, attention_mask, context_length)
     return scores, values

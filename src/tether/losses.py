@@ -99,7 +99,8 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
 def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                mask: torch.Tensor, estimator: str = "k3_ratio",
-               per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+               per_token_mean: bool = False,
+               denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
 
     On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
@@ -134,6 +135,8 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         mask: [B, T] bool, true on real response tokens; padding may hold anything.
         estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
         per_token_mean: the reduction, see above.
+        denominator: the whole minibatch's token (or sequence) count for a micro-batch, as in
+            `reduce_tokens`.
 
     Returns:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
@@ -160,11 +163,11 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         if estimator == "k3_ratio":
             log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             per_token = torch.exp(log_ratio) * per_token
-    return _reduced_penalty(per_token, mask, per_token_mean)
+    return _reduced_penalty(per_token, mask, per_token_mean, denominator)
 
 
-def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor,
-                     per_token_mean: bool = False) -> tuple[torch.Tensor, dict]:
+def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = False,
+                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """The exact KL as a loss term: KL(pi(.|prefix) || ref(.|prefix)) summed over the whole
     vocabulary at every sampled prefix, reduced as in `kl_penalty`.
 
@@ -181,12 +184,13 @@ def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor,
         (penalty, stats), as `kl_penalty`.
     """
     same_shape(exact_kl=exact_kl, mask=mask)
-    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean)
+    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean,
+                            denominator)
 
 
-def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor,
-                     per_token_mean: bool) -> tuple[torch.Tensor, dict]:
-    penalty = reduce_tokens(per_token, mask, per_token_mean)
+def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor, per_token_mean: bool,
+                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    penalty = reduce_tokens(per_token, mask, per_token_mean, denominator)
     with torch.no_grad():
         stats = {"kl_per_sequence": reduce_tokens(per_token, mask, per_token_mean=False),
                  "kl_per_token": reduce_tokens(per_token, mask, per_token_mean=True)}

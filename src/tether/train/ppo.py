@@ -23,7 +23,7 @@ import time
 import torch
 
 from tether import interrupt
-from tether.advantages import ScoreNormalizer, gae, kl_shaped_rewards, whiten
+from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import parse_config
 from tether.errors import TetherError
@@ -39,7 +39,13 @@ from tether.train.ppo_setup import (
     prompt_batch,
     sample_table,
 )
-from tether.train.ppo_step import explained_variance, ppo_update, score_rollout
+from tether.train.ppo_step import (
+    estimate_advantages,
+    explained_variance,
+    kl_sums,
+    ppo_update,
+    score_rollout,
+)
 
 __all__ = ["PPOConfig", "run", "cli"]
 
@@ -102,7 +108,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
     rundir.save_config(cfg)
-    models = {"policy": setup.policy, "critic": setup.critic}
+    models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
     start = 0
     state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
@@ -147,21 +153,21 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             mask = rollout.response_mask
 
             # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a
-            #    loss term the reward is the score alone and beta moves into the loss.
+            #    loss term the reward is the score alone, beta moves into the loss, and the
+            #    controller is fed the rollout's k1 (unbiased for the per-sequence KL).
             beta = setup.kl_ctl.beta
-            reward_beta = beta if cfg.kl_in == "reward" else 0.0
+            in_reward = cfg.kl_in == "reward"
             rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask,
-                                            reward_beta, cfg.resolved_estimator)
-            advantages, returns = gae(rewards, old.values, mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                advantages = whiten(advantages, mask)
+                                            beta if in_reward else 0.0,
+                                            cfg.resolved_estimator if in_reward else "k1")
+            advantages, returns = estimate_advantages(cfg, rewards, old.values, mask)
 
             # 4. PPO epochs over minibatches.
             update_started = time.perf_counter()
             update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
                                 advantages, returns, cfg,
-                                kl_loss_beta=beta if cfg.kl_in == "loss" else 0.0,
-                                generator=shuffle_gen)
+                                kl_loss_beta=0.0 if in_reward else beta,
+                                generator=shuffle_gen, reference=setup.reference)
             update_s = time.perf_counter() - update_started
             lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
             setup.scheduler.step()
@@ -180,7 +186,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 "policy/entropy": (old.entropy.sum() / n_tokens).item(),
                 "rollout/response_len": mask.sum(1).float().mean().item(),
                 "rollout/eos_rate": rollout.ended.float().mean().item(),
-                "value/explained_var": explained_variance(old.values, returns, mask),
+                **kl_sums(old, mask),
                 "perf/tokens_per_s": n_tokens / elapsed,
                 "perf/episodes_per_s": len(rollout) / elapsed,
                 "perf/rollout_s": elapsed - update_s,
@@ -188,6 +194,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                 "optim/lr": lr,
                 **update,
             }
+            if setup.critic is not None:
+                metrics["value/explained_var"] = explained_variance(old.values, returns, mask)
             metrics["policy/collapsed"] = float(collapsed(metrics))
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))

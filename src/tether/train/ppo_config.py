@@ -12,8 +12,6 @@ from typing import Literal
 from tether.config import RunConfig, require_positive
 from tether.errors import TetherError
 
-KL_PLACEMENTS = ("reward", "loss")
-
 
 @dataclass(kw_only=True)
 class PPOConfig(RunConfig):
@@ -50,7 +48,9 @@ class PPOConfig(RunConfig):
     total_episodes: int = 1024
     """Responses to sample over the run; batches = total_episodes // batch_size."""
     batch_size: int = 32
-    """Prompts per rollout batch (one response each)."""
+    """Responses per rollout batch: batch_size / samples_per_prompt prompts, each answered samples_per_prompt times."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
     max_new_tokens: int = 32
     """Longest response, in tokens; longer ones are truncated (and may get --missing-eos-penalty)."""
     temperature: float = 1.0
@@ -61,10 +61,12 @@ class PPOConfig(RunConfig):
     """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
 
     # ---- reward shaping and the KL penalty
-    kl_in: str = "reward"
-    """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style)."""
-    kl_estimator: Literal["auto", "k1", "k2", "k3", "abs"] = "auto"
-    """Per-token KL estimator; auto = k1 in the reward, k3 in the loss."""
+    kl_in: Literal["reward", "loss"] = "reward"
+    """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
+    kl_estimator: Literal["auto", "k1", "k2", "k3", "abs", "k3_ratio", "exact"] = "auto"
+    """Per-token KL estimator; auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
+    kl_per_token_mean: bool = False
+    """KL in the loss as a token mean over the batch (GRPO's form; it changes the objective for responses of different lengths) instead of per-sequence sums averaged over sequences."""
     reward_clip: float = 0.0
     """Clip scores to [-c, c] after normalisation (0: off)."""
     score_norm: Literal["none", "batch", "running"] = "none"
@@ -115,8 +117,12 @@ class PPOConfig(RunConfig):
     """Discount per token."""
     lam: float = 0.95
     """GAE lambda."""
-    whiten_advantages: bool = True
-    """Standardise advantages over the batch's real tokens."""
+    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "gae"
+    """Advantage estimator: gae (needs the critic), or critic-free rloo, grpo, reinforce++ (no critic is built)."""
+    scale_rewards: Literal["group", "none"] = "group"
+    """grpo: divide each group's centred rewards by its std (group), or not (none: Dr. GRPO)."""
+    whiten_advantages: Literal["auto", "on", "off"] = "auto"
+    """Standardise gae advantages over the batch's real tokens; auto: on with the KL in the reward, off with it in the loss (whitening scales the reward's advantage but not the KL term, moving the optimum)."""
     max_kl: float = 0.0
     """Stop the run (exit 2, checkpoints kept) once a batch's mean sequence KL passes this many nats (0: off)."""
     target_kl: float = 0.0
@@ -133,6 +139,24 @@ class PPOConfig(RunConfig):
         return self.total_episodes // self.batch_size
 
     @property
+    def prompts_per_batch(self) -> int:  # derived: each answered samples_per_prompt times
+        return self.batch_size // self.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:  # derived: only GAE needs values
+        return self.advantage == "gae"
+
+    @property
+    def whitens(self) -> bool:  # derived from whiten_advantages (auto: only with the KL in the reward)
+        if self.whiten_advantages == "auto":
+            return self.kl_in == "reward"
+        return self.whiten_advantages == "on"
+
+    @property
+    def policy_loss_per_token_mean(self) -> bool:  # derived: the KL term's units, when it is there
+        return self.kl_per_token_mean if self.kl_in == "loss" else True
+
+    @property
     def minibatch_size(self) -> int:  # derived: rows per optimizer step
         return self.batch_size // self.num_minibatches
 
@@ -141,22 +165,26 @@ class PPOConfig(RunConfig):
         return self.micro_batch_size or self.minibatch_size
 
     @property
-    def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3 in the loss
+    def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
         if self.kl_estimator != "auto":
             return self.kl_estimator
-        return "k1" if self.kl_in == "reward" else "k3"
+        return "k1" if self.kl_in == "reward" else "k3_ratio"
 
     def validate(self) -> None:
         super().validate()
-        placements = {p.strip() for p in self.kl_in.replace("+", ",").split(",") if p.strip()}
-        if placements >= set(KL_PLACEMENTS) or self.kl_in == "both":
-            raise TetherError("the KL penalty can go in the reward or in the loss, not both (it "
-                              "would be counted twice); pass --kl-in reward or --kl-in loss")
-        if self.kl_in not in KL_PLACEMENTS:
-            raise TetherError(f"config field 'kl_in' must be one of: reward, loss (got {self.kl_in!r})")
         if self.kl_in == "loss" and self.resolved_estimator in ("k1", "abs"):
             raise TetherError(f"--kl-estimator {self.resolved_estimator} has no useful gradient as "
-                              "a loss term; use k3 or k2 with --kl-in loss")
+                              "a loss term; use k3_ratio (the default), k2, k3 or exact with "
+                              "--kl-in loss")
+        if self.kl_in == "reward" and self.resolved_estimator in ("k3_ratio", "exact"):
+            raise TetherError(f"--kl-estimator {self.resolved_estimator} is a loss term; use it "
+                              "with --kl-in loss, or k1 (or k2, k3, abs) in the reward")
+        if self.samples_per_prompt < 1 or self.batch_size % self.samples_per_prompt:
+            raise TetherError(f"--samples-per-prompt {self.samples_per_prompt} must be >= 1 and "
+                              f"divide --batch-size {self.batch_size} (responses per batch)")
+        if self.advantage in ("rloo", "grpo") and self.samples_per_prompt < 2:
+            raise TetherError(f"--advantage {self.advantage} compares the responses to one prompt: "
+                              "pass --samples-per-prompt 2 or more (4 is usual)")
         require_positive(self, "batch_size", "max_new_tokens", "temperature", "ppo_epochs",
                          "num_minibatches", "max_prompt_len", "kl_horizon")
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",

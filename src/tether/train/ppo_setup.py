@@ -53,7 +53,7 @@ class Setup:
     tokenizer: object
     policy: nn.Module
     reference: nn.Module
-    critic: nn.Module
+    critic: nn.Module | None  # None for the critic-free advantage estimators
     lm: TrainableLM  # the policy and, with LoRA, the PeftModel that holds every role's adapter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -125,7 +125,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         reward = reward_from_function(reward_fn, "reward function")
     gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
 
-    if cfg.critic == "shared":
+    if not cfg.uses_critic:  # the critic-free estimators: no critic, its memory or optimizer state
+        critic = None
+    elif cfg.critic == "shared":
         hidden = policy.config.get_text_config().hidden_size
         critic = ValueHead(hidden).to(device=device, dtype=next(policy.parameters()).dtype)
     elif lm.peft is not None:
@@ -134,8 +136,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         critic = ValueModel.from_reward_model(reward_model).requires_grad_(True)
     else:
         critic = ValueModel.from_causal_lm(policy)
-    disable_dropout(critic)
-    critic.eval().to(device)
+    if critic is not None:
+        disable_dropout(critic)
+        critic.eval().to(device)
     if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
         # With LoRA the critic's trunk is the policy's base under another adapter: one call
         # covers both, and each layer is recomputed under the adapter it ran with.
@@ -145,7 +148,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
             enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
 
     # The optimizer and schedule of every stage; a PPO step is one rollout batch.
-    optimizer = make_optimizer([policy, critic], cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
+                               cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
 
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
@@ -160,7 +164,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
 
 
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
-    rows = prompt_indices(len(setup.prompts), cfg.batch_size, cfg.seed, batch)
+    """The prompts of rollout batch `batch`, each repeated `samples_per_prompt` times in
+    consecutive rows (the groups rloo and grpo compare), left-padded on the device."""
+    rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, cfg.seed, batch)
+            for _ in range(cfg.samples_per_prompt)]
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
                          setup.device)
     return [setup.prompts[i] for i in rows], ids, mask

@@ -18,11 +18,22 @@ import torch
 from torch import nn
 
 from tether import kl as kl_lib
+from tether.advantages import gae, grpo, reinforce_pp, rloo, whiten
 from tether.critic import policy_and_values
-from tether.lm_head import score_responses
-from tether.losses import assert_finite, ppo_policy_loss, reduce_tokens, value_loss
+from tether.errors import TetherError
+from tether.lm_head import head_exact_kl, score_responses, trunk_and_head
+from tether.losses import (
+    assert_finite,
+    exact_kl_penalty,
+    kl_penalty,
+    ppo_policy_loss,
+    value_loss,
+)
 from tether.rollout import Rollout
 from tether.train.common import autocast
+from tether.train.ppo_config import PPOConfig
+
+SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
 
 @dataclass
@@ -31,12 +42,27 @@ class Scored:
 
     logprobs: torch.Tensor  # log pi_old(y_t), at the sampling temperature
     ref_logprobs: torch.Tensor  # log ref(y_t), same temperature
-    values: torch.Tensor  # V_old(s_t)
+    values: torch.Tensor  # V_old(s_t) (zero without a critic)
     entropy: torch.Tensor  # H(pi_old(. | s_t))
+    exact_kl: torch.Tensor  # KL(pi_old(. | s_t) || ref(. | s_t)) over the whole vocabulary (NaN: n/a)
 
     def select(self, index) -> Scored:
-        return Scored(*(t[index] for t in (self.logprobs, self.ref_logprobs, self.values,
-                                           self.entropy)))
+        return Scored(*(getattr(self, name)[index] for name in SCORED))
+
+
+def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
+                ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
+    """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
+    models' hidden states through their LM heads in chunks; None when a model's logits are not
+    head(hidden) (tether.lm_head.trunk_and_head says why)."""
+    if hidden is None or ref_hidden is None:
+        return None
+    try:
+        _, head = trunk_and_head(policy)
+        _, ref_head = trunk_and_head(reference)
+    except ValueError:
+        return None
+    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
 
 
 # minibatch_loss stats that are means over a batch's real tokens (the rest are loss values).
@@ -62,55 +88,84 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     for rows in chunks(len(rollout), chunk_size):
         sub = rollout.select(rows)
         scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                           context, temperature, chunked=chunked, entropy=True)
+                                           context, temperature, chunked=chunked, entropy=True,
+                                           hidden=True)
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
-                              chunked=chunked)
+                              chunked=chunked, hidden=True)
+        exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature)
         mask = sub.response_mask.float()
         parts.append(Scored(logprobs=scores.logprobs * mask, ref_logprobs=ref.logprobs * mask,
-                            values=values.float() * mask, entropy=scores.entropy * mask))
-    return Scored(*(torch.cat([getattr(p, name) for p in parts])
-                    for name in ("logprobs", "ref_logprobs", "values", "entropy")))
+                            values=values.float() * mask, entropy=scores.entropy * mask,
+                            exact_kl=(exact.float() * mask if exact is not None
+                                      else torch.full_like(mask, float("nan")))))
+    return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
 
 
-def minibatch_loss(policy: nn.Module, critic: nn.Module, sub: Rollout, old: Scored,
-                   advantages: torch.Tensor, returns: torch.Tensor, cfg, kl_loss_beta: float,
-                   n_tokens: int | None = None):
-    """PPO loss on one minibatch: clipped surrogate + vf_coef * clipped value loss
-    (Schulman et al. 2017, eq. 9, without the entropy bonus), plus beta * KL when the KL is a loss
-    term (GRPO, Shao et al. 2024, eq. 3, with its k3 estimator by default).
+def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, old: Scored,
+                   advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig,
+                   kl_loss_beta: float, denominators: tuple[int, int] | None = None,
+                   reference: nn.Module | None = None):
+    """The loss on one minibatch: the clipped surrogate, plus vf_coef * the clipped value loss
+    when there is a critic (Schulman et al. 2017, eq. 9, without the entropy bonus), plus beta *
+    the KL penalty when the KL is a loss term (`tether.losses.kl_penalty`, k3 x ratio by default,
+    whose gradient is that of KL(pi || ref); `exact` needs `reference`).
 
-    When `sub` is a micro-batch of a minibatch with `n_tokens` real tokens, every loss term is
-    divided by `n_tokens`, so the losses (and the `*/loss` stats) of the micro-batches add up to
-    the minibatch's; the other stats (`TOKEN_MEANS`) are means over this micro-batch's tokens.
+    Reductions: with the KL in the loss, the surrogate uses the KL term's units (per-sequence sums
+    over sequences, or token means with --kl-per-token-mean), so beta means what it means in the
+    reward; otherwise token means. `denominators` = (real tokens, rows) of the whole minibatch
+    when `sub` is one of its micro-batches: every loss term is divided by the minibatch's count,
+    so the micro-batches' losses add up to the minibatch's; the stats in `TOKEN_MEANS` are means
+    over this micro-batch's tokens.
 
     Returns (loss, stats) with detached float stats.
     """
     mask = sub.response_mask
+    per_token = cfg.policy_loss_per_token_mean
+    n_tokens, n_rows = denominators if denominators is not None else (None, None)
+    denominator = n_tokens if per_token else n_rows
+    exact = cfg.kl_in == "loss" and cfg.resolved_estimator == "exact"
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length, cfg.temperature,
-                                       chunked=cfg.chunked_lm_head)
+                                       chunked=cfg.chunked_lm_head, hidden=exact)
     logprobs = scores.logprobs * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
-                                        denominator=n_tokens)
-    v_loss, v_stats = value_loss(values * mask, old.values, returns, mask, cfg.value_clip_range,
-                                 denominator=n_tokens)
-    loss = pg_loss + cfg.vf_coef * v_loss
+                                        per_token_mean=per_token, denominator=denominator)
+    loss = pg_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),
-             "policy/ratio_mean": float(pg_stats["ratio_mean"]),
-             "value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
+             "policy/ratio_mean": float(pg_stats["ratio_mean"])}
+    if critic is not None:
+        v_loss, v_stats = value_loss(values * mask, old.values, returns, mask,
+                                     cfg.value_clip_range, denominator=n_tokens)
+        loss = loss + cfg.vf_coef * v_loss
+        stats |= {"value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
     if kl_loss_beta > 0:
-        kl_term = reduce_tokens(kl_lib.estimate(logprobs, old.ref_logprobs, cfg.resolved_estimator),
-                                mask, True, n_tokens)
+        kl_denominator = n_tokens if cfg.kl_per_token_mean else n_rows
+        if exact:
+            with torch.no_grad():
+                ref = score_responses(reference, sub.input_ids, sub.attention_mask,
+                                      sub.context_length, cfg.temperature,
+                                      chunked=cfg.chunked_lm_head, hidden=True)
+            per_position = exact_kl_at(policy, reference, scores.hidden, ref.hidden,
+                                       cfg.temperature)
+            if per_position is None:
+                raise TetherError("--kl-estimator exact needs the models' logits to be "
+                                  "head(hidden); use k3_ratio for this model")
+            kl_term, _ = exact_kl_penalty(per_position, mask, cfg.kl_per_token_mean,
+                                          kl_denominator)
+        else:
+            kl_term, _ = kl_penalty(logprobs, old.logprobs, old.ref_logprobs, mask,
+                                    cfg.resolved_estimator, cfg.kl_per_token_mean, kl_denominator)
         loss = loss + kl_loss_beta * kl_term
         stats["objective/kl_loss"] = kl_term.item()
     assert_finite("PPO loss", loss)
     return loss, stats
 
 
-def accumulate_minibatch(policy: nn.Module, critic: nn.Module, rollout: Rollout, old: Scored,
-                         advantages: torch.Tensor, returns: torch.Tensor, index: torch.Tensor,
-                         cfg, kl_loss_beta: float) -> dict[str, float]:
+def accumulate_minibatch(policy: nn.Module, critic: nn.Module | None, rollout: Rollout,
+                         old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
+                         index: torch.Tensor, cfg: PPOConfig, kl_loss_beta: float,
+                         reference: nn.Module | None = None) -> dict[str, float]:
     """Forward and backward over the minibatch `index` in micro-batches of `cfg.micro_batch_rows`
     rows, adding to the gradients; returns the stats the whole minibatch would give (loss shares
     summed, token means weighted by each micro-batch's tokens).
@@ -126,7 +181,7 @@ def accumulate_minibatch(policy: nn.Module, critic: nn.Module, rollout: Rollout,
         with autocast(cfg.mixed_precision, device):
             loss, part = minibatch_loss(policy, critic, rollout.select(micro), old.select(micro),
                                         advantages[micro], returns[micro], cfg, kl_loss_beta,
-                                        n_tokens)
+                                        (n_tokens, len(index)), reference)
         loss.backward()
         micro_tokens = int(rollout.response_mask[micro].sum())
         for key, value in part.items():  # losses are already shares; weight the token means
@@ -143,7 +198,7 @@ def update_mode(cfg, *models: nn.Module):
     zeroed everywhere (`disable_dropout`), so training mode computes exactly what eval mode does
     and the first epoch's ratio stays exactly 1.
     """
-    trained = models if cfg.gradient_checkpointing else ()
+    trained = [m for m in models if m is not None] if cfg.gradient_checkpointing else ()
     for model in trained:
         model.train()
     try:
@@ -153,9 +208,10 @@ def update_mode(cfg, *models: nn.Module):
             model.eval()
 
 
-def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer,
+def ppo_update(policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer,
                rollout: Rollout, old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
-               cfg, kl_loss_beta: float, generator: torch.Generator) -> dict[str, float]:
+               cfg: PPOConfig, kl_loss_beta: float, generator: torch.Generator,
+               reference: nn.Module | None = None) -> dict[str, float]:
     """`cfg.ppo_epochs` passes over `cfg.num_minibatches` minibatches of the rollout.
 
     The first epoch walks the minibatches in rollout order (the chunks `score_rollout` used, so
@@ -178,7 +234,7 @@ def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Opti
                 index = order[rows].to(advantages.device)
                 optimizer.zero_grad(set_to_none=True)
                 stats = accumulate_minibatch(policy, critic, rollout, old, advantages, returns,
-                                             index, cfg, kl_loss_beta)
+                                             index, cfg, kl_loss_beta, reference)
                 if cfg.target_kl > 0 and stats["policy/approx_kl"] > cfg.target_kl:
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
@@ -193,6 +249,36 @@ def ppo_update(policy: nn.Module, critic: nn.Module, optimizer: torch.optim.Opti
     out = {key: sum(s[key] for s in history) / len(history) for key in history[0]}
     out["policy/updates"] = float(len(history))
     out["policy/early_stopped"] = float(stopped)
+    return out
+
+
+def estimate_advantages(cfg: PPOConfig, rewards: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] from the per-token rewards by the estimator `cfg.advantage`:
+    GAE with the critic's values (whitened when `cfg.whitens`), or a critic-free estimator over
+    the `cfg.samples_per_prompt` responses to each prompt (returns are then unused zeros)."""
+    if cfg.advantage == "gae":
+        advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        return (whiten(advantages, mask) if cfg.whitens else advantages), returns
+    k = cfg.samples_per_prompt
+    critic_free = {
+        "rloo": lambda: rloo(rewards, mask, k),  # Ahmadian et al. 2024
+        "grpo": lambda: grpo(rewards, mask, k, cfg.scale_rewards),  # Shao et al. 2024; Liu et al. 2025
+        "reinforce++": lambda: reinforce_pp(rewards, mask, cfg.gamma),  # Hu 2025
+    }
+    return critic_free[cfg.advantage](), torch.zeros_like(rewards)
+
+
+def kl_sums(old: Scored, mask: torch.Tensor) -> dict[str, float]:
+    """The batch mean of per-sequence summed KL(pi_old || ref) by each estimator (k1, k2, k3)
+    and exactly (over the whole vocabulary at each sampled prefix): their bias and spread side by
+    side. `objective/kl_exact` is missing when the exact KL could not be computed."""
+    real = mask.bool()
+    out = {f"objective/kl_{name}": float(torch.where(real, kl_lib.estimate(
+        old.logprobs, old.ref_logprobs, name), 0.0).sum(1).mean()) for name in ("k1", "k2", "k3")}
+    exact = torch.where(real, old.exact_kl, 0.0).sum(1).mean()
+    if torch.isfinite(exact):
+        out["objective/kl_exact"] = float(exact)
     return out
 
 
