@@ -132,34 +132,28 @@ def group_expected_update(theta: torch.Tensor, ref_probs: torch.Tensor, rewards:
 
 
 def fixed_point_group(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, k: int,
-                      advantage: str = "grpo_group", eps: float = 1e-4) -> torch.Tensor:
+                      advantage: str = "grpo_group", eps: float = 1e-4,
+                      max_iter: int = 20_000) -> torch.Tensor:
     """Where the exact expected update of `group_expected_update` vanishes; [V] probabilities.
 
-    Newton's method in the logits, theta_0 held at 0 (softmax is shift-invariant and both
-    gradients sum to 0 over the outcomes), from the reference. Closed forms it must agree with:
-    rloo -> fixed_point_reverse_kl(beta); grpo_none -> fixed_point_reverse_kl(beta k / (k - 1)),
-    since its group mean includes the sample and shrinks the reward by (k - 1) / k. grpo_group
-    has none; it tends to `fixed_point_grpo_std` as k grows.
+    Natural-gradient iteration in the logits from the reference, theta += 0.5 * update / pi (the
+    expected update divided by the softmax's diagonal Fisher), until the update is below 1e-13.
+    (Newton's method from the reference can run to a vertex of the simplex, where the update also
+    vanishes, on bandits with one dominant outcome.) Closed forms it must agree with: rloo ->
+    fixed_point_reverse_kl(beta); grpo_none -> fixed_point_reverse_kl(beta k / (k - 1)), since
+    its group mean includes the sample and shrinks the reward by (k - 1) / k. grpo_group has
+    none; it tends to `fixed_point_grpo_std` as k grows.
     """
     _check(ref_probs, rewards, beta)
     if k < 2:
         raise ValueError(f"k must be >= 2, got {k}")
     ref_probs, rewards = ref_probs.double(), rewards.double()
-    free = (ref_probs.log() - ref_probs.log()[0])[1:].clone()
-
-    def residual(free_logits: torch.Tensor) -> torch.Tensor:
-        theta = torch.cat([free_logits.new_zeros(1), free_logits])
-        return group_expected_update(theta, ref_probs, rewards, beta, k, advantage, eps)[1:]
-
-    for _ in range(100):
-        value = residual(free)
-        if float(value.abs().max()) < 1e-13:
-            return torch.softmax(torch.cat([free.new_zeros(1), free]), dim=-1)
-        jacobian = torch.autograd.functional.jacobian(residual, free)
-        step = torch.linalg.solve(jacobian, value)
-        scale = 1.0  # backtrack until the residual shrinks
-        while scale > 1e-4 and float(residual(free - scale * step).abs().max()) >= float(
-                value.abs().max()):
-            scale *= 0.5
-        free = free - scale * step
-    raise ValueError("Newton's method did not find where the expected update vanishes")
+    theta = ref_probs.log().clone()
+    for _ in range(max_iter):
+        pi = torch.softmax(theta, dim=-1)
+        update = group_expected_update(theta, ref_probs, rewards, beta, k, advantage, eps)
+        if float(update.abs().max()) < 1e-13:
+            return pi
+        theta = theta + 0.5 * update / pi
+    raise ValueError("the natural-gradient iteration did not find where the expected update "
+                     "vanishes")

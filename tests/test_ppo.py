@@ -348,3 +348,42 @@ def test_ppo_uses_the_optimizer_and_schedule_of_every_stage(env, tiny_model_dir)
         setup.scheduler.step()
     assert lrs == pytest.approx([1e-3 * lr_factor(k, 6, 2, "linear") for k in range(6)])
     assert lrs[:3] == pytest.approx([0.5e-3, 1e-3, 1e-3])  # (k + 1) / 2, then decay from the peak
+
+
+@pytest.mark.parametrize("stage, advantage", [("rloo", "rloo"), ("grpo", "grpo")])
+def test_critic_free_stages_run_without_a_critic(env, tiny_llama_dir, stage, advantage, capsys):
+    """`tether rloo` / `tether grpo`: k samples per prompt, no critic anywhere (no value head,
+    no critic optimizer state, no critic checkpoint, no value metrics)."""
+    out = env / "runs"
+    argv = [stage, "--policy", str(tiny_llama_dir), "--prompts", str(env / "prompts.jsonl"),
+            "--reward-fn", f"{env / 'rewards.py'}:length_reward", "--run-name", f"cf_{stage}",
+            "--output-dir", str(out), "--batch-size", "8", "--total-episodes", "16",
+            "--max-new-tokens", "4", "--save-every", "1", "--device", "cpu"]
+    assert main(argv) == 0, capsys.readouterr().err
+    run_dir = out / f"cf_{stage}"
+    saved = yaml_load(run_dir / "config.yaml")
+    assert saved["advantage"] == advantage and saved["samples_per_prompt"] == 4
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert (ckpt / "policy.safetensors").exists() and not (ckpt / "critic.safetensors").exists()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("value/") for line in lines for key in line)
+    first = lines[0]
+    assert first["objective/kl"] == 0.0 and first["objective/kl_exact"] == 0.0
+    if stage == "grpo":  # the KL is in the loss, so the loss term is logged
+        assert first["objective/kl_loss"] == 0.0
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_batch_holds_each_prompt_k_times_in_consecutive_rows(env, tiny_model_dir):
+    cfg = config(env, tiny_model_dir, "groups", batch_size=8, samples_per_prompt=4,
+                 advantage="rloo")
+    setup = build(cfg, reward_fn=length_reward)
+    assert setup.critic is None
+    prompts, ids, _ = prompt_batch(setup, cfg, 0)
+    assert len(prompts) == 8 and prompts[:4] == [prompts[0]] * 4 and prompts[4:] == [prompts[4]] * 4
+    assert prompts[0] != prompts[4] and ids[:4].eq(ids[0]).all()

@@ -18,6 +18,8 @@ STAGES = {
     "rm": "tether.train.reward",
     "dpo": "tether.train.dpo",
     "ppo": "tether.train.ppo",
+    "rloo": "tether.train.rloo",
+    "grpo": "tether.train.grpo",
     "demo": "tether.demo",
 }
 
@@ -27,6 +29,8 @@ CONFIGS = {
     "rm": ("tether.train.offline_config", "RMConfig"),
     "dpo": ("tether.train.offline_config", "DPOConfig"),
     "ppo": ("tether.train.ppo_config", "PPOConfig"),
+    "rloo": ("tether.train.ppo_config", "RLOOConfig"),
+    "grpo": ("tether.train.ppo_config", "GRPOConfig"),
     "demo": ("tether.demo.config", "DemoConfig"),
 }
 
@@ -34,7 +38,9 @@ HELP = {
     "sft": "supervised fine-tuning: next-token loss on response tokens",
     "rm": "reward model: Bradley-Terry loss on preference pairs",
     "dpo": "DPO / IPO: preference optimisation against a frozen reference",
-    "ppo": "PPO with a per-token KL penalty to the reference",
+    "ppo": "PPO with a per-token KL penalty to the reference (any --advantage)",
+    "rloo": "RLOO: k samples per prompt, leave-one-out baseline, no critic",
+    "grpo": "GRPO: k samples per prompt, group-normalised advantages, KL in the loss",
     "demo": "a small end-to-end run on a tiny local model",
 }
 

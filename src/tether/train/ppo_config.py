@@ -211,3 +211,40 @@ class PPOConfig(RunConfig):
                 raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
+
+
+@dataclass(kw_only=True)
+class RLOOConfig(PPOConfig):
+    """RLOO (Ahmadian et al. 2024): k responses per prompt, each baselined by the mean reward of
+    the other k - 1; no critic; the KL in the reward (k1), as in PPO."""
+
+    run_name: str = "rloo"
+    """Name of the run; everything is written to <output_dir>/<run_name>/."""
+    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "rloo"
+    """Advantage estimator (rloo here; see tether ppo --help)."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (RLOO is on-policy REINFORCE: one)."""
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(PPOConfig):
+    """GRPO (Shao et al. 2024): k responses per prompt, advantages centred on the group mean and
+    scaled by its std (--scale-rewards none: Dr. GRPO, Liu et al. 2025); no critic; the KL in the
+    loss as a per-token mean, with k3 x ratio (whose gradient is KL(pi || pi_ref)'s) by default."""
+
+    run_name: str = "grpo"
+    """Name of the run; everything is written to <output_dir>/<run_name>/."""
+    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "grpo"
+    """Advantage estimator (grpo here; see tether ppo --help)."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
+    kl_in: Literal["reward", "loss"] = "loss"
+    """Where the KL penalty goes (GRPO: the loss)."""
+    kl_per_token_mean: bool = True
+    """KL term and surrogate as token means over the batch (GRPO's form)."""
+    beta: float = 0.04
+    """KL coefficient (Shao et al. 2024 use 0.04)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (GRPO's usual one)."""
