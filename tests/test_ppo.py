@@ -387,3 +387,15 @@ def test_batch_holds_each_prompt_k_times_in_consecutive_rows(env, tiny_model_dir
     prompts, ids, _ = prompt_batch(setup, cfg, 0)
     assert len(prompts) == 8 and prompts[:4] == [prompts[0]] * 4 and prompts[4:] == [prompts[4]] * 4
     assert prompts[0] != prompts[4] and ids[:4].eq(ids[0]).all()
+
+
+def test_rollout_carries_its_temperature_and_other_ones_are_refused(env, tiny_model_dir):
+    cfg = config(env, tiny_model_dir, "temperature", temperature=0.7)
+    setup = build(cfg, reward_fn=length_reward)
+    rollout = fresh_rollout(setup, cfg)
+    assert rollout.temperature == 0.7 and rollout.select(slice(0, 2)).temperature == 0.7
+    scored = score_rollout(setup.policy, setup.reference, setup.critic, rollout, None, 8)
+    again = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 0.7, 8)
+    assert scored.logprobs.equal(again.logprobs)
+    with pytest.raises(ValueError, match="temperature 1.0 for responses sampled at 0.7"):
+        score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, 8)

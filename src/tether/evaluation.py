@@ -63,7 +63,8 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts:
         parts["score"].append(reward(chunk, responses, rollout).float().cpu())
         if gold is not None:
             parts["gold"].append(gold(chunk, responses, rollout).float().cpu())
-        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length, temperature)
+        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
+                rollout.temperature)  # the log-probs of what was sampled, at its temperature
         scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True)
         ref = score_responses(reference, *args, chunked=chunked_lm_head)
         response_mask = rollout.response_mask.float()

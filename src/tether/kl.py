@@ -27,6 +27,7 @@ controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Pre
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -105,6 +106,19 @@ def _as_float(kl: float | torch.Tensor) -> float:
     if not math.isfinite(value):
         raise ValueError(f"KL fed to the beta controller is {value}; check the log-probs upstream")
     return value
+
+
+class KLController(Protocol):
+    """What the loop needs of a beta controller: the current beta, an update from the batch
+    mean of per-sequence summed KL and the batch size, and its state for checkpoints."""
+
+    beta: float
+
+    def update(self, kl: float | torch.Tensor, n_steps: int) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class FixedKL:

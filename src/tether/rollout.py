@@ -36,6 +36,9 @@ class Rollout:
     response_mask: torch.Tensor  # [B, R] bool, True on real response tokens (EOS included)
     ended: torch.Tensor  # [B] bool, True when the response ended by EOS or a stop string
     context_length: int  # P
+    # The temperature the responses were sampled at: every log-prob of them (policy, old
+    # policy, reference) must be taken at it, or the KL and the ratio are wrong (DESIGN.md).
+    temperature: float = 1.0
 
     @property
     def responses(self) -> torch.Tensor:  # [B, R]
@@ -130,7 +133,8 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     ended = torch.isin(responses, eos).any(dim=1)
     return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
                    attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
-                   response_mask=response_mask, ended=ended, context_length=context_length)
+                   response_mask=response_mask, ended=ended, context_length=context_length,
+                   temperature=temperature)
 
 
 def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],

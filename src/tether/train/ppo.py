@@ -149,7 +149,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             #    rows of the first epoch's micro-batches, so its ratio is exactly 1.
             with autocast(cfg.mixed_precision, setup.device):
                 old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
-                                    cfg.temperature, cfg.micro_batch_rows, cfg.chunked_lm_head)
+                                    None, cfg.micro_batch_rows, cfg.chunked_lm_head)
             mask = rollout.response_mask
 
             # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a

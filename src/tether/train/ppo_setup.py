@@ -57,7 +57,7 @@ class Setup:
     lm: TrainableLM  # the policy and, with LoRA, the PeftModel that holds every role's adapter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    kl_ctl: object
+    kl_ctl: kl_lib.KLController
     reward: Reward
     reward_model: nn.Module | None  # the model behind `reward`, when it is one
     gold: Callable | None

@@ -50,6 +50,15 @@ class Scored:
         return Scored(*(getattr(self, name)[index] for name in SCORED))
 
 
+def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> float:
+    """The rollout's own sampling temperature; a different `temperature` is refused (log-probs
+    at another temperature than the sampling one make the ratio and the KL wrong)."""
+    if temperature is not None and temperature != rollout.temperature:
+        raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
+                         f"{rollout.temperature}")
+    return rollout.temperature
+
+
 def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
                 ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
     """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
@@ -75,7 +84,7 @@ def chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, rollout: Rollout,
-                  temperature: float, chunk_size: int, chunked: bool = True) -> Scored:
+                  temperature: float | None, chunk_size: int, chunked: bool = True) -> Scored:
     """Policy, reference and critic on the sampled tokens, in chunks of `chunk_size` rows.
 
     The chunks are the first epoch's micro-batches (`cfg.micro_batch_rows`), and the forward is
@@ -83,6 +92,7 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     is exactly 1. `chunked`: log-probs and entropies through the LM head in chunks
     (tether.lm_head; no [B, R, V] logits).
     """
+    temperature = sampling_temperature(rollout, temperature)
     parts = []
     context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
@@ -125,7 +135,7 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     denominator = n_tokens if per_token else n_rows
     exact = cfg.kl_in == "loss" and cfg.resolved_estimator == "exact"
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                       sub.context_length, cfg.temperature,
+                                       sub.context_length, sub.temperature,
                                        chunked=cfg.chunked_lm_head, hidden=exact)
     logprobs = scores.logprobs * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
@@ -144,10 +154,10 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
         if exact:
             with torch.no_grad():
                 ref = score_responses(reference, sub.input_ids, sub.attention_mask,
-                                      sub.context_length, cfg.temperature,
+                                      sub.context_length, sub.temperature,
                                       chunked=cfg.chunked_lm_head, hidden=True)
             per_position = exact_kl_at(policy, reference, scores.hidden, ref.hidden,
-                                       cfg.temperature)
+                                       sub.temperature)
             if per_position is None:
                 raise TetherError("--kl-estimator exact needs the models' logits to be "
                                   "head(hidden); use k3_ratio for this model")
