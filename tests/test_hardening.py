@@ -254,3 +254,23 @@ def test_ppo_resumed_before_its_first_checkpoint_logs_step_zero_once(tiny_model_
         reward_fn=lambda prompts, responses: [0.0] * len(responses))
     assert "no checkpoint in" in capsys.readouterr().err
     assert [m["step"] for m in _lines(metrics)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EROFS"])
+def test_a_full_disk_or_read_only_directory_is_one_line(tiny_model_dir, tmp_path, monkeypatch,
+                                                        capsys, code):
+    import errno
+
+    from tether.train import common
+
+    def no_room(root, step, *args, **kwargs):
+        number = getattr(errno, code)
+        raise OSError(number, os.strerror(number), str(root / f"step_{step}"))
+    monkeypatch.setattr(common, "save_checkpoint", no_room)
+    data = write_jsonl(tmp_path / "s.jsonl", sft_rows(8))
+    assert main(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "d",
+                 "--output-dir", str(tmp_path / "runs"), "--max-steps", "3", "--batch-size", "4",
+                 "--save-every", "1", "--device", "cpu"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error")]
+    assert len(err) == 1 and os.strerror(getattr(errno, code)) in err[0]
+    assert "free space or choose a writable --output-dir" in err[0]
