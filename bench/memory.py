@@ -310,7 +310,7 @@ def print_table(results: dict[str, dict], spec: dict) -> None:
     trl_ok = "peak_rss_mib" in trl
     gpu = any("cuda_max_allocated_mib" in r for r in results.values())
     head = ("| configuration | peak RSS (MiB) | above imports (MiB) | x TRL (RSS) | x TRL (above) "
-            "| base copies | trainable params | largest LM-head output (rows) | s |"
+            "| base copies | params with requires_grad | largest LM-head output (rows) | s |"
             + (" CUDA max alloc (MiB) | x TRL (CUDA) |" if gpu else ""))
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
@@ -381,7 +381,8 @@ def main() -> None:
                 "prompts": str(write_prompts(root, args.seq_len - response_len, args.batch_size)),
                 "batch": args.batch_size, "minibatch": args.minibatch_size, "epochs": args.epochs,
                 "prompt_len": args.seq_len - response_len, "response_len": response_len,
-                "vocab": args.vocab, "base_params": base_params, "lora_r": args.lora_r,
+                "vocab": args.vocab, "layers": args.layers, "width": args.width,
+                "base_params": base_params, "lora_r": args.lora_r,
                 "threads": args.threads, "device": device}
         print(f"one PPO batch: {base_params / 1e6:.1f}M-parameter GPT-2 ({args.layers} layers, "
               f"width {args.width}, vocab {args.vocab}), batch {args.batch_size}, minibatch "

@@ -151,6 +151,8 @@ def parameter_census(base_bytes: int, modules=None) -> dict[str, float]:
         with warnings.catch_warnings():  # isinstance on deprecated module proxies warns
             warnings.simplefilter("ignore")
             modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+    else:
+        modules = [sub for module in modules for sub in module.modules()]
     for obj in modules:
         for p in obj.parameters(recurse=False):
             storage = p.untyped_storage()
