@@ -203,32 +203,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    """Run the parts; returns (and prints) one summary line per part."""
     args = parse(argv)
     import torch
 
-    # Before transformers is imported, so its layer checkpointing binds the counting wrapper.
-    probe = Probe(0, 1).install()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py: CUDA is not available; run on a GPU machine, or pass "
                          "--tiny --device cpu to check the code path")
     sizes = TINY if args.tiny else QWEN2_05B
+    parts = [x.strip() for x in args.parts.split(",")]
     lines = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model_dir, base_params = build_model(root, sizes)
-        prompts, pairs = write_data(root, 4 * args.batch_size, args.prompt_len,
-                                    args.response_len // 2)
-        probe.reset(sizes["vocab_size"], base_params * (2 if args.dtype == "bfloat16" else 4))
-        print(f"model: Qwen2-style, {base_params / 1e6:.2f}M parameters ({sizes}), device "
-              f"{args.device}, torch {torch.__version__}", flush=True)
-        parts = [x.strip() for x in args.parts.split(",")]
-        if "ppo" in parts:
-            lines.append(bench_ppo(root, model_dir, base_params, prompts, pairs, probe, args))
-            print(lines[-1], flush=True)
+    # Before transformers is imported, so its layer checkpointing binds the counting wrapper.
+    probe = Probe(0, 1).install()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            model_dir, base_params = build_model(root, sizes)
+            prompts, pairs = write_data(root, 4 * args.batch_size, args.prompt_len,
+                                        args.response_len // 2)
+            probe.reset(sizes["vocab_size"], base_params * (2 if args.dtype == "bfloat16" else 4))
+            print(f"model: Qwen2-style, {base_params / 1e6:.2f}M parameters ({sizes}), device "
+                  f"{args.device}, torch {torch.__version__}", flush=True)
+            if "ppo" in parts:
+                lines.append(bench_ppo(root, model_dir, base_params, prompts, pairs, probe, args))
+                print(lines[-1], flush=True)
+            probe.remove()
+            if "dpo" in parts:
+                lines.append(bench_dpo(root, model_dir, pairs, args))
+                print(lines[-1], flush=True)
+    finally:
         probe.remove()
-        if "dpo" in parts:
-            lines.append(bench_dpo(root, model_dir, pairs, args))
-            print(lines[-1], flush=True)
     return lines
 
 

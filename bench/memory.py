@@ -255,7 +255,9 @@ def child_trl(spec: dict) -> None:
                          reward_model=reward, value_model=value,
                          train_dataset=datasets.Dataset.from_dict({"input_ids": ids}))
     trainer.train()
-    _finish(spec, probe, start, {"response_len": float(spec["response_len"])})
+    # TRL's update takes logits over every position of [mb, P + R]: the width of its responses.
+    width = probe.max_logit_rows / mb - spec["prompt_len"]
+    _finish(spec, probe, start, {"response_len": width})
 
 
 def run_child(name: str, spec: dict, threads: int) -> dict:
@@ -393,8 +395,9 @@ def main() -> None:
         for name in names:
             results[name] = run_child(name, {**spec, "fields": CONFIGS[name][1],
                                              "out": str(root / f"run-{name}")}, args.threads)
-            print(f"  {name}: {verdict(name, results[name], spec)} "
-                  f"(peak RSS {results[name].get('peak_rss_mib', float('nan')):.0f} MiB)", flush=True)
+            peak = results[name].get("peak_rss_mib")
+            print(f"  {name}: {verdict(name, results[name], spec)}"
+                  + (f" (peak RSS {peak:.0f} MiB)" if peak is not None else ""), flush=True)
     print()
     print_table(results, spec)
     if args.json:
