@@ -109,7 +109,7 @@ def verdicts(report: dict, base_params: int, args, rows_per_minibatch: int) -> l
     out = []
     if args.lora_r:
         share = report["trainable_params"] / base_params
-        out.append(f"LoRA {'active' if share < 0.05 else 'NOT ACTIVE'} "
+        out.append(f"LoRA {'active' if share < 0.5 else 'NOT ACTIVE'} "
                    f"({report['trainable_params'] / 1e6:.1f}M trainable, "
                    f"{report['base_copies']:.2f} base copies resident)")
     if args.chunked_lm_head:

@@ -112,7 +112,7 @@ def build_policy(root: Path, args) -> tuple[Path, int]:
 
 
 def build_reward_models(root: Path, policy_dir: Path, lora_r: int, need_lora: bool,
-                        need_full: bool) -> dict[str, Path]:
+                        need_full: bool, device: str) -> dict[str, Path]:
     """A full reward model (TRL, tether full FT) and, for LoRA, one written by `tether rm`."""
     from tether.models import RewardModel, load_tokenizer
 
@@ -131,7 +131,7 @@ def build_reward_models(root: Path, policy_dir: Path, lora_r: int, need_lora: bo
                                  for p, c, r in rows))
         cfg = RMConfig(run_name="rm-lora", output_dir=str(root / "runs"), model=str(policy_dir),
                        data=str(pairs), max_steps=1, batch_size=8, eval_fraction=0.0,
-                       save_every=0, lora_r=lora_r, device="cpu", max_length=64)
+                       save_every=0, lora_r=lora_r, device=device, max_length=64)
         out["lora"] = Path(run(cfg).output_path)
     return out
 
@@ -282,7 +282,7 @@ def feature_problems(fields: dict, report: dict, spec: dict, final: bool = True)
     problems = []
     if fields["lora"]:
         share = report["trainable_params"] / spec["base_params"]
-        if share > 0.05:
+        if share >= 0.5:  # full fine-tuning trains >= 1 base (policy alone); adapters a few %
             problems.append(f"LoRA not active ({100 * share:.0f}% of a base's parameters train)")
         elif report["base_copies"] > 1.5:
             problems.append(f"base not shared ({report['base_copies']:.1f} copies resident)")
@@ -377,7 +377,7 @@ def main() -> None:
         policy_dir, base_params = build_policy(root, args)
         need_lora = any(CONFIGS[n][1] and CONFIGS[n][1]["lora"] for n in names)
         need_full = any(not CONFIGS[n][1] or not CONFIGS[n][1]["lora"] for n in names)
-        rms = build_reward_models(root, policy_dir, args.lora_r, need_lora, need_full)
+        rms = build_reward_models(root, policy_dir, args.lora_r, need_lora, need_full, device)
         spec = {"policy": str(policy_dir), "rm_full": str(rms.get("full", "")),
                 "rm_lora": str(rms.get("lora", "")),
                 "prompts": str(write_prompts(root, args.seq_len - response_len, args.batch_size)),
