@@ -28,6 +28,7 @@ Configurations (each in a fresh subprocess):
                    separate models (its only layout with a value model); bf16=False,
                    gradient_checkpointing=False (its PPOTrainer never enables it anyway)
   full_chunked     (extra, not in the default list) full fine-tuning with the chunked head
+  full_gc          (extra) full fine-tuning with gradient checkpointing, plain head
 
 A tether configuration whose feature is not active in the installed tether (LoRA trains
 everything, the base is held more than once, a [B, R, V] logits tensor is still built, no
@@ -69,6 +70,8 @@ CONFIGS = {  # name: (label, tether fields or None for TRL)
     "trl": ("TRL 1.12 PPOTrainer", None),
     "full_chunked": ("tether full FT, chunked head", {"lora": False, "chunked_lm_head": True,
                                                       "gradient_checkpointing": False}),
+    "full_gc": ("tether full FT, checkpointing", {"lora": False, "chunked_lm_head": False,
+                                                  "gradient_checkpointing": True}),
 }
 DEFAULT_CONFIGS = "full,lora,lora_chunked,lora_chunked_gc,trl"
 WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene film story "
@@ -263,8 +266,9 @@ def child_trl(spec: dict) -> None:
 def run_child(name: str, spec: dict, threads: int) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads),
                TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH.parent / "src"),
-                                                      env.get("PYTHONPATH", "")]))
+    # A PYTHONPATH given by the caller wins (to measure another checkout's tether).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""),
+                                                      str(BENCH.parent / "src")]))
     cmd = [sys.executable, __file__, "--child", json.dumps({**spec, "name": name})]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
