@@ -85,6 +85,14 @@ def _token_hits(tokens: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.
     return rows, tokens[rows] - cols.start
 
 
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, out fp32: in place (no [N, d] temporary) when a and b are fp32 too."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        out.addmm_(a, b)
+    else:
+        out.add_((a @ b).float())
+
+
 def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy=False) -> dict:
     """One pass over vocabulary chunks with a running logsumexp; returns lse, log p(y) and, when
     asked, the gradient direction a [N, d] and the entropy H [N].
@@ -124,7 +132,11 @@ def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy
         if keep_direction:
             exp_z[hit_rows, hit_cols] = 0.0  # the token's own term is w_y (1 - p_y) above
             sum_exp_other.mul_(rescale).add_(exp_z.sum(-1))
-            weighted.mul_(rescale[:, None]).add_((exp_z.to(w.dtype) @ w[cols]).float())
+            # Rescale only the rows whose max grew (few after the first chunks), and accumulate
+            # in place: a full [N, d] pass and temporary per chunk cost more than the matmul.
+            grown = (rescale < 1).nonzero().squeeze(-1)
+            weighted[grown] *= rescale[grown, None]
+            _accumulate_mm(weighted, exp_z.to(w.dtype), w[cols])
     lse = running_max + sum_exp.log()
     out = {"lse": lse, "logprobs": token_x - lse}
     if keep_direction:
@@ -175,7 +187,7 @@ def _linear_backward(ctx, grad_out):
             grad_x.div_(temperature)
         grad_chunk = grad_x.to(w.dtype)
         if need_h:
-            grad_h.add_((grad_chunk @ w[cols]).float())
+            _accumulate_mm(grad_h, grad_chunk, w[cols])
         if need_w:
             grad_w[cols] = grad_chunk.t() @ h
         if need_b:
