@@ -20,9 +20,10 @@ from torch import nn
 
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig, require_positive
-from tether.lm_head import chunked_split, final_hidden, masked_head_token_logprobs
+from tether.lm_head import masked_head_token_logprobs
 from tether.logprobs import token_logprobs
 from tether.rundir import RunDir, RunResult
+from tether.trunk_head import chunked_split, final_hidden
 
 
 @dataclass(kw_only=True)

@@ -14,9 +14,9 @@ from torch import nn
 from tether import kl as kl_lib
 from tether._checks import masked_mean
 from tether.critic import policy_and_values
-from tether.lm_head import score_responses
 from tether.losses import assert_finite, ppo_policy_loss, value_loss
 from tether.rollout import Rollout
+from tether.trunk_head import score_responses
 
 
 @dataclass
