@@ -9,15 +9,14 @@ from torch import nn
 
 from tether import kl, lm_head
 from tether.lm_head import (
-    final_hidden,
     head_entropy,
     head_exact_kl,
     head_token_logprobs,
     masked_head_token_logprobs,
-    trunk_and_head,
 )
 from tether.logprobs import entropy, token_logprobs
 from tether.models import load_causal_lm, load_tokenizer
+from tether.trunk_head import final_hidden, trunk_and_head
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -15,7 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tether import lm_head
 from tether.data import collate_pairs, collate_sft, encode_preferences, encode_sft
-from tether.lm_head import LogitTransformHead, chunked_split, score_responses, trunk_and_head
 from tether.models import disable_dropout, load_causal_lm, load_tokenizer
 from tether.rollout import sample_responses
 from tether.train.dpo import pair_logprobs
@@ -24,6 +23,13 @@ from tether.train.ppo_setup import build, prompt_batch
 from tether.train.ppo_step import minibatch_loss, score_rollout
 from tether.train.prefix import collate_shared
 from tether.train.sft import sft_loss
+from tether.trunk_head import (
+    LogitTransformHead,
+    chunked_split,
+    final_hidden,
+    score_responses,
+    trunk_and_head,
+)
 
 TINY = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -36,7 +42,7 @@ def tiny_model(config_class, model_class, **extra):
 
 def split_logits(model, ids):
     trunk, head = trunk_and_head(model)
-    return head(lm_head.final_hidden(trunk, ids, torch.ones_like(ids)))
+    return head(final_hidden(trunk, ids, torch.ones_like(ids)))
 
 
 # the tiny models' logits are ~0.1: a cap of 0.02 and scales far from 1 change them visibly
@@ -60,11 +66,11 @@ def test_logit_transforms_are_applied_inside_the_chunk(name):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         torch.testing.assert_close(split_logits(model, ids), expected, rtol=1e-5, atol=1e-6)
-        bare = head.head(lm_head.final_hidden(trunk, ids, torch.ones_like(ids)))
+        bare = head.head(final_hidden(trunk, ids, torch.ones_like(ids)))
     # the transform matters: a head that skipped it would be caught
     assert (bare - expected).abs().max() > 0.3 * expected.abs().max()
     tokens = ids[:, 1:]
-    hidden = lm_head.final_hidden(trunk, ids, torch.ones_like(ids))[:, :-1]
+    hidden = final_hidden(trunk, ids, torch.ones_like(ids))[:, :-1]
     torch.testing.assert_close(lm_head.head_token_logprobs(hidden, head, tokens),
                                torch.log_softmax(expected[:, :-1], -1).gather(
                                    -1, tokens[..., None]).squeeze(-1), rtol=1e-5, atol=1e-5)

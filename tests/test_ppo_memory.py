@@ -20,10 +20,9 @@ from scale_helpers import (
     weights,
 )
 
-from tether import lm_head
+from tether import trunk_head
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
-from tether.lm_head import trunk_and_head
 from tether.models import RewardModel, load_causal_lm, load_tokenizer
 from tether.rollout import sample_responses
 from tether.train import ppo as ppo_module
@@ -31,6 +30,7 @@ from tether.train.common import autocast
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
 from tether.train.ppo_step import ppo_update, score_rollout
+from tether.trunk_head import trunk_and_head
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]
@@ -193,9 +193,9 @@ def test_bf16_end_to_end_with_reward_model_and_critic(env, tiny_llama_dir, monke
     # The loop scores in the first epoch's micro-batch rows (on a GPU, batch shape can change
     # the last bits of a forward, so other chunks would break the exact ratio of 1).
     monkeypatch.setattr(ppo_module, "score_rollout", recording_score_rollout)
-    # The chunked head checks each model's split once in fp32 (tether.lm_head._logits_match);
+    # The chunked head checks each model's split once in fp32 (tether.trunk_head._logits_match);
     # that check is not part of the batch and would show up as fp32 layer outputs here.
-    monkeypatch.setattr(lm_head, "_logits_match", lambda model, trunk, head: True)
+    monkeypatch.setattr(trunk_head, "_logits_match", lambda model, trunk, head: True)
     with layer_output_dtypes() as dtypes:
         metrics = run(cfg).metrics
     assert chunk_sizes == [4]

@@ -21,8 +21,8 @@ import copy
 import torch
 from torch import nn
 
-from tether.lm_head import score_responses
 from tether.rollout import position_ids_from_mask
+from tether.trunk_head import score_responses
 
 
 class ValueHead(nn.Module):

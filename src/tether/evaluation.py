@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tether.lm_head import score_responses
 from tether.rollout import Rollout, decode_responses, left_pad, sample_responses
+from tether.trunk_head import score_responses
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]

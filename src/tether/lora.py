@@ -234,8 +234,12 @@ class AdapterView(nn.Module):
     def tether_trunk_and_head(self):
         """(trunk, head) for the chunked LM head: the trunk runs under this view's adapter; the
         head is wrapped the same way only when LoRA layers sit on it."""
+        from tether.trunk_head import trunk_and_head
+
         trunk = AdapterView(self.shared, self.adapter, part="trunk")
-        head = self.get_output_embeddings()
+        # The base's own split: it applies any logit transform (softcapping, scaling) and checks
+        # head(trunk(x)) against the model's logits once.
+        _, head = trunk_and_head(self.shared.get_base_model())
         if _tuner_layers(head):
             head = _HeadView(self.shared, self.adapter, head)
         return trunk, head

@@ -20,11 +20,12 @@ from tether import interrupt
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import RunConfig
 from tether.errors import TetherError
-from tether.lm_head import chunked_split, final_hidden, masked_head_token_logprobs
+from tether.lm_head import masked_head_token_logprobs
 from tether.logprobs import token_logprobs
 from tether.optim import lr_factor, make_lr_schedule, make_optimizer  # noqa: F401 - one for all stages
 from tether.rundir import RunDir, RunResult
 from tether.train.offline_config import TrainConfig  # noqa: F401 - also exported from here
+from tether.trunk_head import chunked_split, final_hidden
 
 # ----------------------------------------------------------------------------- optimisation
 

@@ -21,7 +21,7 @@ from tether import kl as kl_lib
 from tether.advantages import gae, grpo, reinforce_pp, rloo, whiten
 from tether.critic import policy_and_values
 from tether.errors import TetherError
-from tether.lm_head import head_exact_kl, score_responses, trunk_and_head
+from tether.lm_head import head_exact_kl
 from tether.losses import (
     assert_finite,
     exact_kl_penalty,
@@ -32,6 +32,7 @@ from tether.losses import (
 from tether.rollout import Rollout
 from tether.train.common import autocast
 from tether.train.ppo_config import PPOConfig
+from tether.trunk_head import score_responses, trunk_and_head
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from tether.data import Encoded
-from tether.lm_head import chunked_split, final_hidden, masked_head_token_logprobs
+from tether.lm_head import masked_head_token_logprobs
 from tether.logprobs import token_logprobs
+from tether.trunk_head import chunked_split, final_hidden
 
 PAD, PROMPT, CHOSEN, REJECTED = -1, 0, 1, 2
 # Attention back-ends that take a custom [B, 1, L, L] mask as given.
