@@ -164,6 +164,14 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-model", "POLICY"], "not a tether reward model"),
     (["--reward-fn", "rewards.py:score", "--ref-model", "MISSING_MODEL"], "does not exist"),
     (["--reward-fn", "rewards.py:score", "--critic", "twin"], "critic"),
+    (["--reward-fn", "rewards.py:score", "--advantage", "vtrace"], "'advantage' must be one of"),
+    (["--reward-fn", "rewards.py:score", "--advantage", "grpo", "--scale-rewards", "max"],
+     "'scale_rewards' must be one of"),
+    (["--reward-fn", "rewards.py:score", "--whiten-advantages", "yes"],
+     "'whiten_advantages' must be one of: auto, on, off"),
+    (["--reward-fn", "rewards.py:score", "--samples-per-prompt", "0"], "--samples-per-prompt 0"),
+    (["--reward-fn", "rewards.py:score", "--kl-estimator", "exact"], "exact is a loss term"),
+    (["--reward-fn", "rewards.py:score", "--report-to", "comet"], "'comet' is not a tracker"),
 ]
 
 DEMO = [
