@@ -150,3 +150,14 @@ def test_finished_run_is_left_alone_on_resume(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(AlreadyFinished):
         RunDir(tmp_path / "runs", "done", resume=True)
     assert yaml.safe_load((run / "config.yaml").read_text())["max_steps"] == 2
+
+
+def test_a_field_added_since_the_run_started_is_no_change_at_its_default(tmp_path):
+    run = _started(tmp_path)
+    saved = yaml.safe_load(run.config_path.read_text())
+    del saved["report_to"]  # as written by a tether without that field
+    run.config_path.write_text(yaml.safe_dump(saved, sort_keys=False))
+    RunDir(tmp_path, "r", resume=True).save_config(Cfg(run_name="r", resume=True))
+    with pytest.raises(TetherError, match="report_to: None -> 'none'"):
+        RunDir(tmp_path, "r", resume=True).save_config(Cfg(run_name="r", resume=True,
+                                                           report_to="none"))

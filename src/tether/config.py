@@ -275,11 +275,12 @@ def _check_flags(cls: type, argv: list[str]) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
     hints = _field_types(cls)
     for i, arg in enumerate(argv):
-        if arg.startswith("--") and typing.get_origin(hints.get(arg[2:].split("=", 1)[0].replace("-", "_"))) is Literal:
-            name = arg[2:].split("=", 1)[0].replace("-", "_")
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
-            if value is not None:
-                _coerce(name, hints[name], value)
+        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
+        if typing.get_origin(hints.get(name)) is not Literal:
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+        if value is not None:
+            _coerce(name, hints[name], value)
     for arg in argv:
         if not arg.startswith("--") or arg in ("--help",):
             continue

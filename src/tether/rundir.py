@@ -13,6 +13,7 @@ Layout::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -90,12 +91,15 @@ class RunDir:
         new = config_to_dict(cfg)
         self._config = new
         if self.resume and self.config_path.exists():
-            self._check_resumed_config(new, bool(new.get("resume_allow_changes")))
+            defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+                        if f.default is not dataclasses.MISSING}
+            self._check_resumed_config(new, defaults, bool(new.get("resume_allow_changes")))
             return self.config_path
         atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
         return self.config_path
 
-    def _check_resumed_config(self, new: dict[str, Any], allow_harmless: bool) -> None:
+    def _check_resumed_config(self, new: dict[str, Any], defaults: dict[str, Any],
+                              allow_harmless: bool) -> None:
         try:
             old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
@@ -103,7 +107,9 @@ class RunDir:
                               "safely: start a new run") from None
         changed = {k: (old.get(k), v) for k, v in new.items()
                    if k not in NOT_COMPARED and k in old and old[k] != v}
-        changed |= {k: (None, v) for k, v in new.items() if k not in old and k not in NOT_COMPARED}
+        # A field tether gained after the run started is no change while it keeps its default.
+        changed |= {k: (None, v) for k, v in new.items()
+                    if k not in old and k not in NOT_COMPARED and defaults.get(k, object()) != v}
         harmful = {k: d for k, d in changed.items() if k not in HARMLESS_ON_RESUME}
         if harmful:
             diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(harmful.items()))

@@ -32,7 +32,7 @@ from tether.lora import (
     load_adapter,
     set_trainable,
 )
-from tether.models import RewardModel, TrainableLM, load_tokenizer
+from tether.models import RewardModel, TrainableLM, _local, load_tokenizer
 from tether.reward_fn import check_same_vocabulary
 
 REWARD, CRITIC = "reward", "critic"
@@ -42,8 +42,7 @@ def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
     """True when `adapter_dir` is a LoRA adapter trained on the base `lm` already holds."""
     if lm.peft is None or not is_adapter(adapter_dir):
         return False
-    base = Path(adapter_base(adapter_dir)).expanduser()
-    return str(base.resolve() if base.exists() else base) == lm.base
+    return _local(adapter_base(adapter_dir)) == lm.base
 
 
 def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
