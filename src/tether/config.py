@@ -68,6 +68,8 @@ class RunConfig:
     """Comma-separated names of the linear layers that get adapters; all-linear: every linear layer of the trunk."""
     merge_lora: bool = False
     """Also write the adapter merged into its base as a plain Hugging Face model (<run>/merged/)."""
+    fsdp: bool = False
+    """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 instead of replicating the model with DDP (docs/scaling.md)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute)."""
     mixed_precision: Literal["no", "bf16"] = "no"

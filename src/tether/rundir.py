@@ -43,7 +43,7 @@ class RunResult:
 # Config fields whose change on --resume does not change what is trained (with
 # --resume-allow-changes); any other difference makes the resumed run a different run.
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
-                      "report_to")
+                      "report_to", "fsdp")
 NOT_COMPARED = ("resume", "resume_allow_changes")
 
 

@@ -1,0 +1,292 @@
+"""Data parallelism on torch.distributed: the process group, the model wrapper, global statistics.
+
+Under `torchrun --nproc-per-node N` every rank runs the same loop on its own slice of each global
+batch. The pieces here keep that loop equal to the one-process loop at the same global batch:
+
+- `setup` joins the process group torchrun describes in the environment (RANK, WORLD_SIZE,
+  LOCAL_RANK, MASTER_ADDR/PORT): gloo on CPU, nccl on CUDA, one device per rank. Outside torchrun
+  it returns the one-process `Dist` and nothing here communicates.
+- `wrap` puts a model under DDP (replicated; gradients all-reduced in buckets) or FSDP2
+  (`fully_shard` on each transformer layer and the root: parameters, gradients and optimizer
+  state sharded). The wrapper is a `Parallel` module whose forward runs any function of the inner
+  model, `parallel(fn, *args)` = `fn(model, *args)`: the loops compute log-probs through the trunk
+  and the LM head separately (chunked head), generate token by token, and switch LoRA adapters,
+  none of which is one `model(...)` call; running them inside the wrapper's forward is what lets
+  DDP prepare its gradient reduction and FSDP2 gather the root's parameters.
+- Gradients: DDP and FSDP2 average over ranks. Every loss in tether is a sum over the step's rows
+  or tokens divided by the step's global count (`global_sum`), so each rank multiplies its part by
+  `world_size` (`Dist.grad_scale`) and the averaged gradient is the one-process gradient.
+- Statistics that shape an update (token counts, loss means, score normalisation, whitening, the
+  KL fed to the controller) go through `all_reduce_sum` / `global_mean` / `all_gather_rows`; with
+  one process they return their input.
+- Only rank 0 writes (`Dist.is_main`); checkpoints hold full (unsharded) tensors, so a run
+  resumes at any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tether.errors import TetherError
+
+TIMEOUT_S = 600  # a rank stuck this long in a collective fails instead of hanging forever
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: `rank` of `world_size`, its `device`, and the wrapping mode."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    fsdp: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        """True under torchrun with more than one rank (collectives communicate)."""
+        return self.world_size > 1
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor on each rank's loss so the wrapper's gradient average is the global sum."""
+        return float(self.world_size)
+
+
+def launched() -> bool:
+    """True when torchrun (or another launcher) set the distributed environment."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def setup(device: torch.device, fsdp: bool = False, timeout_s: int = TIMEOUT_S) -> Dist:
+    """Join torchrun's process group (once) and return this rank's `Dist`.
+
+    `device` is the resolved `--device`; on CUDA each rank takes `cuda:LOCAL_RANK`. Outside
+    torchrun: the one-process `Dist` (and `--fsdp` is refused: FSDP2 needs a process group).
+    """
+    if not launched():
+        if fsdp:
+            raise TetherError("--fsdp needs several processes: launch with torchrun "
+                              "--nproc-per-node N (or drop --fsdp)")
+        return Dist(device=device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError and friends are RuntimeErrors
+            reason = (str(exc).splitlines() or [""])[0][:160]
+            raise TetherError(f"rank {rank} cannot reach the other ranks at "
+                              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                              f"({reason}); check --master-addr/--master-port and the network"
+                              ) from None
+    return Dist(rank=rank, world_size=world, local_rank=local, device=device, fsdp=fsdp)
+
+
+def teardown() -> None:
+    """Leave the process group (at the end of a run, and after an error: no rank left waiting)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def current() -> Dist:
+    """The `Dist` of an already joined group (rank and size only), or the one-process one."""
+    if dist.is_available() and dist.is_initialized():
+        return Dist(rank=dist.get_rank(), world_size=dist.get_world_size())
+    return Dist()
+
+
+# ----------------------------------------------------------------------------- data
+
+def rank_slice(n: int, d: Dist) -> slice:
+    """This rank's contiguous part of `n` global rows: rank r takes rows [r*n/W, (r+1)*n/W).
+
+    Contiguous slices keep a prompt's k samples (consecutive rows) on one rank when k divides the
+    per-rank batch. Sizes differ by at most one when W does not divide n (a short last batch)."""
+    start = n * d.rank // d.world_size
+    return slice(start, n * (d.rank + 1) // d.world_size)
+
+
+def shard(rows: list[Any], d: Dist) -> list[Any]:
+    """This rank's part of a global batch (see `rank_slice`)."""
+    return rows[rank_slice(len(rows), d)]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def all_reduce_sum(t: torch.Tensor, d: Dist | None = None) -> torch.Tensor:
+    """Sum of `t` over ranks (a new tensor; `t` itself is unchanged). No grad flows through."""
+    d = d or current()
+    if not d.active:
+        return t.detach().clone()
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def global_sum(x: float | int, d: Dist | None = None) -> float:
+    """A Python number summed over ranks (token counts, row counts, loss parts)."""
+    d = d or current()
+    if not d.active:
+        return float(x)
+    return float(all_reduce_sum(torch.tensor(float(x), dtype=torch.float64), d))
+
+
+def global_mean(total: float, count: float, d: Dist | None = None) -> float:
+    """sum_r total_r / sum_r count_r: a mean over all ranks' rows, not a mean of rank means."""
+    d = d or current()
+    both = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64), d)
+    return float(both[0] / both[1].clamp(min=1.0))
+
+
+def all_gather_rows(t: torch.Tensor, d: Dist | None = None) -> torch.Tensor:
+    """Concatenate every rank's `t` along dim 0 in rank order (the global batch's row order).
+
+    Ranks may hold different numbers of rows (a short last batch); the other dims must agree."""
+    d = d or current()
+    if not d.active:
+        return t
+    counts = [torch.zeros((), dtype=torch.long) for _ in range(d.world_size)]
+    dist.all_gather(counts, torch.tensor(t.shape[0], dtype=torch.long))
+    most = int(max(counts))
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t.detach()
+    parts = [torch.empty_like(padded) for _ in range(d.world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(c)] for p, c in zip(parts, counts, strict=True)])
+
+
+def broadcast_object(obj: Any, d: Dist | None = None) -> Any:
+    """Rank 0's `obj` on every rank (a decision only rank 0 can take, e.g. after reading files)."""
+    d = d or current()
+    if not d.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_agree(flag: bool, d: Dist | None = None) -> bool:
+    """True on every rank iff `flag` is true on every rank (e.g. "my step was finite")."""
+    d = d or current()
+    return global_sum(0.0 if flag else 1.0, d) == 0.0
+
+
+def barrier(d: Dist | None = None) -> None:
+    d = d or current()
+    if d.active:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- models
+
+class Parallel(nn.Module):
+    """The module DDP or FSDP2 wraps: `self(fn, *args, **kw)` runs `fn(self.module, *args, **kw)`
+    inside the wrapper's forward (see the module docstring for why)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        return fn(self.module, *args, **kwargs)
+
+
+def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the members of the longest `nn.ModuleList`
+    (GPT-2's `h`, Llama's `layers`; with peft the same list under its wrappers)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def wrap(model: nn.Module, d: Dist) -> nn.Module:
+    """`model` under DDP or, with `d.fsdp`, FSDP2; unchanged (inside `Parallel`) for one process.
+
+    The returned module is called as `wrapped(fn, *args)`. Frozen parameters (a LoRA base, a
+    frozen reference inside the same model) are not reduced by DDP; FSDP2 shards them too.
+    """
+    inner = Parallel(model)
+    if not d.active:
+        return inner
+    if d.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(d.device.type, (d.world_size,))
+        for layer in transformer_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(inner, mesh=mesh)
+        return inner
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [d.device.index] if d.device.type == "cuda" else None
+    return DDP(inner, device_ids=ids)
+
+
+def unwrap(wrapped: nn.Module) -> nn.Module:
+    """The user's model inside `wrap`'s result (for saving, LoRA adapters, config)."""
+    inner = wrapped.module if hasattr(wrapped, "module") and not isinstance(wrapped, Parallel) \
+        else wrapped
+    return inner.module if isinstance(inner, Parallel) else inner
+
+
+@contextlib.contextmanager
+def no_sync(wrapped: nn.Module, skip: bool) -> Iterator[None]:
+    """Skip the gradient reduction of this backward when `skip` (all but the last micro-batch of
+    an accumulated step: the reduction of the summed gradients happens once, at the last)."""
+    if not skip:
+        yield
+    elif hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
+            yield
+    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def full_state_dict(wrapped: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
+    """The unwrapped model's full state dict on the CPU (rank 0 gets it; with FSDP2 every rank
+    must call this: it gathers the shards). Keys are those of `unwrap(wrapped).state_dict()`."""
+    model = unwrap(wrapped)
+    if not d.fsdp:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def load_full_state_dict(wrapped: nn.Module, state: dict[str, torch.Tensor], d: Dist,
+                         strict: bool = True) -> None:
+    """Load a full (unsharded) state dict into a wrapped model on every rank."""
+    model = unwrap(wrapped)
+    if not d.fsdp:
+        model.load_state_dict(state, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
+                                                                strict=strict))
