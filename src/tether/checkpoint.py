@@ -163,6 +163,19 @@ def plain_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, Parallel) else model
 
 
+def reshard(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 unit in `model` back to its sharded parameters. FSDP2 keeps the root unit
+    gathered after a forward (its backward would need it again), so after a no-grad forward
+    (evaluation, a reference pass) the module holds plain gathered tensors, not the shards the
+    optimizer steps, until the next backward. No-op without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole tensor: an FSDP2 shard (a DTensor) is all-gathered (every rank must
     call this, in the same order), a plain tensor is returned as it is."""
@@ -175,7 +188,7 @@ def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
     tensor once). Under FSDP2 the shards are gathered: every rank calls this."""
     return {name: _full(p.detach()).contiguous().cpu() for name, p in
-            plain_model(model).named_parameters() if p.requires_grad}
+            plain_model(reshard(model)).named_parameters() if p.requires_grad}
 
 
 def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -184,7 +197,8 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     _check_names(model, tensors)
-    params = {name: p for name, p in plain_model(model).named_parameters() if p.requires_grad}
+    params = {name: p for name, p in plain_model(reshard(model)).named_parameters()
+              if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
             value = tensors[name].to(param.dtype)
@@ -205,7 +219,7 @@ def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
     """One module holding every model under its checkpoint name: optimizer state is keyed by
     parameter name through it (`policy.transformer.h.0...`), not by position."""
-    return nn.ModuleDict({name: plain_model(m) for name, m in models.items()})
+    return nn.ModuleDict({name: plain_model(reshard(m)) for name, m in models.items()})
 
 
 def optimizer_state(models: dict[str, nn.Module], optimizer) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tether import distributed, interrupt
-from tether.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
+from tether.checkpoint import load_latest_checkpoint, plain_model, reshard, save_checkpoint
 from tether.config import RunConfig
 from tether.errors import TetherError
 from tether.lm_head import masked_head_token_logprobs
@@ -189,16 +189,20 @@ def rank_chunks(n: int, chunk_size: int, d: distributed.Dist) -> list[tuple[list
 
 @torch.no_grad()
 def gather_outputs(fn: Callable[[list[int]], torch.Tensor], n: int, chunk_size: int,
-                   d: distributed.Dist) -> torch.Tensor:
+                   d: distributed.Dist, wrapped: nn.Module | None = None) -> torch.Tensor:
     """`fn(rows)` (`[len(rows), k]`, e.g. scores or log-probs of a batch of those rows) for all `n`
     rows, in order, on every rank: each rank runs its slice (`rank_chunks`), then the slices are
-    gathered. Every rank calls `fn` equally often, as wrapped models need."""
+    gathered. Every rank calls `fn` equally often, as wrapped models need. Pass `wrapped` (the
+    model `fn` calls) to leave it resharded afterwards (FSDP2 keeps the root gathered after a
+    no-grad forward; see `checkpoint.reshard`)."""
     outs, out = [], None
     for rows, real in rank_chunks(n, chunk_size, d):
         out = fn(rows)
         if real:
             outs.append(out)
     local = torch.cat(outs) if outs else torch.zeros((0, out.shape[-1]), device=out.device)
+    if wrapped is not None:
+        reshard(wrapped)
     return distributed.all_gather_rows(local, d)
 
 
