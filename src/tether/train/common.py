@@ -148,7 +148,31 @@ def join(cfg: RunConfig, global_batch: int) -> distributed.Dist:
     timeout = os.environ.get(TIMEOUT_ENV, str(distributed.TIMEOUT_S))
     if not timeout.isdigit() or int(timeout) < 1:
         raise TetherError(f"{TIMEOUT_ENV}={timeout!r} must be a whole number of seconds >= 1")
-    return distributed.setup(device, cfg.fsdp, timeout_s=int(timeout))
+    with _stderr_kept_on_success():
+        return distributed.setup(device, cfg.fsdp, timeout_s=int(timeout))
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+    """Hold back what C++ code writes to stderr (fd 2) inside the block: replayed if the block
+    succeeds, dropped if it raises. c10d logs every retry of an unreachable store with a C++
+    stack trace (dozens of lines); `distributed.setup` turns the failure into one line."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            os.close(saved)
+            raise
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        os.write(2, held.read())
 
 
 def rank_micro_batches(indices: list[int], n_micro: int, d: distributed.Dist
