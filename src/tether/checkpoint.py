@@ -184,11 +184,24 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
+        -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
-    tensor once). Under FSDP2 the shards are gathered: every rank calls this."""
-    return {name: _full(p.detach()).contiguous().cpu() for name, p in
-            plain_model(reshard(model)).named_parameters() if p.requires_grad}
+    tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
+    `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
+    holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
+    out = {}
+    for name, param in plain_model(reshard(model)).named_parameters():
+        if not param.requires_grad:
+            continue
+        full = _full(param.detach())
+        if what and not bool(torch.isfinite(full).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+        if keep:
+            out[name] = full.contiguous().cpu()
+    return out
 
 
 def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -272,23 +285,15 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     from tether import distributed
 
     d = distributed.current()
-    weights = {name: trainable_tensors(model) for name, model in models.items()}
-    for name, tensors in weights.items():  # every rank checks the same tensors: one error
-        _check_finite(tensors, f"the {name} at step {step}")
+    # every rank gathers and checks the same tensors (one error on all); rank 0 keeps them
+    weights = {name: trainable_tensors(model, keep=d.is_main, what=f"the {name} at step {step}")
+               for name, model in models.items()}
     optim = optimizer_state(models, optimizer) if optimizer is not None else None
     final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
     if d.is_main:
         _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, state, keep)
     distributed.barrier(d)
     return final
-
-
-def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
-    for name, tensor in tensors.items():
-        if not bool(torch.isfinite(tensor).all()):
-            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
-                              "the last good checkpoint. Lower the learning rate or clip gradients "
-                              "harder, then --resume")
 
 
 def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,

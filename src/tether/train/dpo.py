@@ -173,7 +173,7 @@ def run(cfg: DPOConfig) -> RunResult:
         ref_table = precompute_ref_logprobs(ref_fn, ref_layout, examples, pad_id, cfg, d,
                                             wrapped)
         wrapped.train()
-        ref_fn = ref_layout = None  # a separate reference model is dropped here
+        ref_fn = ref_layout = make_ref_fn = None  # a separate reference is dropped here
     run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(examples))
