@@ -98,8 +98,10 @@ def equivalence_items(models: dict[str, str], data: dict[str, Path], out: Path) 
         runs += [(f"sft-{model}", "sft", base | {"data": str(data["sft"])}),
                  (f"rm-{model}", "rm", base | rm | ({"normalize_data": str(data["sft"])}
                                                    if model == "gpt2" else {})),
-                 # GPT-2: a frozen copy as reference; Llama: the reference scored up front
-                 (f"dpo-{model}", "dpo", base | dpo | {"precompute_ref_logprobs": model == "llama"})]
+                 # GPT-2: IPO with a frozen copy as reference; Llama: DPO with the reference
+                 # scored up front
+                 (f"dpo-{model}", "dpo", base | dpo | {"precompute_ref_logprobs": model == "llama",
+                                                       "loss": "ipo" if model == "gpt2" else "sigmoid"})]
     runs += [("dpo-llama-lora", "dpo", common | dpo | {"model": models["llama"], "lora_r": 4}),
              ("rm-gpt2-lora", "rm", common | rm | {"model": models["gpt2"], "lora_r": 4}),
              # 14 rows in batches of 4: the last batch has 2 rows, one per rank, so with 2
@@ -190,6 +192,15 @@ def test_resume_across_world_sizes(runs):
     run_spec([{"stage": "sft", "config": res | one | {"run_name": "res-x"}, "stop_after": 2},
               {"stage": "sft", "config": res | {"run_name": "res-whole1"}}])
     assert sorted(p.name for p in (out / "res-x" / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    # the optimizer state is keyed by parameter name, the same whoever wrote it: FSDP2 on 2 ranks
+    # (step 2) or 1 process (step 4); whole tensors of the parameters' shapes
+    by_two, by_one = (torch.load(out / "res-x" / "checkpoints" / step / "optimizer.pt",
+                                 weights_only=True) for step in ("step_2", "step_4"))
+    assert by_two["param_groups"] == by_one["param_groups"]
+    assert by_two["state"].keys() == by_one["state"].keys()
+    assert next(iter(by_two["state"])).startswith("model.transformer.")
+    for name, state in by_two["state"].items():
+        assert state["exp_avg"].shape == by_one["state"][name]["exp_avg"].shape
     again = {"resume": True, "resume_allow_changes": True, "fsdp": True}
     launch([{"stage": "sft", "config": res | again | {"run_name": name}}
             for name in ("res-cut2", "res-x")], tmp / "resume.json")

@@ -336,7 +336,8 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     from tether import distributed
 
     d = distributed.current()
-    found = list_checkpoints(ckpt_root)
+    # rank 0's view decides (another node may not see the directory: that is an error below)
+    found = distributed.broadcast_object(list_checkpoints(ckpt_root) if d.is_main else None, d)
     if not found:
         return None
     chosen, contents = None, None
@@ -354,7 +355,12 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are "
                           "damaged); delete the directory to start the run afresh")
     if contents is None:  # the other ranks read what rank 0 chose
-        contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
+        try:
+            contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise TetherError(f"rank {d.rank} cannot read the checkpoint {found[chosen][1]} that "
+                              f"rank 0 chose ({type(exc).__name__}); on several machines the run "
+                              "directory must be on a filesystem every node sees") from None
     for name, model in models.items():
         load_trainable_tensors(model, contents["weights"][name])
     if optimizer is not None:
