@@ -1,0 +1,54 @@
+"""Run several offline-stage configs in one torchrun launch (one process group, one start-up).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_driver.py SPEC.json
+
+SPEC.json is a list of {"stage": "sft" | "rm" | "dpo", "config": {field: value}, "stop_after": N};
+each runs in turn through the stage's Python `run`, exactly as `tether <stage>` would (a config's
+`fsdp` chooses DDP or FSDP2 for that run). With `stop_after` the run dies in optimizer step N + 1
+on every rank, like a killed job (its last checkpoint stays). The tests compare the results with
+one-process runs; `run_spec` is also how they make those, in their own process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tether import distributed
+from tether.train import dpo, reward, sft
+
+STAGES = {"sft": (sft, sft.SFTConfig), "rm": (reward, reward.RMConfig),
+          "dpo": (dpo, dpo.DPOConfig)}
+
+
+class Stop(Exception):
+    """The simulated kill of a `stop_after` run."""
+
+
+def run_one(item: dict) -> None:
+    module, config = STAGES[item["stage"]]
+    real, calls = module.optimizer_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > item["stop_after"]:
+            raise Stop
+        return real(*args, **kwargs)
+    if item.get("stop_after") is not None:
+        module.optimizer_step = step
+    try:
+        module.run(config(**item["config"]))
+    except Stop:
+        pass
+    finally:
+        module.optimizer_step = real
+
+
+def run_spec(items: list[dict]) -> None:
+    for item in items:
+        run_one(item)
+
+
+if __name__ == "__main__":
+    run_spec(json.loads(open(sys.argv[1], encoding="utf-8").read()))
+    distributed.teardown()
