@@ -215,3 +215,51 @@ def test_epochs_minibatches_and_micro_batches(tiny_model_dir, tmp_path):
                                     micro_batch_size=1)
     assert lines[-1]["policy/updates"] == 4
     assert 1 in {shape[0] for shape in calls.token_inputs}  # the update's forwards: one row each
+
+
+# ----------------------------------------------------------------------------- the demo
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
+    """The demo's knobs become the stage configs it builds; the stages themselves are stubbed
+    (each has its own tests), so this runs in a second, not minutes."""
+    from tether.demo import pipeline
+    from tether.rundir import RunResult
+    from tether.train import dpo, reward, sft
+    from tether.train import ppo as ppo_stage
+
+    seen = {"sft": [], "rm": [], "ppo": [], "dpo": [], "report": []}
+
+    def stage(name):
+        def run(cfg, **_):
+            seen[name].append(cfg)
+            return RunResult(tmp_path / cfg.run_name)
+        return run
+    for module, name in ((sft, "sft"), (reward, "rm"), (dpo, "dpo"), (ppo_stage, "ppo")):
+        monkeypatch.setattr(module, "run", stage(name))
+    monkeypatch.setattr(pipeline, "prepare_data", lambda root, cfg: {
+        k: str(tmp_path / k) for k in ("base", "sft", "pairs", "prompts", "eval_prompts")})
+    monkeypatch.setattr(pipeline, "read_curve", lambda *a: None)
+    monkeypatch.setattr(pipeline, "evaluate_model", lambda *a: None)
+    monkeypatch.setattr(pipeline, "write_report", lambda curves, root, kl_target, settings: (
+        seen["report"].append((root, kl_target)) or (root / "report.html", "")))
+    from tether.demo.config import DemoConfig
+
+    cfg = DemoConfig(output_dir=str(tmp_path / "out"), run_name="d", quick=quick, seed=11, seeds=2,
+                     ppo_batches=60, ppo_lr=3e-4, fixed_beta=0.07, adaptive_start_beta=0.3,
+                     kl_target=2.5, kl_horizon=99, device="cuda:1")
+    pipeline.run(cfg)
+    root = tmp_path / "out" / "d"
+    stages = seen["sft"] + seen["rm"] + seen["dpo"] + seen["ppo"]
+    assert {c.output_dir for c in stages} == {str(root)} and seen["report"] == [(root, 2.5)]
+    assert {c.device for c in stages} == {"cuda:1"}
+    assert seen["sft"][0].seed == 11
+    seeds, batches = (1, 40) if quick else (2, 60)  # --quick: one seed, at most 40 batches
+    assert sorted({c.seed for c in seen["ppo"]}) == list(range(11, 11 + seeds))
+    assert len(seen["ppo"]) == 3 * seeds
+    assert {c.total_episodes for c in seen["ppo"]} == {32 * batches}
+    assert {c.lr for c in seen["ppo"]} == {3e-4}
+    by_name = {c.run_name.split("-seed")[0]: c for c in seen["ppo"]}
+    assert by_name["ppo-fixed"].beta == 0.07
+    adaptive = by_name["ppo-adaptive"]
+    assert (adaptive.beta, adaptive.kl_target, adaptive.kl_horizon) == (0.3, 2.5, 99)
