@@ -25,6 +25,10 @@ SEES_REAL_VALUE = {"validate", "_validate", "config_to_dict", "_check_resumed_co
 
 IGNORED_REQUIRED = {"run_name": "ignored-run-name"}
 
+# Fields the code reads from the recorded config rather than from the object: for them, recording
+# is the use, so config_to_dict sees the default too.
+READ_FROM_RECORD = {"resume_allow_changes"}
+
 
 def stage_classes(stage: str) -> tuple[type, ...]:
     from tether.demo.config import DemoConfig
@@ -61,8 +65,9 @@ class Ignored:
         if type(obj) not in self.targets:
             return real
         frame = sys._getframe(1)
+        exempt = SEES_REAL_VALUE - ({"config_to_dict"} if self.name in READ_FROM_RECORD else set())
         while frame is not None:
-            if frame.f_code.co_name in SEES_REAL_VALUE:
+            if frame.f_code.co_name in exempt:
                 return real
             frame = frame.f_back
         return _default(type(obj), self.name)

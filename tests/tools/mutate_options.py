@@ -112,16 +112,17 @@ def main() -> int:
             spec = json.dumps({"units": units[j::args.jobs], "table": table, "out": str(outs[-1])})
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", spec], cwd=ROOT,
                                           env=_env(), stdout=subprocess.DEVNULL))
-        seen = 0
-        while seen < len(units):
+        while len(results) < len(units):
+            finished = all(p.poll() is not None for p in procs)
             done = [json.loads(x) for o in outs if o.exists() for x in o.read_text().splitlines()]
-            for res in done[seen:]:
+            for res in done:
+                if res["unit"] in results:
+                    continue
                 results[res["unit"]] = res
                 status = "caught     " if res["caught"] else "NOT CAUGHT "
-                print(f"{status}{res['unit']:40s} {res['test'] or ('(no test mapped)' if res['rc'] is None else '')}",
-                      flush=True)
-            seen = len(done)
-            if all(p.poll() is not None for p in procs) and seen < len(units):
+                note = res["test"] or ("(no test mapped)" if res["rc"] is None else "")
+                print(f"{status}{res['unit']:40s} {note}", flush=True)
+            if finished:
                 break
             time.sleep(1)
     results = {u: results[u] for u in units if u in results}
