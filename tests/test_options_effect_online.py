@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from test_options_effect import ModelCalls
+from test_options_effect import ModelCalls, trunk_moves
 
 from tether.errors import TetherError
 from tether.train import ppo, ppo_step
@@ -263,3 +263,71 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
     assert by_name["ppo-fixed"].beta == 0.07
     adaptive = by_name["ppo-adaptive"]
     assert (adaptive.beta, adaptive.kl_target, adaptive.kl_horizon) == (0.3, 2.5, 99)
+
+
+# ----------------------------------------------------------------------------- critic, reward, optimiser
+
+def test_critic_shared_is_a_head_on_the_policy(tiny_model_dir, tmp_path):
+    # separate: a third trunk (policy, reference, critic) runs; shared: two
+    for critic, trunks in (("separate", 3), ("shared", 2)):
+        with ModelCalls() as calls:
+            online_run(tiny_model_dir, tmp_path, name=critic, critic=critic)
+        assert len(calls.layers) == 2 * trunks  # two layers per trunk
+
+
+def test_reward_fn_given_as_file_and_function(tiny_model_dir, tmp_path):
+    module = tmp_path / "constant_reward.py"
+    module.write_text("def score(prompts, responses):\n    return [2.5 for _ in responses]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    result = ppo.run(PPOConfig(run_name="fn", output_dir=str(tmp_path / "runs"), policy=str(tiny_model_dir),
+                               prompts=str(data), batch_size=4, total_episodes=4, max_new_tokens=3,
+                               ppo_epochs=1, device="cpu", save_every=0, sample_every=0,
+                               report_to="none", reward_fn=f"{module}:score"))
+    assert result.metrics["objective/score"] == 2.5
+
+
+def test_grpo_scale_rewards_none_leaves_the_centred_rewards(tiny_model_dir, tmp_path, monkeypatch):
+    # Dr. GRPO (Liu et al. 2025): A_i = R_i - mean of its group of k = 2, on its real tokens
+    calls = []
+    _spy(monkeypatch, ppo, "estimate_advantages", calls)
+    online_run(tiny_model_dir, tmp_path, advantage="grpo", samples_per_prompt=2, kl_in="loss",
+               scale_rewards="none", max_new_tokens=8)
+    (_, rewards, _, mask), _, (advantages, _) = calls[-1]
+    totals = rewards.sum(dim=1).view(-1, 2)  # [prompts, k]: the score, on the last token
+    expected = (totals - totals.mean(dim=1, keepdim=True)).flatten()
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(advantages, expected[:, None] * mask.float())
+
+
+def _policy_moves(model_dir, run_dir):
+    return trunk_moves(model_dir, run_dir / "final")  # the resized embedding (pad added) left out
+
+
+def test_online_first_adamw_step_lr_warmup_decay_and_clip(tiny_model_dir, tmp_path):
+    # one batch, one epoch, one minibatch: exactly one AdamW step, whose size per weight is
+    # lr * |g| / (|g| + eps) ~ lr (see test_options_effect.py); warm-up 4 batches: lr / 4 on the first
+    lr = 2e-3
+    _, run_dir, _, _ = online_run(tiny_model_dir, tmp_path, name="plain", lr=lr, warmup_batches=4,
+                                  max_grad_norm=0.0)
+    moves = _policy_moves(tiny_model_dir, run_dir)
+    assert max((a - b).abs().max().item() for b, a in moves.values()) == pytest.approx(lr / 4, rel=1e-2)
+    # decoupled decay: the same step minus lr_t * wd * p0 on matrices, 0 on the rest
+    _, decayed_dir, _, _ = online_run(tiny_model_dir, tmp_path, name="decayed", lr=lr, warmup_batches=4,
+                                      max_grad_norm=0.0, weight_decay=0.5)
+    for name, (before, plain) in moves.items():
+        decayed = _policy_moves(tiny_model_dir, decayed_dir)[name][1]
+        expected = -(lr / 4) * 0.5 * before if before.dim() >= 2 else torch.zeros_like(before)
+        torch.testing.assert_close(decayed - plain, expected, atol=1e-6, rtol=0)
+    # a gradient clipped to norm 1e-12 is far below Adam's eps: the step all but vanishes
+    _, clipped_dir, _, _ = online_run(tiny_model_dir, tmp_path, name="clipped", lr=lr, max_grad_norm=1e-12)
+    clipped = _policy_moves(tiny_model_dir, clipped_dir)
+    assert max((a - b).abs().max().item() for b, a in clipped.values()) < lr * 1e-3
+
+
+def test_online_lr_schedule_by_hand(tiny_model_dir, tmp_path):
+    # 3 batches, cosine from the peak: lr * 0.5 * (1 + cos(pi * k / 3)) for batch k = 0, 1, 2
+    _, _, _, lines = online_run(tiny_model_dir, tmp_path, lr=3e-3, lr_schedule="cosine",
+                                total_episodes=12)
+    expected = [3e-3 * 0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(3)]
+    assert [m["optim/lr"] for m in lines] == pytest.approx(expected, abs=1e-12)

@@ -6,6 +6,7 @@ test_options_effect.py; tests/tools/mutate_options.py checks the claim).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -163,3 +164,60 @@ def test_rm_normalize_data_gives_mean_0_std_1_on_those_rows(tiny_model_dir, tmp_
     scores = torch.as_tensor(scores, dtype=torch.float64)
     assert scores.mean().item() == pytest.approx(0.0, abs=1e-4)
     assert scores.std(correction=0).item() == pytest.approx(1.0, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- DPO
+
+def test_dpo_label_smoothing_by_hand(tiny_model_dir, tmp_path):
+    # conservative DPO (Mitchell 2023): loss = -(1 - e) log s(m) - e log s(-m), m = beta * h the
+    # logged margin; one pair per step, so step 2 (m != 0 after step 1) pins the formula
+    eps = 0.3
+    _, run_dir = offline_run("dpo", tiny_model_dir, tmp_path, label_smoothing=eps, batch_size=1,
+                             max_steps=2, log_every=1, lr=1e-2)
+    line = train_lines(run_dir)[-1]
+    m = torch.tensor(line["rewards/margins"], dtype=torch.float64)
+    expected = -(1 - eps) * torch.nn.functional.logsigmoid(m) - eps * torch.nn.functional.logsigmoid(-m)
+    assert abs(m.item()) > 1e-3
+    assert line["train/loss"] == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_dpo_share_prompt_off_puts_each_response_in_its_own_row(tiny_model_dir, tmp_path):
+    for share, rows in ((True, 2), (False, 4)):  # 2 pairs per step: 2 shared rows, or 4
+        with ModelCalls() as calls:
+            offline_run("dpo", tiny_model_dir, tmp_path, name=f"s{share}", share_prompt=share)
+        assert max(shape[0] for shape in calls.token_inputs) == rows
+
+
+def test_dpo_precompute_ref_logprobs_scores_the_reference_before_training(tiny_model_dir, tmp_path):
+    # live reference: a no-grad forward of it in every step; precomputed: all before step 1
+    for precompute in (False, True):
+        grad_flags = []
+
+        def hook(module, args, output, flags=grad_flags):
+            if isinstance(module, torch.nn.Embedding) and args[0].dim() == 2 and args[0].shape[0] >= 2:
+                flags.append(torch.is_grad_enabled())
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            offline_run("dpo", tiny_model_dir, tmp_path, name=f"p{precompute}", max_steps=3,
+                        precompute_ref_logprobs=precompute)
+        finally:
+            handle.remove()
+        first_grad = grad_flags.index(True)
+        late_no_grad = [flag for flag in grad_flags[first_grad:] if not flag]
+        assert bool(late_no_grad) != precompute
+
+
+def test_dpo_ref_model_other_than_the_policy_moves_the_first_loss_off_ln2(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # step 1 has policy == start model, so the loss is ln 2 exactly iff the reference is it too
+    other = tmp_path / "other_ref"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
+    result, _ = offline_run("dpo", tiny_model_dir, tmp_path, ref_model=str(other))
+    assert abs(result.metrics["train/loss"] - math.log(2)) > 1e-3
