@@ -91,10 +91,13 @@ def main() -> int:
         spec = json.loads(args.worker)
         worker(spec["units"], spec["table"], Path(spec["out"]))
         return 0
-    from option_tests import OPTION_TESTS, all_units
+    from option_tests import NOT_APPLICABLE, OPTION_TESTS, all_units
 
     table = json.loads(Path(args.map).read_text()) if args.map else OPTION_TESTS
     units = [u for u in all_units() if not args.only or u in args.only.split(",")]
+    for unit in [u for u in units if u in NOT_APPLICABLE]:
+        print(f"n/a        {unit:40s} {NOT_APPLICABLE[unit]}")
+    units = [u for u in units if u not in NOT_APPLICABLE]
     os.chdir(ROOT)
     if not args.no_baseline:
         tests = sorted({t for u in units for t in table.get(u, [])})
@@ -112,26 +115,36 @@ def main() -> int:
             spec = json.dumps({"units": units[j::args.jobs], "table": table, "out": str(outs[-1])})
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", spec], cwd=ROOT,
                                           env=_env(), stdout=subprocess.DEVNULL))
-        while len(results) < len(units):
-            finished = all(p.poll() is not None for p in procs)
-            done = [json.loads(x) for o in outs if o.exists() for x in o.read_text().splitlines()]
-            for res in done:
-                if res["unit"] in results:
-                    continue
-                results[res["unit"]] = res
-                status = "caught     " if res["caught"] else "NOT CAUGHT "
-                note = res["test"] or ("(no test mapped)" if res["rc"] is None else "")
-                print(f"{status}{res['unit']:40s} {note}", flush=True)
-            if finished:
-                break
-            time.sleep(1)
+        try:
+            _collect(procs, outs, units, results)
+        finally:
+            for proc in procs:  # a stopped check leaves no worker behind
+                if proc.poll() is None:
+                    proc.kill()
     results = {u: results[u] for u in units if u in results}
     caught = sum(r["caught"] for r in results.values())
     print(f"{caught} of {len(units)} options caught when ignored"
           + (f" ({len(units) - len(results)} not checked: a worker died)" if len(results) < len(units) else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0 if caught == len(results) else 1
+    return 0 if caught == len(units) else 1
+
+
+def _collect(procs, outs, units, results) -> None:
+    """Print each worker's results as they come, until all are in or every worker has ended."""
+    while len(results) < len(units):
+        finished = all(p.poll() is not None for p in procs)
+        done = [json.loads(x) for o in outs if o.exists() for x in o.read_text().splitlines()]
+        for res in done:
+            if res["unit"] in results:
+                continue
+            results[res["unit"]] = res
+            status = "caught     " if res["caught"] else "NOT CAUGHT "
+            note = res["test"] or ("(no test mapped)" if res["rc"] is None else "")
+            print(f"{status}{res['unit']:40s} {note}", flush=True)
+        if finished:
+            break
+        time.sleep(1)
 
 
 if __name__ == "__main__":
