@@ -27,7 +27,7 @@ IGNORED_REQUIRED = {"run_name": "ignored-run-name"}
 
 # Fields the code reads from the recorded config rather than from the object: for them, recording
 # is the use, so config_to_dict sees the default too.
-READ_FROM_RECORD = {"resume_allow_changes"}
+READ_FROM_RECORD = {"resume_allow_changes", "report_to"}
 
 
 def stage_classes(stage: str) -> tuple[type, ...]:

@@ -5,6 +5,7 @@ caught when at least one of them fails.
     cd <repo> && /path/to/python tests/tools/mutate_options.py                # every option
     ... tests/tools/mutate_options.py --only online:missing_eos_penalty,sft:seed
     ... tests/tools/mutate_options.py --map /tmp/candidates.json --jobs 2     # try other tests
+    ... tests/tools/mutate_options.py --table                                  # docs/options.md's table
 
 The map (option -> tests) is OPTION_TESTS in tests/tools/option_tests.py; docs/options.md is its
 table. Prints one line per option (caught / NOT CAUGHT, and the first failing test) and the
@@ -73,6 +74,20 @@ def worker(units: list[str], table: dict[str, list[str]], out: Path) -> None:
             f.write(json.dumps(res) + "\n")
 
 
+def print_table() -> None:
+    from option_tests import NOT_APPLICABLE, OPTION_TESTS, STAGES, all_units
+
+    units = all_units()
+    for stage in STAGES:
+        print(f"\n### {stage}\n\n| option | tests that fail when it is ignored |\n|---|---|")
+        for unit in (u for u in units if u.startswith(stage + ":")):
+            flag = "--" + unit.split(":")[1].replace("_", "-")
+            tests = OPTION_TESTS.get(unit, [])
+            cell = ("n/a: " + NOT_APPLICABLE[unit] if unit in NOT_APPLICABLE else
+                    "<br>".join(f"`{t.replace('tests/', '')}`" for t in tests) or "NONE")
+            print(f"| `{flag}` | {cell} |")
+
+
 def _env() -> dict[str, str]:
     paths = [str(ROOT / "tests" / "tools"), str(ROOT / "tests"), str(ROOT / "src")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
@@ -85,8 +100,13 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="pytest processes at once")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", help="write {unit: {caught, test, rc}} here")
+    ap.add_argument("--table", action="store_true",
+                    help="print the option -> tests map as the markdown table of docs/options.md; run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        print_table()
+        return 0
     if args.worker:
         spec = json.loads(args.worker)
         worker(spec["units"], spec["table"], Path(spec["out"]))
