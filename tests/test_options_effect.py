@@ -253,3 +253,21 @@ def test_cosine_by_hand_is_what_the_test_expects():
     # the expected factors above, from the formula, so a typo in them cannot pass silently
     factors = [(s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / 3)) for s in range(1, 6)]
     assert factors == pytest.approx([1.0, 1.0, 0.75, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("stage", list(OFFLINE))
+def test_lr_and_max_length_on_the_llama_style_model(stage, tiny_llama_dir, tmp_path):
+    # the two closed forms above on a Llama-style model (BOS-adding tokenizer, untied head):
+    # no forward sees more than max_length, and the first AdamW step moves a weight by
+    # lr * |g| / (|g| + 1e-8): never more than lr, and close to it (its gradients here are
+    # smaller than GPT-2's, so the largest move is 0.66-0.97 lr, not ~lr)
+    long = " ".join(["the movie was fine"] * 12)
+    rows = ([{"prompt": "it", "response": " " + long}] * 4 if stage == "sft" else
+            [{"prompt": "it", "chosen": " " + long + " great.", "rejected": " " + long}] * 4)
+    with ModelCalls() as calls:
+        _, run_dir = offline_run(stage, tiny_llama_dir, tmp_path, rows=rows, lr=2e-3, max_length=12,
+                                 max_grad_norm=0.0, **({"share_prompt": False} if stage == "dpo" else {}))
+    assert max(shape[1] for shape in calls.token_inputs) == 12
+    moves = [(after - before).abs().max().item()
+             for before, after in trunk_moves(tiny_llama_dir, run_dir / "final").values()]
+    assert 2e-3 / 2 < max(moves) <= 2e-3 * (1 + 1e-6)
