@@ -36,7 +36,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden).squeeze(-1).float()
+        # the head is made in fp32; a trunk loaded with --dtype bfloat16 hands it bf16 states
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).float()
 
 
 class ValueModel(nn.Module):
@@ -68,7 +69,8 @@ class ValueModel(nn.Module):
                                position_ids=position_ids_from_mask(attention_mask),
                                use_cache=False).last_hidden_state
         hidden = hidden[:, context_length - 1:-1]
-        return self.head(hidden).squeeze(-1).float()
+        # a fresh head is fp32; a trunk loaded with --dtype bfloat16 gives bf16 states
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
 def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,

@@ -92,8 +92,11 @@ def linear_layer_names(model: nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (e.g. q_proj, c_attn, lm_head): the
     names `--lora-target-modules` accepts."""
     types = _linear_types()
+    # A layer that already carries an adapter (a second role's adapter on a shared base, e.g. the
+    # critic's beside the policy's) is a peft layer holding the linear as `base_layer`.
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, types) and name})
+                   if name and name.rsplit(".", 1)[-1] != "base_layer"
+                   and isinstance(getattr(module, "base_layer", module), types)})
 
 
 def resolve_targets(model: nn.Module, target_modules: str) -> str | list[str]:

@@ -62,13 +62,29 @@ def _check_exists(name_or_path: str) -> None:
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not path.exists():
         raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
-    if not path.exists() and hub_offline():
-        from huggingface_hub import try_to_load_from_cache
+    if path.exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+    try:
+        cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    except ValueError:  # not a valid repo id either: loading reports it in its own words
+        cached = False
+    if hub_offline():
+        if not cached:
             raise TetherError(f"{name_or_path} is not a local directory and HF_HUB_OFFLINE is set, "
                               "and the hub cache has no copy of it; pass a local model directory "
                               "or download it first")
+        return
+    from tether.hub import go_offline, hub_reachable
+
+    if hub_reachable():
+        return
+    if not cached:  # else huggingface_hub retries for 27-51 s before failing (issue 13)
+        raise TetherError(f"{name_or_path} is not a local directory, the hub cache has no copy of "
+                          "it, and the hub cannot be reached (no network?); pass a local model "
+                          "directory, or download it on a machine with network first")
+    go_offline()  # the cached copy, without a round of retries per file
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

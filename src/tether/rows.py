@@ -72,10 +72,18 @@ def _read_hub(name: str, split: str) -> list[dict]:
     import datasets
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE and not Path(datasets.config.HF_DATASETS_CACHE).joinpath(
-            name.replace("/", "___")).exists():
+    cached = Path(datasets.config.HF_DATASETS_CACHE).joinpath(name.replace("/", "___")).exists()
+    if constants.HF_HUB_OFFLINE and not cached:
         raise TetherError(f"data {name!r} is not a local file and HF_HUB_OFFLINE is set, and the "
                           "datasets cache has no copy of it; pass a local .jsonl/.parquet/.csv file")
+    from tether.hub import go_offline, hub_reachable
+
+    if not constants.HF_HUB_OFFLINE and not hub_reachable():
+        if not cached:  # else the hub client retries with back-off before failing (issue 13)
+            raise TetherError(f"data {name!r} is not a local file, the datasets cache has no copy "
+                              "of it, and the hub cannot be reached (no network?); pass a local "
+                              ".jsonl/.parquet/.csv file")
+        go_offline()
 
     try:
         return datasets.load_dataset(name, split=split).to_list()
