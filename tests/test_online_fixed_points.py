@@ -10,7 +10,7 @@ next-token softmax within TV 0.05 of the predicted point; docs/ppo.md, "Where ea
   both computed exactly for the loop's k by `fixed_points.fixed_point_group`.
 
 Each row also names the points a wrong loop would land on (the reference, the other KL's point,
-the group point without the k/(k - 1) factor...); all lie at least 0.1 from the predicted one, so
+the group point without the k/(k - 1) factor...); all lie more than 0.1 from the predicted one, so
 a run within 0.05 of it is more than 0.05 from each of them: landing on a wrong one fails.
 
 Tokens with the same reward are exchangeable, so the group fixed points are solved on the five
