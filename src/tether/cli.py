@@ -21,6 +21,8 @@ STAGES = {
     "rloo": "tether.train.rloo",
     "grpo": "tether.train.grpo",
     "demo": "tether.demo",
+    "generate": "tether.generate",
+    "eval": "tether.offline_eval",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -32,6 +34,8 @@ CONFIGS = {
     "rloo": ("tether.train.ppo_config", "RLOOConfig"),
     "grpo": ("tether.train.ppo_config", "GRPOConfig"),
     "demo": ("tether.demo.config", "DemoConfig"),
+    "generate": ("tether.eval_config", "GenerateConfig"),
+    "eval": ("tether.eval_config", "EvalConfig"),
 }
 
 HELP = {
@@ -42,6 +46,8 @@ HELP = {
     "rloo": "RLOO: k samples per prompt, leave-one-out baseline, no critic",
     "grpo": "GRPO: k samples per prompt, group-normalised advantages, KL in the loss",
     "demo": "a small end-to-end run on a tiny local model",
+    "generate": "sample responses from any saved policy to JSONL",
+    "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
 }
 
 

@@ -71,6 +71,11 @@ PPO_VARIANTS = {  # run name -> controller settings; the leash is the only diffe
 }
 
 
+# The PPO runs' sampling settings, which every offline evaluation reuses (tether.evaluation): the
+# SFT model scored offline then gives exactly the numbers each PPO run logs at step 0.
+PPO_BATCH, MAX_NEW_TOKENS = 32, 20
+
+
 def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
             name: str, seed: int) -> Curve:
     from tether.train import ppo
@@ -79,9 +84,10 @@ def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rew
     ppo_cfg = ppo.PPOConfig(
         run_name=run_name, output_dir=str(root), seed=seed, device=cfg.device, policy=policy,
         reward_model=reward_model, prompts=paths["prompts"], eval_prompts=paths["eval_prompts"],
-        batch_size=32, total_episodes=32 * cfg.ppo_batches, max_new_tokens=20,
-        lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4, eval_every=max(1, cfg.ppo_batches // 20),
-        save_every=0, sample_every=0, **PPO_VARIANTS[name](cfg))
+        batch_size=PPO_BATCH, total_episodes=PPO_BATCH * cfg.ppo_batches,
+        max_new_tokens=MAX_NEW_TOKENS, lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4,
+        eval_every=max(1, cfg.ppo_batches // 20), save_every=0, sample_every=0,
+        **PPO_VARIANTS[name](cfg))
     ppo.run(ppo_cfg, gold_fn=task.gold_reward)
     return read_curve(root / run_name, name, seed)
 
@@ -124,35 +130,17 @@ def offline_curves(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: s
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
                    name: str, cfg: DemoConfig) -> Curve:
-    """One evaluation point for an offline-trained policy, measured as PPO measures its own."""
-    from tether.data import encode_prompt_row, load_rows
-    from tether.evaluation import evaluate_policy
-    from tether.models import (
-        RewardModel,
-        eos_token_ids,
-        freeze,
-        load_causal_lm,
-        load_tokenizer,
-    )
+    """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
+    sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own."""
+    from tether import offline_eval
+    from tether.eval_config import EvalConfig
 
-    tokenizer = load_tokenizer(model_dir)
-    def frozen(path: str):  # loaded fresh, so no copy is needed to keep it apart
-        return freeze(load_causal_lm(path, tokenizer))
-
-    policy, reference = frozen(model_dir), frozen(ref_dir)
-    reward_model = RewardModel.from_pretrained(reward_model).eval()
-    # the encoding rule PPO uses, so every policy in the comparison continues the same ids
-    encoded = [encode_prompt_row(tokenizer, row, max_tokens=1 << 30)
-               for row in load_rows(paths["eval_prompts"])]
-    prompts, prompt_ids = [text for text, _ in encoded], [ids for _, ids in encoded]
-    metrics, samples = evaluate_policy(
-        policy, reference, tokenizer, prompts, prompt_ids,
-        reward=lambda p, r, rollout: reward_model.score(rollout.input_ids, rollout.attention_mask),
-        gold=lambda p, r, rollout: torch.tensor(task.gold_reward(p, r)),
-        max_new_tokens=20, temperature=1.0,
-        eos_token_ids=eos_token_ids(tokenizer, policy.config, policy.generation_config),
-        batch_size=64, seed=cfg.seed + 7_919)
-    return Curve(name, cfg.seed, [0], {k: [v] for k, v in metrics.items()}, {0: samples})
+    eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
+                          reward_model=reward_model, batch_size=PPO_BATCH,
+                          max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device)
+    result = offline_eval.run(eval_cfg, gold_fn=task.gold_reward, write=False)
+    return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
+                 {0: result.samples})
 
 
 def _announcer(started: float, total: int):
