@@ -23,6 +23,7 @@ STAGES = {
     "demo": "tether.demo",
     "generate": "tether.generate",
     "eval": "tether.offline_eval",
+    "report": "tether.report",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -36,6 +37,7 @@ CONFIGS = {
     "demo": ("tether.demo.config", "DemoConfig"),
     "generate": ("tether.eval_config", "GenerateConfig"),
     "eval": ("tether.eval_config", "EvalConfig"),
+    "report": ("tether.eval_config", "ReportConfig"),
 }
 
 HELP = {
@@ -48,6 +50,7 @@ HELP = {
     "demo": "a small end-to-end run on a tiny local model",
     "generate": "sample responses from any saved policy to JSONL",
     "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
+    "report": "run directories of any stage on one HTML page, configs diffed",
 }
 
 

@@ -78,3 +78,15 @@ class EvalConfig(SamplingConfig):
     """JSON file for the metrics, settings and samples (default: eval.json inside --model's directory)."""
     chunked_lm_head: bool = True
     """Log-probs, entropy and exact KL through the LM head in chunks (off: full logits)."""
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """Run directories of any stage on one HTML page: metric curves side by side, configs diffed."""
+
+    runs: list[str] = field(default_factory=list)
+    """Run directories (given as the command's positional arguments: tether report RUN RUN ...)."""
+    output: str = "report.html"
+    """The HTML file to write (self-contained: the figures are inline)."""
+    title: str = "tether runs"
+    """The page's title."""
