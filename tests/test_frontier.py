@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tether.frontier import frontier, gao_fit, mean_and_stderr, recommend_beta
+from tether.frontier import frontier, gao_fit, mean_and_stderr, peak_then_fall, recommend_beta
 
 KLS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
@@ -59,11 +59,27 @@ def test_mean_and_stderr_by_hand():
 
 
 def test_recommendation_says_when_the_gap_is_noise():
-    # beta 0.1: mean 0.5, se 0.01; beta 0.05: mean 0.3, se 0.01: gap 0.2 > 2 * 0.0141
-    clear = recommend_beta({0.1: [0.49, 0.51], 0.05: [0.29, 0.31], 0.0: [-0.5, -0.4]})
-    assert clear.beta == 0.1 and clear.clear and "exceeds twice" in clear.evidence
+    def rec(golds):
+        return recommend_beta({f"b{b:g}": g for b, g in golds.items()},
+                              {f"b{b:g}": b for b in golds})
+    # beta 0.1: mean 0.5, se 0.01; beta 0.05: mean 0.3, se 0.01: gap 0.2 > 2 * sqrt(2) * 0.01
+    clear = rec({0.1: [0.49, 0.51], 0.05: [0.29, 0.31], 0.0: [-0.5, -0.4]})
+    assert clear.beta == 0.1 and clear.label == "b0.1" and clear.clear
+    assert "exceeds twice" in clear.evidence
     # beta 0.02 leads by 0.01 with errors of 0.1: indistinguishable, the larger beta is chosen.
-    close = recommend_beta({0.02: [0.4, 0.6], 0.1: [0.39, 0.59]})
+    close = rec({0.02: [0.4, 0.6], 0.1: [0.39, 0.59]})
     assert close.beta == 0.1 and not close.clear and "within twice" in close.evidence
-    single = recommend_beta({0.02: [0.6], 0.1: [0.5]})
-    assert single.beta == 0.1 and "single seed" in single.evidence
+    single = rec({0.02: [0.6], 0.1: [0.5]})
+    assert single.beta == 0.1 and "one seed" in single.evidence
+
+
+def test_peak_needs_a_rise_and_a_fall_beyond_twice_their_error():
+    start = [0.0, 0.2, -0.2, 0.1]
+    # Every prompt gains 0.5 then loses 0.4 (+-0.1): rise 0.5 with a small paired error.
+    peak = [s + 0.5 + e for s, e in zip(start, [0.1, -0.1, 0.05, -0.05])]
+    final = [p - 0.4 + e for p, e in zip(peak, [-0.1, 0.1, 0.0, 0.0])]
+    found = peak_then_fall(start, peak, final, 3.0)
+    assert found.holds and "rise +0.500" in found.evidence and "at KL 3.00" in found.evidence
+    # The case: a rise of +0.002 against per-prompt differences of +-0.08 is noise.
+    noisy_peak = [s + 0.002 + e for s, e in zip(start, [0.08, -0.08, 0.08, -0.08])]
+    assert not peak_then_fall(start, noisy_peak, [p - 0.5 for p in noisy_peak], 1.0).holds

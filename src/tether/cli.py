@@ -24,6 +24,7 @@ STAGES = {
     "generate": "tether.generate",
     "eval": "tether.offline_eval",
     "report": "tether.report",
+    "sweep": "tether.sweep",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -38,6 +39,7 @@ CONFIGS = {
     "generate": ("tether.eval_config", "GenerateConfig"),
     "eval": ("tether.eval_config", "EvalConfig"),
     "report": ("tether.eval_config", "ReportConfig"),
+    "sweep": ("tether.sweep_config", "SweepConfig"),
 }
 
 HELP = {
@@ -51,6 +53,7 @@ HELP = {
     "generate": "sample responses from any saved policy to JSONL",
     "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
     "report": "run directories of any stage on one HTML page, configs diffed",
+    "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
 }
 
 

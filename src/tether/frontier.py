@@ -98,35 +98,65 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
 
 @dataclass
 class Recommendation:
+    label: str  # the setting recommended (a sweep group)
     beta: float
     evidence: str
-    clear: bool  # the winner beats the runner-up by more than twice their combined error
+    clear: bool  # the winner beats the runner-up by more than twice the gap's standard error
 
 
-def recommend_beta(final_gold: dict[float, list[float]]) -> Recommendation | None:
-    """The beta whose runs end with the best mean gold (over seeds), and the evidence.
+def recommend_beta(final_gold: dict[str, list[float]],
+                   betas: dict[str, float]) -> Recommendation | None:
+    """The setting whose runs end with the best mean gold (over seeds), and the evidence.
 
-    When the runner-up is within twice the combined standard error of the difference, the two
-    cannot be told apart; the larger beta of the two is recommended then (it stays closer to
-    the reference for the same measured gold).
+    `final_gold`: setting label -> each seed's final gold; `betas`: label -> its KL coefficient.
+    When the runner-up is within twice the standard error of the gap, the two cannot be told
+    apart; the one with the larger beta is recommended then (closer to the reference for the
+    gold measured).
     """
     if not final_gold:
         return None
-    stats = {beta: mean_and_stderr(golds) for beta, golds in final_gold.items()}
-    ranked = sorted(stats, key=lambda b: stats[b][0], reverse=True)
+    stats = {label: mean_and_stderr(golds) for label, golds in final_gold.items()}
+    ranked = sorted(stats, key=lambda label: stats[label][0], reverse=True)
     best = ranked[0]
     if len(ranked) == 1:
-        return Recommendation(best, f"only beta {best:g} was run", False)
+        return Recommendation(best, betas[best], f"only {best} was run", False)
     second = ranked[1]
     (m1, e1), (m2, e2) = stats[best], stats[second]
     gap_error = math.sqrt(e1 ** 2 + e2 ** 2)
-    clear = m1 - m2 > 2 * gap_error and gap_error > 0
-    summary = (f"final gold {m1:+.3f} ± {e1:.3f} at beta {best:g} vs {m2:+.3f} ± {e2:.3f} at "
-               f"beta {second:g} (n = {len(final_gold[best])}, {len(final_gold[second])} seeds)")
+    clear = gap_error > 0 and m1 - m2 > 2 * gap_error
+    summary = (f"final gold {m1:+.3f} ± {e1:.3f} for {best} (beta {betas[best]:g}) vs "
+               f"{m2:+.3f} ± {e2:.3f} for {second} (beta {betas[second]:g}), "
+               f"{len(final_gold[best])} and {len(final_gold[second])} seeds")
     if clear:
-        return Recommendation(best, summary + ": the gap exceeds twice its standard error", True)
-    pick = max(best, second)
-    why = ("a single seed gives no error bar" if gap_error == 0 else
-           "within twice the standard error of the gap")
-    return Recommendation(pick, summary + f": {why}, so the larger beta of the two (closer to "
-                          "the reference for the gold measured)", False)
+        return Recommendation(best, betas[best], summary + ": the gap exceeds twice its "
+                              "standard error", True)
+    pick = best if betas[best] >= betas[second] else second
+    why = ("one seed gives no error bar" if gap_error == 0 else
+           "the gap is within twice its standard error")
+    return Recommendation(pick, betas[pick], summary + f": {why}, so the larger beta of the two "
+                          "(closer to the reference for the gold measured)", False)
+
+
+@dataclass
+class PeakVerdict:
+    holds: bool  # the rise to the peak and the fall after it both exceed twice their error
+    evidence: str
+
+
+def peak_then_fall(start: list[float], peak: list[float], final: list[float],
+                   peak_kl: float) -> PeakVerdict:
+    """Does gold rise to a peak and then fall, beyond noise?
+
+    Inputs are per-prompt gold scores (the same held-out prompts, in the same order, pooled
+    over seeds) at the start, at the evaluation with the best mean gold, and at the end. The
+    rise is the mean of the paired differences peak_i - start_i, its error their standard error
+    (the prompts are shared, so pairing removes their spread); likewise the fall. Both must
+    exceed twice their standard error: a rise of +0.002 against an error of 0.04 is no peak.
+    """
+    rise, rise_se = mean_and_stderr([p - s for s, p in zip(start, peak, strict=True)])
+    fall, fall_se = mean_and_stderr([p - f for p, f in zip(peak, final, strict=True)])
+    holds = rise > 2 * rise_se and fall > 2 * fall_se and rise_se > 0 and fall_se > 0
+    m = [sum(x) / len(x) for x in (start, peak, final)]
+    return PeakVerdict(holds, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
+                              f"(rise {rise:+.3f} ± {rise_se:.3f}), final {m[2]:+.3f} "
+                              f"(fall {fall:+.3f} ± {fall_se:.3f})")
