@@ -155,8 +155,13 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
     """
     rise, rise_se = mean_and_stderr([p - s for s, p in zip(start, peak, strict=True)])
     fall, fall_se = mean_and_stderr([p - f for p, f in zip(peak, final, strict=True)])
-    holds = rise > 2 * rise_se and fall > 2 * fall_se and rise_se > 0 and fall_se > 0
+    holds = len(start) >= 2 and rise > 2 * rise_se and fall > 2 * fall_se
     m = [sum(x) / len(x) for x in (start, peak, final)]
     return PeakVerdict(holds, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
                               f"(rise {rise:+.3f} ± {rise_se:.3f}), final {m[2]:+.3f} "
                               f"(fall {fall:+.3f} ± {fall_se:.3f})")
+
+
+def paired_difference(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean and standard error of after_i - before_i over the same prompts (paired)."""
+    return mean_and_stderr([a - b for b, a in zip(before, after, strict=True)])

@@ -148,7 +148,7 @@ def config_html(runs: list[RunRecord], page_dir: Path) -> str:
     """The configs side by side: differences in a table, shared values folded away, and a link
     to each run's config.yaml (relative to the page)."""
     shared, differing = config_diff([run.config for run in runs])
-    links = "".join(f"<li><a href='{html.escape(_relative(run.path / 'config.yaml', page_dir))}'>"
+    links = "".join(f"<li><a href='{html.escape(relative_link(run.path / 'config.yaml', page_dir))}'>"
                     f"{html.escape(run.name)}/config.yaml</a></li>" for run in runs)
     header = "<tr><th>field</th>" + "".join(f"<th>{html.escape(r.name)}</th>" for r in runs)
     rows = "".join(f"<tr><td>{html.escape(k)}</td>{''.join(_cell(v) for v in values)}</tr>"
@@ -160,7 +160,7 @@ def config_html(runs: list[RunRecord], page_dir: Path) -> str:
             f"<table id='config-shared'>{same}</table></details>")
 
 
-def _relative(target: Path, start: Path) -> str:
+def relative_link(target: Path, start: Path) -> str:
     return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
 
 

@@ -32,6 +32,7 @@ from tether.report import (
     plt,
     png_data,
     read_run,
+    relative_link,
     write_page,
 )
 from tether.sweep import PlannedRun, Sweep, state
@@ -275,8 +276,12 @@ a negative beta_RL means no peak was reached. The recommended beta is the one wh
 the most gold; when two betas are within twice the error of their gap, the larger is chosen.</p>"""
 
 
-def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
-    """results.csv and report.html in the sweep directory; returns (page, console summary)."""
+def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None,
+            configs: bool = True) -> tuple[str, str]:
+    """The sweep's results as HTML (recommendation, table, figures, configs) and a console
+    summary; also writes results.csv. Links are relative to `page_dir` (default: the sweep
+    directory); the demo embeds this section in its own page."""
+    page_dir = page_dir or sweep.root
     points = collect(sweep)
     axes = list(dict.fromkeys(a for names in sweep.axes.values() for a in names))
     write_csv(sweep.root / "results.csv", points, axes)
@@ -289,12 +294,12 @@ def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
     if rec is not None:
         summary += f"\nrecommended beta {rec.beta:g} ({rec.label}): {rec.evidence}"
     body = [f"<p>{len(points)} of {len(sweep.runs)} runs finished; every point is in "
-            "<a href='results.csv'>results.csv</a>.</p>"]
+            f"<a href='{relative_link(sweep.root / 'results.csv', page_dir)}'>results.csv</a>.</p>"]
     if failures:
         body.append("<ul id='failures'>" + "".join(
             f"<li class='fails'><b>{html.escape(n)}</b>: {html.escape(e)}</li>"
             for n, e in failures.items()) + "</ul>")
-    body.append("<h2 id='recommendation'>Which beta?</h2><p id='recommended'>" + (
+    body.append("<p id='recommended'>" + (
         f"<b>Recommended beta: {rec.beta:g}</b> ({html.escape(rec.label)}). "
         f"{html.escape(rec.evidence)}." if rec else "No PPO run finished.") + "</p>")
     if groups:
@@ -307,8 +312,15 @@ def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
         body += [figure_html(data, title, caption)
                  for title, data, caption in figures(groups, points)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
-    if finished:
-        body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, sweep.root))
+    if finished and configs:
+        body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
+    return "\n".join(body), summary
+
+
+def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
+    """results.csv and report.html in the sweep directory; returns (page, console summary)."""
+    body, summary = section(sweep, failures)
     path = write_page(sweep.root / "report.html",
-                      page(f"tether sweep: {sweep.root.name}", "\n".join(body)))
+                      page(f"tether sweep: {sweep.root.name}",
+                           "<h2 id='recommendation'>Which beta?</h2>" + body))
     return path, summary
