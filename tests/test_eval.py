@@ -159,3 +159,27 @@ def test_eval_bad_input_is_one_line(task_files, tiny_model_dir, tmp_path, args, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
     assert not (tmp_path / "e.json").exists()
+
+
+def test_eval_with_a_lora_reward_model(task_files, trained, tmp_path, capsys):
+    # The proxy from a LoRA reward model (`tether rm --lora-r`), scoring a LoRA SFT policy.
+    from tether.reward_model import RewardModel
+    from tether.train import reward
+
+    pairs = task_files / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": p, "chosen": " good.", "rejected": " bad."})
+                             + "\n" for p in PROMPTS))
+    rm_dir = reward.run(reward.RMConfig(run_name="rm-lora", output_dir=str(tmp_path),
+                                        model=trained["base"], data=str(pairs), lora_r=4,
+                                        max_steps=2, batch_size=4, save_every=0,
+                                        eval_fraction=0.25, device="cpu")).output_path
+    assert (rm_dir / "adapter_config.json").is_file()  # really an adapter
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", trained["adapter"], "--prompts",
+                 str(task_files / "prompts.jsonl"), "--reward-model", str(rm_dir), "--device",
+                 "cpu", "--max-new-tokens", "8", "--output", str(out)]) == 0, capsys.readouterr().err
+    record = json.loads(out.read_text())
+    scores = [s["score"] for s in record["samples"]]
+    assert record["metrics"]["eval/score"] == pytest.approx(sum(scores) / len(scores))
+    assert len(set(scores)) > 1 and "eval/gold_score" not in record["metrics"]
+    assert RewardModel.from_pretrained(rm_dir).lora is not None
