@@ -85,7 +85,8 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
     reward = None
     if cfg.reward_model:
         model = load_reward_model(cfg.reward_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
-        # scored in the evaluation's own chunks, the rows PPO's evaluation scores together
+        # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
+        # micro_batch_rows (the whole chunk by default); a smaller one may differ in rounding.
         reward = reward_from_model(freeze(fuse_gelu(model), device), cfg.batch_size)
     elif cfg.reward_fn or reward_fn is not None:
         reward = reward_from_function(reward_fn or load_reward_function(cfg.reward_fn),

@@ -85,7 +85,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     # What needs no model first: a bad file or flag fails before anything large loads.
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    if cfg.eval_prompts:  # read again with the EOS set below (tether.evaluation.eval_inputs)
+    if cfg.eval_prompts:  # checked now; encoded for use once the EOS set is known (below)
         load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
     check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
     if reward_fn is None and cfg.reward_fn:
