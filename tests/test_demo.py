@@ -37,7 +37,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert set(betas("ppo-fixed-seed0")) == {0.1}
     adaptive = betas("ppo-adaptive-seed0")
     assert adaptive[0] == 0.2 and adaptive[-1] < 0.2
-    check_rendered(root / "report.html", n_verdicts=4)  # no KL, adaptive, DPO, IPO
+    check_rendered(root / "report.html", n_verdicts=5)  # no KL (2), adaptive, DPO, IPO
     # The SFT model scored offline gives the numbers every PPO run logged at its step 0.
     table = {line.split()[0] + line.split()[1]: line.split() for line in out.splitlines()
              if line.split()[:1] and line.split()[0] in ("sft", "ppo-no-kl", "ppo-fixed")}

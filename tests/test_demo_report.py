@@ -51,10 +51,13 @@ IPO = point("ipo", 0.12, 0.5)  # +0.02 over SFT with error 0: holds; above the s
 
 def test_verdicts_hold_when_the_numbers_show_the_thesis():
     found = verdicts([HACKED, LEASHED, SFT, DPO, IPO], kl_target=2.0)
-    assert [v.holds for v in found] == [True, True, True, True]
+    assert [v.holds for v in found] == [True] * 5
+    # Gold 0.1 -> -0.4: a fall of 0.5 on every prompt.
+    assert "gold +0.100 -> -0.400 (a fall of +0.500 ± 0.000)" in found[0].evidence
     # The start value is shown beside the peak, with the rise and its error.
-    assert "start +0.100, peak +0.500 at KL 8.00 (rise +0.400 ± 0.000)" in found[0].evidence
-    assert "peak at step 8" in found[0].evidence
+    assert "start +0.100, peak +0.500 at KL 8.00 (rise +0.400 ± 0.000)" in found[1].evidence
+    assert "best at step 8" in found[1].evidence
+    found = found[1:]
     # Adaptive vs free at the end: 0.45 - (-0.4) = 0.85 on every prompt.
     assert "final gold +0.850 ± 0.000 above the run without KL" in found[1].evidence
     # DPO at KL 1.5: the PPO evaluations within that KL are (0, 0.1), (1.0, 0.3) and (0, 0.1):
@@ -74,11 +77,11 @@ def test_verdicts_say_plainly_when_a_run_does_not_show_it():
     drifting = ppo_curve("ppo-adaptive", 1, [0.0, 0.5, 1.0], [0.1, 0.3, 0.6], [0, 5, 9],
                          [0.8, 0.8, 0.8])
     found = verdicts([honest, drifting], kl_target=2.0)
-    assert [v.holds for v in found] == [False, False]
-    # Gold that only falls from the first evaluation never peaked: no rise, no peak-then-fall.
+    assert [v.holds for v in found] == [False, False, False]
+    # Gold that only falls from the first evaluation is hacking, but it never peaked.
     falling = ppo_curve("ppo-no-kl", 2, [0.0, 1.0, 2.0], [0.3, 0.0, -0.5], [0, 5, 9],
                         [0.8, 0.4, 0.2])
-    assert not verdicts([falling], kl_target=2.0)[0].holds
+    assert [v.holds for v in verdicts([falling], kl_target=2.0)] == [True, False]
 
 
 def test_a_rise_within_the_noise_is_not_called_a_peak():
@@ -88,8 +91,8 @@ def test_a_rise_within_the_noise_is_not_called_a_peak():
     noisy = ppo_curve("ppo-no-kl", 0, [0.0, 1.0, 2.0], [0.100, 0.102, -0.5], [0, 3, 9],
                       [0.8, 0.5, 0.2], jitters=[(0.0,) * 4, (0.08, -0.08, 0.08, -0.08),
                                                 (0.0,) * 4])
-    found = verdicts([noisy], kl_target=2.0)[0]
-    assert not found.holds and "rise +0.002 ± 0.046" in found.evidence
+    hacked, peaked = verdicts([noisy], kl_target=2.0)
+    assert hacked.holds and not peaked.holds and "rise +0.002 ± 0.046" in peaked.evidence
 
 
 def test_offline_samples_say_which_model_wrote_them(tmp_path):
@@ -172,7 +175,7 @@ def check_rendered(report_path, n_verdicts: int = 2):
 
 def test_report_renders_in_headless_chromium(tmp_path):
     path, _ = write_report([HACKED, LEASHED, SFT, DPO, IPO], tmp_path, 2.0, SETTINGS)
-    check_rendered(path, n_verdicts=4)
+    check_rendered(path, n_verdicts=5)
 
 
 def test_browser_check_catches_a_missing_image(tmp_path):

@@ -83,3 +83,10 @@ def test_peak_needs_a_rise_and_a_fall_beyond_twice_their_error():
     # The case: a rise of +0.002 against per-prompt differences of +-0.08 is noise.
     noisy_peak = [s + 0.002 + e for s, e in zip(start, [0.08, -0.08, 0.08, -0.08])]
     assert not peak_then_fall(start, noisy_peak, [p - 0.5 for p in noisy_peak], 1.0).holds
+
+
+def test_peak_verdict_tells_rise_and_fall_apart():
+    start = [0.0, 0.2, -0.2, 0.1]
+    risen = [s + 0.4 for s in start]
+    held = peak_then_fall(start, risen, risen, 2.0)  # rose, never fell
+    assert held.rose and not held.fell and not held.holds

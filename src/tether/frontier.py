@@ -141,6 +141,8 @@ def recommend_beta(final_gold: dict[str, list[float]],
 class PeakVerdict:
     holds: bool  # the rise to the peak and the fall after it both exceed twice their error
     evidence: str
+    rose: bool = False  # the rise alone exceeds twice its error
+    fell: bool = False  # the fall alone exceeds twice its error
 
 
 def peak_then_fall(start: list[float], peak: list[float], final: list[float],
@@ -155,11 +157,12 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
     """
     rise, rise_se = mean_and_stderr([p - s for s, p in zip(start, peak, strict=True)])
     fall, fall_se = mean_and_stderr([p - f for p, f in zip(peak, final, strict=True)])
-    holds = len(start) >= 2 and rise > 2 * rise_se and fall > 2 * fall_se
+    rose = len(start) >= 2 and rise > 2 * rise_se
+    fell = len(start) >= 2 and fall > 2 * fall_se
     m = [sum(x) / len(x) for x in (start, peak, final)]
-    return PeakVerdict(holds, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
+    return PeakVerdict(rose and fell, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
                               f"(rise {rise:+.3f} ± {rise_se:.3f}), final {m[2]:+.3f} "
-                              f"(fall {fall:+.3f} ± {fall_se:.3f})")
+                              f"(fall {fall:+.3f} ± {fall_se:.3f})", rose, fell)
 
 
 def paired_difference(before: list[float], after: list[float]) -> tuple[float, float]:

@@ -223,8 +223,9 @@ def _verdict(group: Group, members: list[RunPoints]) -> str:
         return "gold never rose above its start" if peak_index == 0 else ""
     found = peak_then_fall(pooled["start"], pooled["peak"], pooled["final"],
                            group.mean["kl"][peak_index])
-    return (("gold peaks then falls: " if found.holds else "no peak beyond noise: ")
-            + found.evidence)
+    label = ("gold peaks then falls" if found.holds else
+             "gold rises, no fall beyond noise" if found.rose else "no rise beyond noise")
+    return f"{label}: {found.evidence}"
 
 
 def _number(value: float | None, fmt: str) -> str:

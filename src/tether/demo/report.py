@@ -31,23 +31,30 @@ class Verdict:
     note: str = ""  # a sentence that interprets the result
 
 
-def _no_kl_verdict(free: list[Curve]) -> Verdict:
-    """Proxy keeps rising, gold rises then falls beyond noise, diversity collapses."""
+def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
+    """Proxy keeps rising while gold ends below its start and diversity collapses; and,
+    separately, whether gold first rose to a peak beyond noise."""
     steps, proxy = mean_series(free, "eval/score")
     _, gold = mean_series(free, "eval/gold_score")
     _, dist = mean_series(free, "eval/distinct_2")
     _, kl = mean_series(free, "eval/kl")
     proxy_rising = proxy[-1] >= max(proxy) - 0.1 * (max(proxy) - min(proxy))
-    peak = gold.index(max(gold))
-    found = peak_then_fall(pooled_golds(free, steps[0]), pooled_golds(free, steps[peak]),
-                           pooled_golds(free, steps[-1]), kl[peak])
+    start, final = pooled_golds(free, steps[0]), pooled_golds(free, steps[-1])
+    drop, drop_se = paired_difference(final, start)  # start - final, per prompt
     collapsed = dist[-1] < 0.5 * dist[0]
-    return Verdict(
-        "no KL penalty: proxy keeps rising, gold peaks then falls, diversity collapses",
-        proxy_rising and peak > 0 and found.holds and collapsed,
+    hacked = Verdict(
+        "no KL penalty: the proxy keeps rising while gold ends below its start and diversity "
+        "collapses", proxy_rising and drop > 2 * drop_se and collapsed,
         f"proxy {proxy[0]:+.2f} -> max {max(proxy):+.2f} -> final {proxy[-1]:+.2f}; gold "
-        f"{found.evidence}, peak at step {steps[peak]}; distinct-2 {dist[0]:.2f} -> "
-        f"{dist[-1]:.2f}; {len(free)} seed(s), a peak must beat the start by twice its error")
+        f"{gold[0]:+.3f} -> {gold[-1]:+.3f} (a fall of {drop:+.3f} ± {drop_se:.3f}); "
+        f"distinct-2 {dist[0]:.2f} -> {dist[-1]:.2f}; {len(free)} seed(s)")
+    peak = gold.index(max(gold))
+    found = peak_then_fall(start, pooled_golds(free, steps[peak]), final, kl[peak])
+    peaked = Verdict("no KL penalty: gold first peaks above its start, then falls",
+                     peak > 0 and found.holds,
+                     f"{found.evidence}, best at step {steps[peak]}; a peak must beat the start "
+                     "by twice its error")
+    return [hacked, peaked]
 
 
 def _adaptive_verdict(adaptive: list[Curve], free: list[Curve], kl_target: float) -> Verdict:
@@ -80,6 +87,8 @@ def _offline_verdict(name: str, curves: list[Curve], sft: list[Curve],
                    "PPO buys more gold for the same KL"))
     else:
         note = f"No PPO evaluation stayed within {name.upper()}'s KL of {kl:.2f}."
+    if gain <= 2 * gain_se:
+        note += f" ({name.upper()}'s own gain over SFT is within noise: a tentative placement.)"
     return Verdict(f"{name.upper()}: gold rises above the SFT model's beyond noise",
                    gain > 2 * gain_se,
                    f"gold {gold:+.3f} at KL {kl:.2f}, {gain:+.3f} ± {gain_se:.3f} over the SFT "
@@ -90,9 +99,10 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
     """Check the thesis from the measurements alone, over all seeds of each run.
 
     1. Without the KL penalty the proxy keeps rising (its final mean is within 10% of the run's
-       range of its maximum), the gold reward peaks and then falls, each by more than twice its
-       standard error (tether.frontier.peak_then_fall), and diversity collapses (final
-       distinct-2 below half its start).
+       range of its maximum) while gold ends below its start by more than twice the error of
+       the drop, and diversity collapses (final distinct-2 below half its start).
+    1b. Separately: the gold reward first rose to a peak and then fell, each by more than twice
+       its standard error (tether.frontier.peak_then_fall).
     2. With the adaptive controller the KL ends within 50% of its target, and the final gold
        beats the unpenalised run's by more than twice the standard error of the gap.
     3. DPO and IPO each raise gold above the SFT model by more than twice its error; a note
@@ -102,7 +112,7 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
     free, adaptive = runs.get("ppo-no-kl", []), runs.get("ppo-adaptive", [])
     out = []
     if free and len(free[0].steps) > 1:
-        out.append(_no_kl_verdict(free))
+        out += _no_kl_verdicts(free)
     if adaptive and free:
         out.append(_adaptive_verdict(adaptive, free, kl_target))
     ppo = [c for c in curves if c.run in PPO_RUNS]
