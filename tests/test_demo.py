@@ -43,8 +43,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
              if line.split()[:1] and line.split()[0] in ("sft", "ppo-no-kl", "ppo-fixed")}
     # (columns: run, seed, final proxy, start gold, ...; exact equality: test_eval.py)
     assert table["sft0"][3] == table["ppo-no-kl0"][3] == table["ppo-fixed0"][3]
-    # The sweep section: its runs (3 betas under --quick), its own page, and its CSV.
-    for beta in ("0", "0.1", "1"):
+    # The sweep section: its runs (the two extreme betas under --quick), its page, its CSV.
+    for beta in ("0", "1"):
         assert (root / "sweep" / f"ppo-beta{beta}-seed0" / "final").is_dir(), beta
     page = (root / "report.html").read_text()
     assert "Which beta? A sweep" in page and "Recommended beta" in page

@@ -166,7 +166,9 @@ def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
         "eval_prompts": paths["eval_prompts"], "gold_fn": "tether.demo.task:gold_reward",
         "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * cfg.sweep_batches,
         "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
-        "ppo_epochs": 4, "eval_every": max(1, cfg.sweep_batches // 4), "save_every": 0,
+        "ppo_epochs": 4, "save_every": 0,
+        # four evaluations after step 0 (two under --quick, whose sweep is a sketch)
+        "eval_every": max(1, cfg.sweep_batches // (2 if cfg.quick else 4)),
         "sample_every": 0, "device": cfg.device, "kl_ctl": "fixed",
         "beta": list(cfg.sweep_betas)}}
     (root / "data" / "sweep.yaml").write_text(yaml.safe_dump(grid), encoding="utf-8")
