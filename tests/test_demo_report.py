@@ -149,7 +149,7 @@ def open_in_chromium(path):
     return driver
 
 
-def check_rendered(report_path, n_verdicts: int = 2):
+def check_rendered(report_path, n_verdicts: int):
     """Every image decoded with a real width; the summary, `n_verdicts` verdicts and complete
     settings visible as text."""
     driver = open_in_chromium(report_path)
@@ -181,13 +181,14 @@ def test_report_renders_in_headless_chromium(tmp_path):
 def test_browser_check_catches_a_missing_image(tmp_path):
     # The check itself must be able to fail: delete one PNG and it must notice.
     path, _ = write_report([HACKED, LEASHED], tmp_path, 2.0, SETTINGS)
+    check_rendered(path, n_verdicts=3)  # two on the no-KL run, one on the adaptive run
     (tmp_path / "frontier.png").unlink()
-    with pytest.raises(AssertionError):
-        check_rendered(path)
+    with pytest.raises(AssertionError, match="frontier.png"):
+        check_rendered(path, n_verdicts=3)
 
 
 def test_browser_check_catches_incomplete_settings(tmp_path):
     incomplete = {k: v for k, v in SETTINGS.items() if k != "tether version"}
     path, _ = write_report([HACKED, LEASHED], tmp_path, 2.0, incomplete)
     with pytest.raises(AssertionError, match="tether version"):
-        check_rendered(path)
+        check_rendered(path, n_verdicts=3)
