@@ -122,3 +122,28 @@ def test_a_failing_run_is_reported_and_the_sweep_exits_1(grid, tmp_path, capsys)
     assert "1 run(s) failed" in captured.err and "0/1 done, 0 running, 1 failed" in captured.out
     page = (tmp_path / "runs" / "s" / "report.html").read_text()
     assert "no gold today" in page and "No PPO run finished" in page
+
+
+def test_controller_target_and_estimator_axes(grid):
+    # Any PPO field can be an axis: the controller, its target, the advantage estimator.
+    spec = yaml.safe_load(grid.read_text())
+    del spec["dpo"]
+    spec["seeds"] = [0, 1]
+    spec["ppo"].update(beta=0.1, kl_ctl=["fixed", "adaptive"], kl_target=[2.0, 4.0],
+                       advantage=["gae", "rloo"], samples_per_prompt=2)
+    grid.write_text(yaml.safe_dump(spec))
+    sweep = plan(str(grid))
+    assert len(sweep.runs) == 2 * 2 * 2 * 2  # three axes of two values, two seeds
+    # named in the order the grid file lists the axes (this file was written sorted)
+    assert sweep.runs[0].name == "ppo-advantagegae-kl_ctlfixed-kl_target2-seed0"
+    assert {r.group for r in sweep.runs} == {r.name[:-6] for r in sweep.runs}
+    assert sweep.runs[-1].fields["advantage"] == "rloo" and sweep.runs[-1].seed == 1
+
+
+def test_a_bad_grid_is_one_line_and_exit_2_on_the_command_line(grid, capsys):
+    spec = yaml.safe_load(grid.read_text())
+    spec["ppo"]["bogus"] = 1
+    grid.write_text(yaml.safe_dump(spec))
+    assert main(["sweep", str(grid)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: grid: unknown ppo field 'bogus'") and "\n" not in err
