@@ -12,7 +12,8 @@ from tether.cli import main
 
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path, capsys):
-    code = main(["demo", "--quick", "--output-dir", str(tmp_path), "--ppo-batches", "12"])
+    code = main(["demo", "--quick", "--output-dir", str(tmp_path), "--ppo-batches", "12",
+                 "--sweep-batches", "4"])
     assert code == 0, capsys.readouterr().err
     root = tmp_path / "demo"
     out = capsys.readouterr().out
@@ -36,7 +37,18 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert set(betas("ppo-fixed-seed0")) == {0.1}
     adaptive = betas("ppo-adaptive-seed0")
     assert adaptive[0] == 0.2 and adaptive[-1] < 0.2
-    check_rendered(root / "report.html")
+    check_rendered(root / "report.html", n_verdicts=5)  # no KL (2), adaptive, DPO, IPO
+    # The SFT model scored offline gives the numbers every PPO run logged at its step 0.
+    table = {line.split()[0] + line.split()[1]: line.split() for line in out.splitlines()
+             if line.split()[:1] and line.split()[0] in ("sft", "ppo-no-kl", "ppo-fixed")}
+    # (columns: run, seed, final proxy, start gold, ...; exact equality: test_eval.py)
+    assert table["sft0"][3] == table["ppo-no-kl0"][3] == table["ppo-fixed0"][3]
+    # The sweep section: its runs (the two extreme betas under --quick), its page, its CSV.
+    for beta in ("0", "1"):
+        assert (root / "sweep" / f"ppo-beta{beta}-seed0" / "final").is_dir(), beta
+    page = (root / "report.html").read_text()
+    assert "Which beta? A sweep" in page and "Recommended beta" in page
+    assert (root / "sweep" / "report.html").is_file() and (root / "sweep" / "results.csv").is_file()
 
     # A second run must not write over the first one's results.
     before = (root / "report.html").read_bytes()

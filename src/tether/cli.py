@@ -30,6 +30,10 @@ STAGES = {
     "rloo": "tether.train.rloo",
     "grpo": "tether.train.grpo",
     "demo": "tether.demo",
+    "generate": "tether.generate",
+    "eval": "tether.offline_eval",
+    "report": "tether.report",
+    "sweep": "tether.sweep",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -41,6 +45,10 @@ CONFIGS = {
     "rloo": ("tether.train.ppo_config", "RLOOConfig"),
     "grpo": ("tether.train.ppo_config", "GRPOConfig"),
     "demo": ("tether.demo.config", "DemoConfig"),
+    "generate": ("tether.eval_config", "GenerateConfig"),
+    "eval": ("tether.eval_config", "EvalConfig"),
+    "report": ("tether.eval_config", "ReportConfig"),
+    "sweep": ("tether.sweep_config", "SweepConfig"),
 }
 
 HELP = {
@@ -51,6 +59,10 @@ HELP = {
     "rloo": "RLOO: k samples per prompt, leave-one-out baseline, no critic",
     "grpo": "GRPO: k samples per prompt, group-normalised advantages, KL in the loss",
     "demo": "a small end-to-end run on a tiny local model",
+    "generate": "sample responses from any saved policy to JSONL",
+    "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
+    "report": "run directories of any stage on one HTML page, configs diffed",
+    "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
 }
 
 

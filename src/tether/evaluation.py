@@ -1,8 +1,10 @@
 """Held-out evaluation of a policy: proxy and gold reward, KL to the reference, diversity.
 
-One function serves PPO's periodic evaluation and the scoring of any other policy (SFT, DPO,
-IPO), so every run in a comparison is measured the same way: the same prompts, the same seeded
-sampling at the same temperature, the same KL formula.
+One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, batch size, seed) and one
+function measures (`evaluate_policy`), for PPO's periodic evaluation, `tether eval` and the
+demo alike, so every policy in a comparison is measured the same way: the same prompt ids, the
+same seeded sampling stream at the same temperature, the same KL formula. The SFT model scored
+offline and PPO's step 0 (the same model) therefore give the same numbers.
 
 Notation: B prompts in a chunk, R response width.
 """
@@ -10,15 +12,68 @@ Notation: B prompts in a chunk, R response width.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from tether.data import load_prompts
+from tether.errors import TetherError
+from tether.lm_head import head_exact_kl
+from tether.models import eos_token_ids
 from tether.rollout import Rollout, decode_responses, left_pad, sample_responses
-from tether.trunk_head import score_responses
+from tether.trunk_head import score_responses, trunk_and_head
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
+
+# The held-out sampling stream is seeded apart from the training one (run seed + this), so an
+# evaluation never replays a training batch's draws.
+EVAL_SEED_OFFSET = 7_919
+
+
+class EvalSettings(Protocol):
+    """The fields an evaluation reads, named as in PPOConfig (and `tether eval`'s EvalConfig)."""
+
+    max_prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    batch_size: int
+    seed: int
+
+
+@dataclass
+class EvalInputs:
+    """Everything an evaluation samples from, built once by `eval_inputs`."""
+
+    prompts: list[str]  # the prompt texts a reward function reads
+    prompt_ids: list[list[int]]  # their ids under the one encoding rule (tether.data)
+    eos_token_ids: list[int]  # every id that ends a response
+    max_new_tokens: int
+    temperature: float
+    batch_size: int  # prompts per sampling chunk: part of the seeded stream, so fixed here
+    seed: int  # the sampling generator's seed (run seed + EVAL_SEED_OFFSET)
+
+
+def policy_eos_ids(tokenizer, model: nn.Module, name: str) -> list[int]:
+    """Every EOS the tokenizer, the model config and its generation config declare; a model
+    without one is refused (its responses would never end)."""
+    eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
+    if not eos:
+        raise TetherError(f"{name}: the tokenizer has no EOS token; set one in its config")
+    return eos
+
+
+def eval_inputs(tokenizer, prompts_source: str, eos: list[int],
+                settings: EvalSettings) -> EvalInputs:
+    """The inputs of a held-out evaluation: prompts encoded by the rule every stage uses
+    (`tether.data.load_prompts`, cut to `max_prompt_len`), the EOS set (`policy_eos_ids`), and
+    the sampling chunk size and seed. PPO and `tether eval` both call this."""
+    prompts, prompt_ids = load_prompts(prompts_source, tokenizer, settings.max_prompt_len)
+    return EvalInputs(prompts, prompt_ids, list(eos), settings.max_new_tokens,
+                      settings.temperature, settings.batch_size,
+                      settings.seed + EVAL_SEED_OFFSET)
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -28,60 +83,85 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def _exact_kl(policy: nn.Module, reference: nn.Module, hidden, ref_hidden,
+              temperature: float) -> torch.Tensor | None:
+    """KL(pi(. | s_t) || ref(. | s_t)) over the whole vocabulary per response position [B, R],
+    through the two LM heads in chunks; None when a model's logits are not head(hidden)."""
+    if hidden is None or ref_hidden is None:
+        return None
+    try:
+        _, head = trunk_and_head(policy)
+        _, ref_head = trunk_and_head(reference)
+    except ValueError:
+        return None
+    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
+
+
 @torch.no_grad()
-def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts: list[str],
-                    prompt_ids: list[list[int]], reward: Reward, gold: Reward | None, *,
-                    max_new_tokens: int, temperature: float, eos_token_ids: list[int],
-                    batch_size: int, seed: int,
+def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
+                   ) -> dict[str, torch.Tensor]:
+    """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk: each [B]."""
+    args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
+            rollout.temperature)  # the log-probs of what was sampled, at its temperature
+    scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True)
+    ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True)
+    response_mask = rollout.response_mask.float()  # [B, R]
+    out = {"kl": ((scores.logprobs - ref.logprobs) * response_mask).sum(1),
+           "ent": (scores.entropy * response_mask).sum(1) / response_mask.sum(1).clamp(min=1),
+           "len": response_mask.sum(1), "eos": rollout.ended.float()}
+    exact = _exact_kl(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
+    if exact is not None:
+        out["kl_exact"] = (exact * response_mask).sum(1)
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+@torch.no_grad()
+def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: EvalInputs,
+                    reward: Reward | None, gold: Reward | None, *,
                     chunked_lm_head: bool = True) -> tuple[dict[str, float], list[dict]]:
     """Sample one response per prompt (seeded) and measure it.
 
-    Metrics: `eval/score` (proxy), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
-    sum_t log pi(y_t) - log ref(y_t), the k1 sequence KL), `eval/entropy` (mean per-token entropy
-    of pi), `eval/response_len`, `eval/eos_rate`, `eval/distinct_2` (diversity of the responses).
-    The seed is fixed, so successive evaluations differ only through the policy; a proxy score
-    that rises while the gold score falls is over-optimisation (Gao et al. 2022).
+    Metrics: `eval/score` (proxy, if `reward`), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
+    sum_t log pi(y_t) - log ref(y_t), the k1 sequence KL), `eval/kl_exact` (mean over prompts of
+    sum_t KL(pi(. | s_t) || ref(. | s_t)) over the vocabulary at each sampled prefix, when both
+    heads allow it), `eval/entropy` (mean per-token entropy of pi), `eval/response_len`,
+    `eval/eos_rate`, `eval/distinct_2` (diversity of the responses). The seed is fixed, so
+    successive evaluations differ only through the policy; a proxy score that rises while the
+    gold score falls is over-optimisation (Gao et al. 2022).
     `chunked_lm_head`: log-probs and entropies through the LM head in chunks (tether.lm_head).
 
     Returns:
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
     """
     device = next(policy.parameters()).device
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(inputs.seed)
     pad = tokenizer.pad_token_id
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("score", "gold", "kl", "ent", "len",
-                                                             "eos")}
+    parts: dict[str, list[torch.Tensor]] = {}
     texts: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(prompt_ids[start:start + batch_size], pad, device)
-        rollout = sample_responses(policy, ids, mask, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, eos_token_ids=eos_token_ids,
-                                   pad_token_id=pad, generator=gen)
+    for start in range(0, len(inputs.prompts), inputs.batch_size):
+        chunk = inputs.prompts[start:start + inputs.batch_size]
+        ids, mask = left_pad(inputs.prompt_ids[start:start + inputs.batch_size], pad, device)
+        rollout = sample_responses(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
+                                   temperature=inputs.temperature,
+                                   eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
+                                   generator=gen)
         responses = decode_responses(tokenizer, rollout)
         texts += responses
-        parts["score"].append(reward(chunk, responses, rollout).float().cpu())
+        measured = _measure_chunk(policy, reference, rollout, chunked_lm_head)
+        if reward is not None:
+            measured["score"] = reward(chunk, responses, rollout).float().cpu()
         if gold is not None:
-            parts["gold"].append(gold(chunk, responses, rollout).float().cpu())
-        args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
-                rollout.temperature)  # the log-probs of what was sampled, at its temperature
-        scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True)
-        ref = score_responses(reference, *args, chunked=chunked_lm_head)
-        response_mask = rollout.response_mask.float()
-        parts["kl"].append(((scores.logprobs - ref.logprobs) * response_mask).sum(1).cpu())
-        token_entropy = scores.entropy * response_mask
-        parts["ent"].append((token_entropy.sum(1) / response_mask.sum(1)).cpu())
-        parts["len"].append(response_mask.sum(1).cpu())
-        parts["eos"].append(rollout.ended.float().cpu())
-    joined = {k: torch.cat(v) for k, v in parts.items() if v}
-    metrics = {"eval/score": joined["score"].mean().item(), "eval/kl": joined["kl"].mean().item(),
-               "eval/entropy": joined["ent"].mean().item(),
-               "eval/response_len": joined["len"].mean().item(),
-               "eval/eos_rate": joined["eos"].mean().item(),
-               "eval/distinct_2": distinct_n(texts, 2)}
-    if "gold" in joined:
-        metrics["eval/gold_score"] = joined["gold"].mean().item()
-    samples = [{"prompt": p, "response": r, "score": float(s),
-                "gold_score": float(joined["gold"][i]) if "gold" in joined else None}
-               for i, (p, r, s) in enumerate(zip(prompts, texts, joined["score"].tolist()))]
+            measured["gold"] = gold(chunk, responses, rollout).float().cpu()
+        for key, value in measured.items():
+            parts.setdefault(key, []).append(value)
+    joined = {k: torch.cat(v) for k, v in parts.items()}
+    names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
+             "kl_exact": "eval/kl_exact", "ent": "eval/entropy", "len": "eval/response_len",
+             "eos": "eval/eos_rate"}
+    metrics = {names[k]: v.mean().item() for k, v in joined.items()}
+    metrics["eval/distinct_2"] = distinct_n(texts, 2)
+    def per_prompt(key: str) -> list:
+        return joined[key].tolist() if key in joined else [None] * len(texts)
+    samples = [{"prompt": p, "response": r, "score": s, "gold_score": g}
+               for p, r, s, g in zip(inputs.prompts, texts, per_prompt("score"), per_prompt("gold"))]
     return metrics, samples

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tether.config import check_device, check_run_name, require_positive
 
@@ -33,6 +33,10 @@ class DemoConfig:
     """Adaptive controller's KL target, in nats per response."""
     kl_horizon: int = 256
     """Adaptive controller's horizon, in episodes (Ziegler et al. used 10000 over far longer runs)."""
+    sweep_betas: list[float] = field(default_factory=lambda: [0.0, 0.03, 0.1, 0.3, 1.0])
+    """Fixed betas of the "which beta?" sweep, one seed each (--quick: the first and last; empty: no sweep)."""
+    sweep_batches: int = 40
+    """PPO batches of 32 prompts per sweep run (--quick: 12)."""
     device: str = "cpu"
     """Device for every stage."""
 
@@ -40,10 +44,19 @@ class DemoConfig:
         require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
                          "adaptive_start_beta")
         require_positive(self, "fixed_beta", allow_zero=True)
+        require_positive(self, "sweep_batches")
+        if any(beta < 0 for beta in self.sweep_betas):
+            from tether.errors import TetherError
+
+            raise TetherError(f"config field 'sweep_betas' must hold betas >= 0, got {self.sweep_betas}")
         check_run_name(self.run_name)
         check_device(self.device)
 
     def scaled(self) -> DemoConfig:  # derived: the --quick variant
         if not self.quick:
             return self
-        return DemoConfig(**{**self.__dict__, "seeds": 1, "ppo_batches": min(self.ppo_batches, 40)})
+        betas = self.sweep_betas
+        quick_betas = [betas[0], betas[-1]] if len(betas) > 2 else betas  # the two extremes
+        return DemoConfig(**{**self.__dict__, "seeds": 1, "ppo_batches": min(self.ppo_batches, 40),
+                             "sweep_betas": quick_betas,
+                             "sweep_batches": min(self.sweep_batches, 12)})

@@ -71,6 +71,11 @@ PPO_VARIANTS = {  # run name -> controller settings; the leash is the only diffe
 }
 
 
+# The PPO runs' sampling settings, which every offline evaluation reuses (tether.evaluation): the
+# SFT model scored offline then gives exactly the numbers each PPO run logs at step 0.
+PPO_BATCH, MAX_NEW_TOKENS = 32, 20
+
+
 def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
             name: str, seed: int) -> Curve:
     from tether.train import ppo
@@ -79,9 +84,10 @@ def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rew
     ppo_cfg = ppo.PPOConfig(
         run_name=run_name, output_dir=str(root), seed=seed, device=cfg.device, policy=policy,
         reward_model=reward_model, prompts=paths["prompts"], eval_prompts=paths["eval_prompts"],
-        batch_size=32, total_episodes=32 * cfg.ppo_batches, max_new_tokens=20,
-        lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4, eval_every=max(1, cfg.ppo_batches // 20),
-        save_every=0, sample_every=0, **PPO_VARIANTS[name](cfg))
+        batch_size=PPO_BATCH, total_episodes=PPO_BATCH * cfg.ppo_batches,
+        max_new_tokens=MAX_NEW_TOKENS, lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4,
+        eval_every=max(1, cfg.ppo_batches // 20), save_every=0, sample_every=0,
+        **PPO_VARIANTS[name](cfg))
     ppo.run(ppo_cfg, gold_fn=task.gold_reward)
     return read_curve(root / run_name, name, seed)
 
@@ -124,35 +130,17 @@ def offline_curves(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: s
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
                    name: str, cfg: DemoConfig) -> Curve:
-    """One evaluation point for an offline-trained policy, measured as PPO measures its own."""
-    from tether.data import encode_prompt_row, load_rows
-    from tether.evaluation import evaluate_policy
-    from tether.models import (
-        RewardModel,
-        eos_token_ids,
-        freeze,
-        load_causal_lm,
-        load_tokenizer,
-    )
+    """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
+    sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own."""
+    from tether import offline_eval
+    from tether.eval_config import EvalConfig
 
-    tokenizer = load_tokenizer(model_dir)
-    def frozen(path: str):  # loaded fresh, so no copy is needed to keep it apart
-        return freeze(load_causal_lm(path, tokenizer))
-
-    policy, reference = frozen(model_dir), frozen(ref_dir)
-    reward_model = RewardModel.from_pretrained(reward_model).eval()
-    # the encoding rule PPO uses, so every policy in the comparison continues the same ids
-    encoded = [encode_prompt_row(tokenizer, row, max_tokens=1 << 30)
-               for row in load_rows(paths["eval_prompts"])]
-    prompts, prompt_ids = [text for text, _ in encoded], [ids for _, ids in encoded]
-    metrics, samples = evaluate_policy(
-        policy, reference, tokenizer, prompts, prompt_ids,
-        reward=lambda p, r, rollout: reward_model.score(rollout.input_ids, rollout.attention_mask),
-        gold=lambda p, r, rollout: torch.tensor(task.gold_reward(p, r)),
-        max_new_tokens=20, temperature=1.0,
-        eos_token_ids=eos_token_ids(tokenizer, policy.config, policy.generation_config),
-        batch_size=64, seed=cfg.seed + 7_919)
-    return Curve(name, cfg.seed, [0], {k: [v] for k, v in metrics.items()}, {0: samples})
+    eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
+                          reward_model=reward_model, batch_size=PPO_BATCH,
+                          max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device)
+    result = offline_eval.run(eval_cfg, gold_fn=task.gold_reward, write=False)
+    return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
+                 {0: result.samples})
 
 
 def _announcer(started: float, total: int):
@@ -163,6 +151,75 @@ def _announcer(started: float, total: int):
         count[0] += 1
         print(f"[{count[0]}/{total}] {what} ({time.perf_counter() - started:.0f} s)", flush=True)
     return say
+
+
+def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
+              reward_model: str) -> str:
+    """The "which beta?" section: `tether sweep`'s own planning, runs and report, over fixed
+    betas on one seed at a small size; returns the section's HTML (its page: sweep/report.html)."""
+    import yaml
+
+    from tether import sweep, sweep_report
+
+    grid = {"name": "sweep", "output_dir": str(root), "seeds": [cfg.seed], "ppo": {
+        "policy": policy, "reward_model": reward_model, "prompts": paths["prompts"],
+        "eval_prompts": paths["eval_prompts"], "gold_fn": "tether.demo.task:gold_reward",
+        "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * cfg.sweep_batches,
+        "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
+        "ppo_epochs": 4, "save_every": 0,
+        # four evaluations after step 0 (two under --quick, whose sweep is a sketch)
+        "eval_every": max(1, cfg.sweep_batches // (2 if cfg.quick else 4)),
+        "sample_every": 0, "device": cfg.device, "kl_ctl": "fixed",
+        "beta": list(cfg.sweep_betas)}}
+    (root / "data" / "sweep.yaml").write_text(yaml.safe_dump(grid), encoding="utf-8")
+    planned = sweep.plan(str(root / "data" / "sweep.yaml"))
+    failures = sweep.execute(planned, jobs=1)
+    sweep_report.write(planned, failures)
+    body, summary = sweep_report.section(planned, failures, page_dir=root, configs=False)
+    print(summary)
+    return ("<h2 id='sweep'>Which beta? A sweep</h2><p>PPO with a fixed beta at each of "
+            f"{', '.join(f'{b:g}' for b in cfg.sweep_betas)}, one seed, "
+            f"{cfg.sweep_batches} batches each (shorter than the runs above); the sweep's own "
+            "page is <a href='sweep/report.html'>sweep/report.html</a>, its grid "
+            "<a href='data/sweep.yaml'>data/sweep.yaml</a> (run it yourself with "
+            "<code>tether sweep</code>).</p>" + body)
+
+
+def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]:
+    """Every value that shaped the results, read back from the runs' own config.yaml files."""
+    import yaml
+
+    from tether.cli import version
+    from tether.report import read_run
+
+    def saved(run: str) -> dict:
+        return yaml.safe_load((root / run / "config.yaml").read_text(encoding="utf-8"))
+
+    sft, rm, dpo, ipo = saved("sft"), saved("rm"), saved("dpo"), saved("ipo")
+    ppo = saved(f"ppo-fixed-seed{cfg.seed}")
+    rm_accuracy = read_run(root / "rm").series("eval/accuracy")[1]
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    offline = "lr {lr:g}, beta {beta:g}, {epochs} epochs, batch {batch_size}"
+    return {
+        "SFT": f"lr {sft['lr']:g}, {sft['max_steps']} steps, batch {sft['batch_size']}, "
+               f"warm-up {sft['warmup_steps']} steps",
+        "reward model": f"lr {rm['lr']:g}, {rm['epochs']} epochs, batch {rm['batch_size']}, "
+                        f"held-out accuracy {rm_accuracy[-1]:.3f} on {rm['eval_fraction']:.0%} "
+                        "of the pairs" if rm_accuracy else "no held-out accuracy logged",
+        "PPO": f"lr {ppo['lr']:g}, batch {ppo['batch_size']}, {ppo['ppo_epochs']} epochs per "
+               f"batch, {cfg.ppo_batches} batches, {ppo['max_new_tokens']} new tokens, "
+               f"evaluated every {ppo['eval_every']} batches",
+        "PPO betas": f"no KL 0; fixed {cfg.fixed_beta:g}; adaptive from {cfg.adaptive_start_beta:g}"
+                     f" to KL target {cfg.kl_target:g} nats, horizon {cfg.kl_horizon} episodes",
+        "DPO": offline.format(**dpo), "IPO": offline.format(**ipo),
+        "evaluation prompts": f"{len((root / 'data' / 'eval_prompts.jsonl').read_text().splitlines())}"
+                              " held-out prompts, one sample each, temperature "
+                              f"{ppo['temperature']:g}",
+        "seeds": f"data, SFT, RM, DPO, IPO and the sweep: {cfg.seed}; PPO: {seeds}",
+        "sweep": (f"betas {[float(b) for b in cfg.sweep_betas]}, {cfg.sweep_batches} batches"
+                  if cfg.sweep_betas else "off"),
+        "tether version": version(), "quick": str(cfg.quick), "wall time": f"{minutes:.1f} min",
+    }
 
 
 def run(cfg: DemoConfig) -> Path:
@@ -179,7 +236,7 @@ def run(cfg: DemoConfig) -> Path:
     # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    say = _announcer(started, 3 + cfg.seeds * len(PPO_VARIANTS))
+    say = _announcer(started, 3 + cfg.seeds * len(PPO_VARIANTS) + bool(cfg.sweep_betas))
     say("data, tokenizer and an untrained tiny GPT-2")
     paths = prepare_data(root, cfg)
     say("SFT, then the reward model from noisy preference pairs")
@@ -191,11 +248,15 @@ def run(cfg: DemoConfig) -> Path:
             curves.append(run_ppo(root, cfg, paths, policy, reward_model, name, seed))
     say("DPO and IPO on the same pairs")
     curves += offline_curves(root, cfg, paths, policy, reward_model)
+    sweep_html = ""
+    if cfg.sweep_betas:
+        say(f"which beta? a sweep over {len(cfg.sweep_betas)} fixed betas")
+        sweep_html = run_sweep(root, cfg, paths, policy, reward_model)
     minutes = (time.perf_counter() - started) / 60
-    settings = {"quick": str(cfg.quick), "seeds": str(cfg.seeds),
-                "PPO batches per run": str(cfg.ppo_batches), "KL target": str(cfg.kl_target),
-                "fixed beta": str(cfg.fixed_beta), "wall time": f"{minutes:.1f} min"}
-    path, summary = write_report(curves, root, cfg.kl_target, settings)
+    run_dirs = [root / name for name in ("sft", "rm")] + [
+        root / f"{name}-seed{cfg.seed}" for name in PPO_VARIANTS] + [root / "dpo", root / "ipo"]
+    path, summary = write_report(curves, root, cfg.kl_target,
+                                 demo_settings(root, cfg, minutes), run_dirs, sweep_html)
     print(summary)
     print(f"report written to {path}")
     return path

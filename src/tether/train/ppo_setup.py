@@ -17,12 +17,11 @@ from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
 from tether.data import load_prompts, prompt_indices
 from tether.errors import TetherError
-from tether.evaluation import evaluate_policy
+from tether.evaluation import EvalInputs, eval_inputs, evaluate_policy, policy_eos_ids
 from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models import (
     TrainableLM,
     disable_dropout,
-    eos_token_ids,
     freeze,
     frozen_copy,
     fuse_gelu,
@@ -64,8 +63,7 @@ class Setup:
     eos_token_ids: list[int]
     prompts: list[str]
     prompt_ids: list[list[int]]
-    eval_prompts: list[str]
-    eval_prompt_ids: list[list[int]]
+    eval: EvalInputs | None  # the held-out evaluation's inputs (None without --eval-prompts)
 
 
 def _kl_controller(cfg: PPOConfig):
@@ -87,8 +85,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     # What needs no model first: a bad file or flag fails before anything large loads.
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    eval_prompts, eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
-                              if cfg.eval_prompts else ([], []))
+    if cfg.eval_prompts:  # checked now; encoded for use once the EOS set is known (below)
+        load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
     check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_function(cfg.reward_fn)
@@ -153,14 +151,14 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
 
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
-    eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
-    if not eos:
-        raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
+    eos = policy_eos_ids(tokenizer, policy, cfg.policy)
+    # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
+    evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
     return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
-                 eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
+                 eval=evaluation)
 
 
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
@@ -179,11 +177,8 @@ def evaluate(setup: Setup, cfg: PPOConfig) -> tuple[dict[str, float], list[dict]
     Sampled with the same seed each time, so successive evaluations differ only through the
     policy; returns (metrics, samples).
     """
-    return evaluate_policy(setup.policy, setup.reference, setup.tokenizer, setup.eval_prompts,
-                           setup.eval_prompt_ids, setup.reward, setup.gold,
-                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                           eos_token_ids=setup.eos_token_ids, batch_size=cfg.batch_size,
-                           seed=cfg.seed + 7_919, chunked_lm_head=cfg.chunked_lm_head)
+    return evaluate_policy(setup.policy, setup.reference, setup.tokenizer, setup.eval,
+                           setup.reward, setup.gold, chunked_lm_head=cfg.chunked_lm_head)
 
 
 def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,

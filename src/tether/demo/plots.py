@@ -1,0 +1,113 @@
+"""The demo's figures: every run as the mean over its seeds with a band of one standard error,
+each seed a thin line of its own style; single evaluations (SFT, DPO, IPO) as large markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no screen needed; the demo runs on servers and in CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
+from tether.frontier import mean_and_stderr  # noqa: E402
+
+COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
+           "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}
+MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
+SEED_STYLES = ("-", "--", ":", "-.")
+
+
+def _points(ax, run: str, group: list[Curve], x_name: str | None, y_name: str) -> None:
+    """A run evaluated once: one marker at the mean over seeds, error bars when seeds differ."""
+    ys = [c.series(y_name)[0] for c in group if c.series(y_name)]
+    if not ys:
+        return
+    xs = [0.0 if x_name is None else c.series(x_name)[0] for c in group]
+    (x, x_se), (y, y_se) = mean_and_stderr(xs), mean_and_stderr(ys)
+    ax.errorbar([x], [y], xerr=[x_se], yerr=[y_se], fmt=MARKERS.get(run, "o"), markersize=10,
+                color=COLOURS.get(run, "grey"), markeredgecolor="black", zorder=5, label=run,
+                capsize=3)
+
+
+def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
+    """The curve's values of `name` at `steps` (the steps themselves when `name` is None)."""
+    return [float(s) if name is None else curve.series(name)[curve.steps.index(s)]
+            for s in steps]
+
+
+def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str) -> None:
+    """Against the step (`x_name` None) or another metric (its mean over seeds per step)."""
+    for run, group in by_run(curves).items():
+        if all(len(c.steps) == 1 for c in group):
+            _points(ax, run, group, x_name, y_name)
+            continue
+        steps = common_steps(group)
+        if not steps or not group[0].series(y_name):
+            continue
+        colour = COLOURS.get(run, "grey")
+
+        if len(group) > 1:
+            for i, curve in enumerate(group):
+                ax.plot(_at(curve, steps, x_name), _at(curve, steps, y_name), SEED_STYLES[i % len(SEED_STYLES)],
+                        color=colour, alpha=0.45, linewidth=1)
+        xs = [mean_and_stderr(v)[0] for v in zip(*(_at(c, steps, x_name) for c in group))]
+        stats = [mean_and_stderr(v) for v in zip(*(_at(c, steps, y_name) for c in group))]
+        ys = [m for m, _ in stats]
+        ax.plot(xs, ys, "-", color=colour, linewidth=2.2, label=f"{run} (mean of {len(group)})"
+                if len(group) > 1 else run)
+        if len(group) > 1:
+            ax.fill_between(xs, [m - e for m, e in stats], [m + e for m, e in stats],
+                            color=colour, alpha=0.18)
+
+
+def _seed_legend(ax, curves: list[Curve]) -> None:
+    seeds = sorted({c.seed for c in curves if c.run in PPO_RUNS})
+    if len(seeds) > 1:  # thin lines: one style per seed, named once
+        for i, seed in enumerate(seeds):
+            ax.plot([], [], SEED_STYLES[i % len(SEED_STYLES)], color="grey", label=f"seed {seed}")
+    ax.legend(fontsize=8)
+
+
+def plot_all(curves: list[Curve], out_dir: Path, kl_target: float) -> dict[str, str]:
+    """Draw every figure; returns {title: file name}."""
+    ppo = [c for c in curves if c.run in PPO_RUNS]
+    figures = {}
+
+    def save(fig, name: str, title: str):
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=90)
+        plt.close(fig)
+        figures[title] = name
+
+    for x_name, name, title in ((None, "reward_vs_step.png", "Proxy and gold reward against step"),
+                                ("eval/kl", "reward_vs_kl.png", "Proxy and gold reward against KL")):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, metric, label in zip(axes, ("eval/score", "eval/gold_score"),
+                                     ("proxy reward", "gold reward")):
+            plot_runs(ax, ppo, x_name, metric)
+            ax.set(xlabel="PPO batch" if x_name is None else "KL(pi || ref), nats per response",
+                   ylabel=label, title=f"{label} against {'step' if x_name is None else 'KL'}")
+        _seed_legend(axes[0], ppo)
+        save(fig, name, title)
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    plot_runs(axes[0], ppo, None, "objective/beta")
+    axes[0].set(xlabel="PPO batch", ylabel="beta", title="beta's trajectory")
+    plot_runs(axes[1], ppo, None, "eval/kl")
+    axes[1].axhline(kl_target, color="tab:green", linestyle=":", label="adaptive target")
+    axes[1].set(xlabel="PPO batch", ylabel="KL, nats", title="KL against step")
+    plot_runs(axes[2], ppo, None, "eval/distinct_2")
+    axes[2].set(xlabel="PPO batch", ylabel="distinct-2", title="diversity (distinct-2)")
+    for ax in axes:
+        _seed_legend(ax, ppo)
+    save(fig, "beta_kl_diversity.png", "beta, KL and diversity against step")
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    plot_runs(ax, curves, "eval/kl", "eval/gold_score")
+    ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
+           title="The frontier: gold reward against KL, every run")
+    _seed_legend(ax, curves)
+    save(fig, "frontier.png", "The frontier: gold reward against KL")
+    return figures
