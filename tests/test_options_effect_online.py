@@ -241,13 +241,17 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
         k: str(tmp_path / k) for k in ("base", "sft", "pairs", "prompts", "eval_prompts")})
     monkeypatch.setattr(pipeline, "read_curve", lambda *a: None)
     monkeypatch.setattr(pipeline, "evaluate_model", lambda *a: None)
-    monkeypatch.setattr(pipeline, "write_report", lambda curves, root, kl_target, settings: (
+    monkeypatch.setattr(pipeline, "write_report", lambda curves, root, kl_target, settings, *_: (
         seen["report"].append((root, kl_target)) or (root / "report.html", "")))
+    monkeypatch.setattr(pipeline, "demo_settings", lambda *a: {})
+    monkeypatch.setattr(pipeline, "run_sweep", lambda root, c, *a: (
+        seen.setdefault("sweep", []).append((c.sweep_betas, c.sweep_batches)) or ""))
     from tether.demo.config import DemoConfig
 
     cfg = DemoConfig(output_dir=str(tmp_path / "out"), run_name="d", quick=quick, seed=11, seeds=2,
                      ppo_batches=60, ppo_lr=3e-4, fixed_beta=0.07, adaptive_start_beta=0.3,
-                     kl_target=2.5, kl_horizon=99, device="cuda:1")
+                     kl_target=2.5, kl_horizon=99, device="cuda:1", sweep_betas=[0.0, 0.2, 0.5],
+                     sweep_batches=30)
     pipeline.run(cfg)
     root = tmp_path / "out" / "d"
     stages = seen["sft"] + seen["rm"] + seen["dpo"] + seen["ppo"]
@@ -263,6 +267,8 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
     assert by_name["ppo-fixed"].beta == 0.07
     adaptive = by_name["ppo-adaptive"]
     assert (adaptive.beta, adaptive.kl_target, adaptive.kl_horizon) == (0.3, 2.5, 99)
+    # --quick sweeps the two extreme betas for at most 12 batches
+    assert seen["sweep"] == ([([0.0, 0.5], 12)] if quick else [([0.0, 0.2, 0.5], 30)])
 
 
 # ----------------------------------------------------------------------------- critic, reward, optimiser

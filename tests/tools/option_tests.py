@@ -412,4 +412,12 @@ OPTION_TESTS: dict[str, list[str]] = {
     "demo:kl_target": [ONLINE + "test_demo_options_reach_the_stages_it_runs[False]"],
     "demo:kl_horizon": [ONLINE + "test_demo_options_reach_the_stages_it_runs[False]"],
     "demo:device": [ONLINE + "test_demo_options_reach_the_stages_it_runs[False]"],
+    "demo:sweep_betas": [
+        ONLINE + "test_demo_options_reach_the_stages_it_runs[False]",
+        ONLINE + "test_demo_options_reach_the_stages_it_runs[True]",
+    ],
+    "demo:sweep_batches": [
+        ONLINE + "test_demo_options_reach_the_stages_it_runs[False]",
+        ONLINE + "test_demo_options_reach_the_stages_it_runs[True]",
+    ],
 }
