@@ -14,7 +14,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tether.rollout import Rollout, decode_responses, left_pad, sample_responses
+from tether.rollout import (
+    Rollout,
+    decode_responses,
+    left_pad,
+    sample_responses,
+    sampling_uniforms,
+)
 from tether.trunk_head import score_responses
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -47,7 +53,7 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts:
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
     """
     device = next(policy.parameters()).device
-    gen = torch.Generator(device).manual_seed(seed)
+    uniforms = sampling_uniforms(seed, len(prompts), max_new_tokens)  # per prompt: chunk-invariant
     pad = tokenizer.pad_token_id
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("score", "gold", "kl", "ent", "len",
                                                              "eos")}
@@ -57,7 +63,8 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, prompts:
         ids, mask = left_pad(prompt_ids[start:start + batch_size], pad, device)
         rollout = sample_responses(policy, ids, mask, max_new_tokens=max_new_tokens,
                                    temperature=temperature, eos_token_ids=eos_token_ids,
-                                   pad_token_id=pad, generator=gen)
+                                   pad_token_id=pad,
+                                   uniforms=uniforms[start:start + batch_size])
         responses = decode_responses(tokenizer, rollout)
         texts += responses
         parts["score"].append(reward(chunk, responses, rollout).float().cpu())

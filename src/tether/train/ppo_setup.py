@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tether import distributed
 from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
 from tether.data import load_prompts, prompt_indices
+from tether.distributed import Dist
 from tether.errors import TetherError
 from tether.evaluation import evaluate_policy
 from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
@@ -45,11 +47,14 @@ from tether.rollout import left_pad
 from tether.shared_base import lora_critic, shared_reward_model
 from tether.train.common import enable_gradient_checkpointing
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_dist import Roles, check_world
 
 
 @dataclass
 class Setup:
     device: torch.device
+    dist: Dist  # this process's rank and world size (one process: rank 0 of 1)
+    roles: Roles  # policy and critic under one DDP/FSDP2 wrapper (ppo_dist.Roles)
     tokenizer: object
     policy: nn.Module
     reference: nn.Module
@@ -82,8 +87,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     for name in ("policy", "prompts"):
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
+    d = distributed.setup(resolve_device(cfg.device), cfg.fsdp)
+    check_world(cfg, d)
+    device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     # What needs no model first: a bad file or flag fails before anything large loads.
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
@@ -147,7 +154,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
             enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
 
-    # The optimizer and schedule of every stage; a PPO step is one rollout batch.
+    # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
+    # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
+    roles = Roles(policy, critic, d)
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
@@ -156,7 +165,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
     if not eos:
         raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
-    return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
+    return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy, reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
@@ -165,7 +174,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
 
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
     """The prompts of rollout batch `batch`, each repeated `samples_per_prompt` times in
-    consecutive rows (the groups rloo and grpo compare), left-padded on the device."""
+    consecutive rows (the groups rloo and grpo compare), left-padded on the device. The whole
+    global batch on every rank, padded to its width: a rank's slice of it has the global width."""
     rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, cfg.seed, batch)
             for _ in range(cfg.samples_per_prompt)]
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
