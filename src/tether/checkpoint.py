@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save, save_model
+from safetensors.torch import load_file, save
 from torch import nn
 
 from tether.errors import TetherError
@@ -146,27 +146,88 @@ def remove_temp_dirs(directory: str | Path) -> list[Path]:
 
 
 def has_frozen_parameters(model: nn.Module) -> bool:
-    """True when some parameter takes no gradient (a LoRA base): such a model is checkpointed as
-    its trainable tensors only."""
+    """True when some parameter takes no gradient (a LoRA base): such a model's checkpoint, like
+    every model's, holds its trainable tensors only (the frozen base is reloaded from its source)."""
     return any(not p.requires_grad for p in model.parameters())
 
 
+def plain_model(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP / `distributed.Parallel` wrapper (a plain module as it is);
+    its parameter names are the one-process names, the same at every world size."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tether.distributed import Parallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model.module if isinstance(model, Parallel) else model
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard (a DTensor) is all-gathered (every rank must
+    call this, in the same order), a plain tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
 def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that take gradients, by name, on the CPU (each shared tensor once)."""
-    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()
-            if p.requires_grad}
+    """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
+    tensor once). Under FSDP2 the shards are gathered: every rank calls this."""
+    return {name: _full(p.detach()).contiguous().cpu() for name, p in
+            plain_model(model).named_parameters() if p.requires_grad}
 
 
 def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` into the trainable parameters of `model`; the names must match exactly."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if set(params) != set(tensors):
-        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
-                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    """Copy whole `tensors` into the trainable parameters of `model` (each FSDP2 shard takes its
+    own part, no communication); the names must match exactly."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    _check_names(model, tensors)
+    params = {name: p for name, p in plain_model(model).named_parameters() if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(tensors[name])
+            value = tensors[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(param.device), param.device_mesh,
+                                          param.placements, src_data_rank=None)
+            param.copy_(value)
+
+
+def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    names = {name for name, p in plain_model(model).named_parameters() if p.requires_grad}
+    if names != set(tensors):
+        missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
+        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
+                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+
+
+def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
+    """One module holding every model under its checkpoint name: optimizer state is keyed by
+    parameter name through it (`policy.transformer.h.0...`), not by position."""
+    return nn.ModuleDict({name: plain_model(m) for name, m in models.items()})
+
+
+def optimizer_state(models: dict[str, nn.Module], optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, whole tensors on the CPU: the same file at
+    any world size, with DDP or FSDP2 (torch.distributed.checkpoint's full optimizer state dict;
+    under FSDP2 every rank calls this and rank 0 receives the state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(_optimizer_owner(models), optimizer,
+                                    options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=True))
+
+
+def load_optimizer_state(models: dict[str, nn.Module], optimizer, state: dict[str, Any]) -> None:
+    """Restore `optimizer_state`'s output on every rank (FSDP2 ranks keep their own shards)."""
+    if any(isinstance(k, int) for k in state.get("state", {})):  # a checkpoint from before names
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(_optimizer_owner(models), optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
@@ -186,35 +247,56 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
                     scheduler, state: dict[str, Any], keep: int = 2) -> Path:
     """Write `ckpt_root/step_<step>/` atomically and keep only the newest `keep` checkpoints.
 
-    Contents: `<name>.safetensors` per model, `optimizer.pt`, `scheduler.pt`, `rng.safetensors`,
-    and `state.json` (the trainer's `state` plus the RNG metadata).
+    Contents: `<name>.safetensors` per model (its trainable parameters, whole tensors, by their
+    one-process names), `optimizer.pt` (state keyed by parameter name), `scheduler.pt`,
+    `rng.safetensors`, and `state.json` (the trainer's `state` plus the RNG metadata). Nothing in
+    it depends on the world size, so a run resumes on any number of ranks.
+
+    Under torchrun every rank calls this (FSDP2 gathers the shards); rank 0 alone writes, and
+    every rank returns once the checkpoint is complete. `models` may be wrapped (DDP, FSDP2).
     """
-    for name, model in models.items():
-        check_finite_weights(model, f"the {name} at step {step}")
-    root = Path(ckpt_root)
+    from tether import distributed
+
+    d = distributed.current()
+    weights = {name: trainable_tensors(model) for name, model in models.items()}
+    for name, tensors in weights.items():  # every rank checks the same tensors: one error
+        _check_finite(tensors, f"the {name} at step {step}")
+    optim = optimizer_state(models, optimizer) if optimizer is not None else None
+    final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
+    if d.is_main:
+        _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, state, keep)
+    distributed.barrier(d)
+    return final
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+
+
+def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
+                      scheduler, state: dict[str, Any], keep: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-", dir=root))
     try:
-        for name, model in models.items():
-            if has_frozen_parameters(model):  # LoRA: the frozen base is reloaded from its source
-                (tmp / f"{name}.safetensors").write_bytes(save(trainable_tensors(model)))
-            else:
-                save_model(model, str(tmp / f"{name}.safetensors"))  # handles tied weights
-        if optimizer is not None:
-            (tmp / "optimizer.pt").write_bytes(_torch_bytes(optimizer.state_dict()))
+        for name, tensors in weights.items():
+            (tmp / f"{name}.safetensors").write_bytes(save(tensors))
+        if optim is not None:
+            (tmp / "optimizer.pt").write_bytes(_torch_bytes(optim))
         if scheduler is not None:
             (tmp / "scheduler.pt").write_bytes(_torch_bytes(scheduler.state_dict()))
         rng_meta, rng_tensors = rng_state()
         (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
         payload = {"step": step, "state": state, "rng": rng_meta}
         (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
-        final = root / f"{STEP_PREFIX}{step}"
-        replace_dir(tmp, final)
+        replace_dir(tmp, root / f"{STEP_PREFIX}{step}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], optimizer,
@@ -222,40 +304,63 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     """Restore the newest intact checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
 
     A damaged checkpoint (truncated weights, a garbage optimizer file, a cut `state.json`: a disk
-    that filled up, a copy that broke off) is skipped with one line on stderr, and the one before
-    it is used; loading it overwrites whatever the damaged one had already restored.
+    that filled up, a copy that broke off), or one whose tensors do not match the models, is
+    skipped with one line on stderr, and the one before it is used. Every file is read before
+    anything is restored, so nothing of a damaged checkpoint reaches the models.
 
-    Returns the trainer `state` saved with it (with `step` added), or None when there is none.
+    Under torchrun every rank calls this and reads the same files (the run directory must be
+    visible to every rank, e.g. a shared filesystem across machines); rank 0 chooses the
+    checkpoint, every rank restores it (FSDP2: each its own shards), and every rank's RNGs take
+    the saved (rank 0's) state. Returns the trainer `state` saved with it (with `step` added), or
+    None when there is none.
     """
+    from tether import distributed
+
+    d = distributed.current()
     found = list_checkpoints(ckpt_root)
     if not found:
         return None
-    for _, path in reversed(found):
+    chosen, contents = None, None
+    for index in reversed(range(len(found))) if d.is_main else ():
         try:
-            return _load_checkpoint(path, models, optimizer, scheduler, restore_rng)
+            contents = _read_checkpoint(found[index][1], models, optimizer, scheduler)
+            chosen = index
+            break
         except Exception as exc:  # noqa: BLE001 - any failure to read it means it is unusable
             reason = (str(exc).splitlines() or [""])[0][:200]
-            print(f"warning: checkpoint {path} is damaged ({type(exc).__name__}: {reason}); "
-                  "falling back to the one before it", file=sys.stderr)
-    raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are damaged); "
-                      "delete the directory to start the run afresh")
-
-
-def _load_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, scheduler,
-                     restore_rng: bool) -> dict[str, Any]:
-    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    rng_tensors = load_file(str(path / "rng.safetensors"))
+            print(f"warning: checkpoint {found[index][1]} is damaged ({type(exc).__name__}: "
+                  f"{reason}); falling back to the one before it", file=sys.stderr)
+    chosen = distributed.broadcast_object(chosen, d)
+    if chosen is None:
+        raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are "
+                          "damaged); delete the directory to start the run afresh")
+    if contents is None:  # the other ranks read what rank 0 chose
+        contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
     for name, model in models.items():
-        if has_frozen_parameters(model):
-            load_trainable_tensors(model, load_file(str(path / f"{name}.safetensors")))
-        else:
-            load_model(model, str(path / f"{name}.safetensors"), strict=True)
+        load_trainable_tensors(model, contents["weights"][name])
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        load_optimizer_state(models, optimizer, contents["optimizer"])
     if scheduler is not None:
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        scheduler.load_state_dict(contents["scheduler"])
+    payload = contents["payload"]
     if restore_rng:
-        set_rng_state(payload["rng"], rng_tensors)
+        set_rng_state(payload["rng"], contents["rng"])
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])
     return state
+
+
+def _read_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, scheduler
+                     ) -> dict[str, Any]:
+    """Every file of one checkpoint that the caller restores, read, and the weights checked
+    against `models`' trainable parameters."""
+    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    weights = {name: load_file(str(path / f"{name}.safetensors")) for name in models}
+    for name, model in models.items():
+        _check_names(model, weights[name])
+    return {"payload": payload, "weights": weights,
+            "rng": load_file(str(path / "rng.safetensors")),
+            "optimizer": None if optimizer is None else
+            torch.load(path / "optimizer.pt", weights_only=True),
+            "scheduler": None if scheduler is None else
+            torch.load(path / "scheduler.pt", weights_only=True)}

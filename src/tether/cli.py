@@ -1,13 +1,22 @@
 """`tether <stage> [options]`: dispatch to a stage module's `cli(argv)`.
 
 A `TetherError` (bad input or config) prints one line, `error: <message>`, and exits with code 2.
+
+Under torchrun every rank runs this, validates the same config and so fails with the same error:
+rank 0 prints the line at once. Another rank's error is printed only if that rank is still alive
+`ERROR_GRACE_S` later, i.e. when rank 0 did not fail too (torchrun stops the other ranks, with
+SIGTERM, as soon as one exits non-zero). Either way the process group is torn down on the way
+out, so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import errno
 import importlib
+import os
+import signal
 import sys
+import time
 
 from tether import interrupt
 from tether.errors import AlreadyFinished, TetherError
@@ -96,11 +105,51 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
             return 2
         raise
-    interrupt.install()
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        # torchrun stops ranks with SIGTERM when one fails: keep its default (end at once) rather
+        # than the graceful stop-at-the-next-step, which a rank stuck in a collective never reaches.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    else:
+        interrupt.install()
+    try:
+        return _run(module, rest)
+    finally:
+        from tether import distributed
+
+        distributed.teardown()
+
+
+ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it before reporting
+
+
+def _report(message: str) -> None:
+    """Print one error line: at once on rank 0 (or alone); on another rank only if torchrun has
+    not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        from tether import distributed
+
+        distributed.teardown()  # the other ranks see the group end instead of waiting on us
+        time.sleep(ERROR_GRACE_S)
+        message = f"rank {rank}: {message}"
+    print(message, file=sys.stderr, flush=True)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank ended (its own error is the one to report)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer",
+                                  "NCCL", "gloo", "Broken pipe"))
+
+
+def _run(module, rest: list[str]) -> int:
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
         return int(module.cli(rest) or 0)
     except AlreadyFinished as exc:
-        print(str(exc), file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(exc), file=sys.stderr)
         return 0
     except Interrupted as exc:
         print(f"interrupted: {exc}", file=sys.stderr)
@@ -112,13 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
             raise
-        print(f"error: cannot write {exc.filename or 'the run directory'}: {exc.strerror}; free "
-              "space or choose a writable --output-dir (the last complete checkpoint is intact)",
-              file=sys.stderr)
+        _report(f"error: cannot write {exc.filename or 'the run directory'}: {exc.strerror}; free "
+                "space or choose a writable --output-dir (the last complete checkpoint is intact)")
         return 2
     except TetherError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _report(f"error: {exc}")
         return 2
+    except Exception as exc:
+        if not (launched and _lost_peer(exc)):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # wait quietly for torchrun to stop us too
+            from tether import distributed
+
+            distributed.teardown()
+            time.sleep(ERROR_GRACE_S)
+        _report("error: another rank failed and left the process group (its error is above); "
+                "the last complete checkpoint is intact")
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Layout::
     runs/<name>/tb/               TensorBoard events
     runs/<name>/checkpoints/      step_<N>/ (see tether.checkpoint)
     runs/<name>/final/            the trained model, Hugging Face format
+
+Under torchrun only rank 0 writes here (config, metrics, trackers, samples, progress lines); the
+other ranks run the same checks and calls, which do nothing on them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from tether import distributed
 from tether.checkpoint import atomic_write_bytes, remove_temp_dirs
 from tether.config import config_to_dict
 from tether.errors import AlreadyFinished, TetherError
@@ -74,6 +78,11 @@ class RunDir:
         self._trackers: list | None = None
         self._config: dict[str, Any] = {}
 
+    @property
+    def writes(self) -> bool:
+        """True on the process that writes the run directory: rank 0 (or the only process)."""
+        return distributed.current().is_main
+
     def save_config(self, cfg: Any) -> Path:
         """Create the directory and write the resolved config as `config.yaml` (atomically).
 
@@ -81,6 +90,12 @@ class RunDir:
         the result is an error listing the differences; a harmless one (logging, checkpoint
         cadence, device) needs `--resume-allow-changes` and is recorded in `resumes.jsonl`.
         """
+        new = config_to_dict(cfg)
+        self._config = new
+        if not self.writes:  # the other ranks refuse the same resumed configs, and write nothing
+            if self.resume and self.config_path.exists():
+                self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
+            return self.config_path
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -88,12 +103,8 @@ class RunDir:
         for directory in (self.path, self.checkpoint_dir):
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
-        new = config_to_dict(cfg)
-        self._config = new
         if self.resume and self.config_path.exists():
-            defaults = {f.name: f.default for f in dataclasses.fields(cfg)
-                        if f.default is not dataclasses.MISSING}
-            self._check_resumed_config(new, defaults, bool(new.get("resume_allow_changes")))
+            self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
             return self.config_path
         atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
         return self.config_path
@@ -121,14 +132,14 @@ class RunDir:
             raise TetherError(f"--resume with changed settings ({diff}); pass "
                               "--resume-allow-changes to accept them (they do not change what is "
                               "trained)")
-        if changed:
+        if changed and self.writes:
             record = {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
             with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps({"changes": record}) + "\n")
 
     def announce_resume(self, step: int | None) -> None:
         """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
-        if not self.resume:
+        if not self.resume or not self.writes:
             return
         if step is not None:
             print(f"resuming {self.path} from step {step}", file=sys.stderr)
@@ -140,6 +151,8 @@ class RunDir:
     def truncate_metrics(self, after_step: int) -> None:
         """Drop metric and sample lines logged after `after_step` (logged again on resume), and a
         line cut off by a kill mid-write."""
+        if not self.writes:
+            return
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
@@ -162,6 +175,8 @@ class RunDir:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append `{"step": step, **metrics}` to metrics.jsonl and write TensorBoard scalars."""
+        if not self.writes:
+            return
         clean = {k: float(v) for k, v in metrics.items()}
         record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
         with open(self.metrics_path, "a", encoding="utf-8") as f:
@@ -171,11 +186,15 @@ class RunDir:
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append `{"step": step, "samples": samples}` to samples.jsonl (generations to read later)."""
+        if not self.writes:
+            return
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": int(step), "samples": samples}) + "\n")
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """Text for the trackers (e.g. a markdown table of samples)."""
+        if not self.writes:
+            return
         for tracker in self._sinks():
             tracker.text(step, tag, text)
 
@@ -196,9 +215,16 @@ class RunDir:
         self._trackers = None
 
 
+def _defaults(cfg: Any) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+
+
 def progress(total: int, desc: str, initial: int = 0):
     """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
-    that prints a plain line now and then, so a log shows where the run is."""
+    that prints a plain line now and then, so a log shows where the run is. Under torchrun only
+    rank 0 shows one (the others get a silent one)."""
+    if not distributed.current().is_main:
+        return PlainProgress(total, desc, initial, lines=0)
     if not sys.stderr.isatty():
         return PlainProgress(total, desc, initial)
     from tqdm.auto import tqdm
@@ -218,7 +244,8 @@ class PlainProgress:
 
     def __init__(self, total: int, desc: str, initial: int = 0, lines: int = 20):
         self.total, self.desc, self.n, self.start_n = total, desc, initial, initial
-        self.every = max(1, total // lines)
+        self.silent = lines == 0
+        self.every = max(1, total // max(lines, 1))
         self.postfix: dict[str, str] = {}
         self.started = time.monotonic()
         self.printed_at = initial
@@ -233,6 +260,8 @@ class PlainProgress:
 
     def _print(self) -> None:
         self.printed_at = self.n
+        if self.silent:
+            return
         elapsed = time.monotonic() - self.started
         done = self.n - self.start_n
         eta = elapsed / done * (self.total - self.n) if done else 0.0

@@ -12,12 +12,17 @@ with an attention mask that keeps the two responses apart (`tether.train.prefix`
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training. DPO and IPO losses are means over pairs, so with
 --grad-accum-steps each micro-batch contributes its pairs' loss sum divided by the batch's pairs.
+Under torchrun each rank takes its slice of the global batch (its loss divided by the global pair
+count, times the world size: DDP / FSDP2 average the gradients), and the metrics come from every
+rank's log-probs gathered. Every model call goes through a wrapper (`wrapped(fn, batch)`), also
+the reference's: with LoRA it is the policy's own model with the adapter off.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tether import distributed
 from tether.config import parse_config
 from tether.data import batch_order, collate_pairs, encode_preferences, load_rows
 from tether.lora import AdapterView, LoraSpec, check_targets
@@ -30,7 +35,6 @@ from tether.models import (
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
-    resolve_device,
     save_trained_lm,
 )
 from tether.reward_fn import check_same_vocabulary
@@ -39,14 +43,18 @@ from tether.train.common import (
     autocast,
     backward,
     enable_gradient_checkpointing,
+    gather_outputs,
+    join,
     maybe_checkpoint,
-    micro_batches,
     optimizer_step,
     print_result,
+    rank_micro_batches,
     response_logprobs,
+    save_final,
     seed_everything,
     start_training,
     to_device,
+    wrap_frozen,
 )
 from tether.train.offline_config import DPOConfig
 from tether.train.prefix import can_share, collate_shared, shared_pair_logprobs
@@ -71,39 +79,46 @@ def pair_logprobs(model, batch, chunked: bool = True) -> tuple[torch.Tensor, ...
 
 
 @torch.no_grad()
-def precompute_ref_logprobs(ref_model, examples, pad_id: int, cfg: DPOConfig, device) -> torch.Tensor:
-    """Reference log-probs of every pair, `[N, 2]` (chosen, rejected), in one eval pass."""
-    was_training = ref_model.training
-    ref_model.eval()
-    out = []
-    for start in range(0, len(examples), cfg.batch_size):
-        batch = to_device(collate(ref_model, examples[start:start + cfg.batch_size], pad_id, cfg.share_prompt), device)
-        with autocast(cfg.mixed_precision, device):
-            chosen, rejected, _, _ = pair_logprobs(ref_model, batch, cfg.chunked_lm_head)
-        out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())
-    ref_model.train(was_training)
-    return torch.cat(out)
+def precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
+                            d: distributed.Dist) -> torch.Tensor:
+    """Reference log-probs of every pair, `[N, 2]` (chosen, rejected) on the CPU, in one pass
+    split over the ranks and gathered. `ref_fn(batch)` is the reference's `pair_logprobs`;
+    `layout_model` decides the batch layout (`collate`)."""
+    def score(rows):
+        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
+                                  cfg.share_prompt), d.device)
+        with autocast(cfg.mixed_precision, d.device):
+            chosen, rejected, _, _ = ref_fn(batch)
+        return torch.stack([chosen, rejected], dim=-1).float()
+    return gather_outputs(score, len(examples), cfg.batch_size, d).cpu()
 
 
-def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, examples, device):
-    """(frozen reference model, None) or (None, precomputed [N, 2] log-probs)."""
+def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
+    """(the reference model that decides the batch layout, a function of the policy wrapper
+    giving `ref_fn(batch)`). Built before the policy is wrapped: the full-weight copy must be
+    taken of the plain model."""
     policy = lm.model
     if cfg.ref_model:
         # DPO compares the two models' log-probs of the same token ids: one vocabulary.
         ref_tokenizer = load_tokenizer(cfg.ref_model, cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
         ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
-        freeze(ref, device)  # a fresh load: no copy needed
+        freeze(ref, d.device)  # a fresh load: no copy needed
     elif lm.peft is not None:
-        # LoRA: the shared base with the adapter off, or the starting adapter kept frozen.
-        ref = AdapterView(lm.peft, lm.reference_adapter)
+        # LoRA: the shared base with the adapter off, or the starting adapter kept frozen; it is
+        # the policy's own model, so it is called through the policy's wrapper.
+        view = AdapterView(lm.peft, lm.reference_adapter)
+        return view, lambda wrapped: lambda batch: wrapped(
+            lambda _model, b: pair_logprobs(view, b, cfg.chunked_lm_head), batch)
+    elif cfg.precompute_ref_logprobs:
+        # Before any update (and before a resumed checkpoint is loaded) the policy *is* the reference.
+        return policy, lambda wrapped: lambda batch: wrapped(pair_logprobs, batch,
+                                                             cfg.chunked_lm_head)
     else:
-        ref = policy if cfg.precompute_ref_logprobs else frozen_copy(policy)
-    if not cfg.precompute_ref_logprobs:
-        return ref, None
-    # Before any update (and before a resumed checkpoint is loaded) the policy *is* the reference.
-    table = precompute_ref_logprobs(ref, examples, tokenizer.pad_token_id, cfg, device)
-    return None, table
+        ref = frozen_copy(policy)
+    ref_wrapped = wrap_frozen(ref, d)
+    return ref, lambda _wrapped: lambda batch: ref_wrapped(pair_logprobs, batch,
+                                                           cfg.chunked_lm_head)
 
 
 def pair_losses(cfg: DPOConfig, policy_logps, ref_chosen, ref_rejected):
@@ -139,43 +154,59 @@ def run(cfg: DPOConfig) -> RunResult:
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
+    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
 
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
-    disable_dropout(policy).to(device).train()  # DPO compares log-probs of fixed sequences
-    reference, ref_table = _reference(cfg, lm, tokenizer, examples, device)
-    run_dir.save_config(cfg)
+    disable_dropout(policy).to(d.device).train()  # DPO compares log-probs of fixed sequences
+    ref_layout, make_ref_fn = _reference(cfg, lm, tokenizer, d)
     if cfg.gradient_checkpointing:  # after the reference copy: only the trained model recomputes
         enable_gradient_checkpointing(policy)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, policy,
+    wrapped = distributed.wrap(policy, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
+    ref_fn = make_ref_fn(wrapped)
+    pad_id = tokenizer.pad_token_id
+    ref_table = None
+    if cfg.precompute_ref_logprobs:  # before a resumed checkpoint is loaded: the start's log-probs
+        wrapped.eval()
+        ref_table = precompute_ref_logprobs(ref_fn, ref_layout, examples, pad_id, cfg, d)
+        wrapped.train()
+        ref_fn = ref_layout = None  # a separate reference model is dropped here
+    run_dir.save_config(cfg)
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(examples))
     data_stats = stats.as_metrics()
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
+        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
+        micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
         parts = []
-        for rows in micro_batches(indices, cfg.grad_accum_steps):
-            batch = to_device(collate(policy, [examples[i] for i in rows], tokenizer.pad_token_id,
-                                      cfg.share_prompt), device)
-            with autocast(cfg.mixed_precision, device):
-                policy_logps = pair_logprobs(policy, batch, cfg.chunked_lm_head)  # chosen, rejected, their lengths: [b] each
-                if ref_table is not None:
-                    ref_chosen, ref_rejected = ref_table[rows].to(device).unbind(-1)
-                else:
-                    with torch.no_grad():
-                        ref_chosen, ref_rejected, _, _ = pair_logprobs(reference, batch, cfg.chunked_lm_head)
-            losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
-            backward(losses.sum() / len(indices))  # the loss is a mean over the batch's pairs
-            parts.append([t.detach() for t in (*policy_logps, ref_chosen, ref_rejected)])
-        *policy_logps, ref_chosen, ref_rejected = (torch.cat(x) for x in zip(*parts, strict=True))
-        # Metrics are the full batch's, from the log-probs the micro-batches produced.
+        for i, (rows, real) in enumerate(micro):
+            batch = to_device(collate(policy, [examples[k] for k in rows], pad_id,
+                                      cfg.share_prompt), d.device)
+            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+                with autocast(cfg.mixed_precision, d.device):
+                    # chosen, rejected and their lengths: [b] each
+                    policy_logps = wrapped(pair_logprobs, batch, cfg.chunked_lm_head)
+                    if ref_table is not None:
+                        ref_chosen, ref_rejected = ref_table[rows].to(d.device).unbind(-1)
+                    else:
+                        with torch.no_grad():
+                            ref_chosen, ref_rejected, _, _ = ref_fn(batch)
+                losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
+                # the loss is a mean over the global batch's pairs
+                backward(losses.sum() / len(indices) * (d.grad_scale if real else 0.0), d)
+            if real:
+                parts.append(torch.stack([t.detach().float() for t in
+                                          (*policy_logps, ref_chosen, ref_rejected)], dim=-1))
+        # Metrics are the full global batch's, from the log-probs every rank produced.
+        local = torch.cat(parts) if parts else torch.zeros((0, 6), device=d.device)
+        *policy_logps, ref_chosen, ref_rejected = distributed.all_gather_rows(local, d).unbind(-1)
         losses, chosen_rewards, rejected_rewards = pair_losses(cfg, policy_logps, ref_chosen,
                                                                ref_rejected)
-        grad_norm = optimizer_step(policy, optimizer, scheduler, cfg.max_grad_norm)
+        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
         metrics = dpo_metrics(losses, chosen_rewards, rejected_rewards, cfg.beta)
         metrics |= {"logps/chosen": policy_logps[0].mean().item(),
@@ -184,10 +215,16 @@ def run(cfg: DPOConfig) -> RunResult:
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if step % cfg.log_every == 0 or step == total_steps:
             run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": policy}, optimizer, scheduler,
-                         {"step": step})
+        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
+                         scheduler, {"step": step})
     bar.close()
-    save_trained_lm(lm, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None)
+
+    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
+        fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+        return fresh, fresh.model
+
+    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
+        owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | data_stats)
 

@@ -8,13 +8,16 @@ et al. 2023, "Helping or Herding?", sec. 3), which pins the otherwise free offse
 near zero. Accuracy is measured on a held-out split. Optionally the scores are normalised so SFT
 samples score mean 0, std 1; the constants are stored with the model and applied by `score`.
 Both terms are means over pairs, so with --grad-accum-steps each micro-batch's loss is weighted by
-its share of the batch's pairs and the accumulated gradient is the full batch's.
+its share of the batch's pairs and the accumulated gradient is the full batch's. Under torchrun
+the share is of the global batch (times the world size: DDP / FSDP2 average the ranks'
+gradients), and the logged metrics and held-out accuracy come from every rank's scores gathered.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tether import distributed
 from tether.config import parse_config
 from tether.data import (
     batch_order,
@@ -27,16 +30,19 @@ from tether.data import (
 )
 from tether.lora import LoraSpec, check_targets
 from tether.losses import bradley_terry_loss
-from tether.models import RewardModel, disable_dropout, load_tokenizer, resolve_device
+from tether.models import RewardModel, disable_dropout, load_tokenizer
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     autocast,
     backward,
     enable_gradient_checkpointing,
+    gather_outputs,
+    join,
     maybe_checkpoint,
-    micro_batches,
     optimizer_step,
     print_result,
+    rank_micro_batches,
+    save_final,
     seed_everything,
     start_training,
     to_device,
@@ -60,30 +66,34 @@ def rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor |
 
 
 @torch.no_grad()
-def evaluate(model: RewardModel, examples, pad_id: int, batch_size: int, device) -> dict[str, float]:
-    """Pairwise accuracy (ties count half) and mean Bradley-Terry loss on held-out pairs."""
-    was_training = model.training
-    model.eval()
-    correct, loss_sum = 0.0, 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        chosen, rejected = pair_scores(model, to_device(collate_pairs(chunk, pad_id), device))
-        correct += (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
-        loss_sum += bradley_terry_loss(chosen, rejected).item() * len(chunk)
-    model.train(was_training)
-    return {"eval/accuracy": correct / len(examples), "eval/loss": loss_sum / len(examples)}
+def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dist
+             ) -> dict[str, float]:
+    """Pairwise accuracy (ties count half) and mean Bradley-Terry loss on held-out pairs, over
+    every rank's share of them."""
+    def score(rows):
+        batch = to_device(collate_pairs([examples[k] for k in rows], pad_id), d.device)
+        return torch.stack(wrapped(pair_scores, batch), dim=-1)  # [b, 2]: chosen, rejected
+    was_training = wrapped.training
+    wrapped.eval()
+    chosen, rejected = gather_outputs(score, len(examples), batch_size, d).unbind(-1)
+    wrapped.train(was_training)
+    correct = (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
+    return {"eval/accuracy": correct / len(examples),
+            "eval/loss": bradley_terry_loss(chosen, rejected).item()}
 
 
 @torch.no_grad()
-def fit_normalization(model: RewardModel, examples, pad_id: int, batch_size: int, device) -> dict[str, float]:
-    """Set the model's stored (mean, std) so raw scores of these SFT samples map to mean 0, std 1."""
-    model.eval()
-    raw = []
-    for start in range(0, len(examples), batch_size):
-        batch = to_device(collate_sft(examples[start:start + batch_size], pad_id), device)
-        raw.append(model(batch["input_ids"], batch["attention_mask"]))
-    raw = torch.cat(raw)  # [N] raw scores of prompt + SFT response
+def fit_normalization(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dist
+                      ) -> dict[str, float]:
+    """Set the model's stored (mean, std) so raw scores of these SFT samples map to mean 0, std 1
+    (on every rank, from every rank's share of the samples)."""
+    def score(rows):
+        batch = to_device(collate_sft([examples[k] for k in rows], pad_id), d.device)
+        return wrapped(lambda m, b: m(b["input_ids"], b["attention_mask"]), batch)[:, None]
+    wrapped.eval()
+    raw = gather_outputs(score, len(examples), batch_size, d)[:, 0]  # [N] raw scores
     std = raw.std(unbiased=False).item() if len(raw) > 1 else 1.0
+    model = distributed.unwrap(wrapped)
     model.set_normalization(raw.mean().item(), std if std > 0 else 1.0)
     return {"norm/mean": model.norm_mean, "norm/std": model.norm_std}
 
@@ -111,36 +121,42 @@ def run(cfg: RMConfig) -> RunResult:
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
+    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
 
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
-    disable_dropout(model).to(device).train()  # a score must not depend on a dropout draw
+    disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
     run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(train))
     pad_id = tokenizer.pad_token_id
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)
+        indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
+        micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
         parts = []
-        for rows in micro_batches(indices, cfg.grad_accum_steps):
-            batch = to_device(collate_pairs([train[i] for i in rows], pad_id), device)
-            with autocast(cfg.mixed_precision, device):
-                chosen, rejected = pair_scores(model, batch)  # [b], [b]
-            margin = batch["margin"] if cfg.margin_column else None
-            part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
-            backward(part * len(rows) / len(indices))  # a mean over this share of the pairs
-            parts.append((chosen.detach(), rejected.detach(), batch["margin"]))
-        chosen, rejected, margins = (torch.cat(x) for x in zip(*parts, strict=True))  # [B] each
-        # The logged loss is the full batch's, from the scores the micro-batches produced.
+        for i, (rows, real) in enumerate(micro):
+            batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
+            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+                with autocast(cfg.mixed_precision, d.device):
+                    chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
+                margin = batch["margin"] if cfg.margin_column else None
+                part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
+                # a mean over this share of the global batch's pairs
+                backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
+            if real:
+                parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
+        # The logged loss is the full global batch's, from every rank's scores.
+        local = torch.cat(parts) if parts else torch.zeros((0, 3), device=d.device)
+        chosen, rejected, margins = distributed.all_gather_rows(local, d).unbind(-1)  # [B] each
         loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
                                 cfg.center_rewards_coef)
-        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
+        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}")
         metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
@@ -149,22 +165,32 @@ def run(cfg: RMConfig) -> RunResult:
                    "rewards/accuracy": (chosen > rejected).float().mean().item(),
                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            metrics |= evaluate(model, held_out, pad_id, cfg.batch_size, device)
+            metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
         if step % cfg.log_every == 0 or step == total_steps:
             run_dir.log(step, metrics)
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": model}, optimizer, scheduler,
-                         {"step": step})
+        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
+                         scheduler, {"step": step})
     bar.close()
 
     final = stats.as_metrics()
     if held_out:
-        final |= evaluate(model, held_out, pad_id, cfg.batch_size, device)
+        final |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
     if norm_examples:
-        final |= fit_normalization(model, norm_examples, pad_id, cfg.batch_size, device)
+        final |= fit_normalization(wrapped, norm_examples, pad_id, cfg.batch_size, d)
     run_dir.log(total_steps, final)
-    model.save_pretrained(run_dir.final_dir, tokenizer)  # with LoRA: the adapter and the head
-    if cfg.merge_lora:
-        model.save_merged(run_dir.merged_dir, tokenizer)
+
+    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
+        fresh = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype,
+                                           cfg.trust_remote_code, lora)
+        fresh.set_normalization(model.norm_mean, model.norm_std)
+        return fresh, fresh
+
+    def save(owner: RewardModel) -> None:
+        owner.save_pretrained(run_dir.final_dir, tokenizer)  # with LoRA: the adapter and the head
+        if cfg.merge_lora:
+            owner.save_merged(run_dir.merged_dir, tokenizer)
+
+    save_final(wrapped, d, model, rebuild, save)
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | final)
 

@@ -4,6 +4,8 @@
 
 With --grad-accum-steps k the batch runs as k micro-batches; each divides its token sum by the
 whole batch's token count, so the summed gradients are the full batch's (not a mean of k means).
+Under torchrun each rank takes its slice of the same global batch and divides by the global token
+count (summed over ranks), times the world size because DDP / FSDP2 average the ranks' gradients.
 
 Prompt tokens condition the model but carry no loss (InstructGPT, Ouyang et al. 2022, sec. 3.5;
 the prompt is given, not something to imitate). EOS is part of the response so the model learns
@@ -12,20 +14,23 @@ to stop.
 
 from __future__ import annotations
 
+from tether import distributed
 from tether.config import parse_config
 from tether.data import batch_order, collate_sft, encode_sft, load_rows
 from tether.lora import LoraSpec, check_targets
-from tether.models import load_tokenizer, load_trainable_lm, resolve_device, save_trained_lm
+from tether.models import load_tokenizer, load_trainable_lm, save_trained_lm
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import (
     autocast,
     backward,
     enable_gradient_checkpointing,
+    join,
     maybe_checkpoint,
-    micro_batches,
     optimizer_step,
     print_result,
+    rank_micro_batches,
     response_logprobs,
+    save_final,
     seed_everything,
     start_training,
     to_device,
@@ -58,43 +63,54 @@ def run(cfg: SFTConfig) -> RunResult:
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
+    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
 
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
-    model = lm.model.to(device)  # with LoRA: the base with the adapter's layers injected
+    model = lm.model.to(d.device)  # with LoRA: the base with the adapter's layers injected
     model.train()
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
     run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, model,
+    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(examples))
     data_stats = {"data/rows": float(len(examples)), **stats.as_metrics()}
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"sft {cfg.run_name}", initial=state["step"])
     for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)
-        micro = [collate_sft([examples[i] for i in rows], tokenizer.pad_token_id)
-                 for rows in micro_batches(indices, cfg.grad_accum_steps)]
-        n_tokens = sum(response_tokens(batch) for batch in micro)  # the whole batch's tokens
+        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
+        micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
+                 for rows, real in rank_micro_batches(indices, cfg.grad_accum_steps, d)]
+        # the whole global batch's tokens: every rank's part of the loss divides by it
+        n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
         loss = 0.0
-        for batch in micro:
-            with autocast(cfg.mixed_precision, device):
-                part, _ = sft_loss(model, to_device(batch, device), n_tokens, cfg.chunked_lm_head)
-            backward(part)
-            loss += part.item()
-        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
+        for i, (batch, real) in enumerate(micro):
+            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+                with autocast(cfg.mixed_precision, d.device):
+                    part, _ = wrapped(sft_loss, to_device(batch, d.device), n_tokens,
+                                      cfg.chunked_lm_head)
+                backward(part * (d.grad_scale if real else 0.0), d)
+            loss += part.item() if real else 0.0
+        loss = distributed.global_sum(loss, d)
+        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
         metrics = {"train/loss": loss, "train/tokens": float(n_tokens),
                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if step % cfg.log_every == 0 or step == total_steps:
             run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": model}, optimizer, scheduler,
+        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer, scheduler,
                          {"step": step})
     bar.close()
-    save_trained_lm(lm, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None)
+
+    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
+        fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+        return fresh, fresh.model
+
+    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
+        owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | data_stats)
 
