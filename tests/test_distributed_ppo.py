@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,8 +22,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tether.distributed import Dist
+from tether.errors import TetherError
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
+from tether.train.ppo_dist import check_world
 
 pytestmark = pytest.mark.slow
 
@@ -57,23 +61,16 @@ def base_args(env: Path, model_dir: Path, name: str) -> dict[str, object]:
             "save_every": 0, "sample_every": 0, "output_dir": str(env / "runs"), "run_name": name}
 
 
-def flags(values: dict[str, object]) -> list[str]:
-    out = []
-    for key, value in values.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is not False:
-            out += [flag, str(value)]
-    return out
-
-
-def torchrun(stage: str, values: dict[str, object], nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun_driver(specs: list[dict], spec_path: Path, nproc: int = 2
+                    ) -> subprocess.CompletedProcess:
+    """Every config of `specs` in turn in one torchrun launch (tests/dist_driver.py)."""
+    spec_path.write_text(json.dumps(specs))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "tether", stage, *flags(values)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           f"--master-port={free_port()}", str(Path(__file__).parent / "dist_driver.py"),
+           str(spec_path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def one_process(stage: str, values: dict[str, object]):
@@ -119,7 +116,7 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
 
 
 CASES = {
-    # stage, model, extra config, weights file kind
+    # stage, model, extra config
     "ppo-gae-gpt2-ddp-full": ("ppo", "gpt2", {"num_minibatches": 2, "ppo_epochs": 2,
                                               "micro_batch_size": 2, "score_norm": "running"}),
     "ppo-gae-gpt2-fsdp-lora-shared": ("ppo", "gpt2", {"fsdp": True, "lora_r": 4,
@@ -129,52 +126,75 @@ CASES = {
     "grpo-llama-ddp-full": ("grpo", "llama", {"samples_per_prompt": 4, "num_minibatches": 2,
                                               "ppo_epochs": 2}),
 }
+# A 3-batch run that checkpoints at batches 2 and 3, resumed on 1 process from batch 2.
+# FSDP2: the checkpoint's weights and optimizer state are gathered from shards.
+RESUME = ("ppo", "gpt2", {"save_every": 2, "score_norm": "running", "num_minibatches": 2,
+                          "fsdp": True})
+
+
+def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) -> dict:
+    values = base_args(env, model_dir, name) | extra
+    if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
+        values |= {"kl_ctl": "adaptive", "kl_target": 1e-4, "kl_horizon": 100}
+    return values
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
+    """Every case's 2-process run, and the first part of the resumed run, in one launch."""
+    dirs = {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
+    specs = [{"stage": stage, "config": case_config(env, dirs[model], f"{case}-2", stage, extra)}
+             for case, (stage, model, extra) in CASES.items()]
+    stage, model, extra = RESUME
+    specs.append({"stage": stage,
+                  "config": case_config(env, dirs[model], "resume", stage, extra)})
+    result = torchrun_driver(specs, env / "spec.json")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dirs
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_processes_equal_one(env, tiny_model_dir, tiny_llama_dir, case):
+def test_two_processes_equal_one(env, two_process_runs, case):
     stage, model, extra = CASES[case]
-    model_dir = tiny_model_dir if model == "gpt2" else tiny_llama_dir
-    values = base_args(env, model_dir, f"{case}-2") | extra
-    if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
-        values |= {"kl_ctl": "adaptive", "kl_target": 1e-4, "kl_horizon": 100}
-    result = torchrun(stage, values)
-    assert result.returncode == 0, result.stderr[-3000:]
-    one_process(stage, values | {"run_name": f"{case}-1"})
+    model_dir = two_process_runs[model]
+    one_process(stage, case_config(env, model_dir, f"{case}-1", stage, extra))
     runs = env / "runs"
     assert_same_run(runs / f"{case}-1", runs / f"{case}-2",
                     start_weights(model_dir, bool(extra.get("lora_r"))))
     if stage == "ppo":
         betas = [m["objective/beta"] for m in metrics(runs / f"{case}-2")]
         assert len(set(betas)) == len(betas)  # it did move
+    if stage == "rloo":  # one epoch of one minibatch: each rank updates the rows it scored
+        assert all(m["policy/approx_kl"] == 0.0 and m["policy/ratio_mean"] == 1.0
+                   for m in metrics(runs / f"{case}-2"))
 
 
-def test_two_process_checkpoint_resumes_on_one(env, tiny_model_dir):
-    # 2 processes save at batch 2 (and 3); the final model and the batch-3 checkpoint are removed,
-    # and 1 process resumes from batch 2: the result is the uninterrupted 1-process run's.
-    values = base_args(env, tiny_model_dir, "resume") | {
-        "save_every": 2, "score_norm": "running", "kl_ctl": "adaptive", "kl_target": 1e-4,
-        "kl_horizon": 100, "num_minibatches": 2}
-    result = torchrun("ppo", values)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_two_process_checkpoint_resumes_on_one(env, two_process_runs):
+    # 2 processes ran 3 batches and saved after batches 2 and 3; without its final model and
+    # last checkpoint the run looks cut off after batch 2, and 1 process resumes it there with the
+    # same config: the result is the uninterrupted 1-process run's.
+    stage, model, extra = RESUME
+    model_dir = two_process_runs[model]
     run_dir = env / "runs" / "resume"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    for leftover in (run_dir / "final", run_dir / "checkpoints" / "step_3"):
-        import shutil
-
-        shutil.rmtree(leftover)
-    one_process("ppo", values | {"resume": True})
-    one_process("ppo", values | {"run_name": "resume-ref"})
-    assert_same_run(env / "runs" / "resume-ref", run_dir,
-                    start_weights(tiny_model_dir, lora=False))
+    shutil.rmtree(run_dir / "final")
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")
+    values = case_config(env, model_dir, "resume", stage, extra)
+    one_process(stage, values | {"resume": True, "resume_allow_changes": True})  # fsdp: off
+    one_process(stage, values | {"run_name": "resume-ref"})
+    assert_same_run(env / "runs" / "resume-ref", run_dir, start_weights(model_dir, lora=False))
 
 
-def test_batch_the_world_size_cannot_split_is_one_line(env, tiny_model_dir):
-    # 6 rows of groups of 2 cannot go 3 groups to 2 ranks evenly... 6 rows / 2 ranks = 3 rows,
-    # not whole groups of 2: refused on every rank before anything is written.
-    values = base_args(env, tiny_model_dir, "bad") | {"batch_size": 6, "samples_per_prompt": 2,
-                                                      "advantage": "rloo"}
-    result = torchrun("ppo", values)
-    assert result.returncode != 0
-    assert "must split over 2 processes in whole groups" in result.stderr
-    assert not (env / "runs" / "bad").exists()
+def test_a_batch_the_ranks_cannot_split_is_refused():
+    # 6 rows in groups of 2 over 2 ranks: 3 rows each, not whole groups. A minibatch of 8 rows
+    # over 2 ranks with micro-batches of 3: 4 rows each, not whole micro-batches.
+    two = Dist(rank=1, world_size=2)
+    rloo = PPOConfig(policy="p", prompts="p", advantage="rloo", batch_size=6,
+                     samples_per_prompt=2)
+    with pytest.raises(TetherError, match="must split over 2 processes in whole groups"):
+        check_world(rloo, two)
+    micro = PPOConfig(policy="p", prompts="p", batch_size=8, micro_batch_size=3)
+    with pytest.raises(TetherError, match="whole micro-batches of --micro-batch-size 3"):
+        check_world(micro, two)
+    check_world(PPOConfig(policy="p", prompts="p", batch_size=8, micro_batch_size=2), two)
+    check_world(rloo, Dist())  # one process: anything the config accepts

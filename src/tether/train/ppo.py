@@ -132,8 +132,7 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
     numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
     with autocast(cfg.mixed_precision, setup.device):
         metrics, samples = setup.roles.peek(lambda _policy, _critic: evaluate(setup, cfg))
-    if setup.dist.is_main:
-        rundir.log_samples(step, samples)
+    rundir.log_samples(step, samples)
     return metrics
 
 
@@ -145,13 +144,13 @@ def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormali
     if state is not None:
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
-    if setup.dist.is_main:  # lines logged after the checkpoint will be logged again
-        rundir.announce_resume(state["batch"] if state is not None else None)
-        rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
+    # Lines logged after the checkpoint will be logged again.
+    rundir.announce_resume(state["batch"] if state is not None else None)
+    rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
     return state["batch"] if state is not None else 0
 
 
-def save_final(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
+def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
     """Rank 0 writes the final policy. Under FSDP2 no rank holds it whole: the shards are
     gathered into a fresh copy of the starting model on rank 0, saved by the same code."""
     lm = setup.lm
@@ -171,14 +170,10 @@ def save_final(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
 
 def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
                normalizer: ScoreNormalizer) -> None:
-    """Rank 0 writes the checkpoint (full tensors: a run resumes at any world size)."""
-    if setup.dist.fsdp:  # TODO(merge dist-offline): its checkpoint API gathers the shards
-        raise TetherError("checkpoints under --fsdp are not written yet; pass --save-every 0")
-    if setup.dist.is_main:
-        save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
-                        {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
-                         "score_norm": normalizer.state_dict()})
-    barrier(setup.dist)
+    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
+    save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
+                    {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
+                     "score_norm": normalizer.state_dict()})
 
 
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
@@ -191,20 +186,16 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
     d = setup.dist
-    if d.is_main:
-        rundir.save_config(cfg)
-    barrier(d)
+    rundir.save_config(cfg)  # rank 0 writes it; every rank checks a resumed one
     models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
     start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
     if cfg.eval_prompts and cfg.eval_every and start == 0:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
-        initial = log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta}
-        if d.is_main:
-            rundir.log(0, initial)
+        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
     metrics: dict[str, float] = {}
     warned = False
-    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start) if d.is_main else None
+    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
     try:
         for batch in range(start, cfg.n_batches):
             step = batch + 1
@@ -285,11 +276,10 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             metrics["policy/collapsed"] = float(collapsed(metrics))
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
-            if d.is_main:
-                log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores)
-                bar.update(1)
-                bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
-                                beta=f"{beta:.3g}")
+            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
+                            beta=f"{beta:.3g}")
             # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
             warned = warn_or_stop(metrics, cfg.max_kl, step, warned or not d.is_main)
             stopping = any_rank(interrupt.requested(), d)
@@ -301,21 +291,20 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     except FloatingPointError as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
         final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
-        if d.is_main:
-            rundir.log(cfg.n_batches, final_eval)
+        rundir.log(cfg.n_batches, final_eval)
         metrics.update(final_eval)
-    save_final(rundir, setup, cfg)
+    save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
               prompts: list[str], responses: list[str], raw_scores: torch.Tensor) -> None:
-    """Rank 0's metric line and sample table (its own rows: the first of the global batch)."""
+    """The metric line and sample table (rank 0 writes them; the table shows its own rows, the
+    first of the global batch)."""
     if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
         rundir.log(step, metrics)
     if cfg.sample_every and step % cfg.sample_every == 0:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tether import distributed
 from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
 from tether.data import load_prompts, prompt_indices
@@ -31,7 +30,6 @@ from tether.models import (
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
-    resolve_device,
 )
 from tether.optim import make_lr_schedule, make_optimizer
 from tether.reward_fn import (
@@ -45,7 +43,7 @@ from tether.reward_fn import (
 )
 from tether.rollout import left_pad
 from tether.shared_base import lora_critic, shared_reward_model
-from tether.train.common import enable_gradient_checkpointing
+from tether.train.common import enable_gradient_checkpointing, join
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_dist import Roles, check_world
 
@@ -88,7 +86,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
-    d = distributed.setup(resolve_device(cfg.device), cfg.fsdp)
+    d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
     check_world(cfg, d)
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
