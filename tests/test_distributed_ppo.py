@@ -102,17 +102,24 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
     # (The tokenizer's added pad token grows the embeddings: those are compared where they fit.)
     moved = max(float((w1[k] - start[k] if start else w1[k]).abs().max()) for k in w1
                 if not start or (k in start and start[k].shape == w1[k].shape))
-    assert moved > 100 * WEIGHT_ATOL, moved
+    assert moved > 30 * WEIGHT_ATOL, moved
     m1, m2 = metrics(one), metrics(two)
     assert [m["step"] for m in m1] == [m["step"] for m in m2]
     # The adaptive controller's error is clipped at every batch of these configs (a tiny KL
     # target), so beta is a function of the batch count alone and must agree bit for bit; every
     # rank checked its beta against rank 0's each batch (ppo_dist.check_same_beta).
-    assert [m["objective/beta"] for m in m1] == [m["objective/beta"] for m in m2]
+    assert [m.get("objective/beta") for m in m1] == [m.get("objective/beta") for m in m2]
+    # The gradient norm too: Adam's step does not change when every gradient is scaled alike
+    # (a loss divided by a per-rank count, a missing grad_scale), the norm does.
+    keys = ("objective/kl", "objective/score", "policy/entropy", "policy/loss", "value/loss",
+            "policy/grad_norm",
+            "rollout/response_len", "policy/updates", "policy/approx_kl", "eval/score", "eval/kl",
+            "eval/entropy", "eval/response_len")
     for a, b in zip(m1, m2, strict=True):
-        for key in ("objective/kl", "objective/score", "policy/entropy", "policy/loss",
-                    "rollout/response_len", "policy/updates", "policy/approx_kl"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert a.keys() == b.keys()
+        for key in keys:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 CASES = {
@@ -123,8 +130,11 @@ CASES = {
                                                       "num_minibatches": 2, "ppo_epochs": 2}),
     "rloo-llama-fsdp-lora": ("rloo", "llama", {"fsdp": True, "lora_r": 4,
                                                "samples_per_prompt": 2}),
+    # --target-kl stops every rank's epochs at the same minibatch (the approx KL is global);
+    # the evaluation runs on every rank, rank 0 logs it.
     "grpo-llama-ddp-full": ("grpo", "llama", {"samples_per_prompt": 4, "num_minibatches": 2,
-                                              "ppo_epochs": 2}),
+                                              "ppo_epochs": 2, "target_kl": 1e-7,
+                                              "eval_every": 2, "eval_prompts": "PROMPTS"}),
 }
 # A 3-batch run that checkpoints at batches 2 and 3, resumed on 1 process from batch 2.
 # FSDP2: the checkpoint's weights and optimizer state are gathered from shards.
@@ -134,6 +144,8 @@ RESUME = ("ppo", "gpt2", {"save_every": 2, "score_norm": "running", "num_minibat
 
 def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) -> dict:
     values = base_args(env, model_dir, name) | extra
+    if values.get("eval_prompts") == "PROMPTS":
+        values["eval_prompts"] = values["prompts"]
     if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
         values |= {"kl_ctl": "adaptive", "kl_target": 1e-4, "kl_horizon": 100}
     return values
@@ -164,6 +176,10 @@ def test_two_processes_equal_one(env, two_process_runs, case):
     if stage == "ppo":
         betas = [m["objective/beta"] for m in metrics(runs / f"{case}-2")]
         assert len(set(betas)) == len(betas)  # it did move
+    if stage == "grpo":  # each batch: the on-policy first minibatch's step, then the guard
+        lines = [m for m in metrics(runs / f"{case}-2") if "policy/updates" in m]
+        assert [m["policy/updates"] for m in lines] == [1.0] * 3
+        assert all(m["policy/early_stopped"] == 1.0 for m in lines)
     if stage == "rloo":  # one epoch of one minibatch: each rank updates the rows it scored
         assert all(m["policy/approx_kl"] == 0.0 and m["policy/ratio_mean"] == 1.0
                    for m in metrics(runs / f"{case}-2"))

@@ -276,7 +276,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             metrics["policy/collapsed"] = float(collapsed(metrics))
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
-            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores)
+            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores[mine])
             bar.update(1)
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
