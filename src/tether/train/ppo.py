@@ -82,7 +82,7 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
                                      setup.tokenizer.pad_token_id)
         responses = decode_responses(setup.tokenizer, rollout)
         return rollout, responses, setup.reward(prompts, responses, rollout).to(setup.device)
-    return setup.roles.peek(sample_and_score)
+    return setup.roles.generate(sample_and_score)
 
 
 def score_batch(setup: Setup, cfg: PPOConfig, rollout) -> Scored:
@@ -131,7 +131,7 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
     Under several processes every rank evaluates every prompt alike (the same noise, the same
     numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
     with autocast(cfg.mixed_precision, setup.device):
-        metrics, samples = setup.roles.peek(lambda _policy, _critic: evaluate(setup, cfg))
+        metrics, samples = setup.roles.generate(lambda _policy, _critic: evaluate(setup, cfg))
     rundir.log_samples(step, samples)
     return metrics
 

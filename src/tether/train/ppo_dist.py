@@ -88,6 +88,27 @@ class Roles:
             return self.call(fn, *args)
         return fn(self.policy, self.critic, *args)
 
+    @torch.no_grad()
+    def generate(self, fn: Callable, *args) -> Any:
+        """`peek` for token-by-token generation. Under FSDP2 each layer's parameters are gathered
+        at its first forward and kept until the call ends (then sharded again): one all-gather of
+        the model per rollout instead of one per generated token, at the price of the whole
+        model's parameters on every rank while it generates."""
+        if not self.dist.fsdp:
+            return fn(self.policy, self.critic, *args)
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.wrapped
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        root.set_reshard_after_forward(False, recurse=True)
+        try:
+            return self.call(fn, *args)
+        finally:
+            for unit in units:
+                unit.reshard()
+            root.set_reshard_after_forward(True, recurse=True)
+            root.set_reshard_after_forward(False, recurse=False)  # the root's default
+
     def no_sync(self, skip: bool):
         return distributed.no_sync(self.wrapped, skip)
 
