@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# tether on one NVIDIA GPU at 0.5B: PPO with LoRA in bf16 and DPO, one summary line each.
+# tether on NVIDIA GPUs at 0.5B: PPO with LoRA in bf16 and DPO on one GPU, one summary line
+# each; then, with 2 or more GPUs visible, DDP versus FSDP2 (full fine-tuning SFT and DPO under
+# torchrun, bench/gpu_fsdp.py), one `FSDP2:` line per stage.
 #
-#   bash bench/gpu.sh                      # needs CUDA; at most 8 minutes (hard limit below)
+#   bash bench/gpu.sh                      # needs CUDA; at most 8 + 5 minutes (hard limits below)
 #   bash bench/gpu.sh --tiny --device cpu  # the same code path on a 2-layer model, on the CPU
 #   PYTHON=/path/to/python bash bench/gpu.sh --no-chunked-lm-head   # any bench/gpu.py flag
 #
@@ -30,5 +32,26 @@ if [[ $status -eq 124 || $status -eq 137 ]]; then
     echo "bench/gpu.sh: FAILED: over the 8-minute limit (exit $status)" >&2
 elif [[ $status -ne 0 ]]; then
     echo "bench/gpu.sh: FAILED (exit $status); see the traceback above" >&2
+fi
+[[ $status -ne 0 ]] && exit $status
+
+# DDP versus FSDP2: every visible GPU (at most 8) as one rank; the CPU path with --tiny.
+if [[ " $* " == *" --tiny "* ]]; then
+    nproc=2; fsdp_args=(--tiny --device cpu)
+else
+    nproc=$("$PYTHON" -c "import torch; print(min(torch.cuda.device_count(), 8))")
+    fsdp_args=()
+fi
+if [[ $nproc -lt 2 ]]; then
+    echo "FSDP2: skipped, it needs 2 or more GPUs (found $nproc)"
+    exit 0
+fi
+timeout --signal=TERM --kill-after=10 300 "$PYTHON" -m torch.distributed.run \
+    --nproc-per-node "$nproc" --master-addr 127.0.0.1 --master-port "${FSDP_PORT:-29517}" \
+    bench/gpu_fsdp.py "${fsdp_args[@]}" || status=$?
+if [[ $status -eq 124 || $status -eq 137 ]]; then
+    echo "bench/gpu.sh: FSDP2 part FAILED: over the 5-minute limit (exit $status)" >&2
+elif [[ $status -ne 0 ]]; then
+    echo "bench/gpu.sh: FSDP2 part FAILED (exit $status); see the traceback above" >&2
 fi
 exit $status

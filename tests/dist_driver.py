@@ -3,10 +3,14 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_driver.py SPEC.json
 
 SPEC.json is a list of {"stage": "sft" | "rm" | "dpo" | "ppo" | "rloo" | "grpo", "config":
-{field: value}}; each runs in turn through the stage's Python `run`, exactly as `tether <stage>`
-would (a config's `fsdp` chooses DDP or FSDP2 for that run). The tests compare the results
-with one-process runs.
+{field: value}, "stop_after": N}; each runs in turn through the stage's Python `run`, exactly as
+`tether <stage>` would (a config's `fsdp` chooses DDP or FSDP2 for that run). With `stop_after`
+(offline stages) the run dies in optimizer step N + 1 on every rank, like a killed job (its last
+checkpoint stays). The tests compare the results with one-process runs; `run_spec` is also how
+they make those, in their own process.
 """
+
+from __future__ import annotations
 
 import json
 import sys
@@ -19,13 +23,35 @@ STAGES = {"sft": (sft, sft.SFTConfig), "rm": (reward, reward.RMConfig),
           "rloo": (ppo, ppo_config.RLOOConfig), "grpo": (ppo, ppo_config.GRPOConfig)}
 
 
-def main(spec_path: str) -> int:
-    for item in json.loads(open(spec_path, encoding="utf-8").read()):
-        module, config = STAGES[item["stage"]]
+class Stop(Exception):
+    """The simulated kill of a `stop_after` run."""
+
+
+def run_one(item: dict) -> None:
+    module, config = STAGES[item["stage"]]
+    real, calls = getattr(module, "optimizer_step", None), []  # ppo has none: no stop_after
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > item["stop_after"]:
+            raise Stop
+        return real(*args, **kwargs)
+    if item.get("stop_after") is not None:
+        module.optimizer_step = step
+    try:
         module.run(config(**item["config"]))
-    distributed.teardown()
-    return 0
+    except Stop:
+        pass
+    finally:
+        if real is not None:
+            module.optimizer_step = real
+
+
+def run_spec(items: list[dict]) -> None:
+    for item in items:
+        run_one(item)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    run_spec(json.loads(open(sys.argv[1], encoding="utf-8").read()))
+    distributed.teardown()

@@ -163,6 +163,19 @@ def plain_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, Parallel) else model
 
 
+def reshard(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 unit in `model` back to its sharded parameters. FSDP2 keeps the root unit
+    gathered after a forward (its backward would need it again), so after a no-grad forward
+    (evaluation, a reference pass) the module holds plain gathered tensors, not the shards the
+    optimizer steps, until the next backward. No-op without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole tensor: an FSDP2 shard (a DTensor) is all-gathered (every rank must
     call this, in the same order), a plain tensor is returned as it is."""
@@ -171,11 +184,24 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
+        -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
-    tensor once). Under FSDP2 the shards are gathered: every rank calls this."""
-    return {name: _full(p.detach()).contiguous().cpu() for name, p in
-            plain_model(model).named_parameters() if p.requires_grad}
+    tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
+    `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
+    holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
+    out = {}
+    for name, param in plain_model(reshard(model)).named_parameters():
+        if not param.requires_grad:
+            continue
+        full = _full(param.detach())
+        if what and not bool(torch.isfinite(full).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+        if keep:
+            out[name] = full.contiguous().cpu()
+    return out
 
 
 def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -184,7 +210,8 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     _check_names(model, tensors)
-    params = {name: p for name, p in plain_model(model).named_parameters() if p.requires_grad}
+    params = {name: p for name, p in plain_model(reshard(model)).named_parameters()
+              if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
             value = tensors[name].to(param.dtype)
@@ -205,7 +232,7 @@ def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
     """One module holding every model under its checkpoint name: optimizer state is keyed by
     parameter name through it (`policy.transformer.h.0...`), not by position."""
-    return nn.ModuleDict({name: plain_model(m) for name, m in models.items()})
+    return nn.ModuleDict({name: plain_model(reshard(m)) for name, m in models.items()})
 
 
 def optimizer_state(models: dict[str, nn.Module], optimizer) -> dict[str, Any]:
@@ -258,23 +285,15 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     from tether import distributed
 
     d = distributed.current()
-    weights = {name: trainable_tensors(model) for name, model in models.items()}
-    for name, tensors in weights.items():  # every rank checks the same tensors: one error
-        _check_finite(tensors, f"the {name} at step {step}")
+    # every rank gathers and checks the same tensors (one error on all); rank 0 keeps them
+    weights = {name: trainable_tensors(model, keep=d.is_main, what=f"the {name} at step {step}")
+               for name, model in models.items()}
     optim = optimizer_state(models, optimizer) if optimizer is not None else None
     final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
     if d.is_main:
         _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, state, keep)
     distributed.barrier(d)
     return final
-
-
-def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
-    for name, tensor in tensors.items():
-        if not bool(torch.isfinite(tensor).all()):
-            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
-                              "the last good checkpoint. Lower the learning rate or clip gradients "
-                              "harder, then --resume")
 
 
 def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
@@ -317,7 +336,8 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     from tether import distributed
 
     d = distributed.current()
-    found = list_checkpoints(ckpt_root)
+    # rank 0's view decides (another node may not see the directory: that is an error below)
+    found = distributed.broadcast_object(list_checkpoints(ckpt_root) if d.is_main else None, d)
     if not found:
         return None
     chosen, contents = None, None
@@ -335,7 +355,12 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are "
                           "damaged); delete the directory to start the run afresh")
     if contents is None:  # the other ranks read what rank 0 chose
-        contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
+        try:
+            contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise TetherError(f"rank {d.rank} cannot read the checkpoint {found[chosen][1]} that "
+                              f"rank 0 chose ({type(exc).__name__}); on several machines the run "
+                              "directory must be on a filesystem every node sees") from None
     for name, model in models.items():
         load_trainable_tensors(model, contents["weights"][name])
     if optimizer is not None:

@@ -131,7 +131,6 @@ def _report(message: str) -> None:
 
         distributed.teardown()  # the other ranks see the group end instead of waiting on us
         time.sleep(ERROR_GRACE_S)
-        message = f"rank {rank}: {message}"
     print(message, file=sys.stderr, flush=True)
 
 

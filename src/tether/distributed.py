@@ -88,7 +88,9 @@ def setup(device: torch.device, fsdp: bool = False, timeout_s: int = TIMEOUT_S) 
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # CUDA: NCCL for tensors on the GPU, gloo for the CPU tensors of the statistics helpers
+        # below (counts, global sums), which NCCL alone would refuse.
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                     **({"device_id": device} if device.type == "cuda" else {}))

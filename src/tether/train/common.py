@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tether import distributed, interrupt
-from tether.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
+from tether.checkpoint import load_latest_checkpoint, plain_model, reshard, save_checkpoint
 from tether.config import RunConfig
 from tether.errors import TetherError
 from tether.lm_head import masked_head_token_logprobs
@@ -148,7 +148,31 @@ def join(cfg: RunConfig, global_batch: int) -> distributed.Dist:
     timeout = os.environ.get(TIMEOUT_ENV, str(distributed.TIMEOUT_S))
     if not timeout.isdigit() or int(timeout) < 1:
         raise TetherError(f"{TIMEOUT_ENV}={timeout!r} must be a whole number of seconds >= 1")
-    return distributed.setup(device, cfg.fsdp, timeout_s=int(timeout))
+    with _stderr_kept_on_success():
+        return distributed.setup(device, cfg.fsdp, timeout_s=int(timeout))
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+    """Hold back what C++ code writes to stderr (fd 2) inside the block: replayed if the block
+    succeeds, dropped if it raises. c10d logs every retry of an unreachable store with a C++
+    stack trace (dozens of lines); `distributed.setup` turns the failure into one line."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            os.close(saved)
+            raise
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        os.write(2, held.read())
 
 
 def rank_micro_batches(indices: list[int], n_micro: int, d: distributed.Dist
@@ -189,16 +213,20 @@ def rank_chunks(n: int, chunk_size: int, d: distributed.Dist) -> list[tuple[list
 
 @torch.no_grad()
 def gather_outputs(fn: Callable[[list[int]], torch.Tensor], n: int, chunk_size: int,
-                   d: distributed.Dist) -> torch.Tensor:
+                   d: distributed.Dist, wrapped: nn.Module | None = None) -> torch.Tensor:
     """`fn(rows)` (`[len(rows), k]`, e.g. scores or log-probs of a batch of those rows) for all `n`
     rows, in order, on every rank: each rank runs its slice (`rank_chunks`), then the slices are
-    gathered. Every rank calls `fn` equally often, as wrapped models need."""
+    gathered. Every rank calls `fn` equally often, as wrapped models need. Pass `wrapped` (the
+    model `fn` calls) to leave it resharded afterwards (FSDP2 keeps the root gathered after a
+    no-grad forward; see `checkpoint.reshard`)."""
     outs, out = [], None
     for rows, real in rank_chunks(n, chunk_size, d):
         out = fn(rows)
         if real:
             outs.append(out)
     local = torch.cat(outs) if outs else torch.zeros((0, out.shape[-1]), device=out.device)
+    if wrapped is not None:
+        reshard(wrapped)
     return distributed.all_gather_rows(local, d)
 
 

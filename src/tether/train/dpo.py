@@ -80,17 +80,18 @@ def pair_logprobs(model, batch, chunked: bool = True) -> tuple[torch.Tensor, ...
 
 @torch.no_grad()
 def precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
-                            d: distributed.Dist) -> torch.Tensor:
+                            d: distributed.Dist, wrapped=None) -> torch.Tensor:
     """Reference log-probs of every pair, `[N, 2]` (chosen, rejected) on the CPU, in one pass
     split over the ranks and gathered. `ref_fn(batch)` is the reference's `pair_logprobs`;
-    `layout_model` decides the batch layout (`collate`)."""
+    `layout_model` decides the batch layout (`collate`); `wrapped`, the model `ref_fn` calls, is
+    left resharded."""
     def score(rows):
         batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
                                   cfg.share_prompt), d.device)
         with autocast(cfg.mixed_precision, d.device):
             chosen, rejected, _, _ = ref_fn(batch)
         return torch.stack([chosen, rejected], dim=-1).float()
-    return gather_outputs(score, len(examples), cfg.batch_size, d).cpu()
+    return gather_outputs(score, len(examples), cfg.batch_size, d, wrapped).cpu()
 
 
 def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
@@ -169,9 +170,10 @@ def run(cfg: DPOConfig) -> RunResult:
     ref_table = None
     if cfg.precompute_ref_logprobs:  # before a resumed checkpoint is loaded: the start's log-probs
         wrapped.eval()
-        ref_table = precompute_ref_logprobs(ref_fn, ref_layout, examples, pad_id, cfg, d)
+        ref_table = precompute_ref_logprobs(ref_fn, ref_layout, examples, pad_id, cfg, d,
+                                            wrapped)
         wrapped.train()
-        ref_fn = ref_layout = None  # a separate reference model is dropped here
+        ref_fn = ref_layout = make_ref_fn = None  # a separate reference is dropped here
     run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(examples))

@@ -75,7 +75,7 @@ def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dis
         return torch.stack(wrapped(pair_scores, batch), dim=-1)  # [b, 2]: chosen, rejected
     was_training = wrapped.training
     wrapped.eval()
-    chosen, rejected = gather_outputs(score, len(examples), batch_size, d).unbind(-1)
+    chosen, rejected = gather_outputs(score, len(examples), batch_size, d, wrapped).unbind(-1)
     wrapped.train(was_training)
     correct = (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
     return {"eval/accuracy": correct / len(examples),
@@ -91,7 +91,7 @@ def fit_normalization(wrapped, examples, pad_id: int, batch_size: int, d: distri
         batch = to_device(collate_sft([examples[k] for k in rows], pad_id), d.device)
         return wrapped(lambda m, b: m(b["input_ids"], b["attention_mask"]), batch)[:, None]
     wrapped.eval()
-    raw = gather_outputs(score, len(examples), batch_size, d)[:, 0]  # [N] raw scores
+    raw = gather_outputs(score, len(examples), batch_size, d, wrapped)[:, 0]  # [N] raw scores
     std = raw.std(unbiased=False).item() if len(raw) > 1 else 1.0
     model = distributed.unwrap(wrapped)
     model.set_normalization(raw.mean().item(), std if std > 0 else 1.0)
