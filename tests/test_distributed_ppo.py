@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from tether.distributed import Dist
 from tether.errors import TetherError
+from tether.models import RewardModel, load_tokenizer
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
 from tether.train.ppo_dist import check_world
@@ -137,15 +138,18 @@ CASES = {
                                               "eval_every": 2, "eval_prompts": "PROMPTS"}),
 }
 # A 3-batch run that checkpoints at batches 2 and 3, resumed on 1 process from batch 2.
-# FSDP2: the checkpoint's weights and optimizer state are gathered from shards.
+# FSDP2: the checkpoint's weights and optimizer state are gathered from shards. A reward model
+# (sharded under FSDP2 like the reference) scores, and the critic starts from it.
 RESUME = ("ppo", "gpt2", {"save_every": 2, "score_norm": "running", "num_minibatches": 2,
-                          "fsdp": True})
+                          "fsdp": True, "reward_model": "RM"})
 
 
 def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) -> dict:
     values = base_args(env, model_dir, name) | extra
     if values.get("eval_prompts") == "PROMPTS":
         values["eval_prompts"] = values["prompts"]
+    if values.get("reward_model") == "RM":
+        values |= {"reward_model": str(env / "rm"), "reward_fn": ""}
     if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
         values |= {"kl_ctl": "adaptive", "kl_target": 1e-4, "kl_horizon": 100}
     return values
@@ -155,6 +159,9 @@ def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) 
 def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
     """Every case's 2-process run, and the first part of the resumed run, in one launch."""
     dirs = {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
+    tokenizer = load_tokenizer(str(tiny_model_dir))  # an untrained reward model on GPT-2
+    RewardModel.from_causal_lm(str(tiny_model_dir), tokenizer).save_pretrained(env / "rm",
+                                                                               tokenizer)
     specs = [{"stage": stage, "config": case_config(env, dirs[model], f"{case}-2", stage, extra)}
              for case, (stage, model, extra) in CASES.items()]
     stage, model, extra = RESUME

@@ -19,11 +19,10 @@ arithmetic between model calls is not:
                                and scaled by W (the wrapper averages gradients); stats are summed
                                over ranks, so --target-kl stops every rank at once
 
-The trainable roles (policy and critic) are one `nn.ModuleDict` under one DDP/FSDP2 wrapper, so
-one reduction covers both. Frozen roles that are separate models (a full fine-tuning reference, a
-reward model on another base) are replicated on every rank and called directly; frozen roles on
-the LoRA shared base (reference, reward adapter) live in the policy's modules and so are called
-inside the wrapper. The gathered rollout is small ([B, P + R] ids and a few [B, R] floats) next to
+The roles are one `nn.ModuleDict` under one DDP/FSDP2 wrapper: one reduction covers policy and
+critic, and under FSDP2 a separate frozen reference or reward model is sharded like them (DDP
+replicates it and reduces nothing for it); frozen roles on the LoRA shared base (reference, reward
+adapter) live in the policy's modules. Every model call runs inside the wrapper. The gathered rollout is small ([B, P + R] ids and a few [B, R] floats) next to
 the model's gradients.
 """
 
@@ -68,16 +67,21 @@ def micro_rows(cfg: PPOConfig, d: Dist) -> int:
 
 
 class Roles:
-    """The trainable roles as the loop calls them: `call(fn, *args)` runs `fn(policy, critic,
-    *args)` inside the DDP/FSDP2 wrapper's forward (gradients reduce; FSDP2 gathers the shards);
+    """The models of the loop under one DDP/FSDP2 wrapper: `call(fn, *args)` runs `fn(policy,
+    critic, *args)` inside the wrapper's forward (gradients reduce; FSDP2 gathers the shards);
     `peek` does the same without gradients, on the plain modules where every rank holds them whole
     (one process, DDP: a DDP forward would also broadcast buffers) and inside the wrapper under
-    FSDP2, where every rank must make the same calls."""
+    FSDP2, where every rank must make the same calls.
 
-    def __init__(self, policy: nn.Module, critic: nn.Module | None, d: Dist):
+    `frozen` (a separate reference or reward model) join the wrapper too: DDP leaves parameters
+    without gradients alone, and FSDP2 shards them like the policy, so they must be called inside
+    `call`, `peek` or `generate`, as every model call of the loop is."""
+
+    def __init__(self, policy: nn.Module, critic: nn.Module | None, d: Dist,
+                 frozen: dict[str, nn.Module] | None = None):
         self.policy, self.critic, self.dist = policy, critic, d
         modules = {"policy": policy} | ({"critic": critic} if critic is not None else {})
-        self.wrapped = distributed.wrap(nn.ModuleDict(modules), d)
+        self.wrapped = distributed.wrap(nn.ModuleDict(modules | (frozen or {})), d)
 
     def call(self, fn: Callable, *args) -> Any:
         return self.wrapped(lambda _inner, *a: fn(self.policy, self.critic, *a), *args)

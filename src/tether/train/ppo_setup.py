@@ -154,7 +154,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
 
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
-    roles = Roles(policy, critic, d)
+    frozen = {"reference": reference} | ({"reward": reward_model} if reward_model else {})
+    roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
@@ -168,6 +169,11 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
                  eval_prompts=eval_prompts, eval_prompt_ids=eval_ids)
+
+
+def _owns_weights(model: nn.Module) -> bool:
+    """False for a role that is a view of the LoRA shared base (its weights are the policy's)."""
+    return any(True for _ in model.parameters())
 
 
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
