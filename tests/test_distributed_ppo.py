@@ -144,6 +144,11 @@ RESUME = ("ppo", "gpt2", {"save_every": 2, "score_norm": "running", "num_minibat
                           "fsdp": True, "reward_model": "RM"})
 
 
+# A LoRA run on the Llama-style model saved by 1 process at batch 2 and finished by 2 (FSDP2).
+RESUME_BACK = ("ppo", "llama", {"save_every": 2, "score_norm": "running", "num_minibatches": 2,
+                                "lora_r": 4})
+
+
 def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) -> dict:
     values = base_args(env, model_dir, name) | extra
     if values.get("eval_prompts") == "PROMPTS":
@@ -167,6 +172,14 @@ def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
     stage, model, extra = RESUME
     specs.append({"stage": stage,
                   "config": case_config(env, dirs[model], "resume", stage, extra)})
+    # The other way: 1 process runs RESUME_BACK cut off after batch 2, 2 processes finish it.
+    stage, model, extra = RESUME_BACK
+    back = case_config(env, dirs[model], "resume-back", stage, extra)
+    one_process(stage, back)
+    shutil.rmtree(env / "runs" / "resume-back" / "final")
+    shutil.rmtree(env / "runs" / "resume-back" / "checkpoints" / "step_3")
+    specs.append({"stage": stage, "config": back | {"resume": True, "fsdp": True,
+                                                   "resume_allow_changes": True}})
     result = torchrun_driver(specs, env / "spec.json")
     assert result.returncode == 0, result.stderr[-4000:]
     return dirs
@@ -221,3 +234,10 @@ def test_a_batch_the_ranks_cannot_split_is_refused():
         check_world(micro, two)
     check_world(PPOConfig(policy="p", prompts="p", batch_size=8, micro_batch_size=2), two)
     check_world(rloo, Dist())  # one process: anything the config accepts
+
+
+def test_one_process_checkpoint_resumes_on_two(env, two_process_runs):
+    stage, model, extra = RESUME_BACK
+    model_dir = two_process_runs[model]
+    one_process(stage, case_config(env, model_dir, "resume-back-ref", stage, extra))
+    assert_same_run(env / "runs" / "resume-back-ref", env / "runs" / "resume-back", None)
