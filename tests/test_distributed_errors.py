@@ -85,10 +85,13 @@ def test_one_failing_rank_ends_the_job_with_its_one_line(tiny_model_dir, tmp_pat
     out = torchrun([str(ROOT / "tests" / "dist_fail.py"), "sft", "--run-name", "r",
                     "--output-dir", cfg.output_dir, "--model", cfg.model, "--data", cfg.data,
                     "--device", "cpu", "--max-steps", "4", "--batch-size", "4",
-                    "--report-to", "none"],
+                    "--report-to", "none", "--log-every", "1"],
                    env={"FAIL_RANK": str(fail_rank), "FAIL_TIME_FILE": str(stamp)}, timeout=180)
     ended = time.time()
     assert out.returncode != 0
     assert _error_lines(out.stderr) == [f"error: rank {fail_rank} failed on its own in step 2"]
     assert ended - float(stamp.read_text()) < 30
     assert not (Path(cfg.output_dir) / "r" / "final").exists()
+    # only rank 0 printed progress and wrote metrics (step 1 completed on both ranks)
+    assert out.stderr.count("sft r: step 1/4") == 1
+    assert (Path(cfg.output_dir) / "r" / "metrics.jsonl").read_text().count('"step": 1,') == 1
