@@ -164,7 +164,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     eos = eos_token_ids(tokenizer, policy.config, getattr(policy, "generation_config", None))
     if not eos:
         raise TetherError(f"{cfg.policy}: the tokenizer has no EOS token; set one in its config")
-    return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy, reference=reference,
+    return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
+                 reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
