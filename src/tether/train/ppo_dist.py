@@ -5,7 +5,7 @@ arithmetic between model calls is not:
 
     prompts of batch b         every rank builds the whole global batch (a pure function of seed, b)
     sample                     rank r samples its contiguous rows (`distributed.rank_slice`), with
-                               the rows' own noise (`rollout.sampling_uniforms`): world-size invariant
+                               the rows' own noise (`rollout.sampling_uniforms`): invariant to W
     reward                     rank r scores the rows it sampled
     gather                     every rank gets the whole rollout and its scores (`gather_rollout`)
     score (old, ref, values)   rank r scores the rows it will update in epoch 0 (`epoch0_rows`),
@@ -22,8 +22,8 @@ arithmetic between model calls is not:
 The roles are one `nn.ModuleDict` under one DDP/FSDP2 wrapper: one reduction covers policy and
 critic, and under FSDP2 a separate frozen reference or reward model is sharded like them (DDP
 replicates it and reduces nothing for it); frozen roles on the LoRA shared base (reference, reward
-adapter) live in the policy's modules. Every model call runs inside the wrapper. The gathered rollout is small ([B, P + R] ids and a few [B, R] floats) next to
-the model's gradients.
+adapter) live in the policy's modules. Every model call goes through `Roles` (inside the
+wrapper's forward for gradients, and always under FSDP2). The gathered rollout is small ([B, P + R] ids and a few [B, R] floats) next to the model's gradients.
 """
 
 from __future__ import annotations
