@@ -23,7 +23,8 @@ The roles are one `nn.ModuleDict` under one DDP/FSDP2 wrapper: one reduction cov
 critic, and under FSDP2 a separate frozen reference or reward model is sharded like them (DDP
 replicates it and reduces nothing for it); frozen roles on the LoRA shared base (reference, reward
 adapter) live in the policy's modules. Every model call goes through `Roles` (inside the
-wrapper's forward for gradients, and always under FSDP2). The gathered rollout is small ([B, P + R] ids and a few [B, R] floats) next to the model's gradients.
+wrapper's forward for gradients, and always under FSDP2). The gathered rollout is small
+([B, P + R] ids and a few [B, R] floats) next to the model's gradients.
 """
 
 from __future__ import annotations
