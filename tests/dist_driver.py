@@ -1,12 +1,13 @@
-"""Run several offline-stage configs in one torchrun launch (one process group, one start-up).
+"""Run several stage configs in one torchrun launch (one process group, one start-up).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_driver.py SPEC.json
 
-SPEC.json is a list of {"stage": "sft" | "rm" | "dpo", "config": {field: value}, "stop_after": N};
-each runs in turn through the stage's Python `run`, exactly as `tether <stage>` would (a config's
-`fsdp` chooses DDP or FSDP2 for that run). With `stop_after` the run dies in optimizer step N + 1
-on every rank, like a killed job (its last checkpoint stays). The tests compare the results with
-one-process runs; `run_spec` is also how they make those, in their own process.
+SPEC.json is a list of {"stage": "sft" | "rm" | "dpo" | "ppo" | "rloo" | "grpo", "config":
+{field: value}, "stop_after": N}; each runs in turn through the stage's Python `run`, exactly as
+`tether <stage>` would (a config's `fsdp` chooses DDP or FSDP2 for that run). With `stop_after`
+(offline stages) the run dies in optimizer step N + 1 on every rank, like a killed job (its last
+checkpoint stays). The tests compare the results with one-process runs; `run_spec` is also how
+they make those, in their own process.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import json
 import sys
 
 from tether import distributed
-from tether.train import dpo, reward, sft
+from tether.train import dpo, ppo, ppo_config, reward, sft
 
 STAGES = {"sft": (sft, sft.SFTConfig), "rm": (reward, reward.RMConfig),
-          "dpo": (dpo, dpo.DPOConfig)}
+          "dpo": (dpo, dpo.DPOConfig), "ppo": (ppo, ppo_config.PPOConfig),
+          "rloo": (ppo, ppo_config.RLOOConfig), "grpo": (ppo, ppo_config.GRPOConfig)}
 
 
 class Stop(Exception):
@@ -27,7 +29,7 @@ class Stop(Exception):
 
 def run_one(item: dict) -> None:
     module, config = STAGES[item["stage"]]
-    real, calls = module.optimizer_step, []
+    real, calls = getattr(module, "optimizer_step", None), []  # ppo has none: no stop_after
 
     def step(*args, **kwargs):
         calls.append(1)
@@ -41,7 +43,8 @@ def run_one(item: dict) -> None:
     except Stop:
         pass
     finally:
-        module.optimizer_step = real
+        if real is not None:
+            module.optimizer_step = real
 
 
 def run_spec(items: list[dict]) -> None:

@@ -12,9 +12,11 @@ from tether.models import disable_dropout, load_causal_lm, load_tokenizer
 from tether.rollout import (
     Rollout,
     apply_stop_strings,
+    inverse_cdf_sample,
     position_ids_from_mask,
     response_logits,
     sample_responses,
+    sampling_uniforms,
     sequence_logprobs,
 )
 from tether.tiny import make_lm
@@ -103,13 +105,17 @@ def test_kv_cached_sampling_matches_full_forward_sampling(tiny):
     cached = sample_responses(policy, ids, mask, max_new_tokens=8, temperature=0.9,
                               eos_token_ids=[tokenizer.eos_token_id], pad_token_id=pad,
                               generator=torch.Generator().manual_seed(5))
-    gen = torch.Generator().manual_seed(5)
+    # The sampler's rule, written out: row b's step-t uniform u picks the first token whose
+    # cumulative probability reaches (1 - u) * total.
+    uniforms = torch.rand((ids.shape[0], 8), generator=torch.Generator().manual_seed(5))
     seq, seq_mask = ids, mask
     with torch.no_grad():
-        for _ in range(8):
+        for step in range(8):
             logits = policy(input_ids=seq, attention_mask=seq_mask,
                             position_ids=position_ids_from_mask(seq_mask)).logits[:, -1]
-            token = torch.multinomial(torch.softmax(logits / 0.9, -1), 1, generator=gen)
+            cdf = torch.softmax(logits / 0.9, -1).cumsum(-1)
+            token = torch.stack([(cdf[b] < (1 - uniforms[b, step]) * cdf[b, -1]).sum()
+                                 for b in range(len(cdf))])[:, None]
             seq = torch.cat([seq, token], 1)
             seq_mask = torch.cat([seq_mask, torch.ones_like(token)], 1)
     # No EOS was sampled in these rows (checked), so every row ran the full 8 tokens.
@@ -230,3 +236,43 @@ def test_batch_invariance_left_and_right_padding(tiny):
         torch.testing.assert_close(kl_r[i], kl_alone, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rewards_r[i], rew_alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(alone[0][1], torch.zeros(())), "policy and reference must differ"
+
+
+def test_inverse_cdf_sample_by_hand():
+    # probs [0.2, 0, 0.5, 0.3]: cdf [0.2, 0.2, 0.7, 1.0]. target (1 - u) * 1.0:
+    # u=0.9 -> 0.1 -> token 0; u=0.75 -> 0.25 -> token 2 (token 1 has probability 0, skipped);
+    # u=0.0 -> 1.0 -> token 3; u=0.5 -> 0.5 -> token 2.
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).repeat(4, 1)
+    u = torch.tensor([0.9, 0.75, 0.0, 0.5])
+    assert inverse_cdf_sample(probs, u).tolist() == [0, 2, 3, 2]
+    # A zero-probability first token is never chosen, even at the top end of u.
+    assert inverse_cdf_sample(torch.tensor([[0.0, 1.0]]), torch.tensor([0.999999])).item() == 1
+
+
+def test_inverse_cdf_sample_frequencies():
+    # 20000 draws from a 5-token distribution land within 4 standard errors of it.
+    probs = torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4])
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(inverse_cdf_sample(probs.expand(20000, 5), u), minlength=5)
+    freq = counts.double() / 20000
+    se = (probs.double() * (1 - probs.double()) / 20000).sqrt()
+    assert ((freq - probs.double()).abs() < 4 * se).all()
+
+
+def test_samples_do_not_depend_on_the_batch_split(tiny):
+    # One global batch sampled whole, and as two halves with their rows' slices of the same
+    # uniforms (two ranks): the same tokens in every row.
+    tokenizer, policy = tiny
+    pad = tokenizer.pad_token_id
+    texts = ["the", "a good film and the", "the plot", "a"]
+    ids, mask = _left_pad([tokenizer(t)["input_ids"] for t in texts], pad)
+    uniforms = sampling_uniforms(11, 4, 6)
+    kw = dict(max_new_tokens=6, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
+              pad_token_id=pad)
+    whole = sample_responses(policy, ids, mask, uniforms=uniforms, **kw)
+    for rows in (slice(0, 2), slice(2, 4)):
+        part_ids, part_mask = _left_pad([tokenizer(t)["input_ids"] for t in texts[rows]], pad)
+        part = sample_responses(policy, part_ids, part_mask, uniforms=uniforms[rows], **kw)
+        width = part.responses.shape[1]
+        assert part.responses.equal(whole.responses[rows, :width])
+        assert not whole.response_mask[rows, width:].any()

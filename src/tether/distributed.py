@@ -214,9 +214,11 @@ class Parallel(nn.Module):
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: the members of the longest `nn.ModuleList`
-    (GPT-2's `h`, Llama's `layers`; with peft the same list under its wrappers)."""
+    (GPT-2's `h`, Llama's `layers`; with peft the same list under its wrappers), and of every
+    other list as long (several models under one wrapper: PPO's policy, critic, reference)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    longest = max((len(m) for m in lists), default=0)
+    return [layer for m in lists if len(m) == longest > 0 for layer in m]
 
 
 def wrap(model: nn.Module, d: Dist) -> nn.Module:

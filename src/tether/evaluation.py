@@ -22,7 +22,13 @@ from tether.data import load_prompts
 from tether.errors import TetherError
 from tether.lm_head import head_exact_kl
 from tether.models import eos_token_ids
-from tether.rollout import Rollout, decode_responses, left_pad, sample_responses
+from tether.rollout import (
+    Rollout,
+    decode_responses,
+    left_pad,
+    sample_responses,
+    sampling_uniforms,
+)
 from tether.trunk_head import score_responses, trunk_and_head
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -134,7 +140,8 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
     """
     device = next(policy.parameters()).device
-    gen = torch.Generator(device).manual_seed(inputs.seed)
+    # one row of noise per prompt: the samples do not depend on the chunking or the world size
+    uniforms = sampling_uniforms(inputs.seed, len(inputs.prompts), inputs.max_new_tokens)
     pad = tokenizer.pad_token_id
     parts: dict[str, list[torch.Tensor]] = {}
     texts: list[str] = []
@@ -144,7 +151,7 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
         rollout = sample_responses(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
                                    temperature=inputs.temperature,
                                    eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
-                                   generator=gen)
+                                   uniforms=uniforms[start:start + inputs.batch_size])
         responses = decode_responses(tokenizer, rollout)
         texts += responses
         measured = _measure_chunk(policy, reference, rollout, chunked_lm_head)

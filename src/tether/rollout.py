@@ -85,10 +85,34 @@ def _get_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
+    """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
+    seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
+    the world size or the chunking, and a resumed run draws what the uninterrupted one did."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand((n_rows, max_new_tokens), generator=generator)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inversion: the first token whose cumulative
+    probability reaches (1 - u) * total, with `uniforms` u [B] in [0, 1) (Devroye 1986, ch. 2.1).
+
+    1 - u lies in (0, 1], so a token of probability 0 is never chosen (not even the first one);
+    scaling by the row's own total absorbs the cumsum's rounding. The cumsum is float64: in
+    float32 each step rounds by ~6e-8 absolute, which over a 128k vocabulary moves ~0.5% of the
+    probability mass (torch.multinomial accumulates in double on the CPU too). Returns [B] long.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    target = (1.0 - uniforms.double())[:, None] * cdf[:, -1:]  # [B, 1]
+    token = torch.searchsorted(cdf, target).squeeze(1)
+    return token.clamp(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
 def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
-                     pad_token_id: int, generator: torch.Generator | None = None) -> Rollout:
+                     pad_token_id: int, generator: torch.Generator | None = None,
+                     uniforms: torch.Tensor | None = None, all_done=None) -> Rollout:
     """Sample up to `max_new_tokens` per prompt from softmax(logits / temperature), KV-cached.
 
     Plain ancestral sampling and nothing else: no top-k, top-p, repetition penalty or any of the
@@ -99,12 +123,22 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     Args:
         prompt_ids: [B, P] prompts, left-padded. prompt_mask: [B, P], 1 on real tokens.
         eos_token_ids: ids that end a response (the EOS token is kept as its last token).
-        generator: a torch.Generator on the policy's device, for reproducible samples.
+        generator: a torch.Generator, for reproducible samples (used when `uniforms` is None).
+        uniforms: [B, max_new_tokens] in [0, 1), row b's noise for each step (`sampling_uniforms`):
+            a row's tokens depend on its own noise only, not on the batch it is sampled in, so
+            any split of a global batch (ranks, chunks) samples what the whole batch would.
+        all_done: `alive [B] -> bool`, whether sampling may stop (default: no row is alive);
+            under FSDP2 every rank must run the same number of steps, so it is a global "any".
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling")
     batch, context_length = prompt_ids.shape
     device = prompt_ids.device
+    if uniforms is None:
+        uniforms = torch.rand((batch, max_new_tokens), generator=generator,
+                              device=generator.device if generator is not None else "cpu")
+    uniforms = uniforms.to(device)
+    all_done = all_done or (lambda alive: not bool(alive.any()))
     cache_kw = _cache_name(policy)
     attention_mask = prompt_mask.long()
     position_ids = position_ids_from_mask(attention_mask)
@@ -116,12 +150,12 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     tokens, masks = [], []
     for step in range(max_new_tokens):
         probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        token = inverse_cdf_sample(probs, uniforms[:, step])
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         tokens.append(token)
         masks.append(alive)
         alive = alive & ~torch.isin(token, eos)
-        if step == max_new_tokens - 1 or not alive.any():
+        if step == max_new_tokens - 1 or all_done(alive):
             break
         # Finished rows keep feeding pads with attention 0: their outputs are ignored.
         attention_mask = torch.cat([attention_mask, alive[:, None].long()], dim=1)

@@ -26,12 +26,28 @@ from tether import interrupt
 from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.config import parse_config
+from tether.distributed import all_gather_rows, barrier, rank_slice
 from tether.errors import TetherError
-from tether.models import save_trained_lm
-from tether.rollout import apply_stop_strings, decode_responses, sample_responses
+from tether.lora import LoraSpec
+from tether.models import load_trainable_lm, save_trained_lm
+from tether.rollout import (
+    apply_stop_strings,
+    decode_responses,
+    sample_responses,
+    sampling_uniforms,
+)
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import autocast, print_result
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_dist import (
+    all_done,
+    any_rank,
+    check_same_beta,
+    epoch0_rows,
+    gather_in_order,
+    gather_rollout,
+    micro_rows,
+)
 from tether.train.ppo_setup import (
     Setup,
     build,
@@ -40,6 +56,8 @@ from tether.train.ppo_setup import (
     sample_table,
 )
 from tether.train.ppo_step import (
+    SCORED,
+    Scored,
     estimate_advantages,
     explained_variance,
     kl_sums,
@@ -51,17 +69,33 @@ __all__ = ["PPOConfig", "run", "cli"]
 
 
 def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
-                  generator: torch.Generator):
-    """Sample responses to one batch of prompts and score them with the reward."""
-    rollout = sample_responses(setup.policy, prompt_ids, prompt_mask,
-                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                               eos_token_ids=setup.eos_token_ids,
-                               pad_token_id=setup.tokenizer.pad_token_id, generator=generator)
-    rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings,
-                                 setup.tokenizer.pad_token_id)
-    responses = decode_responses(setup.tokenizer, rollout)
-    raw_scores = setup.reward(prompts, responses, rollout).to(setup.device)
-    return rollout, responses, raw_scores
+                  uniforms: torch.Tensor):
+    """Sample responses to this rank's rows of a batch of prompts (`uniforms`: the rows' noise)
+    and score them with the reward."""
+    def sample_and_score(policy, _critic):
+        rollout = sample_responses(policy, prompt_ids, prompt_mask,
+                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                   eos_token_ids=setup.eos_token_ids,
+                                   pad_token_id=setup.tokenizer.pad_token_id, uniforms=uniforms,
+                                   all_done=all_done(setup.dist))
+        rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings,
+                                     setup.tokenizer.pad_token_id)
+        responses = decode_responses(setup.tokenizer, rollout)
+        return rollout, responses, setup.reward(prompts, responses, rollout).to(setup.device)
+    return setup.roles.generate(sample_and_score)
+
+
+def score_batch(setup: Setup, cfg: PPOConfig, rollout) -> Scored:
+    """Old policy, reference and critic on the global rollout's tokens: each rank scores the rows
+    it updates in the first epoch, in its micro-batches (so that epoch's ratio is exactly 1), and
+    every rank gets all rows back in order."""
+    d, minibatch = setup.dist, cfg.minibatch_size
+    rows = epoch0_rows(len(rollout), minibatch, d).to(rollout.input_ids.device)
+    mine = setup.roles.peek(lambda policy, critic: score_rollout(
+        policy, setup.reference, critic, rollout.select(rows), None, micro_rows(cfg, d),
+        cfg.chunked_lm_head))
+    return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch, d)
+                    for name in SCORED))
 
 
 # A policy whose entropy is near 0 nats per token while it sits far (in KL) from the reference has
@@ -92,54 +126,96 @@ def warn_or_stop(metrics: dict[str, float], max_kl: float, step: int, warned: bo
 
 
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
-    """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics."""
+    """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics.
+
+    Under several processes every rank evaluates every prompt alike (the same noise, the same
+    numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
     with autocast(cfg.mixed_precision, setup.device):
-        metrics, samples = evaluate(setup, cfg)
+        metrics, samples = setup.roles.generate(lambda _policy, _critic: evaluate(setup, cfg))
     rundir.log_samples(step, samples)
     return metrics
+
+
+def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormalizer) -> int:
+    """With --resume: the latest checkpoint into every rank's models, optimizer, schedule,
+    controller and normaliser; returns the batch to start from (0 without one)."""
+    state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
+                                   setup.scheduler)
+    if state is not None:
+        setup.kl_ctl.load_state_dict(state["kl_ctl"])
+        normalizer.load_state_dict(state["score_norm"])
+    # Lines logged after the checkpoint will be logged again.
+    rundir.announce_resume(state["batch"] if state is not None else None)
+    rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
+    return state["batch"] if state is not None else 0
+
+
+def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
+    """Rank 0 writes the final policy. Under FSDP2 no rank holds it whole: the shards are
+    gathered into a fresh copy of the starting model on rank 0, saved by the same code."""
+    lm = setup.lm
+    if setup.dist.fsdp:
+        state = setup.roles.full_policy_state()  # every rank gathers; rank 0 receives
+        if setup.dist.is_main:
+            lm = load_trainable_lm(cfg.policy, setup.tokenizer, LoraSpec.from_config(cfg),
+                                   cfg.dtype, cfg.trust_remote_code)
+            fresh = lm.model.state_dict()
+            lm.model.load_state_dict({k: v for k, v in state.items() if k in fresh})
+    if setup.dist.is_main:
+        save_trained_lm(lm, setup.tokenizer, rundir.final_dir,
+                        rundir.merged_dir if cfg.merge_lora else None)
+        rundir.close()
+    barrier(setup.dist)
+
+
+def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
+               normalizer: ScoreNormalizer) -> None:
+    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
+    save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
+                    {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
+                     "score_norm": normalizer.state_dict()})
 
 
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
 
     `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
-    of --reward-fn / --gold-fn (give a reward one way only).
+    of --reward-fn / --gold-fn (give a reward one way only). Under torchrun every rank runs this
+    loop on its rows of each global batch (`train/ppo_dist.py`); rank 0 writes.
     """
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
-    rundir.save_config(cfg)
+    d = setup.dist
+    rundir.save_config(cfg)  # rank 0 writes it; every rank checks a resumed one
     models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
-    start = 0
-    state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
-                                   setup.scheduler) if cfg.resume else None
-    if state is not None:
-        start = state["batch"]
-        setup.kl_ctl.load_state_dict(state["kl_ctl"])
-        normalizer.load_state_dict(state["score_norm"])
-    if cfg.resume:  # lines logged after the checkpoint will be logged again
-        rundir.announce_resume(start if state is not None else None)
-        rundir.truncate_metrics(after_step=start if state is not None else -1)
+    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
     if cfg.eval_prompts and cfg.eval_every and start == 0:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
         rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
     metrics: dict[str, float] = {}
     warned = False
-    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)
+    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
     try:
         for batch in range(start, cfg.n_batches):
             step = batch + 1
             started = time.perf_counter()
-            # Seeded per batch, so a resumed run samples what the uninterrupted one would have.
-            gen = torch.Generator(setup.device).manual_seed(cfg.seed * 1_000_003 + batch)
-            shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
+            # Seeded per batch and row, so a resumed run samples what the uninterrupted one would
+            # have, at any world size.
+            seed = cfg.seed * 1_000_003 + batch
+            shuffle_gen = torch.Generator().manual_seed(seed)
             prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
+            uniforms = sampling_uniforms(seed, len(prompts), cfg.max_new_tokens)
+            mine = rank_slice(len(prompts), d)
 
-            # 1. Rollout and reward. With --mixed-precision bf16 every model forward here and in
-            #    step 2 runs under autocast; log-probs, values and scores come out in fp32.
+            # 1. Rollout and reward of this rank's rows, then the global batch on every rank.
+            #    With --mixed-precision bf16 every model forward here and in step 2 runs under
+            #    autocast; log-probs, values and scores come out in fp32.
             with autocast(cfg.mixed_precision, setup.device):
-                rollout, responses, raw_scores = rollout_batch(setup, cfg, prompts, prompt_ids,
-                                                               prompt_mask, gen)
+                rollout, responses, raw_scores = rollout_batch(
+                    setup, cfg, prompts[mine], prompt_ids[mine], prompt_mask[mine],
+                    uniforms[mine])
+            rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
             scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
             scores = normalizer(scores)
             if cfg.reward_clip > 0:
@@ -148,8 +224,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             # 2. Score the same tokens: old policy, reference, critic (same temperature), in the
             #    rows of the first epoch's micro-batches, so its ratio is exactly 1.
             with autocast(cfg.mixed_precision, setup.device):
-                old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
-                                    None, cfg.micro_batch_rows, cfg.chunked_lm_head)
+                old = score_batch(setup, cfg, rollout)
             mask = rollout.response_mask
 
             # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a
@@ -162,12 +237,13 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
                                             cfg.resolved_estimator if in_reward else "k1")
             advantages, returns = estimate_advantages(cfg, rewards, old.values, mask)
 
-            # 4. PPO epochs over minibatches.
+            # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
             update_started = time.perf_counter()
             update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
                                 advantages, returns, cfg,
                                 kl_loss_beta=0.0 if in_reward else beta,
-                                generator=shuffle_gen, reference=setup.reference)
+                                generator=shuffle_gen, reference=setup.reference,
+                                roles=setup.roles)
             update_s = time.perf_counter() - update_started
             lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
             setup.scheduler.step()
@@ -175,6 +251,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
             seq_kl = kl.sum(dim=1).mean().item()
             setup.kl_ctl.update(seq_kl, len(rollout))
+            check_same_beta(setup.kl_ctl.beta, d)
 
             elapsed = time.perf_counter() - started
             n_tokens = int(mask.sum())
@@ -199,21 +276,17 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             metrics["policy/collapsed"] = float(collapsed(metrics))
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
-            if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
-                rundir.log(step, metrics)
-            if cfg.sample_every and step % cfg.sample_every == 0:
-                rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
+            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores[mine])
             bar.update(1)
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
-            warned = warn_or_stop(metrics, cfg.max_kl, step, warned)
+            # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
+            warned = warn_or_stop(metrics, cfg.max_kl, step, warned or not d.is_main)
+            stopping = any_rank(interrupt.requested(), d)
             due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
-            if due or interrupt.requested():
-                save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer,
-                                setup.scheduler, {"batch": step,
-                                                  "kl_ctl": setup.kl_ctl.state_dict(),
-                                                  "score_norm": normalizer.state_dict()})
-            if interrupt.requested():  # Ctrl-C or SIGTERM: stop here, resumable
+            if due or stopping:
+                checkpoint(rundir, setup, models, step, normalizer)
+            if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
     except FloatingPointError as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
@@ -223,11 +296,19 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
         rundir.log(cfg.n_batches, final_eval)
         metrics.update(final_eval)
-    save_trained_lm(setup.lm, setup.tokenizer, rundir.final_dir,
-                    rundir.merged_dir if cfg.merge_lora else None)
-    rundir.close()
+    save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
+
+
+def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
+              prompts: list[str], responses: list[str], raw_scores: torch.Tensor) -> None:
+    """The metric line and sample table (rank 0 writes them; the table shows its own rows, the
+    first of the global batch)."""
+    if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
+        rundir.log(step, metrics)
+    if cfg.sample_every and step % cfg.sample_every == 0:
+        rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
 
 
 def cli(argv: list[str]) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 from tether import kl as kl_lib
 from tether.critic import ValueHead, ValueModel
 from tether.data import load_prompts, prompt_indices
+from tether.distributed import Dist
 from tether.errors import TetherError
 from tether.evaluation import EvalInputs, eval_inputs, evaluate_policy, policy_eos_ids
 from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
@@ -28,7 +29,6 @@ from tether.models import (
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
-    resolve_device,
 )
 from tether.optim import make_lr_schedule, make_optimizer
 from tether.reward_fn import (
@@ -42,13 +42,16 @@ from tether.reward_fn import (
 )
 from tether.rollout import left_pad
 from tether.shared_base import lora_critic, shared_reward_model
-from tether.train.common import enable_gradient_checkpointing
+from tether.train.common import enable_gradient_checkpointing, join
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_dist import Roles, check_world
 
 
 @dataclass
 class Setup:
     device: torch.device
+    dist: Dist  # this process's rank and world size (one process: rank 0 of 1)
+    roles: Roles  # policy and critic under one DDP/FSDP2 wrapper (ppo_dist.Roles)
     tokenizer: object
     policy: nn.Module
     reference: nn.Module
@@ -80,8 +83,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     for name in ("policy", "prompts"):
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
+    d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
+    check_world(cfg, d)
+    device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     # What needs no model first: a bad file or flag fails before anything large loads.
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
@@ -145,7 +150,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
         if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
             enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
 
-    # The optimizer and schedule of every stage; a PPO step is one rollout batch.
+    # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
+    # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
+    frozen = {"reference": reference} | ({"reward": reward_model} if reward_model else {})
+    roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
@@ -154,16 +162,23 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     eos = policy_eos_ids(tokenizer, policy, cfg.policy)
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
-    return Setup(device=device, tokenizer=tokenizer, policy=policy, reference=reference,
+    return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
+                 reference=reference,
                  critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
                  kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
                  eval=evaluation)
 
 
+def _owns_weights(model: nn.Module) -> bool:
+    """False for a role that is a view of the LoRA shared base (its weights are the policy's)."""
+    return any(True for _ in model.parameters())
+
+
 def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
     """The prompts of rollout batch `batch`, each repeated `samples_per_prompt` times in
-    consecutive rows (the groups rloo and grpo compare), left-padded on the device."""
+    consecutive rows (the groups rloo and grpo compare), left-padded on the device. The whole
+    global batch on every rank, padded to its width: a rank's slice of it has the global width."""
     rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, cfg.seed, batch)
             for _ in range(cfg.samples_per_prompt)]
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,

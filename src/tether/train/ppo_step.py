@@ -20,6 +20,7 @@ from torch import nn
 from tether import kl as kl_lib
 from tether.advantages import gae, grpo, reinforce_pp, rloo, whiten
 from tether.critic import policy_and_values
+from tether.distributed import Dist, rank_slice
 from tether.errors import TetherError
 from tether.lm_head import head_exact_kl
 from tether.losses import (
@@ -32,6 +33,7 @@ from tether.losses import (
 from tether.rollout import Rollout
 from tether.train.common import autocast
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_dist import Roles, micro_rows, sum_stats
 from tether.trunk_head import score_responses, trunk_and_head
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
@@ -173,30 +175,39 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     return loss, stats
 
 
-def accumulate_minibatch(policy: nn.Module, critic: nn.Module | None, rollout: Rollout,
-                         old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
-                         index: torch.Tensor, cfg: PPOConfig, kl_loss_beta: float,
-                         reference: nn.Module | None = None) -> dict[str, float]:
-    """Forward and backward over the minibatch `index` in micro-batches of `cfg.micro_batch_rows`
-    rows, adding to the gradients; returns the stats the whole minibatch would give (loss shares
-    summed, token means weighted by each micro-batch's tokens).
+def accumulate_minibatch(roles: Roles, rollout: Rollout, old: Scored, advantages: torch.Tensor,
+                         returns: torch.Tensor, index: torch.Tensor, cfg: PPOConfig,
+                         kl_loss_beta: float, reference: nn.Module | None = None
+                         ) -> dict[str, float]:
+    """Forward and backward over this rank's share of the minibatch `index` (global rows; all of
+    it with one process) in micro-batches of `micro_rows` rows, adding to the gradients; returns
+    the stats the whole minibatch would give (loss shares summed over micro-batches and ranks,
+    token means weighted by each micro-batch's tokens).
 
-    Each forward runs under bf16 autocast when `cfg.mixed_precision` asks; the backward outside it
-    (as torch.autocast recommends).
+    Every loss is divided by the whole minibatch's counts and multiplied by `grad_scale` (the
+    world size: DDP and FSDP2 average the ranks' gradients), so the reduced gradient is the
+    one-process gradient; only the last micro-batch's backward reduces (`no_sync`). Each forward
+    runs under bf16 autocast when `cfg.mixed_precision` asks; the backward outside it (as
+    torch.autocast recommends).
     """
-    n_tokens = int(rollout.response_mask[index].sum())  # the minibatch's real tokens
+    d = roles.dist
+    n_tokens = int(rollout.response_mask[index].sum())  # the minibatch's real tokens, all ranks
     device = rollout.input_ids.device
+    mine = index[rank_slice(len(index), d)]
+    parts = chunks(len(mine), micro_rows(cfg, d))
     sums: dict[str, float] = {}
-    for rows in chunks(len(index), cfg.micro_batch_rows):
-        micro = index[rows]
-        with autocast(cfg.mixed_precision, device):
-            loss, part = minibatch_loss(policy, critic, rollout.select(micro), old.select(micro),
+    for number, rows in enumerate(parts):
+        micro = mine[rows]
+        with roles.no_sync(skip=number < len(parts) - 1):
+            with autocast(cfg.mixed_precision, device):
+                loss, part = roles.call(minibatch_loss, rollout.select(micro), old.select(micro),
                                         advantages[micro], returns[micro], cfg, kl_loss_beta,
                                         (n_tokens, len(index)), reference)
-        loss.backward()
+            (loss * d.grad_scale if d.active else loss).backward()
         micro_tokens = int(rollout.response_mask[micro].sum())
         for key, value in part.items():  # losses are already shares; weight the token means
             sums[key] = sums.get(key, 0.0) + (value * micro_tokens if key in TOKEN_MEANS else value)
+    sums = sum_stats(sums, d)
     return {key: value / n_tokens if key in TOKEN_MEANS else value for key, value in sums.items()}
 
 
@@ -222,7 +233,8 @@ def update_mode(cfg, *models: nn.Module):
 def ppo_update(policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer,
                rollout: Rollout, old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
                cfg: PPOConfig, kl_loss_beta: float, generator: torch.Generator,
-               reference: nn.Module | None = None) -> dict[str, float]:
+               reference: nn.Module | None = None, roles: Roles | None = None
+               ) -> dict[str, float]:
     """`cfg.ppo_epochs` passes over `cfg.num_minibatches` minibatches of the rollout.
 
     The first epoch walks the minibatches in rollout order (the chunks `score_rollout` used, so
@@ -231,7 +243,12 @@ def ppo_update(policy: nn.Module, critic: nn.Module | None, optimizer: torch.opt
     batch's remaining epochs are skipped, a cheap stand-in for TRPO's hard KL constraint
     (Schulman et al. 2015, eq. 12). The guard judges the whole minibatch, so it runs after the
     micro-batches' backward passes; a refused step's gradients are dropped.
+
+    `rollout`, `old`, `advantages` and `returns` are the global batch; `roles` (the wrapped policy
+    and critic, `ppo_dist.Roles`; default: these two in one process) says which rows are this
+    rank's. The approx KL is global, so every rank stops at the same step.
     """
+    roles = roles or Roles(policy, critic, Dist())
     batch = len(rollout)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: off
@@ -244,13 +261,15 @@ def ppo_update(policy: nn.Module, critic: nn.Module | None, optimizer: torch.opt
             for rows in chunks(batch, cfg.minibatch_size):
                 index = order[rows].to(advantages.device)
                 optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_minibatch(policy, critic, rollout, old, advantages, returns,
-                                             index, cfg, kl_loss_beta, reference)
+                stats = accumulate_minibatch(roles, rollout, old, advantages, returns, index,
+                                             cfg, kl_loss_beta, reference)
                 if cfg.target_kl > 0 and stats["policy/approx_kl"] > cfg.target_kl:
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
                     break
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, reduced over ranks
+                    grad_norm = grad_norm.full_tensor()
                 assert_finite("gradient norm", grad_norm)
                 optimizer.step()
                 stats["policy/grad_norm"] = float(grad_norm)
