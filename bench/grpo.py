@@ -19,10 +19,10 @@ checkpointing. Method settings, each library configured to match tether's where 
 Differences that stay (they change the numbers, not the work): TRL's RLOO clips one ratio per
 sequence and averages per-sequence losses, tether clips per token and averages over tokens; TRL's
 reward model re-tokenises the decoded text (tether scores the policy's token ids); tether
-writes its final model, TRL saves nothing; tether scores the old policy with a separate forward
-pass in GRPO too (its exact-ratio invariant), which TRL skips when the update is on-policy
-(`num_iterations=1`); both compute the entropy. Responses stop at EOS on both sides, so the
-bench prints the mean response length and generated tokens/s beside episodes/s.
+writes its final model, TRL saves nothing. Both take the old policy's log-probs for GRPO from
+the update's own forward (one step per batch); for RLOO TRL runs a separate old-policy forward,
+tether does not (train/onpolicy.py). Responses stop at EOS on both sides, so the bench prints
+the mean response length and generated tokens/s beside episodes/s.
 
 Each run is timed from construction to the end of training. Runs interleave (tether, TRL, TRL,
 tether, ... per method) and the medians of `--repeats` runs are reported.
@@ -59,7 +59,8 @@ K = 4  # samples per prompt
 
 @dataclass
 class Timing:
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float  # CPU time of this process, all its threads (time.process_time)
     response_len: float  # mean generated tokens per episode, EOS included
 
 
@@ -76,7 +77,7 @@ def tether_config(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Pat
         samples_per_prompt=K, batch_size=args.batch_size, total_episodes=args.episodes,
         max_new_tokens=args.response_length, num_minibatches=1, lr=1e-5, lr_schedule="linear",
         temperature=1.0, kl_ctl="fixed", max_grad_norm=1.0, device=args.device, save_every=0,
-        sample_every=0, log_every=1)
+        sample_every=0, log_every=1, report_to="none")  # metrics.jsonl only; TRL reports to none
 
 
 def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
@@ -85,13 +86,13 @@ def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, 
 
     cfg = tether_config(method, policy_dir, rm_dir, prompts_file, root, args)
     assert cfg.ppo_epochs == 1 and cfg.samples_per_prompt == K  # the workload, not a default drift
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     run(cfg)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     lines = (root / "runs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if "rollout/response_len" in m]
     length = statistics.fmean(m["rollout/response_len"] for m in metrics)
-    return Timing(seconds, length), metrics
+    return Timing(seconds, cpu_seconds, length), metrics
 
 
 def trl_config(method: str, root: Path, args):
@@ -103,7 +104,7 @@ def trl_config(method: str, root: Path, args):
         gradient_accumulation_steps=1, num_generations=K, num_iterations=1,
         max_steps=args.episodes // args.batch_size, max_completion_length=args.response_length,
         temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-5, lr_scheduler_type="linear",
-        max_grad_norm=1.0, weight_decay=0.0, bf16=False, gradient_checkpointing=False,
+        max_grad_norm=1.0, weight_decay=0.0, bf16=False, activation_checkpointing=False,
         disable_dropout=True, use_cpu=args.device == "cpu", report_to="none",
         save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False)
@@ -124,7 +125,7 @@ def run_trl(method: str, policy_dir: Path, rm_dir: Path, prompts: list[str], roo
     )
     from trl import GRPOTrainer, RLOOTrainer
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir)
     # TRL reads a model reward through a sequence-classification head ("score").
@@ -136,10 +137,10 @@ def run_trl(method: str, policy_dir: Path, rm_dir: Path, prompts: list[str], roo
                             processing_class=tokenizer, reward_processing_classes=tokenizer)
     trainer.remove_callback(PrinterCallback)  # its per-step log lines; tether prints none either
     trainer.train()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     lengths = [log["completions/mean_length"] for log in trainer.state.log_history
                if "completions/mean_length" in log]
-    return Timing(seconds, statistics.fmean(lengths))
+    return Timing(seconds, cpu_seconds, statistics.fmean(lengths))
 
 
 def check_trl() -> None:
@@ -157,7 +158,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="rloo,grpo")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (0: torch's default; 1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-trl", action="store_true", help="tether's side only")
     args = parser.parse_args(argv)
@@ -175,18 +177,21 @@ def quiet() -> None:
 
 
 def report(method: str, runs: dict[str, list[Timing]], args) -> list[str]:
-    """One line per side: median episodes/s, generated tokens/s, mean length, ratio to TRL."""
+    """One line per side: median episodes/s (wall clock and per CPU-second), generated tokens
+    per wall second, mean response length, and each ratio to TRL."""
     label = {"rloo": "RLOO", "grpo": "GRPO"}[method]
     lines = []
-    medians = {side: statistics.median(t.seconds for t in timings)
-               for side, timings in runs.items()}
+    wall = {side: statistics.median(t.seconds for t in timings) for side, timings in runs.items()}
+    cpu = {side: statistics.median(t.cpu_seconds for t in timings)
+           for side, timings in runs.items()}
     for side, timings in runs.items():
-        seconds = medians[side]
         length = statistics.fmean(t.response_len for t in timings)
-        ratio = f"{medians['trl'] / seconds:.2f}x" if "trl" in medians else "-"
+        ratios = ([f"{wall['trl'] / wall[side]:.2f}x", f"{cpu['trl'] / cpu[side]:.2f}x"]
+                  if "trl" in wall else ["-", "-"])
         name = f"tether {method}" if side == "tether" else f"TRL {label}Trainer"
-        lines.append(f"{name:<22}{args.episodes / seconds:>12.2f}"
-                     f"{args.episodes * length / seconds:>12.1f}{length:>9.1f}{ratio:>9}")
+        lines.append(f"{name:<22}{args.episodes / wall[side]:>10.2f}{ratios[0]:>8}"
+                     f"{args.episodes / cpu[side]:>10.2f}{ratios[1]:>8}"
+                     f"{args.episodes * length / wall[side]:>10.1f}{length:>8.1f}")
     return lines
 
 
@@ -199,8 +204,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     if not args.no_trl:
         check_trl()
         import datasets
-        import trl  # noqa: F401  (import cost stays outside the timings)
         datasets.disable_progress_bars()
+        # Imports stay outside the timings: TRL's trainer modules load lazily, and they import
+        # peft, which tether otherwise imports on its first model-type check.
+        from trl import GRPOTrainer, RLOOTrainer  # noqa: F401
     import tether.train.ppo  # noqa: F401
 
     prompts = make_prompts(512)
@@ -220,13 +227,14 @@ def main(argv: list[str] | None = None) -> list[str]:
                     else:
                         timing = run_trl(method, policy_dir, rm_dir, prompts, root, args)
                     runs[method][side].append(timing)
-                    print(f"  {method} {side}: {timing.seconds:.1f} s, mean response "
-                          f"{timing.response_len:.1f} tokens", flush=True)
+                    print(f"  {method} {side}: {timing.seconds:.1f} s ({timing.cpu_seconds:.1f} "
+                          f"CPU-s), mean response {timing.response_len:.1f} tokens", flush=True)
     threads = torch.get_num_threads()
     lines = [f"k = {K}, {args.episodes} episodes, batch {args.batch_size}, "
              f"{args.response_length}-token responses, 1 step per batch, device {args.device}, "
              f"{threads} thread(s), median of {args.repeats}",
-             f"{'':<22}{'episodes/s':>12}{'tokens/s':>12}{'length':>9}{'vs TRL':>9}"]
+             f"{'':<22}{'ep/s':>10}{'vs TRL':>8}{'ep/CPU-s':>10}{'vs TRL':>8}{'tok/s':>10}"
+             f"{'length':>8}"]
     for method in args.methods:
         lines += report(method, runs[method], args)
     print("\n".join(lines))

@@ -19,8 +19,9 @@ def test_tether_side_runs_both_methods_and_reports_them():
                        "--response-length", "4", "--repeats", "1", "--threads", "1"])
     rows = {line.split()[1]: line.split()[2:] for line in lines[2:]}
     assert list(rows) == ["rloo", "grpo"]
-    for episodes_per_s, _, length, ratio in rows.values():
-        assert float(episodes_per_s) > 0 and ratio == "-"  # no TRL run, no ratio
+    for episodes_per_s, ratio, per_cpu_s, cpu_ratio, _, length in rows.values():
+        assert float(episodes_per_s) > 0 and float(per_cpu_s) > 0
+        assert ratio == cpu_ratio == "-"  # no TRL run, no ratio
         assert 1.0 <= float(length) <= 4.0  # the run's own metrics: 1 to 4 tokens per response
 
 
@@ -56,7 +57,7 @@ def test_trl_side_is_configured_like_tether(tmp_path):
         assert (theirs.temperature, theirs.top_k, theirs.top_p) == (ours.temperature, 0, 1.0)
         assert (theirs.learning_rate, theirs.lr_scheduler_type.value) == (ours.lr, "linear")
         assert theirs.max_grad_norm == ours.max_grad_norm
-        assert not (theirs.bf16 or theirs.fp16 or theirs.gradient_checkpointing)
+        assert not (theirs.bf16 or theirs.fp16 or theirs.activation_checkpointing)
         assert theirs.disable_dropout and theirs.beta == ours.beta
     grpo_trl = grpo.trl_config("grpo", tmp_path, args)
     assert grpo_trl.use_bias_correction_kl  # k3 x ratio, tether's k3_ratio
