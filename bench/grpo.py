@@ -24,14 +24,18 @@ the update's own forward (one step per batch); for RLOO TRL runs a separate old-
 tether does not (train/onpolicy.py). Responses stop at EOS on both sides, so the bench prints
 the mean response length and generated tokens/s beside episodes/s.
 
-Each run is timed from construction to the end of training. Runs interleave (tether, TRL, TRL,
-tether, ... per method) and the medians of `--repeats` runs are reported.
+Each run is timed from construction to the end of training, in wall-clock time and in the
+process's CPU time (time.process_time, all threads: the steadier of the two on a shared machine,
+where a run may get a fraction of a core). Runs interleave (tether, TRL, TRL, tether, ... per
+method) and the medians of `--repeats` runs are reported.
 
-    /work/venv-trl116/bin/python bench/grpo.py [--repeats 3] [--threads 2] [--methods rloo,grpo]
+    /work/venv-trl116/bin/python bench/grpo.py [--repeats 3] [--two-pass] [--threads 1]
 
 Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench` extra pins
 1.12.0 for the PPO, DPO and memory benchmarks (docs/benchmarks.md says how to make it).
-`--no-trl` runs tether's side alone (the smoke test does, with tiny settings).
+`--no-trl` runs tether's side alone (the smoke test does, with tiny settings); `--two-pass` adds
+a third side, tether with its two-pass loop (a separate old-policy forward, as before
+train/onpolicy.py), to measure what the one-forward step saves.
 """
 
 from __future__ import annotations
@@ -81,14 +85,20 @@ def tether_config(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Pat
 
 
 def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
-               args) -> tuple[Timing, list[dict]]:
-    from tether.train.ppo import run
+               args, two_pass: bool = False) -> tuple[Timing, list[dict]]:
+    import tether.train.ppo as loop
 
     cfg = tether_config(method, policy_dir, rm_dir, prompts_file, root, args)
     assert cfg.ppo_epochs == 1 and cfg.samples_per_prompt == K  # the workload, not a default drift
-    start, cpu_start = time.perf_counter(), time.process_time()
-    run(cfg)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    fuses_scoring = loop.fuses_scoring
+    if two_pass:  # the loop's other branch: score pi_old in its own forward, then update
+        loop.fuses_scoring = lambda cfg: False
+    try:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loop.run(cfg)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    finally:
+        loop.fuses_scoring = fuses_scoring
     lines = (root / "runs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if "rollout/response_len" in m]
     length = statistics.fmean(m["rollout/response_len"] for m in metrics)
@@ -162,6 +172,8 @@ def parse_args(argv: list[str] | None):
                         help="torch CPU threads (0: torch's default; 1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-trl", action="store_true", help="tether's side only")
+    parser.add_argument("--two-pass", action="store_true",
+                        help="also time tether with a separate old-policy forward (its PPO loop)")
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
     if not set(args.methods) <= set(METHODS):
@@ -188,7 +200,8 @@ def report(method: str, runs: dict[str, list[Timing]], args) -> list[str]:
         length = statistics.fmean(t.response_len for t in timings)
         ratios = ([f"{wall['trl'] / wall[side]:.2f}x", f"{cpu['trl'] / cpu[side]:.2f}x"]
                   if "trl" in wall else ["-", "-"])
-        name = f"tether {method}" if side == "tether" else f"TRL {label}Trainer"
+        name = {"tether": f"tether {method}", "two-pass": f"tether {method} 2-pass",
+                "trl": f"TRL {label}Trainer"}[side]
         lines.append(f"{name:<22}{args.episodes / wall[side]:>10.2f}{ratios[0]:>8}"
                      f"{args.episodes / cpu[side]:>10.2f}{ratios[1]:>8}"
                      f"{args.episodes * length / wall[side]:>10.1f}{length:>8.1f}")
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet()
-    sides = ["tether"] if args.no_trl else ["tether", "trl"]
+    sides = ["tether"] + ([] if args.no_trl else ["trl"]) + (["two-pass"] if args.two_pass else [])
     if not args.no_trl:
         check_trl()
         import datasets
@@ -221,9 +234,9 @@ def main(argv: list[str] | None = None) -> list[str]:
             for method in args.methods:
                 # A B, then B A: neither side always runs first on a warm (or loaded) machine.
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
-                    if side == "tether":
+                    if side in ("tether", "two-pass"):
                         timing, _ = run_tether(method, policy_dir, rm_dir, prompts_file, root,
-                                               args)
+                                               args, two_pass=side == "two-pass")
                     else:
                         timing = run_trl(method, policy_dir, rm_dir, prompts, root, args)
                     runs[method][side].append(timing)
