@@ -11,6 +11,7 @@ import torch
 
 from tether.advantages import kl_shaped_rewards
 from tether.rollout import sample_responses
+from tether.train.common import autocast
 from tether.train.onpolicy import fuses_scoring, on_policy_step, score_reference
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import build, prompt_batch
@@ -57,6 +58,8 @@ CASES = {  # name: (family fixture, config overrides)
     "grpo, exact KL in the loss": ("tiny_model_dir", dict(
         advantage="grpo", kl_in="loss", kl_estimator="exact", beta=0.5)),
     "gae, separate critic": ("tiny_llama_dir", dict(advantage="gae", samples_per_prompt=1)),
+    "grpo, bf16 autocast": ("tiny_model_dir", dict(
+        advantage="grpo", kl_in="loss", beta=0.5, mixed_precision="bf16")),
 }
 
 
@@ -75,8 +78,9 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
     in_reward = cfg.kl_in == "reward"
     beta = cfg.beta
 
-    old = score_rollout(two_pass.policy, two_pass.reference, two_pass.critic, rollout, None,
-                        cfg.micro_batch_rows, cfg.chunked_lm_head)
+    with autocast(cfg.mixed_precision, torch.device("cpu")):  # as train/ppo.py scores them
+        old = score_rollout(two_pass.policy, two_pass.reference, two_pass.critic, rollout, None,
+                            cfg.micro_batch_rows, cfg.chunked_lm_head)
     _, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask,
                               beta if in_reward else 0.0,
                               cfg.resolved_estimator if in_reward else "k1")
@@ -88,7 +92,8 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
                        advantages, returns, cfg, 0.0 if in_reward else beta,
                        torch.Generator().manual_seed(0), reference=two_pass.reference)
 
-    ref = score_reference(fused.reference, rollout, cfg.chunked_lm_head)
+    with autocast(cfg.mixed_precision, torch.device("cpu")):
+        ref = score_reference(fused.reference, rollout, cfg.chunked_lm_head)
     old_f, kl_f, advantages_f, returns_f, stats_f = on_policy_step(
         fused.policy, fused.critic, fused.reference, fused.optimizer, rollout, ref, scores, cfg,
         beta)

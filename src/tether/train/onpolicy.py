@@ -94,7 +94,8 @@ def on_policy_step(policy: nn.Module, critic: nn.Module | None, reference: nn.Mo
                 rollout.context_length, rollout.temperature, chunked=cfg.chunked_lm_head,
                 hidden=True)
         real = mask.float()
-        with torch.no_grad():
+        # The logged entropy and exact KL under the forward's autocast, as score_rollout has them.
+        with torch.no_grad(), autocast(cfg.mixed_precision, rollout.input_ids.device):
             exact = exact_kl_at(policy, reference, current.hidden.detach(), ref.hidden,
                                 rollout.temperature)
             old = Scored(logprobs=current.logprobs.detach() * real,
