@@ -81,12 +81,9 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
     with autocast(cfg.mixed_precision, torch.device("cpu")):  # as train/ppo.py scores them
         old = score_rollout(two_pass.policy, two_pass.reference, two_pass.critic, rollout, None,
                             cfg.micro_batch_rows, cfg.chunked_lm_head)
-    _, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask,
-                              beta if in_reward else 0.0,
-                              cfg.resolved_estimator if in_reward else "k1")
-    rewards, _ = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask,
-                                   beta if in_reward else 0.0,
-                                   cfg.resolved_estimator if in_reward else "k1")
+    rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask,
+                                    beta if in_reward else 0.0,
+                                    cfg.resolved_estimator if in_reward else "k1")
     advantages, returns = estimate_advantages(cfg, rewards, old.values, rollout.response_mask)
     stats = ppo_update(two_pass.policy, two_pass.critic, two_pass.optimizer, rollout, old,
                        advantages, returns, cfg, 0.0 if in_reward else beta,
