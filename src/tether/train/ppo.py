@@ -12,7 +12,9 @@ Ouyang et al. 2022):
         PPO epochs on the clipped losses            ppo_step.ppo_update
         beta <- controller(mean_seq KL, batch)      kl.AdaptiveKL / FixedKL / AnnealedKL
 
-Setup (loading, checks) lives in `ppo_setup.py`; the per-batch pieces in `ppo_step.py`.
+Setup (loading, checks) lives in `ppo_setup.py`; the per-batch pieces in `ppo_step.py`. With one
+optimizer step per batch (rloo's and grpo's defaults), the update's forward also scores pi_old
+(`onpolicy.py`), so the policy runs forward once per batch instead of twice.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tether.rollout import (
 )
 from tether.rundir import RunDir, RunResult, progress
 from tether.train.common import autocast, print_result
+from tether.train.onpolicy import fuses_scoring, on_policy_step, score_reference
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_dist import (
     all_done,
@@ -221,29 +224,40 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             if cfg.reward_clip > 0:
                 scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
 
-            # 2. Score the same tokens: old policy, reference, critic (same temperature), in the
-            #    rows of the first epoch's micro-batches, so its ratio is exactly 1.
-            with autocast(cfg.mixed_precision, setup.device):
-                old = score_batch(setup, cfg, rollout)
             mask = rollout.response_mask
-
-            # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL as a
-            #    loss term the reward is the score alone, beta moves into the loss, and the
-            #    controller is fed the rollout's k1 (unbiased for the per-sequence KL).
             beta = setup.kl_ctl.beta
             in_reward = cfg.kl_in == "reward"
-            rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask,
-                                            beta if in_reward else 0.0,
-                                            cfg.resolved_estimator if in_reward else "k1")
-            advantages, returns = estimate_advantages(cfg, rewards, old.values, mask)
+            if fuses_scoring(cfg) and not setup.dist.active:
+                # 2-4 with one optimizer step per batch (rloo, grpo): the update's forward
+                #    scores pi_old too, one policy pass instead of two (train/onpolicy.py). One
+                #    process only: under torchrun each rank scores its rows, then all are gathered.
+                with autocast(cfg.mixed_precision, setup.device):
+                    ref = score_reference(setup.reference, rollout, cfg.chunked_lm_head)
+                update_started = time.perf_counter()
+                old, kl, advantages, returns, update = on_policy_step(
+                    setup.policy, setup.critic, setup.reference, setup.optimizer, rollout, ref,
+                    scores, cfg, beta)
+            else:
+                # 2. Score the same tokens: old policy, reference, critic (same temperature), in
+                #    the rows of the first epoch's micro-batches, so its ratio is exactly 1.
+                with autocast(cfg.mixed_precision, setup.device):
+                    old = score_batch(setup, cfg, rollout)
 
-            # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
-            update_started = time.perf_counter()
-            update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
-                                advantages, returns, cfg,
-                                kl_loss_beta=0.0 if in_reward else beta,
-                                generator=shuffle_gen, reference=setup.reference,
-                                roles=setup.roles)
+                # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL
+                #    as a loss term the reward is the score alone, beta moves into the loss, and
+                #    the controller is fed the rollout's k1 (unbiased for the per-sequence KL).
+                rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask,
+                                                beta if in_reward else 0.0,
+                                                cfg.resolved_estimator if in_reward else "k1")
+                advantages, returns = estimate_advantages(cfg, rewards, old.values, mask)
+
+                # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
+                update_started = time.perf_counter()
+                update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
+                                    advantages, returns, cfg,
+                                    kl_loss_beta=0.0 if in_reward else beta,
+                                    generator=shuffle_gen, reference=setup.reference,
+                                    roles=setup.roles)
             update_s = time.perf_counter() - update_started
             lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
             setup.scheduler.step()

@@ -117,7 +117,7 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
 def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, old: Scored,
                    advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig,
                    kl_loss_beta: float, denominators: tuple[int, int] | None = None,
-                   reference: nn.Module | None = None):
+                   reference: nn.Module | None = None, computed=None):
     """The loss on one minibatch: the clipped surrogate, plus vf_coef * the clipped value loss
     when there is a critic (Schulman et al. 2017, eq. 9, without the entropy bonus), plus beta *
     the KL penalty when the KL is a loss term (`tether.losses.kl_penalty`, k3 x ratio by default,
@@ -128,7 +128,8 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     reward; otherwise token means. `denominators` = (real tokens, rows) of the whole minibatch
     when `sub` is one of its micro-batches: every loss term is divided by the minibatch's count,
     so the micro-batches' losses add up to the minibatch's; the stats in `TOKEN_MEANS` are means
-    over this micro-batch's tokens.
+    over this micro-batch's tokens. `computed`: the (scores, values) of `policy_and_values` on
+    `sub`, already run with gradients (train/onpolicy.py), instead of a forward here.
 
     Returns (loss, stats) with detached float stats.
     """
@@ -137,9 +138,10 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     n_tokens, n_rows = denominators if denominators is not None else (None, None)
     denominator = n_tokens if per_token else n_rows
     exact = cfg.kl_in == "loss" and cfg.resolved_estimator == "exact"
-    scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                       sub.context_length, sub.temperature,
-                                       chunked=cfg.chunked_lm_head, hidden=exact)
+    scores, values = computed or policy_and_values(policy, critic, sub.input_ids,
+                                                   sub.attention_mask, sub.context_length,
+                                                   sub.temperature, chunked=cfg.chunked_lm_head,
+                                                   hidden=exact)
     logprobs = scores.logprobs * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, cfg.clip_range,
                                         per_token_mean=per_token, denominator=denominator)
