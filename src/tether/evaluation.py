@@ -20,7 +20,6 @@ from torch import nn
 
 from tether.data import load_prompts
 from tether.errors import TetherError
-from tether.lm_head import head_exact_kl
 from tether.models import eos_token_ids
 from tether.rollout import (
     Rollout,
@@ -29,7 +28,7 @@ from tether.rollout import (
     sample_responses,
     sampling_uniforms,
 )
-from tether.trunk_head import score_responses, trunk_and_head
+from tether.trunk_head import exact_kl_at, score_responses
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
@@ -89,20 +88,6 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def _exact_kl(policy: nn.Module, reference: nn.Module, hidden, ref_hidden,
-              temperature: float) -> torch.Tensor | None:
-    """KL(pi(. | s_t) || ref(. | s_t)) over the whole vocabulary per response position [B, R],
-    through the two LM heads in chunks; None when a model's logits are not head(hidden)."""
-    if hidden is None or ref_hidden is None:
-        return None
-    try:
-        _, head = trunk_and_head(policy)
-        _, ref_head = trunk_and_head(reference)
-    except ValueError:
-        return None
-    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
-
-
 @torch.no_grad()
 def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
                    ) -> dict[str, torch.Tensor]:
@@ -115,7 +100,7 @@ def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
     out = {"kl": ((scores.logprobs - ref.logprobs) * response_mask).sum(1),
            "ent": (scores.entropy * response_mask).sum(1) / response_mask.sum(1).clamp(min=1),
            "len": response_mask.sum(1), "eos": rollout.ended.float()}
-    exact = _exact_kl(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
+    exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
     if exact is not None:
         out["kl_exact"] = (exact * response_mask).sum(1)
     return {k: v.float().cpu() for k, v in out.items()}

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from tether import logprobs as logprobs_lib
-from tether.lm_head import head_logprobs_and_entropy, head_token_logprobs, vocab_size
+from tether.lm_head import (
+    head_exact_kl,
+    head_logprobs_and_entropy,
+    head_token_logprobs,
+    vocab_size,
+)
 from tether.rollout import position_ids_from_mask, response_logits
 
 
@@ -186,3 +191,18 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     else:
         logprobs, entropies = head_token_logprobs(states, head, tokens, temperature), None
     return ResponseScores(logprobs, entropies, states if hidden else None)
+
+
+def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
+                ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
+    """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
+    models' hidden states through their LM heads in chunks; None when a model's logits are not
+    head(hidden) (tether.lm_head.trunk_and_head says why)."""
+    if hidden is None or ref_hidden is None:
+        return None
+    try:
+        _, head = trunk_and_head(policy)
+        _, ref_head = trunk_and_head(reference)
+    except ValueError:
+        return None
+    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)

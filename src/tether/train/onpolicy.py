@@ -31,11 +31,10 @@ from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_step import (
     Scored,
     estimate_advantages,
-    exact_kl_at,
     minibatch_loss,
     update_mode,
 )
-from tether.trunk_head import ResponseScores, score_responses, trunk_and_head
+from tether.trunk_head import ResponseScores, exact_kl_at, score_responses, trunk_and_head
 
 
 def fuses_scoring(cfg: PPOConfig) -> bool:

@@ -22,7 +22,6 @@ from tether.advantages import gae, grpo, reinforce_pp, rloo, whiten
 from tether.critic import policy_and_values
 from tether.distributed import Dist, rank_slice
 from tether.errors import TetherError
-from tether.lm_head import head_exact_kl
 from tether.losses import (
     assert_finite,
     exact_kl_penalty,
@@ -34,7 +33,7 @@ from tether.rollout import Rollout
 from tether.train.common import autocast
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_dist import Roles, micro_rows, sum_stats
-from tether.trunk_head import score_responses, trunk_and_head
+from tether.trunk_head import exact_kl_at, score_responses
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -60,21 +59,6 @@ def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> 
         raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
                          f"{rollout.temperature}")
     return rollout.temperature
-
-
-def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
-                ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
-    """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
-    models' hidden states through their LM heads in chunks; None when a model's logits are not
-    head(hidden) (tether.lm_head.trunk_and_head says why)."""
-    if hidden is None or ref_hidden is None:
-        return None
-    try:
-        _, head = trunk_and_head(policy)
-        _, ref_head = trunk_and_head(reference)
-    except ValueError:
-        return None
-    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
 
 
 # minibatch_loss stats that are means over a batch's real tokens (the rest are loss values).
