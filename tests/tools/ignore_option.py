@@ -7,7 +7,9 @@ bug "the flag is accepted, checked and recorded, then ignored". Used by tests/to
 (`python -m pytest -p ignore_option ...` with tests/tools on PYTHONPATH); it does nothing when the
 variable is unset.
 
-Stages: sft, rm, dpo, online (tether ppo, rloo and grpo share one loop and PPOConfig), demo.
+Stages: sft, rm, dpo, online (tether ppo, rloo and grpo share one loop and PPOConfig), demo,
+generate, eval, report, sweep. Processes a test starts see the same variable: tests/dist_driver.py
+(the torchrun ranks) installs it too.
 A required field without a default reads as a different plausible value (IGNORED_REQUIRED).
 """
 
@@ -32,11 +34,15 @@ READ_FROM_RECORD = {"resume_allow_changes", "report_to"}
 
 def stage_classes(stage: str) -> tuple[type, ...]:
     from tether.demo.config import DemoConfig
+    from tether.eval_config import EvalConfig, GenerateConfig, ReportConfig
+    from tether.sweep_config import SweepConfig
     from tether.train.offline_config import DPOConfig, RMConfig, SFTConfig
     from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
 
     return {"sft": (SFTConfig,), "rm": (RMConfig,), "dpo": (DPOConfig,),
-            "online": (PPOConfig, RLOOConfig, GRPOConfig), "demo": (DemoConfig,)}[stage]
+            "online": (PPOConfig, RLOOConfig, GRPOConfig), "demo": (DemoConfig,),
+            "generate": (GenerateConfig,), "eval": (EvalConfig,), "report": (ReportConfig,),
+            "sweep": (SweepConfig,)}[stage]
 
 
 def _default(cls: type, name: str):
