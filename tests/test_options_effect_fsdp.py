@@ -71,16 +71,20 @@ ONLINE_DISTRIBUTED = importlib.util.find_spec("tether.train.ppo_dist") is not No
     "the online loop does not run under torchrun yet (branch dist-ppo adds tether.train.ppo_dist); "
     "until then `tether ppo --fsdp` under torchrun runs one whole loop per rank and --fsdp is ignored"))
 def test_fsdp_shards_the_online_loop(tiny_llama_dir, tmp_path):
+    import json
+
     prompts = write_jsonl(tmp_path / "prompts.jsonl",
                           [{"prompt": p} for p in ("the movie was", "it", "a film", "music")])
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def length_reward(prompts, responses):\n"
                        "    return [len(r) / 10.0 for r in responses]\n")
-    out = torchrun(["-m", "tether", "ppo", "--policy", str(tiny_llama_dir), "--prompts",
-                    str(prompts), "--reward-fn", f"{rewards}:length_reward", "--batch-size", "4",
-                    "--total-episodes", "4", "--max-new-tokens", "4", "--device", "cpu",
-                    "--save-every", "0", "--sample-every", "0", "--report-to", "none",
-                    "--output-dir", str(tmp_path / "runs"), "--run-name", "ppo", "--fsdp"])
+    config = {"run_name": "ppo", "output_dir": str(tmp_path / "runs"), "policy": str(tiny_llama_dir),
+              "prompts": str(prompts), "reward_fn": f"{rewards}:length_reward", "batch_size": 4,
+              "total_episodes": 4, "max_new_tokens": 4, "device": "cpu", "save_every": 0,
+              "sample_every": 0, "report_to": "none", "fsdp": True}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps([{"stage": "ppo", "config": config}]))
+    out = torchrun([str(ROOT / "tests" / "dist_driver.py"), str(spec)])  # the audit reaches it
     assert out.returncode == 0, out.stderr[-4000:]
     assert_sharded(layouts(out.stdout))
     assert Path(tmp_path / "runs" / "ppo" / "final").is_dir()

@@ -257,7 +257,8 @@ def test_eval_reference_rewards_output_and_chunking(models, prompts, tmp_path):
     assert record["metrics"]["eval/score"] == pytest.approx(sum(scores) / len(scores))
 
 
-def test_report_runs_output_and_title(tmp_path):
+def test_report_runs_output_and_title(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an ignored --output writes the default report.html here
     a = fake_run(tmp_path, "alpha", {"lr": 1e-3}, [{"step": s, "train/loss": 1.0 / s} for s in (1, 2)])
     b = fake_run(tmp_path, "beta", {"lr": 2e-3}, [{"step": s, "train/loss": 2.0 / s} for s in (1, 2)])
     out = tmp_path / "pages" / "mine.html"

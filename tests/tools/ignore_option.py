@@ -33,16 +33,19 @@ READ_FROM_RECORD = {"resume_allow_changes", "report_to"}
 
 
 def stage_classes(stage: str) -> tuple[type, ...]:
-    from tether.demo.config import DemoConfig
-    from tether.eval_config import EvalConfig, GenerateConfig, ReportConfig
-    from tether.sweep_config import SweepConfig
-    from tether.train.offline_config import DPOConfig, RMConfig, SFTConfig
-    from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
+    import importlib
 
-    return {"sft": (SFTConfig,), "rm": (RMConfig,), "dpo": (DPOConfig,),
-            "online": (PPOConfig, RLOOConfig, GRPOConfig), "demo": (DemoConfig,),
-            "generate": (GenerateConfig,), "eval": (EvalConfig,), "report": (ReportConfig,),
-            "sweep": (SweepConfig,)}[stage]
+    names = {"sft": ("tether.train.offline_config", "SFTConfig"),
+             "rm": ("tether.train.offline_config", "RMConfig"),
+             "dpo": ("tether.train.offline_config", "DPOConfig"),
+             "online": ("tether.train.ppo_config", "PPOConfig", "RLOOConfig", "GRPOConfig"),
+             "demo": ("tether.demo.config", "DemoConfig"),
+             "generate": ("tether.eval_config", "GenerateConfig"),
+             "eval": ("tether.eval_config", "EvalConfig"),
+             "report": ("tether.eval_config", "ReportConfig"),
+             "sweep": ("tether.sweep_config", "SweepConfig")}[stage]
+    module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
+    return tuple(getattr(module, name) for name in names[1:])
 
 
 def _default(cls: type, name: str):
