@@ -69,7 +69,7 @@ ONLINE_DISTRIBUTED = importlib.util.find_spec("tether.train.ppo_dist") is not No
 @pytest.mark.slow
 @pytest.mark.skipif(not ONLINE_DISTRIBUTED, reason=(
     "the online loop does not run under torchrun yet (branch dist-ppo adds tether.train.ppo_dist); "
-    "until then `tether ppo --fsdp` under torchrun runs one whole loop per rank and --fsdp is ignored"))
+    "until then the online loop never reads --fsdp (docs/options.md, Found on the way)"))
 def test_fsdp_shards_the_online_loop(tiny_llama_dir, tmp_path):
     import json
 
