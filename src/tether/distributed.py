@@ -238,11 +238,39 @@ def wrap(model: nn.Module, d: Dist) -> nn.Module:
         for layer in transformer_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(inner, mesh=mesh)
+        _say_layout(inner, d, "FSDP2")
         return inner
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [d.device.index] if d.device.type == "cuda" else None
-    return DDP(inner, device_ids=ids)
+    wrapped = DDP(inner, device_ids=ids)
+    _say_layout(inner, d, "DDP")
+    return wrapped
+
+
+def held_fraction(model: nn.Module) -> tuple[float, int]:
+    """(share of `model`'s parameter elements stored on this rank, their total count).
+
+    local / total with local = sum over parameters of the rank's own elements: an FSDP2
+    parameter is a DTensor whose `to_local()` is this rank's shard (~1 / world_size of it), a
+    DDP or single-process parameter is whole (share 1).
+    """
+    from torch.distributed.tensor import DTensor
+
+    local = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        local += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    return local / max(total, 1), total
+
+
+def _say_layout(model: nn.Module, d: Dist, mode: str) -> None:
+    """Rank 0's start-up line: the mode and the share of the parameters it holds, measured on
+    the wrapped model (so a run asked for --fsdp that replicated instead shows it)."""
+    if d.is_main:
+        share, total = held_fraction(model)
+        print(f"{mode} over {d.world_size} ranks: rank 0 holds {share:.2f} of {total:,} "
+              "parameters", flush=True)
 
 
 def unwrap(wrapped: nn.Module) -> nn.Module:

@@ -7,7 +7,9 @@ bug "the flag is accepted, checked and recorded, then ignored". Used by tests/to
 (`python -m pytest -p ignore_option ...` with tests/tools on PYTHONPATH); it does nothing when the
 variable is unset.
 
-Stages: sft, rm, dpo, online (tether ppo, rloo and grpo share one loop and PPOConfig), demo.
+Stages: sft, rm, dpo, online (tether ppo, rloo and grpo share one loop and PPOConfig), demo,
+generate, eval, report, sweep. Processes a test starts see the same variable: tests/dist_driver.py
+(the torchrun ranks) installs it too.
 A required field without a default reads as a different plausible value (IGNORED_REQUIRED).
 """
 
@@ -31,12 +33,19 @@ READ_FROM_RECORD = {"resume_allow_changes", "report_to"}
 
 
 def stage_classes(stage: str) -> tuple[type, ...]:
-    from tether.demo.config import DemoConfig
-    from tether.train.offline_config import DPOConfig, RMConfig, SFTConfig
-    from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
+    import importlib
 
-    return {"sft": (SFTConfig,), "rm": (RMConfig,), "dpo": (DPOConfig,),
-            "online": (PPOConfig, RLOOConfig, GRPOConfig), "demo": (DemoConfig,)}[stage]
+    names = {"sft": ("tether.train.offline_config", "SFTConfig"),
+             "rm": ("tether.train.offline_config", "RMConfig"),
+             "dpo": ("tether.train.offline_config", "DPOConfig"),
+             "online": ("tether.train.ppo_config", "PPOConfig", "RLOOConfig", "GRPOConfig"),
+             "demo": ("tether.demo.config", "DemoConfig"),
+             "generate": ("tether.eval_config", "GenerateConfig"),
+             "eval": ("tether.eval_config", "EvalConfig"),
+             "report": ("tether.eval_config", "ReportConfig"),
+             "sweep": ("tether.sweep_config", "SweepConfig")}[stage]
+    module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
+    return tuple(getattr(module, name) for name in names[1:])
 
 
 def _default(cls: type, name: str):

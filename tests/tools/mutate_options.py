@@ -43,15 +43,21 @@ def run_tests(tests: list[str], ignore: str | None) -> tuple[int, str]:
     """Run `tests` (node ids) in this process with `ignore` (stage:field) ignored, stopping at
     the first failure; return pytest's exit code and the first failing node id (or "")."""
     import pytest
-    from ignore_option import install
+    from ignore_option import ENV, install
 
     undo = install(ignore) if ignore else (lambda: None)
     first = FirstFailure()
+    saved = os.environ.pop(ENV, None)
+    if ignore:  # for the processes a test starts (tests/dist_driver.py installs it in each rank)
+        os.environ[ENV] = ignore
     try:
         rc = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "--no-header",
                           "-p", "no:warnings", *tests], plugins=[first])
     finally:
         undo()
+        os.environ.pop(ENV, None)
+        if saved is not None:
+            os.environ[ENV] = saved
     return int(rc), first.nodeid
 
 
