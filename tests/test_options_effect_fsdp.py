@@ -11,7 +11,6 @@ of odd length gives rank 0 the extra row), under DDP it is 1.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -63,13 +62,7 @@ def test_fsdp_shards_the_parameters_of_every_offline_stage(tiny_model_dir, tiny_
         assert (tmp_path / "runs" / name / "final").is_dir()
 
 
-ONLINE_DISTRIBUTED = importlib.util.find_spec("tether.train.ppo_dist") is not None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not ONLINE_DISTRIBUTED, reason=(
-    "the online loop does not run under torchrun yet (branch dist-ppo adds tether.train.ppo_dist); "
-    "until then the online loop never reads --fsdp (docs/options.md, Found on the way)"))
 def test_fsdp_shards_the_online_loop(tiny_llama_dir, tmp_path):
     import json
 
