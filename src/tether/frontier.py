@@ -104,14 +104,17 @@ class Recommendation:
     clear: bool  # the winner beats the runner-up by more than twice the gap's standard error
 
 
-def recommend_beta(final_gold: dict[str, list[float]],
-                   betas: dict[str, float]) -> Recommendation | None:
+def recommend_beta(final_gold: dict[str, list[float]], betas: dict[str, float],
+                   per_prompt: dict[str, list[float]] | None = None) -> Recommendation | None:
     """The setting whose runs end with the best mean gold (over seeds), and the evidence.
 
     `final_gold`: setting label -> each seed's final gold; `betas`: label -> its KL coefficient.
-    When the runner-up is within twice the standard error of the gap, the two cannot be told
-    apart; the one with the larger beta is recommended then (closer to the reference for the
-    gold measured).
+    `per_prompt` (optional): label -> the final per-prompt gold scores, seeds concatenated in
+    the same order for every label (the same held-out prompts). When the two best settings have
+    them, the gap's error is the standard error of the paired per-prompt differences (pairing
+    removes the prompts' own spread; it exists with one seed); otherwise it comes from the seed
+    means. When the gap is within twice its standard error, the two cannot be told apart and the
+    one with the larger beta is recommended (closer to the reference for the gold measured).
     """
     if not final_gold:
         return None
@@ -122,18 +125,24 @@ def recommend_beta(final_gold: dict[str, list[float]],
         return Recommendation(best, betas[best], f"only {best} was run", False)
     second = ranked[1]
     (m1, e1), (m2, e2) = stats[best], stats[second]
-    gap_error = math.sqrt(e1 ** 2 + e2 ** 2)
-    clear = gap_error > 0 and m1 - m2 > 2 * gap_error
-    summary = (f"final gold {m1:+.3f} ± {e1:.3f} for {best} (beta {betas[best]:g}) vs "
-               f"{m2:+.3f} ± {e2:.3f} for {second} (beta {betas[second]:g}), "
-               f"{len(final_gold[best])} and {len(final_gold[second])} seeds")
+    a, b = (per_prompt or {}).get(best), (per_prompt or {}).get(second)
+    paired = bool(a) and bool(b) and len(a) == len(b) and len(a) > 1
+    if paired:
+        gap, gap_error = paired_difference(b, a)
+        how = f"paired over {len(a)} prompt evaluations"
+    else:
+        gap, gap_error = m1 - m2, math.sqrt(e1 ** 2 + e2 ** 2)
+        how = f"{len(final_gold[best])} and {len(final_gold[second])} seeds"
+    clear = gap_error > 0 and gap > 2 * gap_error
+    summary = (f"final gold {m1:+.3f} for {best} (beta {betas[best]:g}) vs {m2:+.3f} for "
+               f"{second} (beta {betas[second]:g}): a gap of {gap:+.3f} ± {gap_error:.3f} ({how})")
     if clear:
-        return Recommendation(best, betas[best], summary + ": the gap exceeds twice its "
-                              "standard error", True)
+        return Recommendation(best, betas[best], summary + ", more than twice its standard "
+                              "error", True)
     pick = best if betas[best] >= betas[second] else second
-    why = ("one seed gives no error bar" if gap_error == 0 else
+    why = ("one seed and no per-prompt scores give no error bar" if gap_error == 0 else
            "the gap is within twice its standard error")
-    return Recommendation(pick, betas[pick], summary + f": {why}, so the larger beta of the two "
+    return Recommendation(pick, betas[pick], summary + f"; {why}, so the larger beta of the two "
                           "(closer to the reference for the gold measured)", False)
 
 

@@ -96,6 +96,7 @@ class Group:
     mean: dict[str, list[float]]
     stderr: dict[str, list[float]]
     final_gold: list[float]  # each seed's last gold
+    final_gold_by_prompt: list[float] = field(default_factory=list)  # seeds in order, per prompt
     fit: GaoFit | None = None
     gains: list[tuple[float, float]] = field(default_factory=list)  # (KL, gold - start gold)
     verdict: str = ""  # gold peaks then falls, or not, with its evidence (PPO)
@@ -125,6 +126,9 @@ def summarise(points: list[RunPoints]) -> list[Group]:
         group = Group(name, first.stage, float(first.fields.get("beta", 0.05)), _label(first),
                       [m.run.seed for m in members], steps, mean, stderr,
                       [m.values["gold"][-1] for m in members])
+        last = [m.gold_by_prompt.get(m.steps[-1]) for m in sorted(members, key=lambda m: m.run.seed)]
+        if all(last):
+            group.final_gold_by_prompt = [g for scores in last for g in scores]
         if first.stage == "ppo" and steps and steps[0] == 0:
             for m in members:  # gold gain over that seed's own start (step 0, the SFT policy)
                 start = m.values["gold"][m.steps.index(0)]
@@ -264,7 +268,8 @@ def best_observed(groups: list[Group]) -> str:
 
 def recommendation(groups: list[Group]):
     ppo = [g for g in groups if g.stage == "ppo"]
-    return recommend_beta({g.label: g.final_gold for g in ppo}, {g.label: g.beta for g in ppo})
+    return recommend_beta({g.label: g.final_gold for g in ppo}, {g.label: g.beta for g in ppo},
+                          {g.label: g.final_gold_by_prompt for g in ppo if g.final_gold_by_prompt})
 
 
 EXPLAIN = """<p class='note'>Each point is one held-out evaluation: KL is the mean over prompts
