@@ -69,7 +69,8 @@ HELP = {
 def usage() -> str:
     lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]",
              "       tether --version", "", "stages:"]
-    lines += [f"  {name:<6} {HELP[name]}" for name in STAGES]
+    width = max(map(len, STAGES))
+    lines += [f"  {name:<{width}}  {HELP[name]}" for name in STAGES]
     lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
               "Flags override values from --config; errors exit with code 2."]
     return "\n".join(lines)
