@@ -180,6 +180,8 @@ DEMO = [
     (["--kl-target", "nan"], "'kl_target' must be a finite number"),
     (["--seeds", "0"], "'seeds' must be > 0"),
     (["--ppo-lr", "-1"], "'ppo_lr' must be > 0"),
+    (["--sweep-betas", "0.1", "-0.5"], "'sweep_betas' must hold betas >= 0"),
+    (["--sweep-batches", "0"], "'sweep_batches' must be > 0"),
 ]
 
 
