@@ -5,7 +5,6 @@ on the same global batch (the property every stage's data parallelism rests on).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distributed_offline import free_port
 from torch import nn
 
 from tether import distributed as D
@@ -95,12 +95,6 @@ STEP = textwrap.dedent("""
         torch.save(state, out)
     D.teardown()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

@@ -12,15 +12,13 @@ shows up.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from test_distributed_offline import ROOT, torchrun
 
 from tether.distributed import Dist
 from tether.errors import TetherError
@@ -35,7 +33,6 @@ PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was
            "the actor"]
 REWARDS = "def length_reward(prompts, responses):\n    return [len(r) / 10.0 for r in responses]\n"
 CONFIGS = {"ppo": PPOConfig, "rloo": RLOOConfig, "grpo": GRPOConfig}
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 WEIGHT_ATOL = 1e-5
 
 
@@ -45,12 +42,6 @@ def env(tmp_path_factory):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (root / "rewards.py").write_text(REWARDS)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def base_args(env: Path, model_dir: Path, name: str) -> dict[str, object]:
@@ -66,12 +57,8 @@ def torchrun_driver(specs: list[dict], spec_path: Path, nproc: int = 2
                     ) -> subprocess.CompletedProcess:
     """Every config of `specs` in turn in one torchrun launch (tests/dist_driver.py)."""
     spec_path.write_text(json.dumps(specs))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(Path(__file__).parent / "dist_driver.py"),
-           str(spec_path)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return torchrun([str(ROOT / "tests" / "dist_driver.py"), str(spec_path)], timeout=600,
+                    nproc=nproc)
 
 
 def one_process(stage: str, values: dict[str, object]):
