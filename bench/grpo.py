@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ppo import build_models, make_prompts  # noqa: E402  (the PPO benchmark's workload)
+from ppo import build_workload, make_prompts  # noqa: E402  (the PPO benchmark's workload)
 
 TRL_VERSION = "1.16.0"
 METHODS = ("rloo", "grpo")
@@ -227,9 +227,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     runs: dict[str, dict[str, list[Timing]]] = {m: {s: [] for s in sides} for m in args.methods}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        policy_dir, rm_dir = build_models(root, prompts)
-        prompts_file = root / "prompts.jsonl"
-        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        policy_dir, rm_dir, prompts_file = build_workload(root, prompts)
         for rep in range(args.repeats):
             for method in args.methods:
                 # A B, then B A: neither side always runs first on a warm (or loaded) machine.

@@ -66,6 +66,14 @@ def build_models(root: Path, prompts: list[str]) -> tuple[Path, Path]:
     return policy_dir, root / "rm"
 
 
+def build_workload(root: Path, prompts: list[str]) -> tuple[Path, Path, Path]:
+    """The benchmark's policy and reward model (`build_models`) and its prompts as JSONL."""
+    policy_dir, rm_dir = build_models(root, prompts)
+    prompts_file = root / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return policy_dir, rm_dir, prompts_file
+
+
 def run_tether(policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path, critic: str,
                args) -> tuple[float, list[dict]]:
     from tether.train.ppo import PPOConfig, run
@@ -169,9 +177,7 @@ def main() -> None:
     metrics: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        policy_dir, rm_dir = build_models(root, prompts)
-        prompts_file = root / "prompts.jsonl"
-        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        policy_dir, rm_dir, prompts_file = build_workload(root, prompts)
         for rep in range(args.repeats):
             order = ["tether", "shared", "trl"] if rep % 2 == 0 else ["trl", "shared", "tether"]
             for name in order:
