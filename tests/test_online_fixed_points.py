@@ -115,6 +115,9 @@ def test_loop_lands_on_the_documented_fixed_point(task, tiny_model_dir, advantag
     probs = next_token_probs(policy, tokenizer)
     landed = tv(probs, target)
     from_wrong = {other: tv(probs, predicted(ref_probs, rewards, other, beta, k)) for other in wrong}
+    # docs/ppo.md's table: `pytest -s -q tests/test_online_fixed_points.py` prints each row
+    print(f"\n{name}: TV {landed:.3f} from its point; from the wrong ones "
+          + ", ".join(f"{other} {d:.2f}" for other, d in from_wrong.items()))
     assert landed < TOLERANCE, (landed, from_wrong)
 
 
