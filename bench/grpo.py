@@ -167,6 +167,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--batch-size", type=int, default=32, help="responses per batch (k = 4)")
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-words", default="4-10",
+                        help="prompt length range in words (~tokens), LO-HI; the policy takes 128 "
+                             "positions, so HI + --response-length <= 128")
     parser.add_argument("--methods", default="rloo,grpo")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (0: torch's default; 1 is steadiest on a shared machine)")
@@ -176,6 +179,9 @@ def parse_args(argv: list[str] | None):
                         help="also time tether with a separate old-policy forward (its PPO loop)")
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
+    args.prompt_words = tuple(int(w) for w in args.prompt_words.split("-"))
+    if len(args.prompt_words) != 2 or args.prompt_words[1] + args.response_length > 128:
+        parser.error("--prompt-words: LO-HI with HI + --response-length <= 128")
     if not set(args.methods) <= set(METHODS):
         parser.error(f"--methods: choose from {', '.join(METHODS)}")
     return args
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         from trl import GRPOTrainer, RLOOTrainer  # noqa: F401
     import tether.train.ppo  # noqa: F401
 
-    prompts = make_prompts(512)
+    prompts = make_prompts(512, words=args.prompt_words)
     runs: dict[str, dict[str, list[Timing]]] = {m: {s: [] for s in sides} for m in args.methods}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> list[str]:
                           f"CPU-s), mean response {timing.response_len:.1f} tokens", flush=True)
     threads = torch.get_num_threads()
     lines = [f"k = {K}, {args.episodes} episodes, batch {args.batch_size}, "
+             f"prompts of {args.prompt_words[0]}-{args.prompt_words[1]} words, "
              f"{args.response_length}-token responses, 1 step per batch, device {args.device}, "
              f"{threads} thread(s), median of {args.repeats}",
              f"{'':<22}{'ep/s':>10}{'vs TRL':>8}{'ep/CPU-s':>10}{'vs TRL':>8}{'tok/s':>10}"

@@ -43,9 +43,10 @@ WORDS = ("the movie was good bad great awful fine dull fun boring plot actor sce
 LAYERS, WIDTH, HEADS, VOCAB = 4, 256, 4, 512
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
+def make_prompts(n: int, seed: int = 0, words: tuple[int, int] = (4, 10)) -> list[str]:
+    """`n` prompts of `words[0]` to `words[1]` words (about as many tokens)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
 
 
 def build_models(root: Path, prompts: list[str]) -> tuple[Path, Path]:

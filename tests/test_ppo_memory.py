@@ -20,7 +20,7 @@ from scale_helpers import (
     weights,
 )
 
-from tether import trunk_head
+from tether import shared_prompt, trunk_head
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
 from tether.models import RewardModel, load_causal_lm, load_tokenizer
@@ -63,6 +63,13 @@ def one_batch(env, model_dir, name, **overrides):
     return weights(result.output_path), result.metrics, calls
 
 
+@pytest.fixture
+def plain_pass(monkeypatch):
+    """Every forward in one call (no prompt sharing, tether.shared_prompt): these tests count
+    layer calls and their rows, which sharing splits into a prompt call and a response call."""
+    monkeypatch.setattr(shared_prompt, "can_share", lambda model: False)
+
+
 def grad_rows(calls):
     return [rows for rows, grad in calls if grad]
 
@@ -74,7 +81,7 @@ UPDATE_STATS = ("policy/loss", "value/loss", "policy/clip_frac", "policy/approx_
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("epochs", [1, 2])
-def test_micro_batches_give_the_minibatch_update(env, model, epochs, request):
+def test_micro_batches_give_the_minibatch_update(env, model, epochs, request, plain_pass):
     model_dir = request.getfixturevalue(model)
     tag = f"{model}_{epochs}"
     plain_w, plain_m, plain_calls = one_batch(env, model_dir, f"plain_{tag}", ppo_epochs=epochs)
@@ -94,7 +101,8 @@ def test_micro_batches_give_the_minibatch_update(env, model, epochs, request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
-def test_gradient_checkpointing_gives_the_plain_update_and_recomputes(env, model, request):
+def test_gradient_checkpointing_gives_the_plain_update_and_recomputes(env, model, request,
+                                                                      plain_pass):
     model_dir = request.getfixturevalue(model)
     plain_w, plain_m, plain_calls = one_batch(env, model_dir, f"gc_off_{model}")
     ckpt_w, ckpt_m, ckpt_calls = one_batch(env, model_dir, f"gc_on_{model}",

@@ -21,8 +21,7 @@ import copy
 import torch
 from torch import nn
 
-from tether.rollout import position_ids_from_mask
-from tether.trunk_head import score_responses
+from tether.trunk_head import response_hidden, score_responses
 
 
 class ValueHead(nn.Module):
@@ -65,10 +64,7 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int) -> torch.Tensor:
         """V at the positions that predict each response token (P - 1 + t): [B, R]."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask),
-                               use_cache=False).last_hidden_state
-        hidden = hidden[:, context_length - 1:-1]
+        hidden = response_hidden(self.backbone, input_ids, attention_mask, context_length)
         # a fresh head is fp32; a trunk loaded with --dtype bfloat16 gives bf16 states
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 

@@ -124,7 +124,8 @@ def reward_from_model(reward_model: nn.Module, chunk: int) -> Reward:
     def reward(prompts, responses, rollout) -> torch.Tensor:  # rollout: tether.rollout.Rollout
         # The reward model reads the policy's own token ids at the last real token (EOS).
         return torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
-                                             rollout.attention_mask[i:i + chunk])
+                                             rollout.attention_mask[i:i + chunk],
+                                             rollout.context_length)
                           for i in range(0, len(rollout), chunk)])
     return reward
 

@@ -28,6 +28,7 @@ from tether.models import (
     load_tokenizer,
     load_trainable_lm,
 )
+from tether.shared_prompt import shared_last_hidden, sharing
 
 REWARD_JSON = "tether_reward.json"
 REWARD_HEAD = "reward_head.safetensors"
@@ -156,17 +157,29 @@ class RewardModel(nn.Module):
                             position_ids=position_ids)
         return out.last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Raw scores `[B]`, read at each row's last non-pad token (left or right padding)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int | None = None) -> torch.Tensor:
+        """Raw scores `[B]`, read at each row's last non-pad token (left or right padding).
+
+        `context_length` P: the rows are a rollout (prompt in the first P columns, the response
+        after), so rows that repeat a prompt run it once (tether.shared_prompt); same scores.
+        """
+        if context_length is not None:
+            groups = sharing(self.backbone, input_ids, attention_mask, context_length)
+            last_hidden = None if groups is None else shared_last_hidden(
+                self.backbone, input_ids, attention_mask, context_length, groups)
+            if last_hidden is not None:
+                return self.head(last_hidden).squeeze(-1).float()
         hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.head(hidden[rows, last]).squeeze(-1).float()
 
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              context_length: int | None = None) -> torch.Tensor:
         """Normalised scores `[B]`: `(raw - mean) / std` with the stored constants."""
-        return (self(input_ids, attention_mask) - self.norm_mean) / self.norm_std
+        return (self(input_ids, attention_mask, context_length) - self.norm_mean) / self.norm_std
 
     @torch.no_grad()
     def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,

@@ -28,6 +28,7 @@ from tether.lm_head import (
     vocab_size,
 )
 from tether.rollout import position_ids_from_mask, response_logits
+from tether.shared_prompt import shared_response_hidden, shared_response_logits, sharing
 
 
 class LogitTransformHead(nn.Module):
@@ -153,8 +154,12 @@ def response_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """Hidden states at the positions that predict the response (P - 1 + t for token t): [B, R, d].
 
     Positions come from the mask (tether.rollout.position_ids_from_mask), as in the plain path,
-    so left padding does not move them.
+    so left padding does not move them. Rows that repeat a prompt run it once
+    (tether.shared_prompt).
     """
+    groups = sharing(trunk, input_ids, attention_mask, context_length)
+    if groups is not None:
+        return shared_response_hidden(trunk, input_ids, attention_mask, context_length, groups)
     hidden = final_hidden(trunk, input_ids, attention_mask, position_ids_from_mask(attention_mask))
     return hidden[:, context_length - 1:-1]
 
@@ -174,13 +179,19 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """Log-probs (and entropies, hidden states) of the response tokens in rollout layout.
 
     chunked: hidden states through the LM head in chunks (no [B, R, V] tensor); else the plain
-    path, `response_logits` and the full [B, R, V] logits. Both give the same numbers.
+    path, `response_logits` and the full [B, R, V] logits. Both give the same numbers. Rows that
+    repeat a prompt (k samples per prompt) run it once in either path (tether.shared_prompt).
     """
     tokens = input_ids[:, context_length:]  # [B, R]
     split = chunked_split(model, chunked)
     if split is None:
-        logits, states = response_logits(model, input_ids, attention_mask, context_length,
-                                         with_hidden=hidden)  # [B, R, V]
+        groups = sharing(model, input_ids, attention_mask, context_length)
+        if groups is not None:
+            logits, states = shared_response_logits(model, input_ids, attention_mask,
+                                                    context_length, groups, with_hidden=hidden)
+        else:
+            logits, states = response_logits(model, input_ids, attention_mask, context_length,
+                                             with_hidden=hidden)  # [B, R, V]
         return ResponseScores(logprobs_lib.token_logprobs(logits, tokens, temperature),
                               logprobs_lib.entropy(logits, temperature) if entropy else None,
                               states)

@@ -42,6 +42,7 @@ from tether.reward_fn import (
 )
 from tether.rollout import left_pad
 from tether.shared_base import lora_critic, shared_reward_model
+from tether.shared_prompt import can_share, share_prompts
 from tether.train.common import enable_gradient_checkpointing, join
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_dist import Roles, check_world
@@ -154,6 +155,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
     frozen = {"reference": reference} | ({"reward": reward_model} if reward_model else {})
     roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
+    if not can_share(policy):  # checkpointed or sharded: the reference scores as it does
+        share_prompts(reference, False)
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
