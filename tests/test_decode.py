@@ -61,6 +61,13 @@ def test_lean_step_logits_match_the_full_forward(request, case):
         positions = position_ids_from_mask(mask)
         first, cache = prefill(model, ids, mask, positions, dedupe=False)
         decoder = LeanDecoder.build(model, cache, mask, positions[:, -1:] + 1, steps + 1)
+        for layer, keys, values in zip(cache.layers, decoder.keys, decoder.values, strict=True):
+            # NaN in every column the step must not read before writing: the buffer is left
+            # uninitialised there (the prompt columns a sliding layer dropped, all new columns).
+            kept = layer.keys.shape[-2]
+            for buffer in (keys, values):
+                buffer[:, :, :width - kept] = float("nan")
+                buffer[:, :, width:] = float("nan")
         lean = [first] + [decoder.step(tokens[:, t], alive[:, t]) for t in range(steps)]
         full_ids = torch.cat([ids, torch.where(alive, tokens, tokenizer.pad_token_id)], 1)
         full_mask = torch.cat([mask, alive.long()], 1)

@@ -175,10 +175,10 @@ class LeanDecoder:
         keys, values = [], []
         for layer in layers:
             kept = layer.keys.shape[-2]  # P, or the last window - 1 columns of a sliding layer
-            # Zeros, not empty: columns before a sliding layer's kept ones are masked, and a
-            # masked NaN from uninitialised memory would still poison the softmax.
-            k = layer.keys.new_zeros(batch, layer.keys.shape[1], columns, layer.keys.shape[-1])
-            v = layer.values.new_zeros(batch, layer.values.shape[1], columns,
+            # Uninitialised is safe: a step reads only columns it has written (>= P) and, of
+            # the prompt's, those the layer kept (a window never reaches further back).
+            k = layer.keys.new_empty(batch, layer.keys.shape[1], columns, layer.keys.shape[-1])
+            v = layer.values.new_empty(batch, layer.values.shape[1], columns,
                                        layer.values.shape[-1])
             k[:, :, width - kept:width] = layer.keys
             v[:, :, width - kept:width] = layer.values
