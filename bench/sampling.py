@@ -1,13 +1,21 @@
-"""Sampling cost: per-row inverse-CDF sampling (world-size invariant) against torch.multinomial with
-one generator for the whole batch (the sampler before issue 9), side by side in one process.
+"""Sampling cost, side by side in one process.
 
-Two measurements, each the best of `--repeats`, alternating the order:
-- the sampling op alone on [B, V] probabilities (B=64 rows; V = 50257, GPT-2, and 128256, Llama 3);
-- `tether.rollout.sample_responses` on the tiny GPT-2-style test model (B=32 prompts, 32 new
-  tokens, EOS never ends a row early), where the model's forward is cheap and the sampler's share
-  is largest.
+Three measurements, each the best (and median) of `--repeats`, alternating the order:
+- `op`: per-row inverse-CDF sampling (world-size invariant) against torch.multinomial with one
+  generator for the whole batch (the sampler before issue 9), the op alone on [B, V]
+  probabilities (B=64 rows; V = 50257, GPT-2, and 128256, Llama 3);
+- `model`: the same two rules inside `tether.rollout.sample_responses` on the tiny GPT-2-style
+  test model (B=32 prompts, 32 new tokens, EOS never ends a row early), where the model's forward
+  is cheap and the sampler's share is largest;
+- `decode`: `sample_responses` with its lean decoder (`tether.decode.LeanDecoder`, each distinct
+  prompt prefilled once) against the model's forward at every step (`lean=False`, the path
+  before), per rollout batch, on the GRPO benchmark's policy shape (GPT-2 style, 4 layers x 256
+  wide x 4 heads, vocabulary 513, fused GELU, eval mode) and a Llama-style model of the same size
+  (rotary, 2 key/value heads): 32 rows, left-padded prompts of 7-10 tokens, 32 new tokens (EOS
+  never ends a row early, so both paths do the same work), as 8 prompts x 4 samples (GRPO/RLOO)
+  and as 32 distinct prompts. The samples are checked equal before timing.
 
-    python bench/sampling.py [--repeats 5] [--threads 1]
+    python bench/sampling.py [--repeats 5] [--threads 1] [--parts op,model,decode]
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from statistics import median
 from unittest import mock
 
 import torch
@@ -86,16 +95,66 @@ def model_bench(repeats: int) -> tuple[float, float]:
     return new_s, old_s
 
 
+def decode_models() -> dict:
+    """The GRPO benchmark's policy shape, GPT-2 and Llama style (random weights)."""
+    from tether.models import fuse_gelu
+    from tether.tiny import make_llama_lm, make_lm
+
+    gpt2 = fuse_gelu(make_lm(513, n_layer=4, n_embd=256, n_head=4, n_positions=128))
+    llama = make_llama_lm(513, bos_token_id=1, eos_token_id=2, n_layer=4, hidden_size=256,
+                          n_head=4, n_kv_head=2)
+    return {"gpt2": gpt2.eval(), "llama": llama.eval()}
+
+
+def decode_prompts(distinct: int, samples: int, pad: int = 512):
+    """`distinct` prompts of 7-10 random tokens, each `samples` times in a row, left-padded."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, pad, (7 + i % 4,), generator=gen).tolist() for i in range(distinct)]
+    rows = [row for row in rows for _ in range(samples)]
+    return rollout_lib.left_pad(rows, pad, "cpu")
+
+
+def decode_bench(model, distinct: int, samples: int, repeats: int) -> tuple[list, list]:
+    """CPU seconds per rollout batch: (lean, model forward), `repeats` each, interleaved."""
+    ids, mask = decode_prompts(distinct, samples)
+    kwargs = dict(max_new_tokens=32, temperature=1.0, eos_token_ids=[-1], pad_token_id=512,
+                  uniforms=rollout_lib.sampling_uniforms(0, len(ids), 32))
+    lean = rollout_lib.sample_responses(model, ids, mask, **kwargs)
+    forward = rollout_lib.sample_responses(model, ids, mask, lean=False, **kwargs)
+    assert lean.input_ids.equal(forward.input_ids), "the lean decoder sampled other tokens"
+    times: tuple[list, list] = ([], [])
+    for _ in range(repeats):
+        for flag, out in zip((True, False), times, strict=True):
+            start = time.process_time()
+            rollout_lib.sample_responses(model, ids, mask, lean=flag, **kwargs)
+            out.append(time.process_time() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", default="op,model,decode")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for vocab in (50257, 128256):
+    parts = args.parts.split(",")
+    if "decode" in parts:
+        print("sample_responses per rollout batch (B=32, 32 new tokens), CPU ms, best / median of "
+              f"{args.repeats}: lean decoder vs model forward each step")
+        for name, model in decode_models().items():
+            for distinct, samples in ((8, 4), (32, 1)):
+                lean, forward = decode_bench(model, distinct, samples, args.repeats)
+                best, mid = min(lean) / min(forward), median(lean) / median(forward)
+                print(f"  {name:5s} {distinct:2d} prompts x {samples}: lean {min(lean) * 1e3:6.1f} / "
+                      f"{median(lean) * 1e3:6.1f} ms, forward {min(forward) * 1e3:6.1f} / "
+                      f"{median(forward) * 1e3:6.1f} ms, ratio {best:.2f}x / {mid:.2f}x")
+    for vocab in (50257, 128256) if "op" in parts else ():
         new_s, old_s = op_bench(vocab, args.repeats)
         print(f"sampling op, B=64 V={vocab}: inverse-CDF {new_s * 1e3:.2f} ms/step, multinomial "
               f"{old_s * 1e3:.2f} ms/step, ratio {new_s / old_s:.2f}x")
+    if "model" not in parts:
+        return
     new_s, old_s = model_bench(args.repeats)
     print(f"sample_responses, tiny GPT-2, B=32 x 32 tokens: inverse-CDF {new_s * 1e3:.1f} ms, "
           f"multinomial {old_s * 1e3:.1f} ms, ratio {new_s / old_s:.2f}x")

@@ -20,9 +20,10 @@ FIXTURES = {"gpt2": "tiny_model_dir", "llama": "tiny_llama_dir", "mistral": "tin
 CASES = ["gpt2", "llama", "mistral", "qwen2", "gpt2+lora", "llama+lora"]
 
 
-def _model(request, case: str, dtype=torch.float32):
+def _model(request, case: str, dtype=torch.float32, peft_wrapper: bool = False):
     """(tokenizer, model in eval mode); "+lora": peft LoRA on every linear layer with non-zero B,
-    so the adapter changes the output and the lean step must run it."""
+    so the adapter changes the output and the lean step must run it (the PeftModel itself with
+    `peft_wrapper`, else the transformers model it injected the LoRA layers into)."""
     path = str(request.getfixturevalue(FIXTURES[case.split("+")[0]]))
     tokenizer = load_tokenizer(path)
     model = disable_dropout(load_causal_lm(path, tokenizer)).to(dtype).eval()
@@ -32,7 +33,8 @@ def _model(request, case: str, dtype=torch.float32):
             for name, param in peft.named_parameters():
                 if "lora_B" in name:
                     param.normal_(std=0.2, generator=torch.Generator().manual_seed(1))
-        model = peft.get_base_model()  # what PPO samples from: LoRA layers injected in place
+        # PPO samples from the transformers model, its LoRA layers injected in place.
+        model = peft if peft_wrapper else peft.get_base_model()
     return tokenizer, model
 
 
@@ -99,6 +101,22 @@ def test_lean_samples_equal_the_model_forward_samples(request, case):
     assert len(set(lengths.tolist())) > 4 and (lengths > 10).any() and lean.ended.any()
 
 
+def test_peft_model_and_its_disabled_adapter_sample_alike_on_both_paths(request):
+    # The PeftModel itself (unwrapped to its transformers model) and, inside disable_adapter(),
+    # the reference it stands for: each samples the same tokens on both paths, and the two differ.
+    tokenizer, peft = _model(request, "llama+lora", peft_wrapper=True)
+    assert lean_architecture(peft) == "llama"
+    ids, mask = _prompts(tokenizer, repeats=2)
+    kw = dict(max_new_tokens=12, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
+              pad_token_id=tokenizer.pad_token_id, uniforms=sampling_uniforms(5, len(ids), 12))
+    policy = sample_responses(peft, ids, mask, **kw).input_ids
+    assert policy.equal(sample_responses(peft, ids, mask, lean=False, **kw).input_ids)
+    with peft.disable_adapter():
+        reference = sample_responses(peft, ids, mask, **kw).input_ids
+        assert reference.equal(sample_responses(peft, ids, mask, lean=False, **kw).input_ids)
+    assert not reference.equal(policy)
+
+
 def test_autocast_lean_step_matches_the_forward_step(request):
     # Under bf16 autocast (mixed_precision) the lean step runs the same modules in the same
     # dtypes as the forward: logits agree to bf16 rounding.
@@ -153,3 +171,28 @@ def test_models_the_lean_step_does_not_cover_fall_back(request, tiny_model_dir):
     # The other architecture samples through its own forward, as before.
     assert sample_responses(neox, ids, mask, **kw).input_ids.equal(
         sample_responses(neox, ids, mask, lean=False, **kw).input_ids)
+
+
+def test_fsdp2_sharded_models_keep_the_model_forward():
+    # Under FSDP2 a layer's parameters are whole only inside its forward (its hooks gather
+    # them), so the lean step, which calls the submodules directly, must not run: one process
+    # group of one rank is enough to shard the layers and see the choice.
+    import torch.distributed as dist
+    from test_distributed_offline import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tether.distributed import transformer_layers
+    from tether.tiny import make_lm
+
+    model = make_lm(50, n_layer=2, n_embd=16, n_head=2).eval()
+    assert lean_architecture(model) == "gpt2"
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in transformer_layers(model):
+            fully_shard(layer, mesh=mesh)
+        assert lean_architecture(model) is None
+    finally:
+        dist.destroy_process_group()
