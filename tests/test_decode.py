@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import sample_texts
 
 from tether.decode import LeanDecoder, ModelForward, lean_architecture, prefill
 from tether.lora import LoraSpec, add_adapter
@@ -38,8 +39,10 @@ def _model(request, case: str, dtype=torch.float32, peft_wrapper: bool = False):
     return tokenizer, model
 
 
-def _prompts(tokenizer, repeats: int = 1):
-    rows = [tokenizer(t)["input_ids"] for t in TEXTS] * repeats
+def _prompts(tokenizer, repeats: int = 1, more: int = 0):
+    """TEXTS (+ `more` random ones), each `repeats` times in a row, left-padded."""
+    texts = TEXTS + sample_texts(more, seed=7)[:more]
+    rows = [tokenizer(t)["input_ids"] for t in texts for _ in range(repeats)]
     return left_pad(rows, tokenizer.pad_token_id, "cpu")
 
 
@@ -86,11 +89,11 @@ def test_lean_step_logits_match_the_full_forward(request, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_lean_samples_equal_the_model_forward_samples(request, case):
-    # The same uniforms through both samplers: identical tokens, masks and `ended`, with every
-    # prompt three times (the prefill runs each once) and a sixth of the vocabulary ending a
-    # response, so rows stop at many different steps and some outlive the window of 8.
+    # The same uniforms through both samplers: identical tokens, masks and `ended` on 72 rows,
+    # 24 prompts three times each (the prefill runs each once), a sixth of the vocabulary ending
+    # a response, so rows stop at many different steps and some outlive the window of 8.
     tokenizer, model = _model(request, case)
-    ids, mask = _prompts(tokenizer, repeats=3)
+    ids, mask = _prompts(tokenizer, repeats=3, more=18)
     kw = dict(max_new_tokens=20, temperature=0.9, eos_token_ids=list(range(0, len(tokenizer), 6)),
               pad_token_id=tokenizer.pad_token_id, uniforms=sampling_uniforms(3, len(ids), 20))
     lean = sample_responses(model, ids, mask, **kw)
@@ -165,10 +168,11 @@ def test_models_the_lean_step_does_not_cover_fall_back(request, tiny_model_dir):
                            num_attention_heads=2, intermediate_size=64)
     neox = AutoModelForCausalLM.from_config(config).eval()
     assert lean_architecture(neox) is None
-    ids, mask = _prompts(tokenizer)
+    ids, mask = _prompts(tokenizer, repeats=2)
     kw = dict(max_new_tokens=6, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
               pad_token_id=tokenizer.pad_token_id, uniforms=sampling_uniforms(0, len(ids), 6))
-    # The other architecture samples through its own forward, as before.
+    # The other architecture samples through its own forward, continuing from the cache of the
+    # distinct prompts copied to their rows, as the path before does from the whole batch's.
     assert sample_responses(neox, ids, mask, **kw).input_ids.equal(
         sample_responses(neox, ids, mask, lean=False, **kw).input_ids)
 
