@@ -14,8 +14,11 @@ Three measurements, each the best (and median) of `--repeats`, alternating the o
   (rotary, 2 key/value heads): 32 rows, left-padded prompts of 7-10 tokens, 32 new tokens (EOS
   never ends a row early, so both paths do the same work), as 8 prompts x 4 samples (GRPO/RLOO)
   and as 32 distinct prompts. The samples are checked equal before timing.
+- `loop` (not in the default parts: ~10 s per run): whole `tether rloo` and `tether grpo` runs on
+  bench/grpo.py's workload (tether's side, 256 episodes), with the lean sampler and with
+  `lean=False`, interleaved; CPU seconds per run, medians of `--repeats`.
 
-    python bench/sampling.py [--repeats 5] [--threads 1] [--parts op,model,decode]
+    python bench/sampling.py [--repeats 5] [--threads 1] [--parts op,model,decode,loop]
 """
 
 from __future__ import annotations
@@ -131,6 +134,50 @@ def decode_bench(model, distinct: int, samples: int, repeats: int) -> tuple[list
     return times
 
 
+def timed_sampler(sample, lean: bool, calls: list[float]):
+    """`sample` with `lean` set, appending each call's CPU seconds to `calls`."""
+    def sample_responses(*args, **kwargs):
+        start = time.process_time()
+        out = sample(*args, lean=lean, **kwargs)
+        calls.append(time.process_time() - start)
+        return out
+    return sample_responses
+
+
+def loop_bench(repeats: int) -> tuple[dict, dict]:
+    """CPU seconds of whole rloo and grpo runs (bench/grpo.py, tether's side) and of each of
+    their `sample_responses` calls, keyed by (method, lean)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import grpo
+    from ppo import build_workload, make_prompts
+
+    import tether.train.ppo as loop
+
+    args = grpo.parse_args(["--no-trl"])
+    grpo.quiet()
+    sample = loop.sample_responses
+    runs: dict[tuple[str, bool], list[float]] = {}
+    calls: dict[tuple[str, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        policy_dir, rm_dir, prompts_file = build_workload(root, make_prompts(512))
+        try:
+            for rep in range(repeats):
+                for method in grpo.METHODS:
+                    for lean in (True, False) if rep % 2 == 0 else (False, True):
+                        loop.sample_responses = timed_sampler(
+                            sample, lean, calls.setdefault((method, lean), []))
+                        timing, _ = grpo.run_tether(method, policy_dir, rm_dir, prompts_file,
+                                                    root, args)
+                        runs.setdefault((method, lean), []).append(timing.cpu_seconds)
+        finally:
+            loop.sample_responses = sample
+    return runs, calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -153,11 +200,24 @@ def main() -> None:
         new_s, old_s = op_bench(vocab, args.repeats)
         print(f"sampling op, B=64 V={vocab}: inverse-CDF {new_s * 1e3:.2f} ms/step, multinomial "
               f"{old_s * 1e3:.2f} ms/step, ratio {new_s / old_s:.2f}x")
-    if "model" not in parts:
-        return
-    new_s, old_s = model_bench(args.repeats)
-    print(f"sample_responses, tiny GPT-2, B=32 x 32 tokens: inverse-CDF {new_s * 1e3:.1f} ms, "
-          f"multinomial {old_s * 1e3:.1f} ms, ratio {new_s / old_s:.2f}x")
+    if "model" in parts:
+        new_s, old_s = model_bench(args.repeats)
+        print(f"sample_responses, tiny GPT-2, B=32 x 32 tokens: inverse-CDF {new_s * 1e3:.1f} ms, "
+              f"multinomial {old_s * 1e3:.1f} ms, ratio {new_s / old_s:.2f}x")
+    if "loop" in parts:
+        runs, calls = loop_bench(args.repeats)
+        for method in ("rloo", "grpo"):
+            lean, forward = calls[(method, True)], calls[(method, False)]
+            print(f"tether {method}: sample_responses in the loop, CPU ms per batch, median of "
+                  f"{len(lean)}: lean {median(lean) * 1e3:.1f}, forward "
+                  f"{median(forward) * 1e3:.1f}, ratio {median(lean) / median(forward):.2f}x")
+            lean, forward = runs[(method, True)], runs[(method, False)]
+            each = {name: " ".join(f"{t:.2f}" for t in sorted(times))
+                    for name, times in (("lean", lean), ("forward", forward))}
+            print(f"tether {method}, bench/grpo.py workload, CPU-s per run, median of "
+                  f"{args.repeats}: lean {median(lean):.2f} ({each['lean']}), forward "
+                  f"{median(forward):.2f} ({each['forward']}), ratio "
+                  f"{median(lean) / median(forward):.3f}x")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ padding (pitfall: "pad is not EOS").
 
 Every forward pass computes position ids from the attention mask, so a left-padded row gets the same
 positions, hence the same log-probs, as the same row alone (batch invariance).
+
+The decoding itself (the prompt's forward, then one token per step through the KV cache: a lean
+step for GPT-2, Llama, Mistral and Qwen2, the model's own forward otherwise) is in decode.py.
 """
 
 from __future__ import annotations
