@@ -14,11 +14,14 @@ Three measurements, each the best (and median) of `--repeats`, alternating the o
   (rotary, 2 key/value heads): 32 rows, left-padded prompts of 7-10 tokens, 32 new tokens (EOS
   never ends a row early, so both paths do the same work), as 8 prompts x 4 samples (GRPO/RLOO)
   and as 32 distinct prompts. The samples are checked equal before timing.
+- `step`: where one lean decode step's time goes (GPT-2 shape, B = 32, column 10 to 26, the
+  step repeated in place): the whole step, the step without attention, the weight matmuls and LM
+  head alone, the GELUs alone;
 - `loop` (not in the default parts: ~10 s per run): whole `tether rloo` and `tether grpo` runs on
   bench/grpo.py's workload (tether's side, 256 episodes), with the lean sampler and with
   `lean=False`, interleaved; CPU seconds per run, medians of `--repeats`.
 
-    python bench/sampling.py [--repeats 5] [--threads 1] [--parts op,model,decode,loop]
+    python bench/sampling.py [--repeats 5] [--threads 1] [--parts op,model,decode,step,loop]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from unittest import mock
 import torch
 
 from tether import rollout as rollout_lib
+from tether.decode import LeanDecoder, prefill
 
 
 def multinomial_sample(generator: torch.Generator):
@@ -134,6 +138,55 @@ def decode_bench(model, distinct: int, samples: int, repeats: int) -> tuple[list
     return times
 
 
+class NoAttention(LeanDecoder):
+    """A lean step with the attention (cache write and SDPA) left out: its cost by difference."""
+
+    def _attend(self, index, query, key, value, scaling):
+        return query.reshape(query.shape[0], 1, -1)
+
+
+def step_bench(repeats: int, steps: int = 16) -> dict[str, list[float]]:
+    """CPU ms per decode step of each part, interleaved `repeats` times."""
+    model = decode_models()["gpt2"]
+    ids, mask = decode_prompts(32, 1)
+    positions = rollout_lib.position_ids_from_mask(mask)
+    with torch.no_grad():
+        _, cache = prefill(model, ids, mask, positions, dedupe=False)
+    lean = LeanDecoder.build(model, cache, mask, positions[:, -1:] + 1, 32)
+    bare = NoAttention(model, "gpt2", lean.keys, lean.values, lean.mask, lean.length,
+                       lean.next_position)
+    token, alive = torch.full((32,), 5), torch.ones(32, dtype=torch.bool)
+    hidden, inner = torch.randn(32, 1, 256), torch.randn(32, 1, 1024)
+    blocks, width = model.transformer.h, ids.shape[1]
+
+    def decode(decoder):
+        decoder.length, decoder.next_position = width, positions[:, -1:] + 1
+        for _ in range(steps):
+            decoder.step(token, alive)
+
+    def matmuls():
+        for _ in range(steps):
+            for block in blocks:
+                block.attn.c_attn(hidden), block.attn.c_proj(hidden)
+                block.mlp.c_proj(block.mlp.c_fc(hidden))
+            model.lm_head(hidden)
+
+    def gelus():
+        for _ in range(steps):
+            for block in blocks:
+                block.mlp.act(inner)
+    parts = {"lean step": lambda: decode(lean), "step without attention": lambda: decode(bare),
+             "weight matmuls + LM head": matmuls, "GELU": gelus}
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, fn in parts.items():
+                start = time.process_time()
+                fn()
+                times[name].append((time.process_time() - start) / steps * 1e3)
+    return times
+
+
 def timed_sampler(sample, lean: bool, calls: list[float]):
     """`sample` with `lean` set, appending each call's CPU seconds to `calls`."""
     def sample_responses(*args, **kwargs):
@@ -182,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--parts", default="op,model,decode")
+    parser.add_argument("--parts", default="op,model,decode,step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
@@ -204,6 +257,10 @@ def main() -> None:
         new_s, old_s = model_bench(args.repeats)
         print(f"sample_responses, tiny GPT-2, B=32 x 32 tokens: inverse-CDF {new_s * 1e3:.1f} ms, "
               f"multinomial {old_s * 1e3:.1f} ms, ratio {new_s / old_s:.2f}x")
+    if "step" in parts:
+        print(f"one lean decode step (GPT-2 shape, B=32), CPU ms, best / median of {args.repeats}:")
+        for name, times in step_bench(args.repeats).items():
+            print(f"  {name:26s} {min(times):.2f} / {median(times):.2f}")
     if "loop" in parts:
         runs, calls = loop_bench(args.repeats)
         for method in ("rloo", "grpo"):
