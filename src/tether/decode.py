@@ -14,10 +14,11 @@ Two decoders with one interface, `step(token [B], alive [B]) -> logits [B, V]`:
   LoRA layers, rotary embedding, MLP, LM head) and writes only the attention over the cache here,
   with the kernel transformers' sdpa path calls (F.scaled_dot_product_attention).
 
-Why (bench/sampling.py): on the GRPO benchmark's policy (GPT-2 style, 4 layers x 256, B = 32) a
-decode step took ~7 ms on one CPU thread, of which ~3 ms are matmuls; much of the rest was the
-forward's per-call machinery: a torch.cat per layer per step to grow the cache, the 4D mask rebuilt
-from the 2D one, output classes, wrappers and kwargs plumbing.
+Why (bench/sampling.py, docs/benchmarks.md): on the GRPO benchmark's policy (GPT-2 style, 4 layers
+x 256, B = 32) a decode step took ~7 ms on one CPU thread, of which ~3.5 ms are matmuls; ~0.8 ms
+was the forward's per-call machinery (a torch.cat per layer per step to grow the cache, the 4D
+mask rebuilt from the 2D one, output classes, wrappers). With the prompt's forward run once per
+distinct prompt (`prefill`), a rollout of 8 prompts x 4 samples costs ~0.83x the time it did.
 
 Same samples: the lean step computes the forward's function on the same inputs (same modules, same
 attention kernel; the masks are the forward's: padding, finished rows fed pads with attention 0,
