@@ -143,6 +143,7 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     decoder = LeanDecoder.build(policy, cache, attention_mask, next_position,
                                 max_new_tokens) if lean else None
     decoder = decoder or ModelForward(policy, cache, attention_mask, next_position)
+    del cache  # the decoder holds what it needs (the lean one copied it into its own buffers)
     eos = torch.tensor(list(eos_token_ids), device=device, dtype=torch.long)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     tokens, masks = [], []
