@@ -41,7 +41,7 @@ def _model(request, case: str, dtype=torch.float32, peft_wrapper: bool = False):
 
 def _prompts(tokenizer, repeats: int = 1, more: int = 0):
     """TEXTS (+ `more` random ones), each `repeats` times in a row, left-padded."""
-    texts = TEXTS + sample_texts(more, seed=7)[:more]
+    texts = TEXTS + sample_texts(more, seed=7)
     rows = [tokenizer(t)["input_ids"] for t in texts for _ in range(repeats)]
     return left_pad(rows, tokenizer.pad_token_id, "cpu")
 
