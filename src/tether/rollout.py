@@ -15,16 +15,20 @@ padding (pitfall: "pad is not EOS").
 
 Every forward pass computes position ids from the attention mask, so a left-padded row gets the same
 positions, hence the same log-probs, as the same row alone (batch invariance).
+
+The decoding itself (the prompt's forward, then one token per step through the KV cache: a lean
+step for GPT-2, Llama, Mistral and Qwen2, the model's own forward otherwise) is in decode.py.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+
+from tether.decode import LeanDecoder, ModelForward, prefill
 
 
 @dataclass
@@ -74,17 +78,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _cache_name(model: nn.Module) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache`; accept either so both versions work.
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _get_cache(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
     """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
     seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
@@ -112,7 +105,8 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
                      pad_token_id: int, generator: torch.Generator | None = None,
-                     uniforms: torch.Tensor | None = None, all_done=None) -> Rollout:
+                     uniforms: torch.Tensor | None = None, all_done=None,
+                     lean: bool = True) -> Rollout:
     """Sample up to `max_new_tokens` per prompt from softmax(logits / temperature), KV-cached.
 
     Plain ancestral sampling and nothing else: no top-k, top-p, repetition penalty or any of the
@@ -129,6 +123,9 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
             any split of a global batch (ranks, chunks) samples what the whole batch would.
         all_done: `alive [B] -> bool`, whether sampling may stop (default: no row is alive);
             under FSDP2 every rank must run the same number of steps, so it is a global "any".
+        lean: run identical prompt rows once and decode GPT-2/Llama/Mistral/Qwen2 with
+            `decode.LeanDecoder` (the same samples, less overhead per step); False: the model's
+            forward on every row at every step (the path before, kept for bench/sampling.py).
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling")
@@ -139,17 +136,19 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
                               device=generator.device if generator is not None else "cpu")
     uniforms = uniforms.to(device)
     all_done = all_done or (lambda alive: not bool(alive.any()))
-    cache_kw = _cache_name(policy)
     attention_mask = prompt_mask.long()
     position_ids = position_ids_from_mask(attention_mask)
-    out = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=True, logits_to_keep=1)
+    logits, cache = prefill(policy, prompt_ids, attention_mask, position_ids, dedupe=lean)
     next_position = position_ids[:, -1:] + 1  # [B, 1]
+    decoder = LeanDecoder.build(policy, cache, attention_mask, next_position,
+                                max_new_tokens) if lean else None
+    decoder = decoder or ModelForward(policy, cache, attention_mask, next_position)
+    del cache  # the decoder holds what it needs (the lean one copied it into its own buffers)
     eos = torch.tensor(list(eos_token_ids), device=device, dtype=torch.long)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     tokens, masks = [], []
     for step in range(max_new_tokens):
-        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
         token = inverse_cdf_sample(probs, uniforms[:, step])
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         tokens.append(token)
@@ -157,11 +156,7 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
         alive = alive & ~torch.isin(token, eos)
         if step == max_new_tokens - 1 or all_done(alive):
             break
-        # Finished rows keep feeding pads with attention 0: their outputs are ignored.
-        attention_mask = torch.cat([attention_mask, alive[:, None].long()], dim=1)
-        out = policy(input_ids=token[:, None], attention_mask=attention_mask,
-                     position_ids=next_position, use_cache=True, **{cache_kw: _get_cache(out)})
-        next_position = next_position + 1
+        logits = decoder.step(token, alive)  # [B, V] for the next token
     responses = torch.stack(tokens, dim=1)  # [B, R]
     response_mask = torch.stack(masks, dim=1)  # [B, R]
     ended = torch.isin(responses, eos).any(dim=1)
