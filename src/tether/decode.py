@@ -60,18 +60,17 @@ def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Te
     their logits and cache copied to every row that repeats them: the same numbers to float
     rounding (a smaller batch may take another matmul kernel), k times less prompt compute.
     """
-    if dedupe:
-        rows = torch.cat([prompt_ids, attention_mask], dim=1)  # [B, 2P]: equal iff same prompt
-        unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
-        if len(unique) < len(rows):
-            # One representative row per distinct prompt (any: they are identical).
-            first = torch.empty(len(unique), dtype=torch.long, device=rows.device)
-            first.scatter_(0, inverse, torch.arange(len(rows), device=rows.device))
-            logits, cache = prefill(model, prompt_ids[first], attention_mask[first],
-                                    position_ids[first], dedupe=False)
-            if hasattr(cache, "batch_select_indices"):  # not on legacy tuple caches
-                cache.batch_select_indices(inverse)  # [B_unique, ...] -> [B, ...]
-                return logits[inverse], cache
+    # imported here: tether.shared_prompt reads this module's cache helpers
+    from tether.shared_prompt import prompt_groups
+
+    groups = prompt_groups(prompt_ids, attention_mask, prompt_ids.shape[1]) if dedupe else None
+    if groups is not None:
+        first, inverse = groups.first, groups.inverse
+        logits, cache = prefill(model, prompt_ids[first], attention_mask[first],
+                                position_ids[first], dedupe=False)
+        if hasattr(cache, "batch_select_indices"):  # not on legacy tuple caches
+            cache.batch_select_indices(inverse)  # [B_unique, ...] -> [B, ...]
+            return logits[inverse], cache
     out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=True, logits_to_keep=1)
     return out.logits[:, -1], output_cache(out)

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tether.rollout import _cache_name as cache_name
-from tether.rollout import _get_cache as get_cache
+from tether.decode import cache_name, output_cache
 from tether.rollout import position_ids_from_mask
 
 SWITCH = "tether_share_prompts"  # set False on a model's modules by `share_prompts`
@@ -107,7 +106,7 @@ def shared_prompt_calls(model: nn.Module, input_ids: torch.Tensor,
     first = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                   position_ids=position_ids_from_mask(prompt_mask), use_cache=True,
                   **(prompt_kwargs or {}))
-    cache = get_cache(first)
+    cache = output_cache(first)
     cache.batch_select_indices(groups.inverse)  # [U, ...] -> [B, ...], a differentiable gather
     rest = model(input_ids=input_ids[:, context_length:], attention_mask=attention_mask,
                  position_ids=position_ids_from_mask(attention_mask)[:, context_length:],
