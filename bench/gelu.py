@@ -1,0 +1,179 @@
+"""The tanh GELU on the CPU: tether's `TanhGELU` against torch's and transformers' own, in one run.
+
+    python bench/gelu.py                       # 1 torch thread, best of 20
+    python bench/gelu.py --threads 2 --repeats 50
+
+Three implementations of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
+  tether:   tether.activations.TanhGELU (x / (1 + 2^u), what `models.fuse_gelu` swaps in)
+  torch:    nn.GELU(approximate="tanh"), torch's fused kernel (what fuse_gelu swapped in before)
+  hf_new:   transformers' NewGELUActivation, GPT-2's own (five elementwise kernels in Python)
+timed on fp32 tensors of the GRPO bench's MLP activation ([32 * 42, 1024]: 32 responses of 42
+tokens, 4 x width 256) and a bigger one ([4096, 3072], GPT-2 small's MLP at 4096 tokens), forward
+alone (no graph, as in generation and scoring) and forward + backward (upstream gradient g random);
+then the bench's GPT-2 (bench/ppo.py: 4 layers, width 256, vocabulary 512) on [32, 42] tokens, one
+forward under no_grad and one forward + backward of the LM loss, with each activation swapped in.
+
+Correctness first: on a grid over [-20, 20] the three must agree with a float64 evaluation of the
+formula (values to 1e-6, gradients to 5e-6 absolute), and the three models' logits and parameter
+gradients with each other to 1e-5, or the script stops.
+
+Time: best of --repeats, the variants interleaved with their order rotating every repeat so that
+drifting load on a shared machine hits all alike. Ratios are the other's time over tether's
+(above 1: tether faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ppo import HEADS, LAYERS, VOCAB, WIDTH  # noqa: E402  (the PPO and GRPO benchmarks' model)
+
+from tether.activations import TanhGELU  # noqa: E402
+
+
+def activations() -> dict[str, nn.Module]:
+    from transformers.activations import NewGELUActivation
+
+    return {"tether": TanhGELU(), "torch": nn.GELU(approximate="tanh"), "hf_new": NewGELUActivation()}
+
+
+def best_times(calls: dict[str, callable], repeats: int) -> dict[str, float]:
+    """Best wall time in ms of each call, interleaved, the order rotating every repeat."""
+    names = list(calls)
+    best = {name: float("inf") for name in names}
+    for name in names:
+        calls[name]()  # warm-up
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def check_tensors() -> None:
+    """Each activation against the float64 formula on [-20, 20] (its gradient by autograd)."""
+    grid = torch.linspace(-20.0, 20.0, 200_001, dtype=torch.float64).requires_grad_(True)
+    c = (2.0 / torch.pi) ** 0.5
+    truth = 0.5 * grid * (1.0 + torch.tanh(c * (grid + 0.044715 * grid**3)))
+    (truth_grad,) = torch.autograd.grad(truth.sum(), grid)
+    for name, act in activations().items():
+        x = grid.detach().float().requires_grad_(True)
+        y = act(x)
+        y.sum().backward()
+        value_err = (y.double() - truth).abs().max().item()
+        grad_err = (x.grad.double() - truth_grad).abs().max().item()
+        if not (value_err < 1e-6 and grad_err < 5e-6):
+            raise SystemExit(f"check failed: {name}: value error {value_err:.2e}, gradient {grad_err:.2e}")
+    print("check: values (1e-6) and gradients (5e-6) of all three equal the float64 formula on [-20, 20]")
+
+
+def time_tensors(rows: int, width: int, repeats: int) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=gen)
+    g = torch.randn(rows, width, generator=gen)
+    x_grad = x.clone().requires_grad_(True)
+    lines = []
+    for mode in ("fwd", "fwd+bwd"):
+        calls = {}
+        for name, act in activations().items():
+            if mode == "fwd":
+                calls[name] = _no_grad(lambda act=act: act(x))
+            else:
+                calls[name] = lambda act=act: torch.autograd.grad(act(x_grad), x_grad, g)
+        lines.append(_row(f"[{rows}, {width}] {mode}", best_times(calls, repeats)))
+    return lines
+
+
+def _no_grad(call):
+    def run():
+        with torch.no_grad():
+            return call()
+    return run
+
+
+def _row(label: str, ms: dict[str, float]) -> str:
+    ours = ms["tether"]
+    return (f"{label:24s} {ours:9.2f} {ms['torch']:9.2f} {ms['hf_new']:9.2f}"
+            f" {ms['torch'] / ours:9.2f}x {ms['hf_new'] / ours:9.2f}x")
+
+
+def bench_models(batch: int, length: int) -> dict[str, nn.Module]:
+    """The GPT-2 of bench/ppo.py (NewGELUActivation), once per activation, dropout off."""
+    from tether.tiny import make_lm
+
+    base = make_lm(VOCAB, n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=max(128, length))
+    base.eval()  # dropout off, as tether trains
+    models = {}
+    for name, act in activations().items():
+        model = copy.deepcopy(base)
+        for block in model.transformer.h:
+            block.mlp.act = copy.deepcopy(act)
+        models[name] = model
+    return models
+
+
+def model_step(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(tokens, labels=tokens)
+    out.loss.backward()
+    return out.logits.detach(), [p.grad for p in model.parameters()]
+
+
+def check_models(models: dict[str, nn.Module], tokens: torch.Tensor) -> None:
+    results = {name: model_step(model, tokens) for name, model in models.items()}
+    ref_logits, ref_grads = results["hf_new"]
+    for name, (logits, grads) in results.items():
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5, msg=name)
+        for grad, ref in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
+                                       msg=name)
+    print("check: the three GPT-2s give the same logits and gradients (1e-5)")
+
+
+def time_models(batch: int, length: int, repeats: int) -> list[str]:
+    models = bench_models(batch, length)
+    tokens = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
+    check_models(models, tokens)
+    forward = {name: _no_grad(lambda m=m: m(tokens).logits) for name, m in models.items()}
+    step = {name: (lambda m=m: model_step(m, tokens)) for name, m in models.items()}
+    return [_row(f"GPT-2 [{batch}, {length}] fwd", best_times(forward, repeats)),
+            _row(f"GPT-2 [{batch}, {length}] fwd+bwd", best_times(step, repeats))]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1, help="torch threads; 0 leaves them alone")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per variant; best is kept")
+    p.add_argument("--batch", type=int, default=32, help="responses in the bench's forward")
+    p.add_argument("--length", type=int, default=42, help="tokens per response (prompt + response)")
+    p.add_argument("--big", type=int, nargs=2, default=[4096, 3072], metavar=("ROWS", "WIDTH"),
+                   help="the bigger activation tensor")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    check_tensors()
+    lines = [f"tanh GELU, fp32, {torch.get_num_threads()} thread(s), best of {args.repeats}, ms",
+             f"{'':24s} {'tether':>9s} {'torch':>9s} {'hf_new':>9s} {'torch/us':>10s} {'hf/us':>10s}"]
+    lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats)
+    lines += time_tensors(*args.big, args.repeats)
+    lines += time_models(args.batch, args.length, args.repeats)
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
