@@ -7,10 +7,10 @@ Three implementations of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
   tether:   tether.activations.TanhGELU (x / (1 + 2^u), what `models.fuse_gelu` swaps in)
   torch:    nn.GELU(approximate="tanh"), torch's fused kernel (what fuse_gelu swapped in before)
   hf_new:   transformers' NewGELUActivation, GPT-2's own (five elementwise kernels in Python)
-timed on fp32 tensors of the GRPO bench's MLP activation ([32 * 42, 1024]: 32 responses of 42
-tokens, 4 x width 256) and a bigger one ([4096, 3072], GPT-2 small's MLP at 4096 tokens), forward
-alone (no graph, as in generation and scoring) and forward + backward (upstream gradient g random);
-then the bench's GPT-2 (bench/ppo.py: 4 layers, width 256, vocabulary 512) on [32, 42] tokens, one
+timed on fp32 tensors of the GRPO bench's MLP activation (4 x width 256: [32, 1024] at one
+decode step of 32 responses while sampling, [32 * 42, 1024] in a forward over 42 tokens) and a
+bigger one ([4096, 3072], GPT-2 small's MLP at 4096 tokens), forward alone (no graph, as in
+generation and scoring) and forward + backward (upstream gradient g random); then the bench's GPT-2 (bench/ppo.py: 4 layers, width 256, vocabulary 512) on [32, 42] tokens, one
 forward under no_grad and one forward + backward of the LM loss, with each activation swapped in.
 
 Correctness first: on a grid over [-20, 20] the three must agree with a float64 evaluation of the
@@ -103,7 +103,7 @@ def _no_grad(call):
 
 def _row(label: str, ms: dict[str, float]) -> str:
     ours = ms["tether"]
-    return (f"{label:24s} {ours:9.2f} {ms['torch']:9.2f} {ms['hf_new']:9.2f}"
+    return (f"{label:24s} {ours:9.3f} {ms['torch']:9.3f} {ms['hf_new']:9.3f}"
             f" {ms['torch'] / ours:9.2f}x {ms['hf_new'] / ours:9.2f}x")
 
 
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     check_tensors()
     lines = [f"tanh GELU, fp32, {torch.get_num_threads()} thread(s), best of {args.repeats}, ms",
              f"{'':24s} {'tether':>9s} {'torch':>9s} {'hf_new':>9s} {'torch/us':>10s} {'hf/us':>10s}"]
+    lines += time_tensors(args.batch, 4 * WIDTH, args.repeats)  # one decode step while sampling
     lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats)
     lines += time_tensors(*args.big, args.repeats)
     lines += time_models(args.batch, args.length, args.repeats)
