@@ -46,9 +46,11 @@ _XW_SCALE = -4.0 * _SQRT_2_OVER_PI
 # above, and below -8 it is -5e-20 instead of ~0. Unclamped, 2^u overflows below x = -9.5 (inf * 0
 # = nan), x w' overflows beyond |x| = 1.5e13, and products fall into slow denormals.
 _X_CLAMP = 8.0
-# Below this many elements torch's single kernel wins (measured: break-even ~4096 with autograd's
-# own overhead on top; bench/gelu.py).
+# Below these many elements torch's single kernel wins: the exp2 form's extra kernel launches cost
+# ~4 us each, and autograd.Function's Python ~100 us a forward + backward (measured with 1 thread:
+# break-even ~6000 elements without a graph, ~32768 with one).
 MIN_ELEMENTS = 8192
+MIN_ELEMENTS_GRAD = 1 << 16
 # Elements per piece in `_piecewise`: 2 MiB of fp32 per temporary, the backward's ~7 of them in L3.
 # Read at call time, so tests can shrink it to force many pieces.
 CHUNK_ELEMENTS = 1 << 19
@@ -96,12 +98,15 @@ def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor,
 def _piecewise(kernel, *tensors: torch.Tensor) -> torch.Tensor:
     """kernel(*pieces, out=) over flat pieces of CHUNK_ELEMENTS, so that its temporaries stay in
     cache and are not fresh pages (a tensor of many MiB costs a page fault per 4 KiB); a new
-    contiguous output of the last tensor's shape and dtype. bf16/fp16 pieces are computed in fp32.
+    output of the last tensor's shape and dtype (contiguous when cut into pieces). bf16/fp16
+    pieces are computed in fp32.
 
     Args:
         kernel: gelu_tanh_forward or gelu_tanh_backward.
         tensors: same shape (a non-contiguous one is copied once by reshape).
     """
+    if tensors[-1].numel() <= CHUNK_ELEMENTS and all(t.dtype == torch.float32 for t in tensors):
+        return kernel(*tensors)  # one piece: skip the ~30 us of Python below (a decode step)
     flats = [tensor.reshape(-1) for tensor in tensors]
     out = torch.empty_like(flats[-1])
     in_place = out.dtype == torch.float32
@@ -133,13 +138,15 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise; x's shape and dtype.
 
     Decided per call from x itself: the exp2 form on CPU tensors of float32, bfloat16 or float16
-    with at least `MIN_ELEMENTS` elements; torch's fused `F.gelu(approximate="tanh")` otherwise
-    (one kernel on CUDA, which is already fast there)."""
-    use_exp2 = (x.device.type == "cpu" and x.numel() >= MIN_ELEMENTS
+    with at least `MIN_ELEMENTS` elements (`MIN_ELEMENTS_GRAD` when autograd records the call);
+    torch's fused `F.gelu(approximate="tanh")` otherwise (one kernel on CUDA, fast there)."""
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    use_exp2 = (x.device.type == "cpu"
+                and x.numel() >= (MIN_ELEMENTS_GRAD if needs_grad else MIN_ELEMENTS)
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
     if not use_exp2:
         return F.gelu(x, approximate="tanh")
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad:
         return _GeluTanhFunction.apply(x)
     return _piecewise(gelu_tanh_forward, x)  # no graph: skip autograd.Function's overhead
 
