@@ -1,17 +1,19 @@
 """The tanh GELU on the CPU: tether's `TanhGELU` against torch's and transformers' own, in one run.
 
     python bench/gelu.py                       # 1 torch thread, best of 20
-    python bench/gelu.py --threads 2 --repeats 50
+    python bench/gelu.py --repeats 40 --threads 2
 
 Three implementations of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
   tether:   tether.activations.TanhGELU (x / (1 + 2^u), what `models.fuse_gelu` swaps in)
   torch:    nn.GELU(approximate="tanh"), torch's fused kernel (what fuse_gelu swapped in before)
   hf_new:   transformers' NewGELUActivation, GPT-2's own (five elementwise kernels in Python)
-timed on fp32 tensors of the GRPO bench's MLP activation (4 x width 256: [32, 1024] at one
-decode step of 32 responses while sampling, [32 * 42, 1024] in a forward over 42 tokens) and a
-bigger one ([4096, 3072], GPT-2 small's MLP at 4096 tokens), forward alone (no graph, as in
-generation and scoring) and forward + backward (upstream gradient g random); then the bench's GPT-2 (bench/ppo.py: 4 layers, width 256, vocabulary 512) on [32, 42] tokens, one
-forward under no_grad and one forward + backward of the LM loss, with each activation swapped in.
+timed on tensors of the GRPO bench's MLP activation (4 x width 256: [32, 1024] at one decode step
+of 32 responses while sampling, [32 * 42, 1024] in a forward over 42 tokens, in fp32 and in
+bfloat16 as under `--dtype bfloat16` or `--mixed-precision bf16`) and a bigger fp32 one ([4096,
+3072], GPT-2 small's MLP at 4096 tokens), forward alone (no graph, as in generation and scoring)
+and forward + backward (upstream gradient g random); then the bench's GPT-2 (bench/ppo.py: 4
+layers, width 256, vocabulary 512) on [32, 42] tokens, one forward under no_grad and one forward
++ backward of the LM loss, with each activation swapped in.
 
 Correctness first: on a grid over [-20, 20] the three must agree with a float64 evaluation of the
 formula (values to 1e-6, gradients to 5e-6 absolute), and the three models' logits and parameter
@@ -77,10 +79,10 @@ def check_tensors() -> None:
     print("check: values (1e-6) and gradients (5e-6) of all three equal the float64 formula on [-20, 20]")
 
 
-def time_tensors(rows: int, width: int, repeats: int) -> list[str]:
+def time_tensors(rows: int, width: int, repeats: int, dtype=torch.float32) -> list[str]:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=gen)
-    g = torch.randn(rows, width, generator=gen)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    g = torch.randn(rows, width, generator=gen).to(dtype)
     x_grad = x.clone().requires_grad_(True)
     lines = []
     for mode in ("fwd", "fwd+bwd"):
@@ -90,7 +92,8 @@ def time_tensors(rows: int, width: int, repeats: int) -> list[str]:
                 calls[name] = _no_grad(lambda act=act: act(x))
             else:
                 calls[name] = lambda act=act: torch.autograd.grad(act(x_grad), x_grad, g)
-        lines.append(_row(f"[{rows}, {width}] {mode}", best_times(calls, repeats)))
+        kind = "" if dtype == torch.float32 else " bf16"
+        lines.append(_row(f"[{rows}, {width}]{kind} {mode}", best_times(calls, repeats)))
     return lines
 
 
@@ -166,10 +169,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_tensors()
-    lines = [f"tanh GELU, fp32, {torch.get_num_threads()} thread(s), best of {args.repeats}, ms",
+    lines = [f"tanh GELU, {torch.get_num_threads()} thread(s), best of {args.repeats}, ms",
              f"{'':24s} {'tether':>9s} {'torch':>9s} {'hf_new':>9s} {'torch/us':>10s} {'hf/us':>10s}"]
     lines += time_tensors(args.batch, 4 * WIDTH, args.repeats)  # one decode step while sampling
     lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats)
+    lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats, torch.bfloat16)
     lines += time_tensors(*args.big, args.repeats)
     lines += time_models(args.batch, args.length, args.repeats)
     print("\n".join(lines))

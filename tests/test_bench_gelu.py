@@ -17,7 +17,8 @@ def test_bench_checks_and_reports_every_row():
                        "--threads", "0"])  # 0: leave this process's torch threads alone
     rows = lines[2:]
     labels = [row[:24].strip() for row in rows]
-    assert labels == ["[2, 1024] fwd", "[2, 1024] fwd+bwd", "[16, 1024] fwd", "[16, 1024] fwd+bwd", "[16, 2048] fwd",
+    assert labels == ["[2, 1024] fwd", "[2, 1024] fwd+bwd", "[16, 1024] fwd", "[16, 1024] fwd+bwd",
+                      "[16, 1024] bf16 fwd", "[16, 1024] bf16 fwd+bwd", "[16, 2048] fwd",
                       "[16, 2048] fwd+bwd", "GPT-2 [2, 8] fwd", "GPT-2 [2, 8] fwd+bwd"]
     for row in rows:
         ours, torch_ms, hf_ms, torch_ratio, hf_ratio = row[24:].split()
