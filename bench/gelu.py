@@ -1,7 +1,7 @@
 """The tanh GELU on the CPU: tether's `TanhGELU` against torch's and transformers' own, in one run.
 
     python bench/gelu.py                       # 1 torch thread, best of 20
-    python bench/gelu.py --repeats 40 --threads 2
+    python bench/gelu.py --repeats 40 --grpo 3      # and bench/grpo.py's tether side with each
 
 Three implementations of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
   tether:   tether.activations.TanhGELU (x / (1 + 2^u), what `models.fuse_gelu` swaps in)
@@ -13,7 +13,8 @@ bfloat16 as under `--dtype bfloat16` or `--mixed-precision bf16`) and a bigger f
 3072], GPT-2 small's MLP at 4096 tokens), forward alone (no graph, as in generation and scoring)
 and forward + backward (upstream gradient g random); then the bench's GPT-2 (bench/ppo.py: 4
 layers, width 256, vocabulary 512) on [32, 42] tokens, one forward under no_grad and one forward
-+ backward of the LM loss, with each activation swapped in.
++ backward of the LM loss, with each activation swapped in. With `--grpo N`, also bench/grpo.py's
+tether side (rloo and grpo, --no-trl) N times with each GELU, in CPU seconds.
 
 Correctness first: on a grid over [-20, 20] the three must agree with a float64 evaluation of the
 formula (values to 1e-6, gradients to 5e-6 absolute), and the three models' logits and parameter
@@ -38,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo import HEADS, LAYERS, VOCAB, WIDTH  # noqa: E402  (the PPO and GRPO benchmarks' model)
 
+from tether import activations as tether_activations  # noqa: E402
 from tether.activations import TanhGELU  # noqa: E402
 
 
@@ -153,6 +155,42 @@ def time_models(batch: int, length: int, repeats: int) -> list[str]:
             _row(f"GPT-2 [{batch}, {length}] fwd+bwd", best_times(step, repeats))]
 
 
+def time_grpo(repeats: int, grpo_argv: tuple[str, ...] = ("--no-trl",)) -> list[str]:
+    """bench/grpo.py's tether side (its defaults: 256 episodes, batch 32, 32-token responses) with
+    tether's GELU and with torch's kernel (TanhGELU's thresholds set past any tensor), the two
+    interleaved in alternating order; medians of CPU seconds, the steadier clock when shared."""
+    import statistics
+    import tempfile
+
+    import grpo
+    from ppo import build_workload, make_prompts
+
+    grpo.quiet()
+    args = grpo.parse_args(list(grpo_argv))
+    module = tether_activations
+    default = (module.MIN_ELEMENTS, module.MIN_ELEMENTS_GRAD)
+    thresholds = {"tether": default, "torch": (sys.maxsize, sys.maxsize)}
+    cpu = {(method, side): [] for method in grpo.METHODS for side in thresholds}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        workload = build_workload(root, make_prompts(512))
+        for repeat in range(repeats):
+            for method in grpo.METHODS:
+                for side in list(thresholds)[:: 1 if repeat % 2 == 0 else -1]:
+                    module.MIN_ELEMENTS, module.MIN_ELEMENTS_GRAD = thresholds[side]
+                    try:
+                        timing, _ = grpo.run_tether(method, *workload, root, args)
+                    finally:
+                        module.MIN_ELEMENTS, module.MIN_ELEMENTS_GRAD = default
+                    cpu[method, side].append(timing.cpu_seconds)
+    lines = []
+    for method in grpo.METHODS:
+        ours, theirs = (statistics.median(cpu[method, side]) for side in thresholds)
+        lines.append(f"bench/grpo.py {method}: {ours:.2f} CPU-s with tether's GELU, {theirs:.2f} "
+                     f"with torch's ({theirs / ours:.3f}x), median of {repeats}")
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads; 0 leaves them alone")
@@ -161,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=42, help="tokens per response (prompt + response)")
     p.add_argument("--big", type=int, nargs=2, default=[4096, 3072], metavar=("ROWS", "WIDTH"),
                    help="the bigger activation tensor")
+    p.add_argument("--grpo", type=int, default=0, metavar="REPEATS",
+                   help="also run bench/grpo.py's tether side this many times with each GELU")
     return p.parse_args(argv)
 
 
@@ -176,6 +216,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats, torch.bfloat16)
     lines += time_tensors(*args.big, args.repeats)
     lines += time_models(args.batch, args.length, args.repeats)
+    if args.grpo:
+        lines += time_grpo(args.grpo)
     print("\n".join(lines))
     return lines
 

@@ -3,6 +3,7 @@ time and both ratios for every row."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -27,3 +28,21 @@ def test_bench_checks_and_reports_every_row():
         for ratio, other in ((torch_ratio, torch_ms), (hf_ratio, hf_ms)):
             expected = float(other) / float(ours)
             assert abs(float(ratio.rstrip("x")) - expected) <= 0.01 + 0.02 * expected
+
+
+def test_grpo_rows_time_both_gelus_and_restore_the_thresholds():
+    from tether import activations
+
+    before = (activations.MIN_ELEMENTS, activations.MIN_ELEMENTS_GRAD)
+    try:
+        lines = gelu.time_grpo(1, ("--no-trl", "--episodes", "8", "--batch-size", "8",
+                                   "--response-length", "4", "--threads", "0"))
+    finally:
+        logging.disable(logging.NOTSET)  # the GRPO bench silences logging for its whole process
+    assert [line.split(":")[0] for line in lines] == ["bench/grpo.py rloo", "bench/grpo.py grpo"]
+    for line in lines:
+        words = line.split()
+        ours, theirs, ratio = float(words[2]), float(words[7]), float(words[10].strip("(x),"))
+        assert ours > 0 and theirs > 0
+        assert abs(ratio - theirs / ours) <= 0.05 * theirs / ours  # times printed to 0.01 s
+    assert (activations.MIN_ELEMENTS, activations.MIN_ELEMENTS_GRAD) == before
