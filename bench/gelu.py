@@ -46,7 +46,8 @@ from tether.activations import TanhGELU  # noqa: E402
 def activations() -> dict[str, nn.Module]:
     from transformers.activations import NewGELUActivation
 
-    return {"tether": TanhGELU(), "torch": nn.GELU(approximate="tanh"), "hf_new": NewGELUActivation()}
+    return {"tether": TanhGELU(), "torch": nn.GELU(approximate="tanh"),
+            "hf_new": NewGELUActivation()}
 
 
 def best_times(calls: dict[str, callable], repeats: int) -> dict[str, float]:
@@ -77,8 +78,10 @@ def check_tensors() -> None:
         value_err = (y.double() - truth).abs().max().item()
         grad_err = (x.grad.double() - truth_grad).abs().max().item()
         if not (value_err < 1e-6 and grad_err < 5e-6):
-            raise SystemExit(f"check failed: {name}: value error {value_err:.2e}, gradient {grad_err:.2e}")
-    print("check: values (1e-6) and gradients (5e-6) of all three equal the float64 formula on [-20, 20]")
+            raise SystemExit(f"check failed: {name}: value error {value_err:.2e}, "
+                             f"gradient {grad_err:.2e}")
+    print("check: values (1e-6) and gradients (5e-6) of all three equal the float64 formula "
+          "on [-20, 20]")
 
 
 def time_tensors(rows: int, width: int, repeats: int, dtype=torch.float32) -> list[str]:
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         torch.set_num_threads(args.threads)
     check_tensors()
     lines = [f"tanh GELU, {torch.get_num_threads()} thread(s), best of {args.repeats}, ms",
-             f"{'':24s} {'tether':>9s} {'torch':>9s} {'hf_new':>9s} {'torch/us':>10s} {'hf/us':>10s}"]
+             f"{'':24s} {'tether':>9s} {'torch':>9s} {'hf_new':>9s} {'torch/us':>10s}"
+             f" {'hf/us':>10s}"]
     lines += time_tensors(args.batch, 4 * WIDTH, args.repeats)  # one decode step while sampling
     lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats)
     lines += time_tensors(args.batch * args.length, 4 * WIDTH, args.repeats, torch.bfloat16)

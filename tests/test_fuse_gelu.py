@@ -160,7 +160,7 @@ def test_torch_kernel_where_it_is_the_better_one():
         assert type(gelu_tanh(torch.randn(n, requires_grad=True)).grad_fn).__name__ == backward
     x64 = torch.randn(20_000, dtype=torch.float64, requires_grad=True)
     assert type(gelu_tanh(x64).grad_fn).__name__ == "GeluBackward0"
-    meta = torch.empty(20_000, device="meta")  # any device but the CPU: no CPU-only constant in reach
+    meta = torch.empty(20_000, device="meta")  # not the CPU: no CPU-only constant may be reached
     assert gelu_tanh(meta).device.type == "meta"
     big = torch.randn(activations.MIN_ELEMENTS, generator=torch.Generator().manual_seed(9))
     assert not torch.equal(gelu_tanh(big), F.gelu(big, approximate="tanh"))  # the exp2 form ran
@@ -195,7 +195,8 @@ OTHERS = {
 
 
 def test_fuse_gelu_swaps_every_tanh_gelu_and_nothing_else():
-    model = nn.ModuleDict({name: nn.Sequential(act) for name, act in {**TANH_GELUS, **OTHERS}.items()})
+    everything = {**TANH_GELUS, **OTHERS}
+    model = nn.ModuleDict({name: nn.Sequential(act) for name, act in everything.items()})
     fuse_gelu(model)
     for name in TANH_GELUS:
         assert type(model[name][0]) is TanhGELU, name
@@ -221,7 +222,8 @@ def test_fused_model_gives_the_same_logits_and_gradients(fixture, request, monke
     monkeypatch.setattr(activations, "MIN_ELEMENTS_GRAD", 1)
     monkeypatch.setattr(activations, "CHUNK_ELEMENTS", 3000)
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture)).eval()
-    tokens = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(0, model.config.vocab_size, (4, 24),
+                           generator=torch.Generator().manual_seed(7))
     before = model_outputs(model, tokens)
     n_tanh = sum(type(m) in (hf.NewGELUActivation, hf.GELUTanh) for m in model.modules())
     fuse_gelu(model)
@@ -230,7 +232,8 @@ def test_fused_model_gives_the_same_logits_and_gradients(fixture, request, monke
     after = model_outputs(model, tokens)
     torch.testing.assert_close(after[0], before[0], rtol=1e-5, atol=1e-5)
     for name, grad in before[1].items():
-        torch.testing.assert_close(after[1][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+        torch.testing.assert_close(after[1][name], grad, rtol=1e-5,
+                                   atol=1e-5 * grad.abs().max().item())
 
 
 def test_fused_gpt2_under_bf16_autocast_matches_the_unfused(tiny_model_dir, monkeypatch):
@@ -238,7 +241,8 @@ def test_fused_gpt2_under_bf16_autocast_matches_the_unfused(tiny_model_dir, monk
     monkeypatch.setattr(activations, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(activations, "MIN_ELEMENTS_GRAD", 1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    tokens = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(8))
+    tokens = torch.randint(0, model.config.vocab_size, (4, 24),
+                           generator=torch.Generator().manual_seed(8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         before = model_outputs(model, tokens)
         fuse_gelu(model)
@@ -251,4 +255,5 @@ def test_fused_gpt2_under_bf16_autocast_matches_the_unfused(tiny_model_dir, monk
     scale = before[0].abs().max().item()
     torch.testing.assert_close(after[0], before[0], rtol=0, atol=0.02 * scale)
     for name, grad in before[1].items():
-        torch.testing.assert_close(after[1][name], grad, rtol=0, atol=0.02 * grad.abs().max().item())
+        torch.testing.assert_close(after[1][name], grad, rtol=0,
+                                   atol=0.02 * grad.abs().max().item())

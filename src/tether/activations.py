@@ -41,7 +41,8 @@ _LOG2_E = 1.0 / math.log(2.0)
 # u = x (_U0 + _U2 x^2): the exponent of 2 in gelu(x) = x / (1 + 2^u).
 _U0 = -2.0 * _SQRT_2_OVER_PI * _LOG2_E
 _U2 = _U0 * _CUBIC
-_U0_TENSOR = torch.tensor(_U0)  # addcmul takes its constant term as a (0-dim) tensor
+# addcmul takes its constant term as a tensor; fp32 on the CPU whatever torch's defaults are.
+_U0_TENSOR = torch.tensor(_U0, dtype=torch.float32, device="cpu")
 # x w' = -2c (x + _XW_FROM_U u): x w' from x and u in one kernel, without recomputing x^2.
 _XW_FROM_U = 3.0 / (2.0 * _SQRT_2_OVER_PI * 2.0 * _LOG2_E)
 _XW_SCALE = -4.0 * _SQRT_2_OVER_PI
