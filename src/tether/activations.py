@@ -43,12 +43,12 @@ _U0 = -2.0 * _SQRT_2_OVER_PI * _LOG2_E
 _U2 = _U0 * _CUBIC
 # addcmul takes its constant term as a tensor; fp32 on the CPU whatever torch's defaults are.
 _U0_TENSOR = torch.tensor(_U0, dtype=torch.float32, device="cpu")
-# x w' = -2c (x + _XW_FROM_U u): x w' from x and u in one kernel, without recomputing x^2.
+# x w' = _XW_SCALE (x + _XW_FROM_U u): x w' from x and u in one kernel, without recomputing x^2.
 _XW_FROM_U = 3.0 / (2.0 * _SQRT_2_OVER_PI * 2.0 * _LOG2_E)
 _XW_SCALE = -4.0 * _SQRT_2_OVER_PI
 # The backward clamps x to +-8, where s (or 1 - s) is below 4e-22: gelu' is then exactly 1 in fp32
-# above, and below -8 it is -5e-20 instead of ~0. Unclamped, 2^u overflows below x = -9.5 (inf * 0
-# = nan), x w' overflows beyond |x| = 1.5e13, and products fall into slow denormals.
+# above, and below -8 it is -5e-20 instead of ~0. Unclamped, 2^u overflows below x = -10.06 (inf *
+# 0 = nan), x w' overflows beyond |x| = 1.5e13, and products fall into slow denormals.
 _X_CLAMP = 8.0
 # Below these many elements torch's single kernel wins: the exp2 form's extra kernel launches cost
 # ~4 us each, and autograd.Function's Python ~100 us a forward + backward (measured with 1 thread:
@@ -65,9 +65,9 @@ CHUNK_ELEMENTS = 1 << 18
 def gelu_tanh_forward(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(x) = x / (1 + 2^u), u = x (_U0 + _U2 x^2), computed in x's dtype (fp32 on the CPU).
 
-    Four kernels on one temporary, reused as the output. No overflow trouble at large |x|: for
-    x > 9.5, 2^u = 0 and the result is x; for x < -9.5, 2^u = inf and the result is -0, as torch's
-    kernel gives (infinite x too: inf -> inf, -inf -> nan, as there).
+    Five kernels on one temporary, reused as the output. No overflow trouble at large |x|: above
+    x = 4.96, 1 + 2^u rounds to 1 and the result is x; below x = -10.06, 2^u = inf and the result
+    is -0, as torch's kernel gives (infinite x too: inf -> inf, -inf -> nan, as there).
 
     Args:
         x: any shape, float32.
