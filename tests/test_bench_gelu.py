@@ -30,10 +30,10 @@ def test_bench_checks_and_reports_every_row():
             assert abs(float(ratio.rstrip("x")) - expected) <= 0.01 + 0.02 * expected
 
 
-def test_grpo_rows_time_both_gelus_and_restore_the_thresholds():
+def test_grpo_rows_time_both_gelus_and_restore_tethers():
     from tether import activations
 
-    before = (activations.MIN_ELEMENTS, activations.MIN_ELEMENTS_GRAD)
+    before = activations.gelu_tanh
     try:
         lines = gelu.time_grpo(1, ("--no-trl", "--episodes", "8", "--batch-size", "8",
                                    "--response-length", "4", "--threads", "0"))
@@ -45,4 +45,4 @@ def test_grpo_rows_time_both_gelus_and_restore_the_thresholds():
         ours, theirs, ratio = float(words[2]), float(words[7]), float(words[10].strip("(x),"))
         assert ours > 0 and theirs > 0
         assert abs(ratio - theirs / ours) <= 0.05 * theirs / ours  # times printed to 0.01 s
-    assert (activations.MIN_ELEMENTS, activations.MIN_ELEMENTS_GRAD) == before
+    assert activations.gelu_tanh is before

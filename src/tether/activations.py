@@ -12,8 +12,8 @@ Hendrycks & Gimpel 2016 (arXiv:1606.08415, sec. 2), with c = sqrt(2/pi):
 Why not torch's own kernel on the CPU: torch 2.13's CPU `tanh` (and so `F.gelu(approximate="tanh")`
 and its backward) runs at ~3.5 ns an element with one thread, while `exp2` runs at ~0.6 ns. The
 forms above take one `exp2` and a few multiply-adds: 5 passes over memory forward, 11 backward,
-against torch's one (bench/gelu.py, 1 thread, [1344, 1024] fp32: forward 2.2-2.9x faster, forward
-+ backward 1.5x; the backward alone gains least, and less when other processes contend for memory
+against torch's one (bench/gelu.py, 1 thread, [1344, 1024] fp32: forward 2.1-2.6x faster, forward
++ backward 1.5-1.6x; the backward alone gains least, and less when other processes contend for memory
 bandwidth). Large tensors go in pieces that stay in cache (`_piecewise`). They are the same
 function to fp32 rounding: max abs error against a float64 reference 5e-7 (<= 6 ulps of the value)
 forward and 2e-7 backward, where torch's own kernel has 4e-7 (400 ulps for x < 0, where 1 + tanh
@@ -21,10 +21,19 @@ cancels) and 1e-6; `1 - s` is taken as 2^u s, not by subtraction, so the backwar
 precision where s rounds to 1.
 
 Only x is saved for the backward pass (as torch's kernel does): s is recomputed there, so a model's
-activation memory is unchanged. CUDA and every other device get torch's fused kernel, as do small
-tensors (below `MIN_ELEMENTS`, or `MIN_ELEMENTS_GRAD` under autograd, the extra kernel launches
-cost more than tanh) and float64. bfloat16/float16 inputs are computed in fp32 and returned in
-their own dtype, as torch's CPU kernel does internally.
+activation memory is unchanged. CUDA and every other device get torch's fused kernel, as does
+float64. bfloat16/float16 inputs are computed in fp32 and returned in their own dtype, as torch's
+CPU kernel does internally.
+
+Which form runs never depends on a tensor's size or on whether autograd records the call: tether's
+first PPO epoch is exactly on-policy (ratio 1) because scoring without a graph and the update's
+forward with one, in micro-batches of another size, give bitwise the same log-probs. A size
+threshold (torch's kernel for small tensors, where the extra launches cost more) broke that, so
+small tensors pay ~10 us a call, and ~100 us under autograd (autograd.Function's Python): a
+tiny-model cost, break-even near 32768 elements with a graph, 6000 without. As for torch's own
+kernels, bitwise holds where rows are a multiple of 32 elements wide (any real model's MLP) and
+torch runs one thread: its loops compute the last (size mod 16 or 32) elements of each thread's
+share with scalar code, and several threads split a tensor at size-dependent points.
 """
 
 from __future__ import annotations
@@ -50,11 +59,6 @@ _XW_SCALE = -4.0 * _SQRT_2_OVER_PI
 # above, and below -8 it is -5e-20 instead of ~0. Unclamped, 2^u overflows below x = -10.06 (inf *
 # 0 = nan), x w' overflows beyond |x| = 1.5e13, and products fall into slow denormals.
 _X_CLAMP = 8.0
-# Below these many elements torch's single kernel wins: the exp2 form's extra kernel launches cost
-# ~4 us each, and autograd.Function's Python ~100 us a forward + backward (measured with 1 thread:
-# break-even ~6000 elements without a graph, ~32768 with one).
-MIN_ELEMENTS = 8192
-MIN_ELEMENTS_GRAD = 1 << 16
 # Elements per piece in `_piecewise`: 1 MiB of fp32 per tensor, so that the backward's working set
 # (x, grad, the output and three temporaries) stays in cache while its 11 kernels pass over it.
 # Measured with a cold cache on [1344, 1024]: 2^18 a little faster than 2^17 or 2^19, 2^15 slower.
@@ -113,11 +117,15 @@ def _piecewise(kernel, *tensors: torch.Tensor) -> torch.Tensor:
     """
     if tensors[-1].numel() <= CHUNK_ELEMENTS and all(t.dtype == torch.float32 for t in tensors):
         return kernel(*tensors)  # one piece: skip the ~30 us of Python below (a decode step)
+    # Pieces of a multiple of 64 elements: torch's elementwise loops run 2 SIMD vectors (<= 32
+    # floats) at a time and the scalar code on the remainder, whose exp2 may round differently;
+    # aligned pieces put every element on the path it takes without pieces (module doc: bitwise).
+    step = max(64, CHUNK_ELEMENTS - CHUNK_ELEMENTS % 64)
     flats = [tensor.reshape(-1) for tensor in tensors]
     out = torch.empty_like(flats[-1])
     in_place = out.dtype == torch.float32
-    for start in range(0, out.numel(), CHUNK_ELEMENTS):
-        piece = slice(start, start + CHUNK_ELEMENTS)
+    for start in range(0, out.numel(), step):
+        piece = slice(start, start + step)
         pieces = [flat[piece].float() for flat in flats]  # .float() is a no-op on fp32
         if in_place:
             kernel(*pieces, out=out[piece])
@@ -143,16 +151,12 @@ class _GeluTanhFunction(torch.autograd.Function):
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise; x's shape and dtype.
 
-    Decided per call from x itself: the exp2 form on CPU tensors of float32, bfloat16 or float16
-    with at least `MIN_ELEMENTS` elements (`MIN_ELEMENTS_GRAD` when autograd records the call);
-    torch's fused `F.gelu(approximate="tanh")` otherwise (one kernel on CUDA, fast there)."""
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    use_exp2 = (x.device.type == "cpu"
-                and x.numel() >= (MIN_ELEMENTS_GRAD if needs_grad else MIN_ELEMENTS)
-                and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    if not use_exp2:
+    Decided per call by x's device and dtype, never its size (module doc): the exp2 form on CPU
+    tensors of float32, bfloat16 or float16; torch's fused `F.gelu(approximate="tanh")` otherwise
+    (one kernel on CUDA, fast there)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return F.gelu(x, approximate="tanh")
-    if needs_grad:
+    if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhFunction.apply(x)
     return _piecewise(gelu_tanh_forward, x)  # no graph: skip autograd.Function's overhead
 
