@@ -29,13 +29,17 @@ process's CPU time (time.process_time, all threads: the steadier of the two on a
 where a run may get a fraction of a core). Runs interleave (tether, TRL, TRL, tether, ... per
 method) and the medians of `--repeats` runs are reported.
 
-    /work/venv-trl116/bin/python bench/grpo.py [--repeats 3] [--two-pass] [--threads 1]
+    /work/venv-trl116/bin/python bench/grpo.py [--repeats 3] [--two-pass] [--unshared]
+        [--prompt-words 4-10] [--threads 1]
 
 Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench` extra pins
 1.12.0 for the PPO, DPO and memory benchmarks (docs/benchmarks.md says how to make it).
 `--no-trl` runs tether's side alone (the smoke test does, with tiny settings); `--two-pass` adds
 a third side, tether with its two-pass loop (a separate old-policy forward, as before
-train/onpolicy.py), to measure what the one-forward step saves.
+train/onpolicy.py), to measure what the one-forward step saves; `--unshared` one more, tether with
+every prompt run once per row (no `tether.shared_prompt` sharing, in sampling and scoring), to
+measure what running each distinct prompt once saves. `--prompt-words LO-HI` sets the prompts'
+length (default 4-10 words, about as many tokens).
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ def tether_config(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Pat
 
 
 def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
-               args, two_pass: bool = False) -> tuple[Timing, list[dict]]:
+               args, two_pass: bool = False, unshared: bool = False
+               ) -> tuple[Timing, list[dict]]:
+    import tether.shared_prompt as shared_prompt
     import tether.train.ppo as loop
 
     cfg = tether_config(method, policy_dir, rm_dir, prompts_file, root, args)
@@ -93,12 +99,16 @@ def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, 
     fuses_scoring = loop.fuses_scoring
     if two_pass:  # the loop's other branch: score pi_old in its own forward, then update
         loop.fuses_scoring = lambda cfg: False
+    prompt_groups = shared_prompt.prompt_groups
+    if unshared:  # no repeated prompt found: every forward and the sampler's prefill take all rows
+        shared_prompt.prompt_groups = lambda *args: None
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         loop.run(cfg)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         loop.fuses_scoring = fuses_scoring
+        shared_prompt.prompt_groups = prompt_groups
     lines = (root / "runs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if "rollout/response_len" in m]
     length = statistics.fmean(m["rollout/response_len"] for m in metrics)
@@ -175,6 +185,8 @@ def parse_args(argv: list[str] | None):
                         help="torch CPU threads (0: torch's default; 1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-trl", action="store_true", help="tether's side only")
+    parser.add_argument("--unshared", action="store_true",
+                        help="also time tether with every prompt run once per row")
     parser.add_argument("--two-pass", action="store_true",
                         help="also time tether with a separate old-policy forward (its PPO loop)")
     args = parser.parse_args(argv)
@@ -207,6 +219,7 @@ def report(method: str, runs: dict[str, list[Timing]], args) -> list[str]:
         ratios = ([f"{wall['trl'] / wall[side]:.2f}x", f"{cpu['trl'] / cpu[side]:.2f}x"]
                   if "trl" in wall else ["-", "-"])
         name = {"tether": f"tether {method}", "two-pass": f"tether {method} 2-pass",
+                "unshared": f"tether {method} unshared",
                 "trl": f"TRL {label}Trainer"}[side]
         lines.append(f"{name:<22}{args.episodes / wall[side]:>10.2f}{ratios[0]:>8}"
                      f"{args.episodes / cpu[side]:>10.2f}{ratios[1]:>8}"
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet()
-    sides = ["tether"] + ([] if args.no_trl else ["trl"]) + (["two-pass"] if args.two_pass else [])
+    sides = (["tether"] + ([] if args.no_trl else ["trl"]) + (["two-pass"] if args.two_pass else [])
+             + (["unshared"] if args.unshared else []))
     if not args.no_trl:
         check_trl()
         import datasets
@@ -238,9 +252,10 @@ def main(argv: list[str] | None = None) -> list[str]:
             for method in args.methods:
                 # A B, then B A: neither side always runs first on a warm (or loaded) machine.
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
-                    if side in ("tether", "two-pass"):
+                    if side in ("tether", "two-pass", "unshared"):
                         timing, _ = run_tether(method, policy_dir, rm_dir, prompts_file, root,
-                                               args, two_pass=side == "two-pass")
+                                               args, two_pass=side == "two-pass",
+                                               unshared=side == "unshared")
                     else:
                         timing = run_trl(method, policy_dir, rm_dir, prompts, root, args)
                     runs[method][side].append(timing)
