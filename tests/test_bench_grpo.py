@@ -30,6 +30,27 @@ def test_tether_side_runs_both_methods_and_reports_them():
         assert 1.0 <= float(length) <= 4.0  # the run's own metrics: 1 to 4 tokens per response
 
 
+def test_unshared_side_runs_and_restores_prompt_sharing():
+    import tether.shared_prompt as shared_prompt
+
+    prompt_groups = shared_prompt.prompt_groups
+    try:
+        lines = grpo.main(["--no-trl", "--unshared", "--methods", "grpo", "--episodes", "8",
+                           "--batch-size", "8", "--response-length", "4", "--repeats", "1",
+                           "--prompt-words", "12-16", "--threads", "0"])
+    finally:
+        logging.disable(logging.NOTSET)
+    assert "prompts of 12-16 words" in lines[0]
+    names = [line[:22].strip() for line in lines[2:]]  # the row label column
+    assert names == ["tether grpo", "tether grpo unshared"]
+    assert shared_prompt.prompt_groups is prompt_groups  # the patch is undone after the run
+
+
+def test_prompt_words_must_leave_room_for_the_response():
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--prompt-words", "90-100"])  # 100 + 32 > the policy's 128 positions
+
+
 def test_methods_keep_their_conventional_tether_settings(tmp_path):
     args = grpo.parse_args([])
     rloo = grpo.tether_config("rloo", tmp_path, tmp_path, tmp_path / "p.jsonl", tmp_path, args)
