@@ -149,6 +149,55 @@ def test_reward_with_an_empty_response_takes_the_plain_pass(tiny_model_dir):
         assert torch.allclose(rm(ids, mask, context_length=P), rm(ids, mask), atol=1e-6)
 
 
+def lora_policy(model_dir):
+    from transformers import AutoTokenizer
+
+    from tether.lora import LoraSpec
+    from tether.models import load_trainable_lm
+
+    lm = load_trainable_lm(str(model_dir), AutoTokenizer.from_pretrained(model_dir),
+                           LoraSpec(r=4, alpha=8, dropout=0.0, target_modules="all-linear"))
+    for name, param in lm.peft.named_parameters():  # a non-zero adapter: B starts at 0
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(4))
+    return lm
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_lora_policy_and_its_adapter_view_reference_match_the_plain_pass(chunked, plain,
+                                                                         tiny_llama_dir):
+    from tether.lora import AdapterView
+
+    lm = lora_policy(tiny_llama_dir)
+    policy, reference = lm.peft.eval(), AdapterView(lm.peft, None)  # the base, adapter off
+    ids, mask = rollout_batch(lm.model.config.vocab_size)
+    real = mask[:, P:].bool()
+    for model in (policy, reference):
+        assert can_share(model)
+
+        def score(model=model):
+            return score_responses(model, ids, mask, P, 1.0, chunked=chunked).logprobs
+        with torch.no_grad():
+            got, want = score(), plain(score)
+        assert (got - want)[real].abs().max() < 2e-5
+    with torch.no_grad():
+        assert (score_responses(policy, ids, mask, P, 1.0, chunked=chunked).logprobs
+                - score_responses(reference, ids, mask, P, 1.0, chunked=chunked).logprobs
+                )[real].abs().max() > 1e-3  # the view really runs without the adapter
+
+
+def test_adapter_views_follow_the_shared_model_into_checkpointing(tiny_model_dir):
+    """A LoRA critic's or reward model's trunk is an AdapterView that registers no module; its
+    shared model's checkpointing (which drops the cache in training) must still turn sharing off."""
+    from tether.lora import AdapterView
+
+    lm = lora_policy(tiny_model_dir)
+    trunk_view = AdapterView(lm.peft, None, part="trunk")
+    assert can_share(trunk_view)
+    lm.peft.get_base_model().gradient_checkpointing_enable()
+    assert not can_share(trunk_view) and not can_share(lm.peft)
+
+
 def test_models_that_cannot_share():
     model = make_lm(50, n_layer=1, n_embd=16, n_head=2)
     assert can_share(model)

@@ -43,7 +43,9 @@ LEAN_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
 
 def cache_name(model: nn.Module) -> str:
     # transformers 5.x renamed `past_key_values` to `cache`; accept either so both versions work.
-    params = inspect.signature(model.forward).parameters
+    # A peft PeftModel's forward takes **kwargs and passes them on: ask the model under it.
+    get_base = getattr(model, "get_base_model", None)
+    params = inspect.signature((get_base() if callable(get_base) else model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
