@@ -204,3 +204,39 @@ def test_models_that_cannot_share():
     model.gradient_checkpointing_enable()  # transformers drops the cache of it in training
     assert not can_share(model.train())
     assert not can_share(model.eval())  # its scoring must take the path its update takes
+
+
+@pytest.mark.parametrize("family_dir", ["gpt2", "llama"], indirect=True)
+def test_the_grpo_loop_runs_each_prompt_once(family_dir, tmp_path, monkeypatch):
+    """One `tether grpo` batch of 2 prompts x 4 samples: with sharing, every layer of the
+    reference, the reward model, the sampler's prefill and the update sees the 2 distinct prompts
+    in one call and the 8 responses in another; switched off, each forward sees 8 rows."""
+    import json
+
+    from scale_helpers import layer_calls
+
+    from tether.train.ppo import run
+    from tether.train.ppo_config import GRPOConfig
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the movie", "a film"]))
+
+    def one_batch(name):
+        cfg = GRPOConfig(run_name=name, output_dir=str(tmp_path / "runs"), policy=str(family_dir),
+                         prompts=str(prompts), batch_size=8, total_episodes=8, max_new_tokens=5,
+                         device="cpu", save_every=0, sample_every=0, report_to="none")
+        with layer_calls() as calls:
+            run(cfg, reward_fn=lambda prompts, responses: [len(r) / 10 for r in responses])
+        return calls
+
+    shared = one_batch("shared")
+    with monkeypatch.context() as patch:
+        patch.setattr(shared_prompt, "can_share", lambda model: False)
+        patch.setattr(shared_prompt, "prompt_groups", lambda *args: None)
+        unshared = one_batch("unshared")
+    trained = {rows for rows, grad in shared if grad}
+    assert trained == {2, 8}  # the update: prompts once, then responses on their cache
+    assert {rows for rows, grad in unshared if grad} == {8}
+    # no-grad calls: prefill, decode steps, reference; 2-row calls only with sharing
+    assert 2 in {rows for rows, grad in shared if not grad}
+    assert 2 not in {rows for rows, _ in unshared}
