@@ -38,7 +38,8 @@ Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench
 a third side, tether with its two-pass loop (a separate old-policy forward, as before
 train/onpolicy.py), to measure what the one-forward step saves; `--unshared` one more, tether with
 every prompt run once per row (no `tether.shared_prompt` sharing, in sampling and scoring), to
-measure what running each distinct prompt once saves. `--prompt-words LO-HI` sets the prompts'
+measure what running each distinct prompt once saves; `--profile` profiles one more tether run
+per method and prints its matmul time beside this machine's matmul peak. `--prompt-words LO-HI` sets the prompts'
 length (default 4-10 words, about as many tokens).
 """
 
@@ -115,6 +116,37 @@ def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, 
     return Timing(seconds, cpu_seconds, length), metrics
 
 
+MATMULS = ("aten::addmm", "aten::mm", "aten::bmm")
+
+
+def matmul_peak() -> float:
+    """GFLOP/s of an fp32 [1472, 256] x [256, 1024] addmm, best of 50: one fully connected
+    layer of the workload's policy on a whole batch, the best case its matmuls can reach."""
+    a, w, b = torch.randn(1472, 256), torch.randn(1024, 256), torch.randn(1024)
+    best = float("inf")
+    for _ in range(50):
+        start = time.perf_counter()
+        torch.addmm(b, a, w.t())
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1472 * 256 * 1024 / best / 1e9
+
+
+def profile_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
+                   args) -> str:
+    """One tether run under torch.profiler: the self CPU time of its matmul kernels against the
+    run's whole profiled CPU time, and the matmul peak (`matmul_peak`) for scale."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run_tether(method, policy_dir, rm_dir, prompts_file, root, args)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / 1e6
+    return (f"profile tether {method}: matmuls {matmul:.2f} s of {total:.2f} s profiled "
+            f"({matmul / total:.0%}); fp32 matmul peak here "
+            f"{matmul_peak():.0f} GFLOP/s")
+
+
 def trl_config(method: str, root: Path, args):
     """TRL's config for the same workload: its defaults that differ from tether's are set."""
     from trl import GRPOConfig, RLOOConfig
@@ -185,6 +217,9 @@ def parse_args(argv: list[str] | None):
                         help="torch CPU threads (0: torch's default; 1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-trl", action="store_true", help="tether's side only")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one tether run per method: its matmul time against "
+                             "this machine's measured matmul peak")
     parser.add_argument("--unshared", action="store_true",
                         help="also time tether with every prompt run once per row")
     parser.add_argument("--two-pass", action="store_true",
@@ -261,6 +296,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                     runs[method][side].append(timing)
                     print(f"  {method} {side}: {timing.seconds:.1f} s ({timing.cpu_seconds:.1f} "
                           f"CPU-s), mean response {timing.response_len:.1f} tokens", flush=True)
+        profiled = [profile_tether(m, policy_dir, rm_dir, prompts_file, root, args)
+                    for m in args.methods] if args.profile else []
     threads = torch.get_num_threads()
     lines = [f"k = {K}, {args.episodes} episodes, batch {args.batch_size}, "
              f"prompts of {args.prompt_words[0]}-{args.prompt_words[1]} words, "
@@ -270,6 +307,7 @@ def main(argv: list[str] | None = None) -> list[str]:
              f"{'length':>8}"]
     for method in args.methods:
         lines += report(method, runs[method], args)
+    lines += profiled
     print("\n".join(lines))
     return lines
 

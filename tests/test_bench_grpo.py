@@ -4,6 +4,7 @@ to do the same work (checked only where TRL 1.16 is installed: the bench's own v
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -37,12 +38,15 @@ def test_unshared_side_runs_and_restores_prompt_sharing():
     try:
         lines = grpo.main(["--no-trl", "--unshared", "--methods", "grpo", "--episodes", "8",
                            "--batch-size", "8", "--response-length", "4", "--repeats", "1",
-                           "--prompt-words", "12-16", "--threads", "0"])
+                           "--prompt-words", "12-16", "--threads", "0", "--profile"])
     finally:
         logging.disable(logging.NOTSET)
     assert "prompts of 12-16 words" in lines[0]
-    names = [line[:22].strip() for line in lines[2:]]  # the row label column
+    names = [line[:22].strip() for line in lines[2:4]]  # the row label column
     assert names == ["tether grpo", "tether grpo unshared"]
+    profiled = re.fullmatch(r"profile tether grpo: matmuls ([\d.]+) s of ([\d.]+) s profiled "
+                            r"\(\d+%\); fp32 matmul peak here \d+ GFLOP/s", lines[4])
+    assert profiled and 0 < float(profiled[1]) < float(profiled[2])
     assert shared_prompt.prompt_groups is prompt_groups  # the patch is undone after the run
 
 

@@ -9,8 +9,9 @@ over the [B, P + R] batch computes every prompt's P columns k times. Here a forw
 calls of the same model:
 
     1. the U distinct prompts [U, P], keeping their keys and values (a KV cache);
-    2. the cache's rows copied out to the B rows (`index_select` by `inverse`, whose backward
-       sums the k rows' gradients into their one prompt), and the responses [B, R] on top of it.
+    2. the cache's rows copied out to the B rows (`Cache.batch_select_indices(inverse)`, a
+       gather whose backward sums the k rows' gradients into their one prompt), and the
+       responses [B, R] on top of it.
 
 Each response token sees exactly what it sees in the plain pass: the same key and value columns,
 the same position ids (from the whole row's mask), the same padding mask and sliding window
@@ -20,8 +21,9 @@ pass's up to float rounding, and gradients flow to the prompt's columns as befor
 statement, k = 8) that is most of the work. DPO's counterpart, prompt + chosen + rejected in one
 masked row, is `tether.train.prefix`.
 
-Used by every forward over a rollout (`rollout.response_logits`, `trunk_head.response_hidden`,
-the separate critic, the reward model), automatically: a batch with no repeated prompt, a model
+Used by every forward over a rollout (`trunk_head.score_responses` in both its paths, the
+separate critic, the reward model; the sampler's prefill groups rows by `prompt_groups` too),
+automatically: a batch with no repeated prompt, a model
 with gradient checkpointing on (transformers drops the cache then) or one sharded by FSDP2 takes
 the plain single call.
 """
