@@ -60,12 +60,9 @@ if __name__ == "__main__":
 
         install(os.environ[ENV])
     run_spec(json.loads(open(sys.argv[1], encoding="utf-8").read()))
-    # Every rank past its last collective before any leaves, and no C++ static destructors at
-    # interpreter exit: a rank sometimes aborted there, after all its work ("terminate called
-    # without an active exception", a joinable thread destroyed; ~1 launch in 8 on a loaded
-    # 2-core machine), and torchrun then fails the whole launch.
+    # Every rank past its last collective before any leaves, then the exit the `tether` command
+    # takes under torchrun (`distributed.exit_process`: no interpreter finalization, where a rank
+    # sometimes aborted after all its work and failed the whole launch).
     distributed.barrier()
     distributed.teardown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    distributed.exit_process(0)

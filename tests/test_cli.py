@@ -51,3 +51,53 @@ def test_missing_required_options_are_named_on_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("error: missing required options: --run-name, --data (give them as flags or "
                    "in --config FILE.yaml; see tether sft --help)")
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+class Finalized:  # prints when the interpreter finalizes its modules
+    def __del__(self):
+        print("finalized", flush=True)
+keep = Finalized()
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
+print("buffered output")  # stdout is a pipe: block-buffered, so the exit must flush it
+sys.argv = ["tether", "--version"]
+from tether.cli import entry
+entry()
+"""
+
+
+def _run_entry(env_extra: dict) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | env_extra
+    return subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_a_torchrun_rank_exits_without_finalization_after_what_exit_runs_first():
+    """Under torchrun (RANK and WORLD_SIZE set) `tether` ends through
+    `distributed.exit_process`: the non-daemon thread is joined, atexit handlers run, buffered
+    output is flushed, the code is main's, and the interpreter's finalization (where a rank with
+    a gloo worker still alive could abort) never runs; without torchrun the plain exit does."""
+    launched = _run_entry({"RANK": "0", "WORLD_SIZE": "1"})
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    lines = launched.stdout.splitlines()
+    assert lines[0] == "buffered output" and lines[1].startswith("tether ")
+    assert "thread joined" in lines and "atexit ran" in lines
+    assert lines.index("thread joined") < lines.index("atexit ran")  # Python's own order
+    assert "finalized" not in lines
+
+    plain = _run_entry({})
+    assert plain.returncode == 0 and "finalized" in plain.stdout.splitlines()
+    assert "atexit ran" in plain.stdout
+
+
+def test_a_torchrun_rank_keeps_the_exit_code():
+    launched = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv = ['tether', 'train']\n"
+                               "from tether.cli import entry; entry()"],
+        capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "RANK": "0", "WORLD_SIZE": "1"})
+    assert launched.returncode == 2 and launched.stderr.startswith("error: unknown stage")

@@ -75,26 +75,38 @@ def test_transformer_layers_finds_the_repeated_blocks(tiny_model_dir, tiny_llama
 
 
 STEP = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     from transformers import AutoModelForCausalLM
     from tether import distributed as D
     mode, path, out = sys.argv[1:4]
+
+    def step(d):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        wrapped = D.wrap(model, d)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
+        ids = torch.randint(0, 100, (4, 6), generator=torch.Generator().manual_seed(1))
+        mine = ids[D.rank_slice(len(ids), d)]
+        def loss_fn(m, x):  # the sum over the global batch's rows / the global row count
+            return m(input_ids=x).logits.float().pow(2).mean(dim=(1, 2)).sum()
+        loss = wrapped(loss_fn, mine) / D.global_sum(len(mine), d) * d.grad_scale
+        loss.backward()
+        opt.step()
+        return D.full_state_dict(wrapped, d)
+
     d = D.setup(torch.device("cpu"), fsdp=mode == "fsdp")
-    model = AutoModelForCausalLM.from_pretrained(path)
-    wrapped = D.wrap(model, d)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
-    ids = torch.randint(0, 100, (4, 6), generator=torch.Generator().manual_seed(1))
-    mine = ids[D.rank_slice(len(ids), d)]
-    def loss_fn(m, x):  # the sum over the global batch's rows / the global row count
-        return m(input_ids=x).logits.float().pow(2).mean(dim=(1, 2)).sum()
-    loss = wrapped(loss_fn, mine) / D.global_sum(len(mine), d) * d.grad_scale
-    loss.backward()
-    opt.step()
-    state = D.full_state_dict(wrapped, d)
+    state = step(d)  # the wrapped model is gone when it returns, as at the end of a stage's run
     if d.is_main:
         torch.save(state, out)
     D.teardown()
+    if os.path.isdir("/proc/self/task"):  # the threads left (Linux), for the test to check
+        names = [open(f"/proc/self/task/{t}/comm").read().strip()
+                 for t in os.listdir("/proc/self/task")]
+        with open(f"{out}.threads.{d.rank}", "w") as f:
+            f.write("\\n".join(names))
+    D.exit_process(0)  # as the tether command ends a torchrun rank
 """)
+
+GLOO_THREADS = {"pt_gloo_runloop", "gloo_tcp_loop"}  # a gloo group's workers and network loop
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -116,6 +128,13 @@ def test_two_ranks_take_the_one_process_step(mode, tiny_llama_dir, tmp_path: Pat
     moved = max((a[k] - start[k]).abs().max().item() for k in a)
     assert moved > 1e-4  # the step did something, so equality below means something
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    if mode == "ddp" and sys.platform == "linux":
+        # teardown freed the group, and the group's destructor joined gloo's threads (with
+        # torch.distributed.nn.functional first imported after the group existed, its defaults
+        # kept the group, and its threads ran into interpreter exit: see distributed.setup)
+        for rank in (0, 1):
+            names = Path(f"{two}.threads.{rank}").read_text().split()
+            assert names and not set(names) & GLOO_THREADS, (rank, names)
 
 
 def AutoModel_state(path) -> dict[str, torch.Tensor]:  # noqa: N802 - reads like the class it uses

@@ -6,7 +6,9 @@ Under torchrun every rank runs this, validates the same config and so fails with
 rank 0 prints the line at once. Another rank's error is printed only if that rank is still alive
 `ERROR_GRACE_S` later, i.e. when rank 0 did not fail too (torchrun stops the other ranks, with
 SIGTERM, as soon as one exits non-zero). Either way the process group is torn down on the way
-out, so no rank is left waiting in a collective.
+out, so no rank is left waiting in a collective, and a torchrun rank ends through
+`distributed.exit_process`, which skips the interpreter finalization where a finished rank could
+abort.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from typing import NoReturn
 
 from tether import interrupt
 from tether.errors import AlreadyFinished, TetherError
@@ -84,6 +87,17 @@ def version() -> str:
         return package_version("tether")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "unknown (not installed)"
+
+
+def entry() -> NoReturn:
+    """The `tether` command (and `python -m tether`, as torchrun runs it): `main`, then exit with
+    its code; a torchrun rank through `distributed.exit_process` (see there for why)."""
+    code = main()
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        from tether import distributed
+
+        distributed.exit_process(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,4 +207,4 @@ def _run(module, rest: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

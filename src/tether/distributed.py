@@ -25,12 +25,17 @@ batch. The pieces here keep that loop equal to the one-process loop at the same 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
+import importlib
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -88,6 +93,14 @@ def setup(device: torch.device, fsdp: bool = False, timeout_s: int = TIMEOUT_S) 
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group.WORLD` into its functions' defaults when
+        # first imported (torch._dynamo imports it, DDP imports that). Imported after the group
+        # exists, it keeps the group alive past `teardown`, and with it gloo's worker threads,
+        # until interpreter exit; a worker still letting go of the last collective's tensors
+        # then needs the GIL while the interpreter finalizes and aborts the rank ("terminate
+        # called without an active exception"), after all its work. Imported first, it binds None.
+        importlib.import_module("torch.distributed.nn.functional")
+
         # CUDA: NCCL for tensors on the GPU, gloo for the CPU tensors of the statistics helpers
         # below (counts, global sums), which NCCL alone would refuse.
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
@@ -104,9 +117,40 @@ def setup(device: torch.device, fsdp: bool = False, timeout_s: int = TIMEOUT_S) 
 
 
 def teardown() -> None:
-    """Leave the process group (at the end of a run, and after an error: no rank left waiting)."""
+    """Leave the process group (at the end of a run, and after an error: no rank left waiting).
+
+    After a DDP run the group's last reference goes here, not at interpreter exit: a model
+    wrapper (DDP holds the group) left in a reference cycle is collected now, and the group's
+    destructor joins its gloo worker threads. See `setup` for why a worker alive at exit can
+    abort a finished rank; FSDP2's DTensor keeps the group anyway, hence `exit_process`.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this rank with `code`: what interpreter exit runs first (non-daemon threads joined,
+    `atexit` handlers, standard streams flushed), then `os._exit`, without the finalization.
+
+    A rank that used a process group can abort in finalization after finishing all its work:
+    gloo's worker threads can outlive `teardown` (FSDP2's DTensor keeps the group in its
+    sharding caches), and a worker still letting go of the last collective's tensors needs the
+    GIL, which a finalizing interpreter answers by ending the thread inside a C++ destructor:
+    "terminate called without an active exception", SIGABRT, and torchrun fails the whole job
+    (1 launch in 25 of `tether sft` on 2 ranks of a loaded 2-core machine). The `tether` command
+    ends every torchrun rank here; a script of your own that runs a stage under torchrun can too.
+    tether's own files are closed by then (run directories write each line in a `with`).
+    """
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # CPython's own exit step; a tracker's upload may be waiting here
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to keep
+            stream.flush()
+    os._exit(code)
 
 
 def current() -> Dist:
