@@ -93,6 +93,8 @@ def entry() -> NoReturn:
     """The `tether` command (and `python -m tether`, as torchrun runs it): `main`, then exit with
     its code; a torchrun rank through `distributed.exit_process` (see there for why)."""
     code = main()
+    # distributed.launched()'s test, spelled out: importing tether.distributed imports torch,
+    # which `tether --help` and the stage helps do not load
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         from tether import distributed
 
