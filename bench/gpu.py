@@ -16,9 +16,11 @@ over the batches after the first (the first pays for kernel selection and alloca
 episodes/s = batch / batch wall time; generated tokens/s = real response tokens / batch wall
 time (the whole PPO batch, not just sampling). Peak memory: torch.cuda.max_memory_allocated.
 
-DPO: `tether.train.dpo.run`, same model and LoRA/bf16 settings. pairs/s is measured between two
-runs of different lengths, (pairs_long - pairs_short) / (seconds_long - seconds_short), so model
-loading, the first steps' warm-up and saving cancel out.
+DPO: `tether.train.dpo.run`, same model and LoRA/bf16 settings. pairs/s = batch / the median time
+between two consecutive optimizer steps (torch's optimizer post-step hook marks each one, after a
+CUDA synchronize), over the steps after the first, so model loading, the first step's warm-up and
+saving fall outside every measured interval. (A difference of two runs' wall times, used before,
+could come out negative on the tiny model, where a step is smaller than the noise of loading.)
 
 Each part prints one summary line starting with `PPO:` / `DPO:`; any failure raises (the shell
 script exits non-zero). Whether LoRA, the chunked head and checkpointing were really active is
@@ -155,25 +157,37 @@ def bench_ppo(root: Path, model_dir: Path, base_params: int, prompts: Path, pair
 
 
 def bench_dpo(root: Path, model_dir: Path, pairs: Path, args) -> str:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     from tether.train.dpo import DPOConfig, run
 
-    def timed(steps: int) -> float:
-        cfg = DPOConfig(run_name=f"dpo-{steps}", output_dir=str(root / "runs"),
-                        model=str(model_dir), data=str(pairs), batch_size=args.batch_size,
-                        max_steps=steps, max_length=args.prompt_len + args.response_len,
-                        lr=5e-7, log_every=1000, **common_fields(args))
-        start = time.perf_counter()
-        run(cfg)
-        return time.perf_counter() - start
+    # One mark per optimizer step (torch's hook common to all optimizers): the gap between two
+    # marks is one whole steady-state step (metrics, logging, collation, forward, backward,
+    # update), with loading, the first step's warm-up and saving outside every gap.
+    marks: list[float] = []
 
-    short, long = args.dpo_steps
-    seconds = timed(long) - timed(short)
-    if seconds <= 0:
-        raise RuntimeError(f"DPO: {long} steps took no longer than {short}; timing is meaningless")
-    pairs_per_s = (long - short) * args.batch_size / seconds
-    return (f"DPO: {pairs_per_s:.2f} pairs/s (steps {short}->{long} at batch {args.batch_size}, "
-            f"{seconds:.1f} s for the difference), lora_r {args.lora_r}, {args.dtype} "
-            f"weights, mixed_precision {args.mixed_precision}")
+    def mark(*_):
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()  # the update is queued, not done, when step() returns
+        marks.append(time.perf_counter())
+
+    cfg = DPOConfig(run_name="dpo", output_dir=str(root / "runs"), model=str(model_dir),
+                    data=str(pairs), batch_size=args.batch_size, max_steps=args.dpo_steps,
+                    max_length=args.prompt_len + args.response_len, lr=5e-7, log_every=1000,
+                    **common_fields(args))
+    handle = register_optimizer_step_post_hook(mark)
+    try:
+        run(cfg)
+    finally:
+        handle.remove()
+    if len(marks) != args.dpo_steps:
+        raise RuntimeError(f"DPO: {len(marks)} optimizer steps seen for {args.dpo_steps} steps")
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    seconds = statistics.median(gaps)
+    return (f"DPO: {args.batch_size / seconds:.2f} pairs/s (median of {len(gaps)} steps after "
+            f"the first, {seconds * 1000:.0f} ms each, batch {args.batch_size}), lora_r "
+            f"{args.lora_r}, {args.dtype} weights, mixed_precision {args.mixed_precision}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,12 +207,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ppo-batches", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=128)
-    p.add_argument("--dpo-steps", type=int, nargs=2, default=[3, 13], metavar=("SHORT", "LONG"))
+    p.add_argument("--dpo-steps", type=int, default=13,
+                   help="DPO steps to run; pairs/s is the median over all but the first")
     p.add_argument("--parts", default="ppo,dpo", help="comma list of: ppo, dpo")
     args = p.parse_args(argv)
     if args.tiny:
         args.batch_size, args.num_minibatches, args.ppo_epochs, args.ppo_batches = 4, 2, 1, 2
-        args.prompt_len, args.response_len, args.dpo_steps = 8, 8, [1, 3]
+        args.prompt_len, args.response_len, args.dpo_steps = 8, 8, 4
     return args
 
 

@@ -117,4 +117,5 @@ def test_gpu_script_tiny_path_runs_and_reports_inactive_features(capsys):
     lines = gpu.main(["--tiny", "--device", "cpu"])
     assert [line.split(":")[0] for line in lines] == ["PPO", "DPO"]
     assert "episodes/s" in lines[0] and "pairs/s" in lines[1]
+    assert "median of 3 steps after the first" in lines[1]  # --tiny runs 4 DPO steps
     assert ("LoRA active" in lines[0]) != ("LoRA NOT ACTIVE" in lines[0])
