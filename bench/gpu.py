@@ -214,6 +214,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tiny:
         args.batch_size, args.num_minibatches, args.ppo_epochs, args.ppo_batches = 4, 2, 1, 2
         args.prompt_len, args.response_len, args.dpo_steps = 8, 8, 4
+    if args.dpo_steps < 2:
+        p.error(f"--dpo-steps {args.dpo_steps}: the first step is not timed, so at least 2 "
+                "are needed; pass --dpo-steps 13 or more for a steady median")
     return args
 
 

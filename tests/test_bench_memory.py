@@ -119,3 +119,14 @@ def test_gpu_script_tiny_path_runs_and_reports_inactive_features(capsys):
     assert "episodes/s" in lines[0] and "pairs/s" in lines[1]
     assert "median of 3 steps after the first" in lines[1]  # --tiny runs 4 DPO steps
     assert ("LoRA active" in lines[0]) != ("LoRA NOT ACTIVE" in lines[0])
+
+
+def test_gpu_script_needs_two_dpo_steps(capsys):
+    """The first DPO step is not timed, so one step would leave nothing to take a median of."""
+    import gpu
+
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse(["--dpo-steps", "1"])
+    assert exit_.value.code == 2
+    assert "--dpo-steps 1: the first step is not timed" in capsys.readouterr().err
+    assert gpu.parse(["--dpo-steps", "2"]).dpo_steps == 2
