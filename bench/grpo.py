@@ -39,8 +39,8 @@ a third side, tether with its two-pass loop (a separate old-policy forward, as b
 train/onpolicy.py), to measure what the one-forward step saves; `--unshared` one more, tether with
 every prompt run once per row (no `tether.shared_prompt` sharing, in sampling and scoring), to
 measure what running each distinct prompt once saves; `--profile` profiles one more tether run
-per method and prints its matmul time beside this machine's matmul peak. `--prompt-words LO-HI` sets the prompts'
-length (default 4-10 words, about as many tokens).
+per method and prints its matmul time beside this machine's matmul peak. `--prompt-words LO-HI`
+sets the prompts' length (default 4-10 words, about as many tokens).
 """
 
 from __future__ import annotations

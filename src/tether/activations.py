@@ -13,8 +13,8 @@ Why not torch's own kernel on the CPU: torch 2.13's CPU `tanh` (and so `F.gelu(a
 and its backward) runs at ~3.5 ns an element with one thread, while `exp2` runs at ~0.6 ns. The
 forms above take one `exp2` and a few multiply-adds: 5 passes over memory forward, 11 backward,
 against torch's one (bench/gelu.py, 1 thread, [1344, 1024] fp32: forward 2.1-2.6x faster, forward
-+ backward 1.5-1.6x; the backward alone gains least, and less when other processes contend for memory
-bandwidth). Large tensors go in pieces that stay in cache (`_piecewise`). They are the same
++ backward 1.5-1.6x; the backward alone gains least, and less when other processes contend for
+memory bandwidth). Large tensors go in pieces that stay in cache (`_piecewise`). They are the same
 function to fp32 rounding: max abs error against a float64 reference 5e-7 (<= 6 ulps of the value)
 forward and 2e-7 backward, where torch's own kernel has 4e-7 (400 ulps for x < 0, where 1 + tanh
 cancels) and 1e-6; `1 - s` is taken as 2^u s, not by subtraction, so the backward keeps full

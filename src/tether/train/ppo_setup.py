@@ -104,7 +104,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
     disable_dropout(policy)
-    fuse_gelu(policy)  # the same function, faster (tether.activations): a share of a small model's step
+    fuse_gelu(policy)  # the same function, faster (tether.activations): a small model gains
     policy.eval().to(device)
     if cfg.ref_model:
         ref_tokenizer = load_tokenizer(cfg.ref_model, trust_remote_code=cfg.trust_remote_code)
