@@ -46,7 +46,7 @@ def make_pairs(n: int, seed: int = 0) -> list[dict]:
 
 
 def build_model(root: Path, pairs: list[dict]) -> Path:
-    from tether.tiny import make_lm, make_tokenizer
+    from tether.models.tiny import make_lm, make_tokenizer
 
     texts = [p["prompt"] + p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     tokenizer = make_tokenizer(texts, vocab_size=512)

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
 from torch.distributed.fsdp import FSDPModule
 
-from tether import distributed
-from tether.rollout import sample_responses
-from tether.tiny import save_tiny_llama
+from tether.models.tiny import save_tiny_llama
+from tether.rl.engines.native import sample_responses
+from tether.run import distributed
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import build, prompt_batch
 

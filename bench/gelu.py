@@ -40,8 +40,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo import HEADS, LAYERS, VOCAB, WIDTH  # noqa: E402  (the PPO and GRPO benchmarks' model)
 
-from tether import activations as tether_activations  # noqa: E402
-from tether.activations import TanhGELU  # noqa: E402
+from tether.models import activations as tether_activations  # noqa: E402
+from tether.models.activations import TanhGELU  # noqa: E402
 
 
 def activations() -> dict[str, nn.Module]:
@@ -118,7 +118,7 @@ def _row(label: str, ms: dict[str, float]) -> str:
 
 def bench_models(batch: int, length: int) -> dict[str, nn.Module]:
     """The GPT-2 of bench/ppo.py (NewGELUActivation), once per activation, dropout off."""
-    from tether.tiny import make_lm
+    from tether.models.tiny import make_lm
 
     base = make_lm(VOCAB, n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=max(128, length))
     base.eval()  # dropout off, as tether trains

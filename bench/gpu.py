@@ -62,8 +62,8 @@ def build_model(root: Path, sizes: dict) -> tuple[Path, int]:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from tether.models import PAD_TOKEN
-    from tether.tiny import make_tokenizer
+    from tether.models.pretrained import PAD_TOKEN
+    from tether.models.tiny import make_tokenizer
 
     rng = random.Random(0)
     tokenizer = make_tokenizer([words(rng, 12) for _ in range(2000)], vocab_size=2048)

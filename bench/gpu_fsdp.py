@@ -34,7 +34,7 @@ def _peak_gib(device: str) -> float:
     """The largest peak memory over the ranks, GiB (0 on the CPU)."""
     import torch
 
-    from tether import distributed
+    from tether.run import distributed
 
     if not device.startswith("cuda"):
         return 0.0
@@ -46,7 +46,7 @@ def timed_run(stage: str, cfg_fields: dict, steps: int, name: str) -> tuple[floa
     """(seconds, peak GiB, output dir) of one run of `stage` for `steps` optimizer steps."""
     import torch
 
-    from tether import distributed
+    from tether.run import distributed
     from tether.train import dpo, sft
 
     module, config = {"sft": (sft, sft.SFTConfig), "dpo": (dpo, dpo.DPOConfig)}[stage]
@@ -67,7 +67,7 @@ def max_weight_difference(a: Path, b: Path) -> float:
 
 
 def bench_stage(stage: str, root: Path, model_dir: Path, data: Path, args) -> str:
-    from tether import distributed
+    from tether.run import distributed
 
     fields = dict(model=str(model_dir), data=str(data), output_dir=str(root / "runs"),
                   device=args.device, dtype="float32", report_to="none", save_every=0,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.tiny:
         args.batch_size, args.max_length, args.steps = 4, 64, [1, 2]
-    from tether import distributed
+    from tether.run import distributed
 
     if not distributed.launched():
         raise SystemExit("bench/gpu_fsdp.py runs under torchrun --nproc-per-node N (N >= 2)")

@@ -92,7 +92,7 @@ def tether_config(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Pat
 def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
                args, two_pass: bool = False, unshared: bool = False
                ) -> tuple[Timing, list[dict]]:
-    import tether.shared_prompt as shared_prompt
+    import tether.models.shared_prompt as shared_prompt
     import tether.train.ppo as loop
 
     cfg = tether_config(method, policy_dir, rm_dir, prompts_file, root, args)

@@ -92,8 +92,8 @@ def build_policy(root: Path, args) -> tuple[Path, int]:
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from tether.models import PAD_TOKEN
-    from tether.tiny import make_tokenizer
+    from tether.models.pretrained import PAD_TOKEN
+    from tether.models.tiny import make_tokenizer
 
     tokenizer = make_tokenizer(texts(2000, 12), vocab_size=min(4096, args.vocab - 1))
     tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
@@ -117,7 +117,8 @@ def build_policy(root: Path, args) -> tuple[Path, int]:
 def build_reward_models(root: Path, policy_dir: Path, lora_r: int, need_lora: bool,
                         need_full: bool, device: str) -> dict[str, Path]:
     """A full reward model (TRL, tether full FT) and, for LoRA, one written by `tether rm`."""
-    from tether.models import RewardModel, load_tokenizer
+    from tether.models.pretrained import load_tokenizer
+    from tether.models.reward_model import RewardModel
 
     out: dict[str, Path] = {}
     if need_full:

@@ -36,15 +36,10 @@ def _status_kib(field: str) -> int:
 
 
 def child(args) -> None:
-    from tether.tiny import make_lm
-    from tether.train.common import (
-        backward,
-        enable_gradient_checkpointing,
-        make_lr_schedule,
-        make_optimizer,
-        micro_batches,
-        optimizer_step,
-    )
+    from tether.models.prepare import enable_gradient_checkpointing
+    from tether.models.tiny import make_lm
+    from tether.run.optim import backward, make_lr_schedule, make_optimizer, optimizer_step
+    from tether.run.slicing import micro_batches
     from tether.train.sft import response_tokens, sft_loss
 
     torch.set_num_threads(args.threads)

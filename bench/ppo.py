@@ -51,8 +51,8 @@ def make_prompts(n: int, seed: int = 0, words: tuple[int, int] = (4, 10)) -> lis
 
 def build_models(root: Path, prompts: list[str]) -> tuple[Path, Path]:
     """Policy (causal LM) and reward model dirs; both sides load the same weights."""
-    from tether.models import RewardModel
-    from tether.tiny import make_lm, make_tokenizer
+    from tether.models.reward_model import RewardModel
+    from tether.models.tiny import make_lm, make_tokenizer
 
     tokenizer = make_tokenizer(prompts * 4, vocab_size=VOCAB)
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # one vocabulary for every model
@@ -192,7 +192,7 @@ def main() -> None:
                         metrics[name] = run_metrics  # FLOP rate from the best run
                 times.setdefault(name, []).append(seconds)
                 print(f"  {name}: {seconds:.1f} s", flush=True)
-        from tether.models import load_tokenizer
+        from tether.models.pretrained import load_tokenizer
         tokenizer = load_tokenizer(str(policy_dir))
         prompt_len = sum(len(tokenizer(p)["input_ids"]) for p in prompts) / len(prompts)
     peak = matmul_peak(args.device)

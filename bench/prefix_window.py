@@ -18,10 +18,11 @@ import tempfile
 
 import torch
 
-from tether import tiny
-from tether.data import collate_pairs, encode_preferences
-from tether.models import disable_dropout, load_causal_lm, load_tokenizer
-from tether.train import prefix
+from tether.data.batches import collate_pairs
+from tether.data.encoding import encode_preferences
+from tether.models import pair_row, tiny
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.train.dpo import pair_logprobs
 
 WORDS = "the movie was good bad fine dull fun plot actor scene film story music ending long".split()
@@ -52,7 +53,7 @@ def main() -> None:
     dirs = {"mistral (W=8, all layers)": tiny.save_tiny_mistral(f"{root}/m", texts, vocab_size=300),
             "qwen2 (W=8, layer 1 of 2)": tiny.save_tiny_qwen2(f"{root}/q", texts, vocab_size=300,
                                                                use_sliding_window=True)}
-    with_window = prefix.attention_layout
+    with_window = pair_row.attention_layout
     for name, path in dirs.items():
         tok = load_tokenizer(str(path))
         model = disable_dropout(load_causal_lm(str(path), tok))
@@ -61,13 +62,13 @@ def main() -> None:
         print(f"{name}: concatenated logps/chosen {chosen.mean():.4f}")
         for label, layout in (("no window (before)", lambda config: ({"full_attention"}, None)),
                               ("window (now)      ", with_window)):
-            prefix.attention_layout = layout
-            c, r, g = _pass(model, prefix.collate_shared(examples, tok.pad_token_id))
+            pair_row.attention_layout = layout
+            c, r, g = _pass(model, pair_row.collate_shared(examples, tok.pad_token_id))
             print(f"  shared, {label}: logps/chosen {c.mean():.4f}, "
                   f"max |d chosen| {(c - chosen).abs().max():.4f} nats, "
                   f"max |d rejected| {(r - rejected).abs().max():.4f} nats, "
                   f"grad rel. error {(g - grad).norm() / grad.norm():.1e}")
-        prefix.attention_layout = with_window
+        pair_row.attention_layout = with_window
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ from unittest import mock
 
 import torch
 
-from tether import rollout as rollout_lib
-from tether.decode import LeanDecoder, prefill
+from tether.rl import rollout as rollout_lib
+from tether.rl.engines.lean import LeanDecoder
+from tether.rl.engines.native import prefill
 
 
 def multinomial_sample(generator: torch.Generator):
@@ -72,8 +73,8 @@ def op_bench(vocab: int, repeats: int, rows: int = 64, steps: int = 20) -> tuple
 
 
 def model_bench(repeats: int) -> tuple[float, float]:
-    from tether.models import load_causal_lm, load_tokenizer
-    from tether.tiny import save_tiny
+    from tether.models.pretrained import load_causal_lm, load_tokenizer
+    from tether.models.tiny import save_tiny
 
     texts = [f"the film was {w} and the plot was {v}" for w in ("good", "bad", "fine", "dull")
              for v in ("long", "short", "fun", "slow")]
@@ -104,8 +105,8 @@ def model_bench(repeats: int) -> tuple[float, float]:
 
 def decode_models() -> dict:
     """The GRPO benchmark's policy shape, GPT-2 and Llama style (random weights)."""
-    from tether.models import fuse_gelu
-    from tether.tiny import make_llama_lm, make_lm
+    from tether.models.prepare import fuse_gelu
+    from tether.models.tiny import make_llama_lm, make_lm
 
     gpt2 = fuse_gelu(make_lm(513, n_layer=4, n_embd=256, n_head=4, n_positions=128))
     llama = make_llama_lm(513, bos_token_id=1, eos_token_id=2, n_layer=4, hidden_size=256,

@@ -50,7 +50,7 @@ WORDS = "the movie was good bad great fine dull fun plot actor scene story music
 
 def tiny_sft(root: Path) -> tuple[Path, Path]:
     """A tiny GPT-2 and an SFT file, as the tests make them."""
-    from tether.tiny import save_tiny
+    from tether.models.tiny import save_tiny
 
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) + "."

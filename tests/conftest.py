@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tether.tiny import save_tiny  # noqa: E402
+from tether.models.tiny import save_tiny  # noqa: E402
 
 # The suite's models are tiny: with 2 intra-op threads the thread hand-offs cost more than the
 # maths (the offline-stage tests took 98 s with 2 threads and 10 s with 1 on an idle machine).
@@ -37,7 +37,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_llama_dir(tmp_path_factory):
     """Path to a saved Llama-style tokenizer (adds BOS, chat template, no pad token) and a 2-layer
     Llama-style model (rotary positions, grouped-query attention, untied head)."""
-    from tether.tiny import save_tiny_llama
+    from tether.models.tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), sample_texts(), vocab_size=300)
 
@@ -46,7 +46,7 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_mistral_dir(tmp_path_factory):
     """A Mistral-style model (sliding window 8, GQA, untied head) with a SentencePiece-style
     Metaspace tokenizer that adds BOS and an `[INST]` template that does not write BOS."""
-    from tether.tiny import save_tiny_mistral
+    from tether.models.tiny import save_tiny_mistral
 
     return save_tiny_mistral(tmp_path_factory.mktemp("tiny_mistral"), sample_texts(),
                              vocab_size=300, sliding_window=8)
@@ -56,7 +56,7 @@ def tiny_mistral_dir(tmp_path_factory):
 def tiny_qwen2_dir(tmp_path_factory):
     """A Qwen2.5-Instruct-style model: ChatML, pad `<|endoftext|>`, two EOS ids in
     generation_config, tied head; layer 0 full attention, layer 1 a window of 8."""
-    from tether.tiny import save_tiny_qwen2
+    from tether.models.tiny import save_tiny_qwen2
 
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), sample_texts(), vocab_size=300,
                            use_sliding_window=True, sliding_window=8, max_window_layers=1)

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from tether import distributed
+from tether.run import distributed
 from tether.train import dpo, ppo, ppo_config, reward, sft
 
 STAGES = {"sft": (sft, sft.SFTConfig), "rm": (reward, reward.RMConfig),

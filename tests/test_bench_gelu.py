@@ -31,7 +31,7 @@ def test_bench_checks_and_reports_every_row():
 
 
 def test_grpo_rows_time_both_gelus_and_restore_tethers():
-    from tether import activations
+    from tether.models import activations
 
     before = activations.gelu_tanh
     try:

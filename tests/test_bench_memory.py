@@ -23,7 +23,7 @@ from memory_probe import NotMeasurable, Probe, parameter_census  # noqa: E402
 
 
 def tiny_gpt2():
-    from tether.tiny import make_lm
+    from tether.models.tiny import make_lm
 
     return make_lm(vocab_size=50, n_layer=1, n_embd=8, n_head=2, n_positions=16)
 

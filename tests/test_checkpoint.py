@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tether.checkpoint import (
+from tether.run.checkpoint import (
     atomic_save_file,
     atomic_write_json,
     list_checkpoints,

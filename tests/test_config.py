@@ -3,8 +3,8 @@ from typing import Literal
 
 import pytest
 
-from tether.config import RunConfig, config_from_dict, config_to_dict, parse_config
 from tether.errors import TetherError
+from tether.run.config import RunConfig, config_from_dict, config_to_dict, parse_config
 
 
 @dataclass(kw_only=True)

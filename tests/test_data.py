@@ -3,18 +3,12 @@ import json
 import datasets
 import pytest
 
-from tether.data import (
-    batch_order,
-    collate_pairs,
-    collate_sft,
-    encode_preferences,
-    encode_sft,
-    format_prompt,
-    load_rows,
-    require_columns,
-)
+from tether.data.batches import batch_order, collate_pairs, collate_sft
+from tether.data.encoding import encode_preferences, encode_sft
+from tether.data.prompts import format_prompt
+from tether.data.rows import load_rows, require_columns
 from tether.errors import TetherError
-from tether.models import load_tokenizer
+from tether.models.pretrained import load_tokenizer
 
 ROWS = [{"prompt": "the movie", "response": "was good."}, {"prompt": "it", "response": "was bad."}]
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -9,10 +9,14 @@ import pytest
 import torch
 from conftest import sample_texts
 
-from tether.decode import LeanDecoder, ModelForward, lean_architecture, prefill
-from tether.lora import LoraSpec, add_adapter
-from tether.models import disable_dropout, load_causal_lm, load_tokenizer
-from tether.rollout import left_pad, position_ids_from_mask, sample_responses, sampling_uniforms
+from tether.data.prompts import left_pad
+from tether.models.forward import position_ids_from_mask
+from tether.models.lora import LoraSpec, add_adapter
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.rl.engines.lean import LeanDecoder, lean_architecture
+from tether.rl.engines.native import ModelForward, prefill, sample_responses
+from tether.rl.rollout import sampling_uniforms
 
 TEXTS = ["the", "a good film and the plot was very long and boring but the", "the movie was",
          "it", "fun and quite loved", "the ending was short and the music was dull and"]
@@ -186,8 +190,8 @@ def test_fsdp2_sharded_models_keep_the_model_forward():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tether.distributed import transformer_layers
-    from tether.tiny import make_lm
+    from tether.models.tiny import make_lm
+    from tether.run.distributed import transformer_layers
 
     model = make_lm(50, n_layer=2, n_embd=16, n_head=2).eval()
     assert lean_architecture(model) == "gpt2"

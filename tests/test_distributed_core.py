@@ -1,6 +1,7 @@
-"""tether.distributed: the one-process behaviour of every helper, and, under torchrun with two gloo
-processes, one optimizer step through `Parallel` under DDP and FSDP2 equal to the one-process step
-on the same global batch (the property every stage's data parallelism rests on)."""
+"""tether.run.distributed and the rank slices of tether.run.slicing: the one-process behaviour
+of every helper, and, under torchrun with two gloo processes, one optimizer step through
+`Parallel` under DDP and FSDP2 equal to the one-process step on the same global batch (the
+property every stage's data parallelism rests on)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import torch
 from test_distributed_offline import free_port
 from torch import nn
 
-from tether import distributed as D
+from tether.run import distributed as D
+from tether.run.slicing import rank_slice, shard
 
 
 def test_rank_slices_tile_the_batch_in_order():
     for n in (0, 1, 5, 8, 13):
         for world in (1, 2, 3, 4):
-            parts = [list(range(n))[D.rank_slice(n, D.Dist(rank=r, world_size=world))]
+            parts = [list(range(n))[rank_slice(n, D.Dist(rank=r, world_size=world))]
                      for r in range(world)]
             assert sum(parts, []) == list(range(n))  # contiguous, in rank order, nothing lost
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
@@ -31,7 +33,7 @@ def test_rank_slices_keep_groups_whole_when_k_divides_the_share():
     k, world = 4, 2
     rows = [i // k for i in range(16)]  # prompt index of each row, k samples per prompt
     for r in range(world):
-        mine = D.shard(rows, D.Dist(rank=r, world_size=world))
+        mine = shard(rows, D.Dist(rank=r, world_size=world))
         assert all(mine.count(p) == k for p in set(mine))
 
 
@@ -77,7 +79,8 @@ def test_transformer_layers_finds_the_repeated_blocks(tiny_model_dir, tiny_llama
 STEP = textwrap.dedent("""
     import os, sys, torch
     from transformers import AutoModelForCausalLM
-    from tether import distributed as D
+    from tether.run import distributed as D
+    from tether.run.slicing import rank_slice
     mode, path, out = sys.argv[1:4]
 
     def step(d):
@@ -85,7 +88,7 @@ STEP = textwrap.dedent("""
         wrapped = D.wrap(model, d)
         opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
         ids = torch.randint(0, 100, (4, 6), generator=torch.Generator().manual_seed(1))
-        mine = ids[D.rank_slice(len(ids), d)]
+        mine = ids[rank_slice(len(ids), d)]
         def loss_fn(m, x):  # the sum over the global batch's rows / the global row count
             return m(input_ids=x).logits.float().pow(2).mean(dim=(1, 2)).sum()
         loss = wrapped(loss_fn, mine) / D.global_sum(len(mine), d) * d.grad_scale

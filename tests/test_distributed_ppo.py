@@ -20,12 +20,13 @@ import pytest
 from safetensors.torch import load_file
 from test_distributed_offline import ROOT, torchrun
 
-from tether.distributed import Dist
 from tether.errors import TetherError
-from tether.models import RewardModel, load_tokenizer
+from tether.models.pretrained import load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.rl.roles import check_world
+from tether.run.distributed import Dist
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
-from tether.train.ppo_dist import check_world
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Which rows each rank takes (no processes: `Dist` says rank and world size)."""
 
-from tether.distributed import Dist
-from tether.train.common import rank_chunks, rank_micro_batches
+from tether.run.distributed import Dist
+from tether.run.slicing import rank_chunks, rank_micro_batches
 
 
 def test_micro_batches_split_each_ranks_slice_and_pad_empty_ones():

@@ -6,15 +6,10 @@ import json
 
 import pytest
 
-from tether.data import (
-    encode_preferences,
-    encode_prompt_row,
-    encode_sft,
-    load_prompts,
-    special_prefix,
-)
+from tether.data.encoding import encode_preferences, encode_sft, special_prefix
+from tether.data.prompts import encode_prompt_row, load_prompts
 from tether.errors import TetherError
-from tether.models import eos_token_ids, load_causal_lm, load_tokenizer
+from tether.models.pretrained import eos_token_ids, load_causal_lm, load_tokenizer
 
 # Zephyr's shape: no bos_token in the template; the tokenizer's post-processor adds BOS.
 ZEPHYR_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"

@@ -7,13 +7,14 @@ import json
 
 import pytest
 
-from tether import offline_eval
 from tether.cli import main
 from tether.demo import pipeline
 from tether.demo.config import DemoConfig
-from tether.eval_config import EvalConfig
-from tether.evaluation import distinct_n
-from tether.models import RewardModel, load_tokenizer
+from tether.models.pretrained import load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.rl.evaluation import distinct_n
+from tether.tools import evaluate
+from tether.tools.config import EvalConfig
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor", "loved the story but", "the scene"]
@@ -66,7 +67,7 @@ def test_a_different_seed_samples_differently(task_files, tiny_model_dir, tmp_pa
     def run(seed):
         cfg = EvalConfig(model=str(tiny_model_dir), prompts=str(task_files / "prompts.jsonl"),
                          seed=seed, device="cpu", max_new_tokens=8)
-        return offline_eval.run(cfg, reward_fn=length_reward, write=False).samples
+        return evaluate.run(cfg, reward_fn=length_reward, write=False).samples
     assert run(0) == run(0) and run(0) != run(1)
 
 
@@ -136,7 +137,7 @@ def test_generate_writes_samples_eval_scores_the_first(task_files, trained, tmp_
     assert all(1 <= r["length"] <= 8 for r in rows)
     assert len({r["response"] for r in rows}) > len(PROMPTS)  # samples differ, not copies
     # Sample 0 of each prompt is the response `tether eval` scores with the same settings.
-    result = offline_eval.run(EvalConfig(model=trained["ppo"], prompts=str(task_files / "prompts.jsonl"),
+    result = evaluate.run(EvalConfig(model=trained["ppo"], prompts=str(task_files / "prompts.jsonl"),
                                          device="cpu", max_new_tokens=8), write=False)
     assert [r["response"] for r in rows if r["sample"] == 0] == [
         s["response"] for s in result.samples]
@@ -163,7 +164,7 @@ def test_eval_bad_input_is_one_line(task_files, tiny_model_dir, tmp_path, args, 
 
 def test_eval_with_a_lora_reward_model(task_files, trained, tmp_path, capsys):
     # The proxy from a LoRA reward model (`tether rm --lora-r`), scoring a LoRA SFT policy.
-    from tether.reward_model import RewardModel
+    from tether.models.reward_model import RewardModel
     from tether.train import reward
 
     pairs = task_files / "pairs.jsonl"

@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from tether.frontier import frontier, gao_fit, mean_and_stderr, peak_then_fall, recommend_beta
+from tether.tools.frontier import (
+    frontier,
+    gao_fit,
+    mean_and_stderr,
+    peak_then_fall,
+    recommend_beta,
+)
 
 KLS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers import activations as hf
 
-from tether import activations
-from tether.activations import TanhGELU, gelu_tanh
-from tether.models import fuse_gelu
+from tether.models import activations
+from tether.models.activations import TanhGELU, gelu_tanh
+from tether.models.prepare import fuse_gelu
 
 EPS32 = 2.0**-23  # one fp32 ulp at 1
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.reward_fn import call_reward_function
+from tether.rl.rewards import call_reward_function
 from tether.train import dpo
 from tether.train.ppo import PPOConfig, run
 
@@ -76,8 +76,8 @@ def test_ipo_gets_the_response_lengths(tiny_model_dir, tmp_path, monkeypatch):
                  "--loss", "ipo", "--device", "cpu"]) == 0
     loss_type, chosen, rejected = seen[0]
     assert loss_type == "ipo" and chosen is not None and rejected is not None
-    from tether.data import encode_preferences
-    from tether.models import load_tokenizer
+    from tether.data.encoding import encode_preferences
+    from tether.models.pretrained import load_tokenizer
 
     examples, _ = encode_preferences(load_tokenizer(str(tiny_model_dir)), rows, 512)
     order = dpo.batch_order(len(examples), 8, 0, 0)
@@ -181,7 +181,7 @@ def test_damaged_or_pickled_weights_are_one_line(tiny_model_dir, tmp_path, capsy
 def test_dpo_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, capsys):
     from conftest import sample_texts
 
-    from tether.tiny import save_tiny
+    from tether.models.tiny import save_tiny
 
     other = save_tiny(tmp_path / "other", sample_texts(seed=9), vocab_size=280)
     data = write_jsonl(tmp_path / "p.jsonl", preference_rows(4))
@@ -261,12 +261,12 @@ def test_a_full_disk_or_read_only_directory_is_one_line(tiny_model_dir, tmp_path
                                                         capsys, code):
     import errno
 
-    from tether.train import common
+    from tether.train import offline
 
     def no_room(root, step, *args, **kwargs):
         number = getattr(errno, code)
         raise OSError(number, os.strerror(number), str(root / f"step_{step}"))
-    monkeypatch.setattr(common, "save_checkpoint", no_room)
+    monkeypatch.setattr(offline, "save_checkpoint", no_room)
     data = write_jsonl(tmp_path / "s.jsonl", sft_rows(8))
     assert main(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "d",
                  "--output-dir", str(tmp_path / "runs"), "--max-steps", "3", "--batch-size", "4",

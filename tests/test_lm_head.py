@@ -15,8 +15,8 @@ from tether.lm_head import (
     masked_head_token_logprobs,
 )
 from tether.logprobs import entropy, token_logprobs
-from tether.models import load_causal_lm, load_tokenizer
-from tether.trunk_head import final_hidden, trunk_and_head
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.trunk_head import final_hidden, trunk_and_head
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

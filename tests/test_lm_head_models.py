@@ -14,22 +14,25 @@ from offline_fixtures import preference_rows, sft_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tether import lm_head
-from tether.data import collate_pairs, collate_sft, encode_preferences, encode_sft
-from tether.models import disable_dropout, load_causal_lm, load_tokenizer
-from tether.rollout import sample_responses
-from tether.train.dpo import pair_logprobs
-from tether.train.ppo import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
-from tether.train.ppo_step import minibatch_loss, score_rollout
-from tether.train.prefix import collate_shared
-from tether.train.sft import sft_loss
-from tether.trunk_head import (
+from tether.data.batches import collate_pairs, collate_sft
+from tether.data.encoding import encode_preferences, encode_sft
+from tether.models.pair_row import collate_shared
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.trunk_head import (
     LogitTransformHead,
     chunked_split,
     final_hidden,
     score_responses,
     trunk_and_head,
 )
+from tether.rl.engines.native import sample_responses
+from tether.rl.scoring import score_rollout
+from tether.rl.update import minibatch_loss
+from tether.train.dpo import pair_logprobs
+from tether.train.ppo import PPOConfig
+from tether.train.ppo_setup import build, prompt_batch
+from tether.train.sft import sft_loss
 
 TINY = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.lora import (
+from tether.models.lora import (
     AdapterView,
     LoraSpec,
     active_adapter,
@@ -26,11 +26,12 @@ from tether.lora import (
     set_trainable,
     use_adapter,
 )
-from tether.models import RewardModel, load_causal_lm, load_tokenizer
-from tether.rollout import sample_responses
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.rl.engines.native import sample_responses
+from tether.rl.scoring import score_rollout
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
-from tether.train.ppo_step import score_rollout
 
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]
 
@@ -326,7 +327,7 @@ def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_contex
     (LoRA policy and critic adapters on one base, shared LoRA reward model)."""
     import tether.train.ppo_setup as ppo_setup
     from tether.advantages import gae, kl_shaped_rewards
-    from tether.train.ppo_step import minibatch_loss, update_mode
+    from tether.rl.update import minibatch_loss, update_mode
 
     cfg = _ppo_cfg(data, lora_runs["base"], tmp_path, f"g{checkpointing}{recompute_context}",
                    reward_model=str(lora_runs["rm"]), gradient_checkpointing=checkpointing)

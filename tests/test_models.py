@@ -3,16 +3,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.errors import TetherError
-from tether.models import (
-    PAD_TOKEN,
-    RewardModel,
-    disable_dropout,
-    frozen_copy,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_device,
-    save_model,
-)
+from tether.models.prepare import disable_dropout, frozen_copy
+from tether.models.pretrained import PAD_TOKEN, load_causal_lm, load_tokenizer, save_model
+from tether.models.reward_model import RewardModel
+from tether.run.launch import resolve_device
 
 
 def test_resolve_device():

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tether.train.common import lr_factor, make_lr_schedule, make_optimizer
+from tether.run.optim import lr_factor, make_lr_schedule, make_optimizer
 
 
 @pytest.mark.parametrize("step, schedule, expected", [

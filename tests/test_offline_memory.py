@@ -22,9 +22,11 @@ from scale_helpers import (
     weights,
 )
 
-from tether.models import RewardModel, load_causal_lm, load_tokenizer
+from tether.models.prepare import enable_gradient_checkpointing
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.run.slicing import micro_batches
 from tether.train import dpo, reward, sft
-from tether.train.common import enable_gradient_checkpointing, micro_batches
 
 STAGES = {"sft": (sft, sft.SFTConfig), "rm": (reward, reward.RMConfig),
           "dpo": (dpo, dpo.DPOConfig)}

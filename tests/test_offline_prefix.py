@@ -5,11 +5,13 @@ import pytest
 import torch
 from offline_fixtures import preference_rows
 
-from tether.data import collate_pairs, encode_preferences
-from tether.models import disable_dropout, load_causal_lm, load_tokenizer
-from tether.train import prefix
+from tether.data.batches import collate_pairs
+from tether.data.encoding import encode_preferences
+from tether.models import pair_row
+from tether.models.pair_row import attention_layout, can_share, collate_shared
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.train.dpo import pair_logprobs
-from tether.train.prefix import attention_layout, can_share, collate_shared
 
 FAMILIES = ["tiny_model_dir", "tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir"]
 
@@ -72,7 +74,7 @@ def test_window_matters_and_an_unwindowed_mask_would_be_wrong(family, request, m
     examples, _ = encode_preferences(tok, _rows(), max_length=64)
     assert max(len(e.prompt) + len(r) for e in examples for r in e.responses) > 2 * window
     concat = _pass(model, collate_pairs(examples, tok.pad_token_id))
-    monkeypatch.setattr(prefix, "attention_layout", lambda config: ({"full_attention"}, None))
+    monkeypatch.setattr(pair_row, "attention_layout", lambda config: ({"full_attention"}, None))
     unwindowed = _pass(model, collate_shared(examples, tok.pad_token_id))
     assert (concat[0] - unwindowed[0]).abs().max() > 1e-2
     assert (concat[4] - unwindowed[4]).norm() > 1e-2 * concat[4].norm()

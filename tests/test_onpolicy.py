@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from tether.advantages import kl_shaped_rewards
-from tether.rollout import sample_responses
-from tether.train.common import autocast
-from tether.train.onpolicy import fuses_scoring, on_policy_step, score_reference
+from tether.models.forward import autocast
+from tether.rl.engines.native import sample_responses
+from tether.rl.onpolicy import fuses_scoring, on_policy_step
+from tether.rl.scoring import score_reference, score_rollout
+from tether.rl.update import estimate_advantages, ppo_update
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import build, prompt_batch
-from tether.train.ppo_step import estimate_advantages, ppo_update, score_rollout
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 

@@ -17,7 +17,8 @@ import torch
 from test_options_effect import ModelCalls, trunk_moves
 
 from tether.errors import TetherError
-from tether.train import onpolicy, ppo, ppo_step
+from tether.rl import onpolicy, update
+from tether.train import ppo
 from tether.train.ppo_config import PPOConfig
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
@@ -199,9 +200,9 @@ def test_gamma_lam_and_whitening_reach_the_advantages(tiny_model_dir, tmp_path, 
 
 def test_clip_ranges_and_vf_coef_reach_the_losses(tiny_model_dir, tmp_path, monkeypatch):
     policy_calls, value_calls, losses = [], [], []
-    _spy(monkeypatch, ppo_step, "ppo_policy_loss", policy_calls)
-    _spy(monkeypatch, ppo_step, "value_loss", value_calls)
-    _spy(monkeypatch, ppo_step, "minibatch_loss", losses)
+    _spy(monkeypatch, update, "ppo_policy_loss", policy_calls)
+    _spy(monkeypatch, update, "value_loss", value_calls)
+    _spy(monkeypatch, update, "minibatch_loss", losses)
     online_run(tiny_model_dir, tmp_path, clip_range=0.05, value_clip_range=0.3, vf_coef=0.7)
     assert {args[4] for args, _, _ in policy_calls} == {0.05}
     assert {args[4] for args, _, _ in value_calls} == {0.3}
@@ -225,7 +226,7 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
     """The demo's knobs become the stage configs it builds; the stages themselves are stubbed
     (each has its own tests), so this runs in a second, not minutes."""
     from tether.demo import pipeline
-    from tether.rundir import RunResult
+    from tether.run.rundir import RunResult
     from tether.train import dpo, reward, sft
     from tether.train import ppo as ppo_stage
 

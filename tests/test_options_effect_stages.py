@@ -154,7 +154,7 @@ def test_rm_eval_data_is_the_held_out_set(tiny_model_dir, tmp_path):
 
 
 def test_rm_normalize_data_gives_mean_0_std_1_on_those_rows(tiny_model_dir, tmp_path):
-    from tether.models import RewardModel
+    from tether.models.reward_model import RewardModel
 
     rows = sft_rows(6, seed=3)
     norm = write_jsonl(tmp_path / "norm.jsonl", rows)

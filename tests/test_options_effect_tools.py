@@ -20,8 +20,10 @@ import torch
 from test_options_effect import ModelCalls
 from test_report import fake_run
 
-from tether import evaluation, generate, offline_eval, rollout
 from tether.cli import main
+from tether.rl import evaluation
+from tether.rl.engines import native
+from tether.tools import evaluate, generate
 
 PROMPTS = ["the movie was", "a film with a long plot and a long story and", "it",
            "the ending was very", "music", "the actor", "loved the story but", "the scene"]
@@ -68,7 +70,7 @@ class Sampler:
 
     def __init__(self, monkeypatch):
         self.calls: list[dict] = []
-        real = rollout.sample_responses
+        real = native.sample_responses
 
         def spy(policy, ids, mask, **kwargs):
             out = real(policy, ids, mask, **kwargs)
@@ -146,8 +148,8 @@ def greedy(model_dir, prompt_ids, steps, eos):
 
 
 def test_cold_generate_lengths_equal_greedy_decoding_by_hand(models, prompts, tmp_path):
-    from tether.eval_config import GenerateConfig
-    from tether.models import load_tokenizer
+    from tether.models.pretrained import load_tokenizer
+    from tether.tools.config import GenerateConfig
 
     model = models["tiny_model_dir"]
     rows = run_tool("generate", model, prompts, tmp_path, "--temperature", "1e-4")
@@ -174,14 +176,14 @@ def test_device_dtype_and_trust_remote_code_reach_the_loaders(tool, models, prom
     def spy(cls, *args, **kwargs):
         seen.append(kwargs.get("trust_remote_code"))
         return original(cls, *args, **kwargs)
-    real_load = offline_eval.load_frozen_lm
+    real_load = evaluate.load_frozen_lm
 
     def load(*args, **kwargs):
         lm = real_load(*args, **kwargs)
         dtypes.append(next(lm.parameters()).dtype)
         return lm
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(spy))
-    monkeypatch.setattr(offline_eval, "load_frozen_lm", load)
+    monkeypatch.setattr(evaluate, "load_frozen_lm", load)
     monkeypatch.setattr(generate, "load_frozen_lm", load)
     run_tool(tool, model, prompts, tmp_path, "--trust-remote-code", "--dtype", "bfloat16")
     assert seen and all(seen)
@@ -216,7 +218,8 @@ def test_generate_writes_k_samples_per_prompt_and_cuts_at_stop_strings(family, m
 
 
 def test_eval_reference_rewards_output_and_chunking(models, prompts, tmp_path):
-    from tether.models import RewardModel, load_tokenizer
+    from tether.models.pretrained import load_tokenizer
+    from tether.models.reward_model import RewardModel
 
     model = models["tiny_model_dir"]
     rm = tmp_path / "rm"
@@ -277,7 +280,7 @@ def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, c
 
     import yaml
 
-    from tether import sweep
+    from tether.tools import sweep
 
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "it"}) + "\n")
     spec = {"name": "s", "output_dir": str(tmp_path / "grid_default"), "seeds": [0, 1],

@@ -10,19 +10,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tether import models
 from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.cli import main
-from tether.config import parse_config
-from tether.critic import ValueModel
-from tether.data import prompt_indices
+from tether.data.prompts import prompt_indices
 from tether.errors import TetherError
-from tether.models import RewardModel, load_tokenizer
-from tether.rollout import sample_responses
-from tether.tiny import save_tiny
+from tether.models import pretrained
+from tether.models.critic import ValueModel
+from tether.models.pretrained import load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.models.tiny import save_tiny
+from tether.rl.engines.native import sample_responses
+from tether.rl.scoring import score_rollout
+from tether.rl.update import minibatch_loss, ppo_update
+from tether.run.config import parse_config
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
-from tether.train.ppo_step import minibatch_loss, ppo_update, score_rollout
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
 
@@ -243,7 +245,8 @@ def test_two_eos_model_stops_on_either_eos(env, tiny_qwen2_dir, monkeypatch):
                                        add_generation_prompt=True)
     assert setup.prompt_ids[0] == tok(rendered)["input_ids"]
 
-    monkeypatch.setattr(models, "load_causal_lm", _always_emits(models.load_causal_lm, endoftext))
+    monkeypatch.setattr(pretrained, "load_causal_lm",
+                        _always_emits(pretrained.load_causal_lm, endoftext))
     seen = []
 
     def reward(prompts, responses):
@@ -331,7 +334,7 @@ def test_config_errors(env, tiny_model_dir, capsys):
 def test_ppo_uses_the_optimizer_and_schedule_of_every_stage(env, tiny_model_dir):
     """One optimizer rule (AdamW, decay on matrices only) and one schedule ((k+1)/w warm-up, then
     linear decay) for SFT, RM, DPO and PPO; a PPO step is one rollout batch."""
-    from tether.optim import lr_factor
+    from tether.run.optim import lr_factor
 
     cfg = config(env, tiny_model_dir, "optim", weight_decay=0.1, warmup_batches=2,
                  total_episodes=48, lr=1e-3)

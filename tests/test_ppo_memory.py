@@ -20,17 +20,19 @@ from scale_helpers import (
     weights,
 )
 
-from tether import shared_prompt, trunk_head
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
-from tether.models import RewardModel, load_causal_lm, load_tokenizer
-from tether.rollout import sample_responses
+from tether.models import shared_prompt, trunk_head
+from tether.models.forward import autocast
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.models.trunk_head import trunk_and_head
+from tether.rl.engines.native import sample_responses
+from tether.rl.scoring import score_rollout
+from tether.rl.update import ppo_update
 from tether.train import ppo as ppo_module
-from tether.train.common import autocast
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
-from tether.train.ppo_step import ppo_update, score_rollout
-from tether.trunk_head import trunk_and_head
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tether.models import load_causal_lm, load_tokenizer
+from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.train.ppo import PPOConfig, run
 
 PROMPT = "the movie was"

@@ -9,7 +9,7 @@ import yaml
 from test_demo_report import open_in_chromium
 
 from tether.cli import main
-from tether.report import config_diff, metric_names, read_run, write_report
+from tether.tools.report import config_diff, metric_names, read_run, write_report
 
 
 def fake_run(root, name, config, rows):

@@ -13,11 +13,11 @@ import yaml
 from offline_fixtures import sft_rows, write_jsonl
 from torch import nn
 
-from tether.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from tether.cli import main
-from tether.config import RunConfig
 from tether.errors import AlreadyFinished, TetherError
-from tether.rundir import RunDir
+from tether.run.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from tether.run.config import RunConfig
+from tether.run.rundir import RunDir
 
 
 @dataclass(kw_only=True)

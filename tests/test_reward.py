@@ -5,8 +5,9 @@ import torch
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
 
 from tether.cli import main
-from tether.data import collate_sft, encode_sft
-from tether.models import RewardModel
+from tether.data.batches import collate_sft
+from tether.data.encoding import encode_sft
+from tether.models.reward_model import RewardModel
 from tether.train.reward import RMConfig, run
 
 
@@ -65,8 +66,8 @@ def test_rm_reads_chat_preference_rows_like_sft_messages(tiny_llama_dir, tmp_pat
     # Llama-style model, chat preference rows (the shape of most public preference sets). The
     # step-1 scores (before the update) must be those of the same chats encoded as SFT
     # {messages} rows, scored by an identically initialised reward model.
-    from tether.models import load_tokenizer
-    from tether.train.common import seed_everything
+    from tether.models.pretrained import load_tokenizer
+    from tether.run.launch import seed_everything
 
     user = [{"role": "user", "content": r["prompt"]} for r in preference_rows(8)]
     replies = {k: [{"role": "assistant", "content": r[k].strip()} for r in preference_rows(8)]
@@ -94,8 +95,10 @@ def test_rm_reads_chat_preference_rows_like_sft_messages(tiny_llama_dir, tmp_pat
 def test_score_texts_encodes_like_training(tiny_model_dir, tmp_path):
     """score_texts == score on the ids `tether rm` trains on (prompt, response, EOS), and not the
     score of the raw text without EOS."""
-    from tether.data import collate_sft, encode_sft
-    from tether.models import RewardModel, load_tokenizer
+    from tether.data.batches import collate_sft
+    from tether.data.encoding import encode_sft
+    from tether.models.pretrained import load_tokenizer
+    from tether.models.reward_model import RewardModel
 
     tok = load_tokenizer(str(tiny_model_dir))
     rm = RewardModel.from_causal_lm(str(tiny_model_dir), tok)

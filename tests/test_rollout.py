@@ -8,18 +8,12 @@ import torch
 
 from tether.advantages import kl_shaped_rewards
 from tether.logprobs import token_logprobs
-from tether.models import disable_dropout, load_causal_lm, load_tokenizer
-from tether.rollout import (
-    Rollout,
-    apply_stop_strings,
-    inverse_cdf_sample,
-    position_ids_from_mask,
-    response_logits,
-    sample_responses,
-    sampling_uniforms,
-    sequence_logprobs,
-)
-from tether.tiny import make_lm
+from tether.models.forward import position_ids_from_mask, response_logits, sequence_logprobs
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.models.tiny import make_lm
+from tether.rl.engines.native import inverse_cdf_sample, sample_responses
+from tether.rl.rollout import Rollout, apply_stop_strings, sampling_uniforms
 
 
 def _eval(model):

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tether.config import RunConfig
 from tether.errors import TetherError
-from tether.rundir import RunDir, progress
+from tether.run.config import RunConfig
+from tether.run.rundir import RunDir, progress
 
 
 @dataclass(kw_only=True)

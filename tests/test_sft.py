@@ -6,8 +6,9 @@ from offline_fixtures import sft_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from tether.cli import main
-from tether.data import collate_sft, encode_sft
-from tether.models import load_causal_lm, load_tokenizer
+from tether.data.batches import collate_sft
+from tether.data.encoding import encode_sft
+from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.train.sft import SFTConfig, run, sft_loss
 
 

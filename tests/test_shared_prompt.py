@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import tether.shared_prompt as shared_prompt
-from tether.critic import ValueModel
-from tether.models import RewardModel
-from tether.shared_prompt import can_share, prompt_groups, sharing
-from tether.tiny import make_lm
-from tether.trunk_head import score_responses
+import tether.models.shared_prompt as shared_prompt
+from tether.models.critic import ValueModel
+from tether.models.reward_model import RewardModel
+from tether.models.shared_prompt import can_share, prompt_groups, sharing
+from tether.models.tiny import make_lm
+from tether.models.trunk_head import score_responses
 
 K, GROUPS, P, R = 3, 3, 7, 9
 
@@ -152,8 +152,8 @@ def test_reward_with_an_empty_response_takes_the_plain_pass(tiny_model_dir):
 def lora_policy(model_dir):
     from transformers import AutoTokenizer
 
-    from tether.lora import LoraSpec
-    from tether.models import load_trainable_lm
+    from tether.models.lora import LoraSpec
+    from tether.models.pretrained import load_trainable_lm
 
     lm = load_trainable_lm(str(model_dir), AutoTokenizer.from_pretrained(model_dir),
                            LoraSpec(r=4, alpha=8, dropout=0.0, target_modules="all-linear"))
@@ -166,7 +166,7 @@ def lora_policy(model_dir):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_lora_policy_and_its_adapter_view_reference_match_the_plain_pass(chunked, plain,
                                                                          tiny_llama_dir):
-    from tether.lora import AdapterView
+    from tether.models.lora import AdapterView
 
     lm = lora_policy(tiny_llama_dir)
     policy, reference = lm.peft.eval(), AdapterView(lm.peft, None)  # the base, adapter off
@@ -189,7 +189,7 @@ def test_lora_policy_and_its_adapter_view_reference_match_the_plain_pass(chunked
 def test_adapter_views_follow_the_shared_model_into_checkpointing(tiny_model_dir):
     """A LoRA critic's or reward model's trunk is an AdapterView that registers no module; its
     shared model's checkpointing (which drops the cache in training) must still turn sharing off."""
-    from tether.lora import AdapterView
+    from tether.models.lora import AdapterView
 
     lm = lora_policy(tiny_model_dir)
     trunk_view = AdapterView(lm.peft, None, part="trunk")

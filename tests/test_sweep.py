@@ -11,7 +11,7 @@ from test_report import check_report_page
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.sweep import plan
+from tether.tools.sweep_plan import plan
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 REWARDS = '''

@@ -21,9 +21,9 @@ import sys
 import time
 from typing import NoReturn
 
-from tether import interrupt
 from tether.errors import AlreadyFinished, TetherError
-from tether.interrupt import Interrupted
+from tether.run import interrupt
+from tether.run.interrupt import Interrupted
 
 STAGES = {
     "sft": "tether.train.sft",
@@ -33,10 +33,10 @@ STAGES = {
     "rloo": "tether.train.rloo",
     "grpo": "tether.train.grpo",
     "demo": "tether.demo",
-    "generate": "tether.generate",
-    "eval": "tether.offline_eval",
-    "report": "tether.report",
-    "sweep": "tether.sweep",
+    "generate": "tether.tools.generate",
+    "eval": "tether.tools.evaluate",
+    "report": "tether.tools.report",
+    "sweep": "tether.tools.sweep",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -48,10 +48,10 @@ CONFIGS = {
     "rloo": ("tether.train.ppo_config", "RLOOConfig"),
     "grpo": ("tether.train.ppo_config", "GRPOConfig"),
     "demo": ("tether.demo.config", "DemoConfig"),
-    "generate": ("tether.eval_config", "GenerateConfig"),
-    "eval": ("tether.eval_config", "EvalConfig"),
-    "report": ("tether.eval_config", "ReportConfig"),
-    "sweep": ("tether.sweep_config", "SweepConfig"),
+    "generate": ("tether.tools.config", "GenerateConfig"),
+    "eval": ("tether.tools.config", "EvalConfig"),
+    "report": ("tether.tools.config", "ReportConfig"),
+    "sweep": ("tether.tools.config", "SweepConfig"),
 }
 
 HELP = {
@@ -93,10 +93,10 @@ def entry() -> NoReturn:
     """The `tether` command (and `python -m tether`, as torchrun runs it): `main`, then exit with
     its code; a torchrun rank through `distributed.exit_process` (see there for why)."""
     code = main()
-    # distributed.launched()'s test, spelled out: importing tether.distributed imports torch,
+    # distributed.launched()'s test, spelled out: importing tether.run.distributed imports torch,
     # which `tether --help` and the stage helps do not load
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        from tether import distributed
+        from tether.run import distributed
 
         distributed.exit_process(code)
     sys.exit(code)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
-        from tether.config import parse_config
+        from tether.run.config import parse_config
 
         module_name, class_name = CONFIGS[stage]
         config = getattr(importlib.import_module(module_name), class_name)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(module, rest)
     finally:
-        from tether import distributed
+        from tether.run import distributed
 
         distributed.teardown()
 
@@ -156,7 +156,7 @@ def _report(message: str) -> None:
     not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report)."""
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
-        from tether import distributed
+        from tether.run import distributed
 
         distributed.teardown()  # the other ranks see the group end instead of waiting on us
         time.sleep(ERROR_GRACE_S)
@@ -199,7 +199,7 @@ def _run(module, rest: list[str]) -> int:
         if not (launched and _lost_peer(exc)):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # wait quietly for torchrun to stop us too
-            from tether import distributed
+            from tether.run import distributed
 
             distributed.teardown()
             time.sleep(ERROR_GRACE_S)

@@ -28,7 +28,7 @@ Two exact ways to get there, picked by what needs a gradient:
   dW and db from it. 4 matmuls against the plain path's 3: exactness costs one recompute.
 Any other head module (a peft LoRA-wrapped lm_head, a head with a logit transform) goes through
 `torch.utils.checkpoint` per chunk of positions: chunked, exact, gradients reach every parameter.
-Splitting a model into trunk and head, and the forwards that use it: `tether.trunk_head`.
+Splitting a model into trunk and head, and the forwards that use it: `tether.models.trunk_head`.
 Everything runs in fp32 after the matmul; under autocast the matmuls run in bf16, as in the plain path.
 """
 

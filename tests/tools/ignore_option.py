@@ -40,10 +40,10 @@ def stage_classes(stage: str) -> tuple[type, ...]:
              "dpo": ("tether.train.offline_config", "DPOConfig"),
              "online": ("tether.train.ppo_config", "PPOConfig", "RLOOConfig", "GRPOConfig"),
              "demo": ("tether.demo.config", "DemoConfig"),
-             "generate": ("tether.eval_config", "GenerateConfig"),
-             "eval": ("tether.eval_config", "EvalConfig"),
-             "report": ("tether.eval_config", "ReportConfig"),
-             "sweep": ("tether.sweep_config", "SweepConfig")}[stage]
+             "generate": ("tether.tools.config", "GenerateConfig"),
+             "eval": ("tether.tools.config", "EvalConfig"),
+             "report": ("tether.tools.config", "ReportConfig"),
+             "sweep": ("tether.tools.config", "SweepConfig")}[stage]
     module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
     return tuple(getattr(module, name) for name in names[1:])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 def cli(argv: list[str]) -> int:
     """`tether demo [--quick] [--field value ...]`."""
-    from tether.config import parse_config
     from tether.demo.config import DemoConfig
     from tether.demo.pipeline import run
+    from tether.run.config import parse_config
 
     run(parse_config(DemoConfig, argv, prog="tether demo"))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tether.config import check_device, check_run_name, require_positive
+from tether.run.config import check_device, check_run_name, require_positive
 
 
 @dataclass(kw_only=True)

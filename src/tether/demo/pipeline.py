@@ -22,7 +22,7 @@ from tether.demo import task
 from tether.demo.config import DemoConfig
 from tether.demo.report import Curve, write_report
 from tether.errors import TetherError
-from tether.tiny import save_tiny
+from tether.models.tiny import save_tiny
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -71,7 +71,7 @@ PPO_VARIANTS = {  # run name -> controller settings; the leash is the only diffe
 }
 
 
-# The PPO runs' sampling settings, which every offline evaluation reuses (tether.evaluation): the
+# The PPO runs' sampling settings, which every offline evaluation reuses (tether.rl.evaluation): the
 # SFT model scored offline then gives exactly the numbers each PPO run logs at step 0.
 PPO_BATCH, MAX_NEW_TOKENS = 32, 20
 
@@ -132,13 +132,13 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
                    name: str, cfg: DemoConfig) -> Curve:
     """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
     sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own."""
-    from tether import offline_eval
-    from tether.eval_config import EvalConfig
+    from tether.tools import evaluate
+    from tether.tools.config import EvalConfig
 
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device)
-    result = offline_eval.run(eval_cfg, gold_fn=task.gold_reward, write=False)
+    result = evaluate.run(eval_cfg, gold_fn=task.gold_reward, write=False)
     return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
                  {0: result.samples})
 
@@ -159,7 +159,7 @@ def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
     betas on one seed at a small size; returns the section's HTML (its page: sweep/report.html)."""
     import yaml
 
-    from tether import sweep, sweep_report
+    from tether.tools import sweep, sweep_report
 
     grid = {"name": "sweep", "output_dir": str(root), "seeds": [cfg.seed], "ppo": {
         "policy": policy, "reward_model": reward_model, "prompts": paths["prompts"],
@@ -190,7 +190,7 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]
     import yaml
 
     from tether.cli import version
-    from tether.report import read_run
+    from tether.tools.report import read_run
 
     def saved(run: str) -> dict:
         return yaml.safe_load((root / run / "config.yaml").read_text(encoding="utf-8"))

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # no screen needed; the demo runs on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
-from tether.frontier import mean_and_stderr  # noqa: E402
+from tether.tools.frontier import mean_and_stderr  # noqa: E402
 
 COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
            "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}

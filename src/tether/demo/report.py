@@ -3,7 +3,7 @@
 Input is one `Curve` per (run, seed): the evaluation metrics logged at each evaluation step and
 the samples generated there (with each prompt's gold score). Output: PNGs, `report.html` beside
 them, and a console table with the same numbers. A verdict is computed from the measurements,
-over all seeds, on the per-prompt scores (tether.frontier), and stated plainly either way.
+over all seeds, on the per-prompt scores (tether.tools.frontier), and stated plainly either way.
 """
 
 from __future__ import annotations
@@ -12,15 +12,9 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.demo.curves import (  # noqa: F401 - Curve and PPO_RUNS are this module's API too
-    PPO_RUNS,
-    Curve,
-    by_run,
-    mean_series,
-    pooled_golds,
-)
+from tether.demo.curves import PPO_RUNS, Curve, by_run, mean_series, pooled_golds
 from tether.demo.plots import plot_all
-from tether.frontier import paired_difference, peak_then_fall
+from tether.tools.frontier import paired_difference, peak_then_fall
 
 
 @dataclass
@@ -102,7 +96,7 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
        range of its maximum) while gold ends below its start by more than twice the error of
        the drop, and diversity collapses (final distinct-2 below half its start).
     1b. Separately: the gold reward first rose to a peak and then fell, each by more than twice
-       its standard error (tether.frontier.peak_then_fall).
+       its standard error (tether.tools.frontier.peak_then_fall).
     2. With the adaptive controller the KL ends within 50% of its target, and the final gold
        beats the unpenalised run's by more than twice the standard error of the gap.
     3. DPO and IPO each raise gold above the SFT model by more than twice its error; a note
@@ -199,10 +193,10 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
                  sweep_html: str = "") -> tuple[Path, str]:
     """Write `report.html` and its PNGs into `out_dir`; returns (path, console summary).
 
-    `run_dirs`: the runs whose configs the settings section diffs and links (tether.report);
+    `run_dirs`: the runs whose configs the settings section diffs and links (tether.tools.report);
     `sweep_html`: the demo's beta sweep section, already rendered.
     """
-    from tether.report import config_html, read_run
+    from tether.tools.report import config_html, read_run
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

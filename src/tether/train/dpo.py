@@ -7,7 +7,7 @@ With per-sequence summed log-probs and h = (log pi(y_c) - log ref(y_c)) - (log p
 
 The formulas live in `tether.losses.dpo_loss`; this file is the loop. Chosen and rejected go
 through the policy in one forward pass: by default one row per pair, [prompt | chosen | rejected]
-with an attention mask that keeps the two responses apart (`tether.train.prefix`); with
+with an attention mask that keeps the two responses apart (`tether.models.pair_row`); with
 `--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training. DPO and IPO losses are means over pairs, so with
@@ -22,42 +22,37 @@ from __future__ import annotations
 
 import torch
 
-from tether import distributed
-from tether.config import parse_config
-from tether.data import batch_order, collate_pairs, encode_preferences, load_rows
-from tether.lora import AdapterView, LoraSpec, check_targets
+from tether.data.batches import batch_order, collate_pairs, to_device
+from tether.data.encoding import encode_preferences
+from tether.data.rows import load_rows
 from tether.losses import dpo_loss
-from tether.models import (
-    TrainableLM,
+from tether.models.forward import autocast
+from tether.models.lora import AdapterView, LoraSpec, check_targets
+from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
+from tether.models.prepare import (
     disable_dropout,
+    enable_gradient_checkpointing,
     freeze,
     frozen_copy,
+)
+from tether.models.pretrained import (
+    TrainableLM,
+    check_same_vocabulary,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
     save_trained_lm,
 )
-from tether.reward_fn import check_same_vocabulary
-from tether.rundir import RunDir, RunResult, progress
-from tether.train.common import (
-    autocast,
-    backward,
-    enable_gradient_checkpointing,
-    gather_outputs,
-    join,
-    maybe_checkpoint,
-    optimizer_step,
-    print_result,
-    rank_micro_batches,
-    response_logprobs,
-    save_final,
-    seed_everything,
-    start_training,
-    to_device,
-    wrap_frozen,
-)
+from tether.models.trunk_head import response_logprobs
+from tether.run import distributed
+from tether.run.config import parse_config
+from tether.run.distributed import wrap_frozen
+from tether.run.launch import join, seed_everything
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.train.offline import maybe_checkpoint, save_final, start_training
 from tether.train.offline_config import DPOConfig
-from tether.train.prefix import can_share, collate_shared, shared_pair_logprobs
 
 
 def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch.Tensor]:

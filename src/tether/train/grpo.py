@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from tether.config import parse_config
-from tether.train.common import print_result
+from tether.run.config import parse_config
+from tether.run.rundir import print_result
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig
 

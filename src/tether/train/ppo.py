@@ -24,49 +24,32 @@ import time
 
 import torch
 
-from tether import interrupt
 from tether.advantages import ScoreNormalizer, kl_shaped_rewards
-from tether.checkpoint import load_latest_checkpoint, save_checkpoint
-from tether.config import parse_config
-from tether.distributed import all_gather_rows, barrier, rank_slice
 from tether.errors import TetherError
-from tether.lora import LoraSpec
-from tether.models import load_trainable_lm, save_trained_lm
-from tether.rollout import (
-    apply_stop_strings,
-    decode_responses,
-    sample_responses,
-    sampling_uniforms,
-)
-from tether.rundir import RunDir, RunResult, progress
-from tether.train.common import autocast, print_result
-from tether.train.onpolicy import fuses_scoring, on_policy_step, score_reference
-from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_dist import (
-    all_done,
-    any_rank,
-    check_same_beta,
-    epoch0_rows,
-    gather_in_order,
-    gather_rollout,
-    micro_rows,
-)
-from tether.train.ppo_setup import (
-    Setup,
-    build,
-    evaluate,
-    prompt_batch,
-    sample_table,
-)
-from tether.train.ppo_step import (
+from tether.models.forward import autocast
+from tether.models.lora import LoraSpec
+from tether.models.pretrained import load_trainable_lm, save_trained_lm
+from tether.rl.engines.native import sample_responses
+from tether.rl.onpolicy import fuses_scoring, on_policy_step
+from tether.rl.roles import all_done, any_rank, check_same_beta, gather_in_order, gather_rollout
+from tether.rl.rollout import apply_stop_strings, decode_responses, sampling_uniforms
+from tether.rl.scoring import (
     SCORED,
     Scored,
-    estimate_advantages,
     explained_variance,
     kl_sums,
-    ppo_update,
+    score_reference,
     score_rollout,
 )
+from tether.rl.update import estimate_advantages, ppo_update
+from tether.run import interrupt
+from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
+from tether.run.config import parse_config
+from tether.run.distributed import all_gather_rows, barrier
+from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.slicing import epoch0_rows, micro_rows, rank_slice
+from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_setup import Setup, build, evaluate, prompt_batch, sample_table
 
 __all__ = ["PPOConfig", "run", "cli"]
 
@@ -95,7 +78,8 @@ def score_batch(setup: Setup, cfg: PPOConfig, rollout) -> Scored:
     d, minibatch = setup.dist, cfg.minibatch_size
     rows = epoch0_rows(len(rollout), minibatch, d).to(rollout.input_ids.device)
     mine = setup.roles.peek(lambda policy, critic: score_rollout(
-        policy, setup.reference, critic, rollout.select(rows), None, micro_rows(cfg, d),
+        policy, setup.reference, critic, rollout.select(rows), None,
+        micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
         cfg.chunked_lm_head))
     return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch, d)
                     for name in SCORED))
@@ -184,7 +168,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
 
     `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
     of --reward-fn / --gold-fn (give a reward one way only). Under torchrun every rank runs this
-    loop on its rows of each global batch (`train/ppo_dist.py`); rank 0 writes.
+    loop on its rows of each global batch (`tether.rl.roles`); rank 0 writes.
     """
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.config import RunConfig, require_positive
 from tether.errors import TetherError
+from tether.run.config import RunConfig, require_positive
 
 
 @dataclass(kw_only=True)

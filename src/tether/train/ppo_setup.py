@@ -14,38 +14,40 @@ import torch
 from torch import nn
 
 from tether import kl as kl_lib
-from tether.critic import ValueHead, ValueModel
-from tether.data import load_prompts, prompt_indices
-from tether.distributed import Dist
+from tether.data.prompts import left_pad, load_prompts, prompt_indices
 from tether.errors import TetherError
-from tether.evaluation import EvalInputs, eval_inputs, evaluate_policy, policy_eos_ids
-from tether.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
-from tether.models import (
-    TrainableLM,
+from tether.models.critic import ValueHead, ValueModel, lora_critic
+from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
+from tether.models.prepare import (
     disable_dropout,
+    enable_gradient_checkpointing,
     freeze,
     frozen_copy,
     fuse_gelu,
+)
+from tether.models.pretrained import (
+    TrainableLM,
+    check_same_vocabulary,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
+    policy_eos_ids,
 )
-from tether.optim import make_lr_schedule, make_optimizer
-from tether.reward_fn import (
+from tether.models.reward_model import load_reward_model, shared_reward_model
+from tether.models.shared_prompt import can_share, share_prompts
+from tether.rl.evaluation import EvalInputs, eval_inputs, evaluate_policy
+from tether.rl.rewards import (
     Reward,
     check_one_reward,
-    check_same_vocabulary,
     load_reward_function,
-    load_reward_model,
     reward_from_function,
     reward_from_model,
 )
-from tether.rollout import left_pad
-from tether.shared_base import lora_critic, shared_reward_model
-from tether.shared_prompt import can_share, share_prompts
-from tether.train.common import enable_gradient_checkpointing, join
+from tether.rl.roles import Roles, check_world
+from tether.run.distributed import Dist
+from tether.run.launch import join
+from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_dist import Roles, check_world
 
 
 @dataclass

@@ -17,36 +17,22 @@ from __future__ import annotations
 
 import torch
 
-from tether import distributed
-from tether.config import parse_config
-from tether.data import (
-    batch_order,
-    collate_pairs,
-    collate_sft,
-    encode_preferences,
-    encode_sft,
-    load_rows,
-    split_holdout,
-)
-from tether.lora import LoraSpec, check_targets
+from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
+from tether.data.encoding import encode_preferences, encode_sft
+from tether.data.rows import load_rows
 from tether.losses import bradley_terry_loss
-from tether.models import RewardModel, disable_dropout, load_tokenizer
-from tether.rundir import RunDir, RunResult, progress
-from tether.train.common import (
-    autocast,
-    backward,
-    enable_gradient_checkpointing,
-    gather_outputs,
-    join,
-    maybe_checkpoint,
-    optimizer_step,
-    print_result,
-    rank_micro_batches,
-    save_final,
-    seed_everything,
-    start_training,
-    to_device,
-)
+from tether.models.forward import autocast
+from tether.models.lora import LoraSpec, check_targets
+from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
+from tether.models.pretrained import load_tokenizer
+from tether.models.reward_model import RewardModel
+from tether.run import distributed
+from tether.run.config import parse_config
+from tether.run.launch import join, seed_everything
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.train.offline import maybe_checkpoint, save_final, start_training
 from tether.train.offline_config import RMConfig
 
 

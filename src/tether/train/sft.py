@@ -14,27 +14,21 @@ to stop.
 
 from __future__ import annotations
 
-from tether import distributed
-from tether.config import parse_config
-from tether.data import batch_order, collate_sft, encode_sft, load_rows
-from tether.lora import LoraSpec, check_targets
-from tether.models import load_tokenizer, load_trainable_lm, save_trained_lm
-from tether.rundir import RunDir, RunResult, progress
-from tether.train.common import (
-    autocast,
-    backward,
-    enable_gradient_checkpointing,
-    join,
-    maybe_checkpoint,
-    optimizer_step,
-    print_result,
-    rank_micro_batches,
-    response_logprobs,
-    save_final,
-    seed_everything,
-    start_training,
-    to_device,
-)
+from tether.data.batches import batch_order, collate_sft, to_device
+from tether.data.encoding import encode_sft
+from tether.data.rows import load_rows
+from tether.models.forward import autocast
+from tether.models.lora import LoraSpec, check_targets
+from tether.models.prepare import enable_gradient_checkpointing
+from tether.models.pretrained import load_tokenizer, load_trainable_lm, save_trained_lm
+from tether.models.trunk_head import response_logprobs
+from tether.run import distributed
+from tether.run.config import parse_config
+from tether.run.launch import join, seed_everything
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.slicing import rank_micro_batches
+from tether.train.offline import maybe_checkpoint, save_final, start_training
 from tether.train.offline_config import SFTConfig
 
 

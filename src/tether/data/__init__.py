@@ -1,0 +1,3 @@
+"""Data: rows read from files or the hub (`rows`), chat rendering (`chat`), the one encoding rule
+every stage shares (`encoding`), generation prompts (`prompts`) and batches of encoded rows
+(`batches`). No models here: text and token ids in, tensors out."""

@@ -1,0 +1,110 @@
+"""Prompts for generation: `{prompt}` or `{messages}` rows encoded by the one encoding rule
+(`tether.data.encoding`), the seeded order they are drawn in, and left-padded prompt batches.
+
+A long prompt loses the start of its content, never its special prefix (BOS, role markers, the
+system message and the generation prompt stay), so PPO, `tether eval` and `tether generate`
+prompt a policy exactly as SFT, RM and DPO encoded their rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether.data.chat import check_prompt, is_messages, render_chat, truncate_chat
+from tether.data.encoding import encode_prompt, special_prefix
+from tether.data.rows import load_rows
+from tether.errors import TetherError
+
+
+def format_prompt(tokenizer, row: dict) -> str:
+    """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
+    rendered with the generation prompt."""
+    messages = row.get("messages")
+    check_prompt(row.get("prompt"), "a prompt row")
+    if messages is None and is_messages(row.get("prompt")):
+        messages = row["prompt"]
+    if messages is not None:
+        return render_chat(tokenizer, list(messages), add_generation_prompt=True)
+    return str(row["prompt"])
+
+
+def _special_head(tokenizer, ids: list[int]) -> list[int]:
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    n = 0
+    while n < len(ids) and ids[n] in special:
+        n += 1
+    return ids[:n]
+
+
+def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None
+                      ) -> tuple[str, list[int]]:
+    """(text, ids) of a generation prompt row (`{prompt}` or `{messages}`) under rule 1, in at
+    most `max_tokens` ids.
+
+    A long prompt loses the start of its content, never its special prefix: a chat is re-rendered
+    with the oldest non-system content cut (BOS, role markers, system message and generation
+    prompt stay); a plain prompt keeps its leading special tokens (BOS) and its last tokens.
+    The text is the full prompt (what a reward function reads).
+    """
+    prefix = special_prefix(tokenizer) if prefix is None else prefix
+    text = format_prompt(tokenizer, row)
+    ids = encode_prompt(tokenizer, text, prefix)
+    if len(ids) <= max_tokens:
+        return text, ids
+    messages = row.get("messages")
+    if messages is None and is_messages(row.get("prompt")):
+        messages = row["prompt"]
+    if messages is not None:
+        return text, truncate_chat(tokenizer, list(messages), max_tokens,
+                                   lambda t: encode_prompt(tokenizer, t, prefix))[1]
+    head = _special_head(tokenizer, ids)
+    if len(head) >= max_tokens:
+        raise TetherError(f"max_prompt_len={max_tokens} leaves no room for prompt content after "
+                          f"{len(head)} special tokens; raise --max-prompt-len")
+    return text, head + ids[len(ids) - (max_tokens - len(head)):]
+
+
+def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows, encoded by the rule
+    every stage uses, each cut to `max_len` ids without losing its special prefix."""
+    rows = load_rows(source)
+    texts, ids, prefix = [], [], special_prefix(tokenizer)
+    for i, row in enumerate(rows):
+        if "prompt" not in row and "messages" not in row:
+            raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
+                              "give one of them per row")
+        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix)
+        if not tokens or not text.strip():
+            raise TetherError(f"{source}: row {i} has an empty prompt; remove it")
+        texts.append(text)
+        ids.append(tokens)
+    return texts, ids
+
+
+def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> list[int]:
+    """Prompt rows of rollout batch `batch`: a stream of seeded per-epoch shuffles, cut into
+    batches. A pure function of (seed, batch), so a resumed run sees the prompts an uninterrupted
+    one would, and a batch may be larger than the prompt set."""
+    out: list[int] = []
+    position = batch * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(position, n_prompts)
+        perm = torch.randperm(n_prompts,
+                              generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        take = perm[offset: offset + batch_size - len(out)].tolist()
+        out += take
+        position += len(take)
+    return out
+
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and mask with each sequence right-aligned (left padding)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+

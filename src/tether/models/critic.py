@@ -1,0 +1,156 @@
+"""The critic: V(s_t), the expected return from each response position.
+
+Two shapes, chosen by `--critic`:
+
+- `separate` (default): its own transformer trunk and a linear head, initialised from the reward
+  model (Ouyang et al. 2022, sec. 3.5 "we initialize the value function from the RM"; Ziegler et
+  al. 2019 do the same), or from the policy's trunk with a zero head when the reward is a Python
+  function. Costs one more forward and backward per step but keeps value gradients out of the
+  policy.
+- `shared`: a linear head on the policy's own final hidden state, one forward for both logits and
+  values (the original PPO-for-LMs setup of Stiennon et al. 2020 used separate networks; a shared
+  trunk is the cheap variant).
+
+With LoRA the separate critic is the trainable adapter "critic" on the policy's shared base plus a
+value head: a copy of a shared LoRA reward model's adapter and head when there is one (the value
+function starts from the RM), else a fresh adapter with a zero head. `make_critic` is the one place
+that chooses among these; the critic-free estimators get no critic at all.
+
+Notation: B batch, P context width, R response width, d hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tether.models.lora import (
+    TRAINED,
+    AdapterView,
+    LoraSpec,
+    add_adapter,
+    load_adapter,
+    set_trainable,
+)
+from tether.models.prepare import disable_dropout
+from tether.models.pretrained import TrainableLM
+from tether.models.reward_model import REWARD
+from tether.models.trunk_head import response_hidden, score_responses
+
+CRITIC = "critic"  # the trainable adapter of a LoRA critic on the policy's shared base
+
+
+class ValueHead(nn.Module):
+    """Linear d -> 1 read at every response position: hidden [B, R, d] -> values [B, R]."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        # Zero start: V = 0 everywhere, so the first advantages are the raw returns.
+        nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # the head is made in fp32; a trunk loaded with --dtype bfloat16 hands it bf16 states
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).float()
+
+
+class ValueModel(nn.Module):
+    """A separate critic: transformer trunk + linear head, values at the response positions."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    @classmethod
+    def from_reward_model(cls, reward_model: nn.Module) -> ValueModel:
+        """A copy of the reward model's trunk and head (shares no tensor with it)."""
+        return cls(copy.deepcopy(reward_model.backbone), copy.deepcopy(reward_model.head))
+
+    @classmethod
+    def from_causal_lm(cls, model: nn.Module) -> ValueModel:
+        """A copy of a causal LM's trunk (`base_model`) with a zero-initialised head."""
+        backbone = copy.deepcopy(model.base_model)
+        head = nn.Linear(model.config.hidden_size, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return cls(backbone, head)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int) -> torch.Tensor:
+        """V at the positions that predict each response token (P - 1 + t): [B, R]."""
+        hidden = response_hidden(self.backbone, input_ids, attention_mask, context_length)
+        # a fresh head is fp32; a trunk loaded with --dtype bfloat16 gives bf16 states
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def lora_critic(lm: TrainableLM, lora: LoraSpec, reward_model: nn.Module | None,
+                reward_dir: str = "") -> ValueModel:
+    """The critic as the trainable adapter "critic" on `lm`'s base plus a value head: a copy of
+    the shared LoRA reward model at `reward_dir` (adapter and head) when there is one."""
+    backbone = reward_model.backbone if reward_model is not None else None
+    if isinstance(backbone, AdapterView) and backbone.adapter == REWARD:
+        load_adapter(lm.peft, str(Path(reward_dir).expanduser().resolve()), CRITIC)
+        head = copy.deepcopy(reward_model.head)
+    else:
+        add_adapter(lm.peft, lora, CRITIC)
+        head = nn.Linear(lm.model.config.get_text_config().hidden_size, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+    set_trainable(lm.peft, [TRAINED, CRITIC])
+    head.requires_grad_(True)
+    critic = ValueModel(AdapterView(lm.peft, CRITIC, part="trunk"), head)
+    return critic.to(device=lm.model.device, dtype=lm.model.dtype)
+
+
+
+
+def make_critic(kind: str | None, lm: TrainableLM, lora: LoraSpec | None,
+                reward_model: nn.Module | None, reward_dir: str = "") -> nn.Module | None:
+    """The value model of the run, in eval mode with dropout off: None when the advantage
+    estimator needs none (`kind` None: rloo, grpo, reinforce++), a `ValueHead` on the policy for
+    "shared", else a separate trunk and head ("separate"): a LoRA critic on the policy's base
+    (`lora_critic`), a copy of the reward model (Ouyang et al. 2022, sec. 3.5), or the policy's
+    trunk with a zero head when the reward is a Python function."""
+    policy = lm.model
+    if kind is None:
+        return None
+    if kind == "shared":
+        hidden = policy.config.get_text_config().hidden_size
+        critic = ValueHead(hidden).to(device=policy.device, dtype=next(policy.parameters()).dtype)
+    elif lm.peft is not None:
+        critic = lora_critic(lm, lora, reward_model, reward_dir)
+    elif reward_model is not None:
+        critic = ValueModel.from_reward_model(reward_model).requires_grad_(True)
+    else:
+        critic = ValueModel.from_causal_lm(policy)
+    disable_dropout(critic)
+    return critic.eval()
+
+
+def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, context_length: int, temperature: float, *,
+                      chunked: bool = True, entropy: bool = False, hidden: bool = False):
+    """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
+    of the critic, in one call.
+
+    `critic` None (the critic-free estimators) gives zero values. The rollout scoring and the
+    PPO update both go through this function, so the "old" log-probs
+    and values are computed by the very code that computes the new ones, and the first epoch's
+    probability ratio is exactly 1. `chunked`: log-probs through the LM head in chunks
+    (tether.lm_head, no [B, R, V] logits); the shared critic reads the same hidden states.
+    """
+    shared = isinstance(critic, ValueHead)
+    scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
+                             chunked=chunked, entropy=entropy, hidden=shared or hidden)
+    if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
+        values = torch.zeros_like(scores.logprobs)
+    elif shared:
+        values = critic(scores.hidden)
+    else:
+        values = critic(input_ids, attention_mask, context_length)
+    return scores, values

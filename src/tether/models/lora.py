@@ -1,0 +1,308 @@
+"""LoRA adapters (peft) on one frozen base, and the views that let several roles share that base.
+
+A LoRA layer replaces W x by W x + (alpha / r) * B A x with A [r, d_in], B [d_out, r] trained and W
+frozen (Hu et al. 2021, "LoRA", eq. 3). B starts at zero, so a fresh adapter leaves the model's
+outputs exactly unchanged. tether keeps one base in memory and gives each role an adapter on it:
+
+    role        adapter on the shared base          trainable
+    policy      "default"                           yes
+    reference   none (adapters disabled), or        no
+                "reference" when training starts from a LoRA SFT adapter
+    critic      "critic" (+ its own value head)     yes
+    reward      "reward" (+ its scalar head)        no
+
+When training starts from a LoRA adapter (say a LoRA SFT run), that adapter is loaded twice: as
+"default", which goes on training, and as the frozen "reference". The reference is then the SFT
+model itself, never the bare base (a reference without the SFT delta starts the KL far from zero).
+
+Roles other than the policy see the shared model through an `AdapterView`, which switches the
+active adapter around its own forward pass and restores the policy's afterwards. Switching sets
+peft's per-layer `_active_adapter` / `_disable_adapters` directly: peft's own `set_adapter` and
+`disable_adapter` also flip `requires_grad`, which would freeze the critic while the policy runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tether.errors import TetherError
+
+ADAPTER_CONFIG = "adapter_config.json"
+TRAINED = "default"  # the adapter a stage trains; peft saves "default" at the directory's root
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA settings of a run (`--lora-r`, `--lora-alpha`, `--lora-dropout`,
+    `--lora-target-modules`)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: str
+
+    @classmethod
+    def from_config(cls, cfg) -> LoraSpec | None:
+        """None when the run trains every weight (`lora_r` = 0)."""
+        if not cfg.lora_r:
+            return None
+        return cls(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+
+    def peft_config(self, model: nn.Module):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=resolve_targets(model, self.target_modules), bias="none")
+
+
+def is_adapter(path: str | Path) -> bool:
+    """True for a directory holding a PEFT adapter (`adapter_config.json`)."""
+    return (Path(path).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model an adapter directory was trained on (`base_model_name_or_path`)."""
+    config_path = Path(path).expanduser() / ADAPTER_CONFIG
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TetherError(f"cannot read {config_path} ({type(exc).__name__}); the adapter "
+                          "directory is damaged: train it again") from None
+    base = meta.get("base_model_name_or_path")
+    if not base:
+        raise TetherError(f"{config_path} names no base model (base_model_name_or_path); "
+                          "set it to the model the adapter was trained on")
+    return base
+
+
+def _linear_types() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    return (nn.Linear, Conv1D)
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (e.g. q_proj, c_attn, lm_head): the
+    names `--lora-target-modules` accepts."""
+    types = _linear_types()
+    # A layer that already carries an adapter (a second role's adapter on a shared base, e.g. the
+    # critic's beside the policy's) is a peft layer holding the linear as `base_layer`.
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if name and name.rsplit(".", 1)[-1] != "base_layer"
+                   and isinstance(getattr(module, "base_layer", module), types)})
+
+
+def resolve_targets(model: nn.Module, target_modules: str) -> str | list[str]:
+    """`all-linear` as is (every linear layer of the trunk, peft's rule: not the output layer),
+    or the comma-separated names, each checked to match a linear layer of `model`."""
+    names = [n.strip() for n in target_modules.split(",") if n.strip()]
+    if names == ["all-linear"]:
+        return "all-linear"
+    if not names:
+        raise TetherError("--lora-target-modules is empty; pass all-linear or layer names")
+    known = linear_layer_names(model)
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise TetherError(f"--lora-target-modules {', '.join(missing)} matches no linear layer of "
+                          f"the model; its linear layers are: {', '.join(known)}")
+    return names
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def add_adapter(model: nn.Module, spec: LoraSpec, name: str = TRAINED):
+    """A fresh adapter `name` (B = 0: outputs unchanged) on `model`; returns the PeftModel.
+
+    `model` is a transformers model (wrapped now) or a PeftModel (the adapter is added to it).
+    """
+    from peft import PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        model.add_adapter(name, spec.peft_config(model.get_base_model()))
+        return model
+    return get_peft_model(model, spec.peft_config(model), adapter_name=name)
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path, name: str):
+    """Load a saved adapter as `name` into `model` (wrapping a plain model); returns the PeftModel."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        model.load_adapter(str(adapter_dir), adapter_name=name)
+        return model
+    return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name)
+
+
+def set_trainable(model: nn.Module, adapters: Iterable[str]) -> None:
+    """Gradients on the LoRA weights of `adapters` only; the base and every other adapter are
+    frozen. Modules outside the peft model (heads) are the caller's to set."""
+    keys = tuple(f".{name}." for name in adapters)
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(any(key in param_name for key in keys))
+
+
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _layer_state(layers: list[nn.Module]) -> list[tuple[object, bool]]:
+    return [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+
+
+@contextlib.contextmanager
+def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Run the block with adapter `name` active on every LoRA layer of `model` (None: all adapters
+    off, the bare base); restore the previous state afterwards. `requires_grad` is left alone."""
+    layers = _tuner_layers(model)
+    saved = _layer_state(layers)
+    try:
+        for layer in layers:
+            if name is None:
+                layer._disable_adapters = True
+            else:
+                layer._active_adapter = [name]
+                layer._disable_adapters = False
+        yield
+    finally:
+        for layer, (active, disabled) in zip(layers, saved, strict=True):
+            layer._active_adapter, layer._disable_adapters = active, disabled
+
+
+def active_adapter(model: nn.Module) -> str | None:
+    """The adapter the LoRA layers of `model` use now (None when disabled or there are none)."""
+    layers = _tuner_layers(model)
+    if not layers or layers[0]._disable_adapters:
+        return None
+    active = layers[0]._active_adapter
+    return active[0] if isinstance(active, list) else active
+
+
+class AdapterView(nn.Module):
+    """One role's view of the shared model: its forward runs with adapter `adapter` (None: the
+    base alone), on the whole causal LM (`part="lm"`) or on its trunk (`part="trunk"`, which returns
+    the final hidden states, for reward and value heads).
+
+    The shared model is held but not registered as a submodule: its weights belong to the policy,
+    so `parameters()`, `state_dict()` and `.to()` of a view see none of them.
+    """
+
+    def __init__(self, shared: nn.Module, adapter: str | None, part: str = "lm"):
+        super().__init__()
+        if part not in ("lm", "trunk"):
+            raise ValueError(f"part must be 'lm' or 'trunk', got {part!r}")
+        self.__dict__["shared"] = shared  # a plain attribute, not a submodule
+        self.adapter = adapter
+        self.part = part
+
+    def _target(self) -> nn.Module:
+        lm = self.shared.get_base_model()  # the transformers model with LoRA layers injected
+        return lm.base_model if self.part == "trunk" else lm
+
+    @property
+    def config(self):
+        return self.shared.get_base_model().config
+
+    @property
+    def generation_config(self):
+        return getattr(self.shared.get_base_model(), "generation_config", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shared.get_base_model().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.shared.get_base_model().device
+
+    def forward(self, *args, **kwargs):
+        with use_adapter(self.shared, self.adapter):
+            return self._target()(*args, **kwargs)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.shared.get_base_model().get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.shared.get_base_model().get_output_embeddings()
+
+    def tether_trunk_and_head(self):
+        """(trunk, head) for the chunked LM head: the trunk runs under this view's adapter; the
+        head is wrapped the same way only when LoRA layers sit on it."""
+        from tether.models.trunk_head import trunk_and_head
+
+        trunk = AdapterView(self.shared, self.adapter, part="trunk")
+        # The base's own split: it applies any logit transform (softcapping, scaling) and checks
+        # head(trunk(x)) against the model's logits once.
+        _, head = trunk_and_head(self.shared.get_base_model())
+        if _tuner_layers(head):
+            head = _HeadView(self.shared, self.adapter, head)
+        return trunk, head
+
+
+class _HeadView(nn.Module):
+    """An LM head with LoRA layers, run under one adapter (see `AdapterView`)."""
+
+    def __init__(self, shared: nn.Module, adapter: str | None, head: nn.Module):
+        super().__init__()
+        self.__dict__["shared"] = shared
+        self.__dict__["head"] = head
+        self.adapter = adapter
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with use_adapter(self.shared, self.adapter):
+            return self.head(hidden)
+
+
+# ----------------------------------------------------------------------------- checkpointing
+
+
+def adapter_recompute_context(model: nn.Module):
+    """A `context_fn` for non-reentrant activation checkpointing: the recomputation in the
+    backward pass runs under the adapter that was active in the forward pass.
+
+    Without it, a critic layer checkpointed under the "critic" adapter would be recomputed under
+    whatever adapter is active when `backward()` runs (the policy's), and get wrong gradients.
+    """
+    def context_fn():
+        layers = _tuner_layers(model)
+        state = _layer_state(layers)
+
+        @contextlib.contextmanager
+        def recompute():
+            saved = _layer_state(layers)
+            try:
+                for layer, (active, disabled) in zip(layers, state, strict=True):
+                    layer._active_adapter, layer._disable_adapters = active, disabled
+                yield
+            finally:
+                for layer, (active, disabled) in zip(layers, saved, strict=True):
+                    layer._active_adapter, layer._disable_adapters = active, disabled
+
+        return contextlib.nullcontext(), recompute()
+    return context_fn
+
+
+def check_targets(name_or_path: str, lora: LoraSpec | None, trust_remote_code: bool = False) -> None:
+    """Check `--lora-target-modules` against the model's layers before anything is written: the
+    model is built from its config on the meta device (no weights are read). An adapter directory
+    brings its own targets and is not checked."""
+    if lora is None or is_adapter(name_or_path):
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return  # the model load that follows reports it in its own words
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    resolve_targets(model, lora.target_modules)

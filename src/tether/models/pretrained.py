@@ -1,0 +1,315 @@
+"""Loading and saving Hugging Face models: tokenizers (pad is not EOS), causal LMs resized to
+their tokenizer, the trainable LM of a stage (full weights or a LoRA adapter), and the checks
+that two models share one vocabulary and a set of EOS ids.
+
+Everything is read with `from_pretrained` and written with `save_pretrained` (safetensors), so a
+tether output loads with plain transformers. `trust_remote_code` is off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tether.errors import TetherError
+from tether.models.lora import (
+    TRAINED,
+    LoraSpec,
+    adapter_base,
+    add_adapter,
+    is_adapter,
+    load_adapter,
+    set_trainable,
+)
+from tether.run.checkpoint import check_finite_weights, replace_dir
+
+PAD_TOKEN = "<|pad|>"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise TetherError(f"dtype must be one of: {', '.join(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+def hub_offline() -> bool:
+    """True when the Hugging Face hub must not be contacted (HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _check_exists(name_or_path: str) -> None:
+    """Local paths first: a string that looks like a path but is missing is a typo, not a hub
+    name. A hub name in offline mode must be in the local cache, or loading it would only fail
+    after retries and a page of log lines."""
+    path = Path(name_or_path).expanduser()
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not path.exists():
+        raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
+    if path.exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    except ValueError:  # not a valid repo id either: loading reports it in its own words
+        cached = False
+    if hub_offline():
+        if not cached:
+            raise TetherError(f"{name_or_path} is not a local directory and HF_HUB_OFFLINE is set, "
+                              "and the hub cache has no copy of it; pass a local model directory "
+                              "or download it first")
+        return
+    from tether.run.hub import go_offline, hub_reachable
+
+    if hub_reachable():
+        return
+    if not cached:  # else huggingface_hub retries for 27-51 s before failing (issue 13)
+        raise TetherError(f"{name_or_path} is not a local directory, the hub cache has no copy of "
+                          "it, and the hub cannot be reached (no network?); pass a local model "
+                          "directory, or download it on a machine with network first")
+    go_offline()  # the cached copy, without a round of retries per file
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """Load a tokenizer; when it has no pad token, or pads with an EOS id (its own, or one the
+    model's `generation_config` declares, like Qwen2.5-Instruct's `<|endoftext|>`), add a
+    distinct `<|pad|>`.
+
+    Pad must not be EOS: masking pads would then also mask the real EOS the model must learn to
+    emit, a sampled EOS would not stop generation, and the reward would be read at the wrong
+    position.
+    """
+    _check_exists(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise TetherError(f"cannot load tokenizer from {name_or_path}: {str(exc).splitlines()[0]}") from None
+    # A directory with a model but no tokenizer files still "loads" an empty tokenizer from the
+    # config alone, which then encodes every text to no tokens: training would run on nothing.
+    if len(tokenizer) < 8 or not tokenizer("a b c", add_special_tokens=False)["input_ids"]:
+        raise TetherError(f"{name_or_path} has no usable tokenizer (vocabulary of {len(tokenizer)} "
+                          "tokens); save the tokenizer beside the model (tokenizer.save_pretrained)")
+    declared = eos_token_ids(tokenizer, *_saved_configs(name_or_path, trust_remote_code))
+    if tokenizer.pad_token is None or tokenizer.pad_token_id in declared:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def _saved_configs(name_or_path: str, trust_remote_code: bool) -> list:
+    """The model's config and `generation_config` (where Qwen2.5-Instruct lists its second EOS),
+    those that exist beside the tokenizer."""
+    from transformers import AutoConfig, GenerationConfig
+
+    configs = []
+    for loader in (AutoConfig, GenerationConfig):
+        try:
+            configs.append(loader.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+        except (OSError, ValueError, KeyError):  # none saved (e.g. a tokenizer-only directory)
+            pass
+    return configs
+
+
+def eos_token_ids(tokenizer, *configs) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and each `eos_token_id` (an int or a
+    list) of the given model configs / generation configs (None entries are skipped)."""
+    ids = {tokenizer.eos_token_id}
+    for config in configs:
+        value = getattr(config, "eos_token_id", None)
+        ids |= set(value if isinstance(value, (list, tuple)) else [value])
+    ids.discard(None)
+    return sorted(ids)
+
+
+def policy_eos_ids(tokenizer, model: nn.Module, name: str) -> list[int]:
+    """Every EOS the tokenizer, the model config and its generation config declare; a model
+    without one is refused (its responses would never end)."""
+    eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
+    if not eos:
+        raise TetherError(f"{name}: the tokenizer has no EOS token; set one in its config")
+    return eos
+
+
+
+
+def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.Module | None]]
+                          ) -> None:
+    """PPO scores the policy's token ids with the reference and the reward model directly, so
+    all must share one vocabulary; a mismatch would silently score different text."""
+    policy_vocab = policy_tokenizer.get_vocab()
+    for name, (tokenizer, model) in others.items():
+        if tokenizer is not None and tokenizer.get_vocab() != policy_vocab:
+            raise TetherError(f"the {name}'s tokenizer has a different vocabulary from the "
+                              f"policy's ({len(tokenizer)} vs {len(policy_tokenizer)} tokens); "
+                              f"train the {name} from the same SFT model")
+        if model is not None:
+            rows = model.get_input_embeddings().weight.shape[0]
+            if rows < len(policy_tokenizer):
+                raise TetherError(f"the {name} has {rows} embedding rows but the policy's "
+                                  f"tokenizer has {len(policy_tokenizer)} tokens; train the "
+                                  f"{name} from the same SFT model")
+
+
+
+
+def _resize_for(model: nn.Module, tokenizer) -> None:
+    """Grow the embeddings when the tokenizer gained tokens; new rows start at the mean embedding
+    (a neutral input that does not consume random numbers)."""
+    old = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= old:
+        return
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[old:] = emb[:old].mean(0, keepdim=True)
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if out is not None and out.weight.data_ptr() != emb.data_ptr():
+            out.weight[old:] = out.weight[:old].mean(0, keepdim=True)
+
+
+def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dtype: str,
+                        trust_remote_code: bool) -> nn.Module:
+    """`auto_class.from_pretrained`, resized to the tokenizer, with `pad_token_id` set; a load
+    failure becomes one TetherError line naming `what` could not be loaded."""
+    _check_exists(name_or_path)
+    model = _from_pretrained(auto_class, what, name_or_path, dtype, trust_remote_code)
+    _resize_for(model, tokenizer)
+    _set_pad(model, tokenizer)
+    return model
+
+
+def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
+                     trust_remote_code: bool) -> nn.Module:
+    """`auto_class.from_pretrained`; a missing, truncated or corrupt weight file, or a pickle
+    payload that torch's safe loader refuses, becomes one TetherError line."""
+    from pickle import UnpicklingError
+
+    from safetensors import SafetensorError
+
+    try:
+        return auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype),
+                                          trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, SafetensorError, UnpicklingError, EOFError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        fix = ("it holds a pickle that torch's safe loader refuses: convert it to safetensors "
+               "from a trusted copy" if isinstance(exc, UnpicklingError) else
+               "the weight files are missing or damaged: copy or save the model again")
+        raise TetherError(f"cannot load {what} from {name_or_path} ({type(exc).__name__}: "
+                          f"{first}); {fix}") from None
+
+
+def _local(name_or_path: str) -> str:
+    """An existing local path made absolute (adapters record their base by this name), else the
+    name unchanged (a hub name)."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
+
+
+def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set.
+
+    A LoRA adapter directory (from a `--lora-r` run) gives its base with the adapter merged in: a
+    plain model, for stages that train every weight or only score.
+    """
+    if is_adapter(name_or_path):
+        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model",
+                                   adapter_base(name_or_path), tokenizer, dtype, trust_remote_code)
+        merged = load_adapter(base, _local(name_or_path), TRAINED).merge_and_unload()
+        return merged.requires_grad_(True)  # peft froze the base when it wrapped it
+    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", _local(name_or_path), tokenizer,
+                               dtype, trust_remote_code)
+
+
+@dataclass
+class TrainableLM:
+    """A causal LM ready to train: `model` is what the loop calls (a transformers model, with LoRA
+    layers injected when `peft` is set); `peft` is the PeftModel that owns the adapters (None for
+    full fine-tuning); `reference_adapter` is the adapter that reproduces the starting model
+    ("reference" when it was a LoRA adapter, None when the bare base is the start)."""
+
+    model: nn.Module
+    peft: nn.Module | None = None
+    reference_adapter: str | None = None
+    base: str = ""  # the base model's path or name, to tell whether another adapter shares it
+
+
+def load_trainable_lm(name_or_path: str, tokenizer, lora: LoraSpec | None, dtype: str = "float32",
+                      trust_remote_code: bool = False) -> TrainableLM:
+    """The model a stage trains: every weight (`lora` None), or a LoRA adapter on a frozen base.
+
+    Starting from a LoRA adapter directory, that adapter goes on training (its own r, alpha and
+    targets win over `lora`'s) and a frozen copy of it is kept as "reference", so the reference
+    is the starting model itself, not the bare base.
+    """
+    if lora is None:
+        return TrainableLM(load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code),
+                           base=_local(name_or_path))
+    if is_adapter(name_or_path):
+        base_name = adapter_base(name_or_path)
+        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model", base_name,
+                                   tokenizer, dtype, trust_remote_code)
+        peft = load_adapter(base, _local(name_or_path), TRAINED)
+        load_adapter(peft, _local(name_or_path), "reference")
+        reference = "reference"
+    else:
+        base_name = _local(name_or_path)
+        base = _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", base_name, tokenizer,
+                                   dtype, trust_remote_code)
+        peft = add_adapter(base, lora, TRAINED)
+        reference = None
+    set_trainable(peft, [TRAINED])
+    return TrainableLM(peft.get_base_model(), peft, reference, base=_local(base_name))
+
+
+def _set_pad(model: nn.Module, tokenizer) -> None:
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def _temp_dir_beside(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+
+def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
+    """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename).
+
+    A PeftModel is saved as its trained adapter alone (PEFT format: `adapter_config.json`,
+    `adapter_model.safetensors`), loadable with peft's `PeftModel.from_pretrained(base, dir)`.
+    """
+    from peft import PeftModel
+
+    check_finite_weights(model, "the model")
+    out = Path(out_dir)
+    tmp = _temp_dir_beside(out)
+    try:
+        if isinstance(model, PeftModel):
+            # The embeddings are the base's: tether never trains them under LoRA.
+            model.save_pretrained(tmp, selected_adapters=[TRAINED], save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None) -> None:
+    """The end of a stage: the model (or the LoRA adapter) to `final_dir`; with `merged_dir`, also
+    the adapter merged into its base as a plain model loadable with AutoModelForCausalLM."""
+    save_model(lm.peft if lm.peft is not None else lm.model, tokenizer, final_dir)
+    if lm.peft is not None and merged_dir is not None:
+        merged = lm.peft.merge_and_unload(adapter_names=[TRAINED])  # last use: merges in place
+        save_model(merged, tokenizer, merged_dir)
+

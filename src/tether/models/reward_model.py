@@ -1,0 +1,251 @@
+"""The reward model: a causal LM's trunk plus a scalar head read at the last non-pad token.
+
+Saved as the trunk (Hugging Face format, or a LoRA adapter on the causal LM), the head
+(`reward_head.safetensors`) and `tether_reward.json` (the score normalisation).
+
+As PPO's reward: a LoRA reward model trained on the policy's base (`tether rm --lora-r ...`) joins
+the policy's PeftModel as the frozen adapter "reward" plus its scalar head (`shared_reward_model`:
+one copy of the base in memory); a reward model on another base, or a fully fine-tuned one, stays
+a separate model (`load_reward_model`: it cannot share weights it does not have).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
+
+from tether.data.batches import collate_sft
+from tether.data.encoding import encode_sft
+from tether.errors import TetherError
+from tether.models.lora import (
+    TRAINED,
+    AdapterView,
+    LoraSpec,
+    adapter_base,
+    is_adapter,
+    load_adapter,
+    set_trainable,
+)
+from tether.models.pretrained import (
+    TrainableLM,
+    _from_pretrained,
+    _load_for_tokenizer,
+    _local,
+    _temp_dir_beside,
+    check_same_vocabulary,
+    load_causal_lm,
+    load_tokenizer,
+    load_trainable_lm,
+)
+from tether.models.shared_prompt import shared_last_hidden, sharing
+from tether.run.checkpoint import check_finite_weights, replace_dir
+
+REWARD_JSON = "tether_reward.json"
+REWARD_HEAD = "reward_head.safetensors"
+REWARD = "reward"  # the frozen adapter of a LoRA reward model on the policy's shared base
+
+
+class RewardModel(nn.Module):
+    """A causal LM's trunk plus a linear head; the score is read at the last non-pad token.
+
+    `forward` returns raw scores; `score` applies the stored normalisation `(raw - mean) / std`
+    (identity until `set_normalization` is called), so a normalised model keeps its meaning when
+    reloaded.
+    """
+
+    def __init__(self, backbone: nn.Module, tokenizer=None, lora: TrainableLM | None = None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.get_text_config().hidden_size
+        self.head = nn.Linear(hidden, 1)
+        self.tokenizer = tokenizer
+        self.norm_mean, self.norm_std = 0.0, 1.0
+        # With LoRA the trunk lives inside a PeftModel over the causal LM (so the adapter's layer
+        # names match a policy's on the same base, which can then share it in PPO).
+        self.lora = lora
+        self.head.to(backbone.dtype)
+
+    # ------------------------------------------------------------------ construction and I/O
+    @classmethod
+    def from_causal_lm(cls, name_or_path: str, tokenizer, dtype: str = "float32",
+                       trust_remote_code: bool = False, lora: LoraSpec | None = None) -> RewardModel:
+        """A fresh reward model on the trunk of a causal LM (e.g. the SFT model); the head starts
+        near zero so the first scores are near zero. With `lora`, the trunk trains a LoRA adapter
+        (see `load_trainable_lm`)."""
+        if lora is not None:
+            lm = load_trainable_lm(name_or_path, tokenizer, lora, dtype, trust_remote_code)
+            model = cls(lm.model.base_model, tokenizer, lora=lm)
+        elif is_adapter(name_or_path):
+            merged = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
+            model = cls(merged.base_model, tokenizer)
+        else:
+            backbone = _load_for_tokenizer(AutoModel, "a model trunk", _local(name_or_path),
+                                           tokenizer, dtype, trust_remote_code)
+            model = cls(backbone, tokenizer)
+        hidden = model.head.in_features
+        nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(model.head.bias)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32",
+                        trust_remote_code: bool = False) -> RewardModel:
+        """Load a reward model written by `save_pretrained` (trunk, head, normalisation, tokenizer)."""
+        path = Path(path)
+        meta_path = path / REWARD_JSON
+        if not meta_path.is_file():
+            raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one with `tether rm`")
+        tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
+        if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
+            base_name = adapter_base(path)
+            base = _load_for_tokenizer(AutoModelForCausalLM, "the reward adapter's base model",
+                                       base_name, tokenizer, dtype, trust_remote_code)
+            peft = load_adapter(base, _local(str(path)), TRAINED)
+            set_trainable(peft, [])
+            lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
+            model = cls(lm.model.base_model, tokenizer, lora=lm)
+        else:
+            backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
+                                        trust_remote_code)
+            model = cls(backbone, tokenizer)
+        model.load_head(path)
+        return model
+
+    def load_head(self, path: str | Path) -> None:
+        """Read the head and the normalisation constants written by `save_pretrained`."""
+        path = Path(path)
+        meta = json.loads((path / REWARD_JSON).read_text(encoding="utf-8"))
+        head = load_file(str(path / REWARD_HEAD))
+        self.head.load_state_dict({k: v.to(self.head.weight.dtype) for k, v in head.items()})
+        self.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
+        tokenizer into `out_dir`, atomically."""
+        check_finite_weights(self, "the reward model")
+        out = Path(out_dir)
+        tmp = _temp_dir_beside(out)
+        try:
+            if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
+                self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
+                                               save_embedding_layers=False)
+            else:
+                self.backbone.save_pretrained(tmp)
+            tok = tokenizer if tokenizer is not None else self.tokenizer
+            if tok is not None:
+                tok.save_pretrained(tmp)
+            head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
+            save_file(head, str(tmp / REWARD_HEAD))
+            meta = {"format": "tether-reward-v1", "mean": self.norm_mean, "std": self.norm_std,
+                    "head_file": REWARD_HEAD, "score": "(raw - mean) / std at the last non-pad token"}
+            (tmp / REWARD_JSON).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    def save_merged(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """A LoRA reward model with its adapter merged into the trunk, saved as a plain tether
+        reward model (the adapter is merged in place: call this last)."""
+        if self.lora is None:
+            raise ValueError("save_merged needs a LoRA reward model")
+        merged = self.lora.peft.merge_and_unload(adapter_names=[TRAINED])
+        plain = RewardModel(merged.base_model, self.tokenizer)
+        plain.head, plain.norm_mean, plain.norm_std = self.head, self.norm_mean, self.norm_std
+        return plain.save_pretrained(out_dir, tokenizer)
+
+    # ------------------------------------------------------------------ scoring
+    def set_normalization(self, mean: float, std: float) -> None:
+        if not std > 0:
+            raise ValueError(f"normalisation std must be > 0, got {std}")
+        self.norm_mean, self.norm_std = float(mean), float(std)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
+        right-padded batches give the same states for the same text."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids)
+        return out.last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int | None = None) -> torch.Tensor:
+        """Raw scores `[B]`, read at each row's last non-pad token (left or right padding).
+
+        `context_length` P: the rows are a rollout (prompt in the first P columns, the response
+        after), so rows that repeat a prompt run it once (tether.models.shared_prompt); same scores.
+        """
+        if context_length is not None:
+            groups = sharing(self.backbone, input_ids, attention_mask, context_length)
+            last_hidden = None if groups is None else shared_last_hidden(
+                self.backbone, input_ids, attention_mask, context_length, groups)
+            if last_hidden is not None:
+                return self.head(last_hidden).squeeze(-1).float()
+        hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self.head(hidden[rows, last]).squeeze(-1).float()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              context_length: int | None = None) -> torch.Tensor:
+        """Normalised scores `[B]`: `(raw - mean) / std` with the stored constants."""
+        return (self(input_ids, attention_mask, context_length) - self.norm_mean) / self.norm_std
+
+    @torch.no_grad()
+    def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
+                    max_length: int = 4096) -> torch.Tensor:
+        """Normalised scores `[N]` of (prompt, response) texts, encoded exactly as `tether rm`
+        encoded its training pairs: the prompt under the one encoding rule (a chat prompt, a
+        list of messages, through the chat template), the response with EOS appended, which is
+        where the score is read. Without that EOS a score is read at an arbitrary token."""
+        if self.tokenizer is None:
+            raise ValueError("score_texts needs the reward model's tokenizer")
+        rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
+        examples, _ = encode_sft(self.tokenizer, rows, max_length, source="score_texts")
+        device = self.head.weight.device
+        scores = []
+        for start in range(0, len(examples), batch_size):
+            batch = collate_sft(examples[start:start + batch_size], self.tokenizer.pad_token_id)
+            scores.append(self.score(batch["input_ids"].to(device),
+                                     batch["attention_mask"].to(device)))
+        return torch.cat(scores)
+
+
+# ----------------------------------------------------------------------------- as PPO's reward
+
+def load_reward_model(path: str, policy_tokenizer, dtype: str = "float32",
+                      trust_remote_code: bool = False) -> RewardModel:
+    """A reward model written by `tether rm`, checked to share the policy's vocabulary (it
+    scores the policy's token ids directly)."""
+    model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_same_vocabulary(policy_tokenizer, {"reward model": (model.tokenizer, model.backbone)})
+    return model
+
+
+def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
+    """True when `adapter_dir` is a LoRA adapter trained on the base `lm` already holds."""
+    if lm.peft is None or not is_adapter(adapter_dir):
+        return False
+    return _local(adapter_base(adapter_dir)) == lm.base
+
+
+def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
+                        trust_remote_code: bool = False) -> RewardModel | None:
+    """The LoRA reward model at `path` as the frozen adapter "reward" on `lm`'s base, with its
+    head and normalisation; None when it cannot share the base (load it separately then)."""
+    if not shares_base(lm, path):
+        return None
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    check_same_vocabulary(policy_tokenizer, {"reward model": (tokenizer, None)})
+    load_adapter(lm.peft, str(Path(path).expanduser().resolve()), REWARD)
+    set_trainable(lm.peft, [TRAINED])  # loading must not change what trains
+    model = RewardModel(AdapterView(lm.peft, REWARD, part="trunk"), tokenizer)
+    model.load_head(path)
+    return model.to(lm.model.device)

@@ -1,0 +1,157 @@
+"""tether's own rollout engine: plain ancestral sampling from softmax(logits / T), KV-cached.
+
+Notation: B rows, P prompt width, R new tokens, V vocabulary.
+
+The prompt's forward runs once per distinct prompt (`prefill`), then one token per row per step
+through the KV cache, with one of two decoders of one interface, `step(token [B], alive [B]) ->
+logits [B, V]`:
+
+- `ModelForward`: the model's own forward for each token, with transformers' DynamicCache. Works
+  for any causal LM and wrapper; under FSDP2 each layer's forward runs, so its hooks gather the
+  layer's parameters.
+- `tether.rl.engines.lean.LeanDecoder`, for GPT-2, Llama, Mistral and Qwen2: the same function
+  with less overhead per step.
+
+Each row's tokens depend on its own noise only (`tether.rl.rollout.sampling_uniforms`), not on the
+batch it is sampled in, so any split of a global batch (ranks, chunks) samples what the whole batch
+would, and a resumed run draws what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tether.models import shared_prompt
+from tether.models.forward import cache_name, output_cache, position_ids_from_mask
+from tether.rl.engines.lean import LeanDecoder
+from tether.rl.rollout import Rollout
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inversion: the first token whose cumulative
+    probability reaches (1 - u) * total, with `uniforms` u [B] in [0, 1) (Devroye 1986, ch. 2.1).
+
+    1 - u lies in (0, 1], so a token of probability 0 is never chosen (not even the first one);
+    scaling by the row's own total absorbs the cumsum's rounding. The cumsum is float64: in
+    float32 each step rounds by ~6e-8 absolute, which over a 128k vocabulary moves ~0.5% of the
+    probability mass (torch.multinomial accumulates in double on the CPU too). Returns [B] long.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    target = (1.0 - uniforms.double())[:, None] * cdf[:, -1:]  # [B, 1]
+    token = torch.searchsorted(cdf, target).squeeze(1)
+    return token.clamp(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                     max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
+                     pad_token_id: int, generator: torch.Generator | None = None,
+                     uniforms: torch.Tensor | None = None, all_done=None,
+                     lean: bool = True) -> Rollout:
+    """Sample up to `max_new_tokens` per prompt from softmax(logits / temperature), KV-cached.
+
+    Plain ancestral sampling and nothing else: no top-k, top-p, repetition penalty or any of the
+    model's `generation_config` defaults, because the log-probs used for the KL and the PPO ratio are
+    those of softmax(logits / T) over the whole vocabulary; any other processor would make the
+    sampled distribution differ from the one we score.
+
+    Args:
+        prompt_ids: [B, P] prompts, left-padded. prompt_mask: [B, P], 1 on real tokens.
+        eos_token_ids: ids that end a response (the EOS token is kept as its last token).
+        generator: a torch.Generator, for reproducible samples (used when `uniforms` is None).
+        uniforms: [B, max_new_tokens] in [0, 1), row b's noise for each step (`sampling_uniforms`):
+            a row's tokens depend on its own noise only, not on the batch it is sampled in, so
+            any split of a global batch (ranks, chunks) samples what the whole batch would.
+        all_done: `alive [B] -> bool`, whether sampling may stop (default: no row is alive);
+            under FSDP2 every rank must run the same number of steps, so it is a global "any".
+        lean: run identical prompt rows once and decode GPT-2/Llama/Mistral/Qwen2 with
+            `decode.LeanDecoder` (the same samples, less overhead per step); False: the model's
+            forward on every row at every step (the path before, kept for bench/sampling.py).
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling")
+    batch, context_length = prompt_ids.shape
+    device = prompt_ids.device
+    if uniforms is None:
+        uniforms = torch.rand((batch, max_new_tokens), generator=generator,
+                              device=generator.device if generator is not None else "cpu")
+    uniforms = uniforms.to(device)
+    all_done = all_done or (lambda alive: not bool(alive.any()))
+    attention_mask = prompt_mask.long()
+    position_ids = position_ids_from_mask(attention_mask)
+    logits, cache = prefill(policy, prompt_ids, attention_mask, position_ids, dedupe=lean)
+    next_position = position_ids[:, -1:] + 1  # [B, 1]
+    decoder = LeanDecoder.build(policy, cache, attention_mask, next_position,
+                                max_new_tokens) if lean else None
+    decoder = decoder or ModelForward(policy, cache, attention_mask, next_position)
+    del cache  # the decoder holds what it needs (the lean one copied it into its own buffers)
+    eos = torch.tensor(list(eos_token_ids), device=device, dtype=torch.long)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    for step in range(max_new_tokens):
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+        token = inverse_cdf_sample(probs, uniforms[:, step])
+        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        tokens.append(token)
+        masks.append(alive)
+        alive = alive & ~torch.isin(token, eos)
+        if step == max_new_tokens - 1 or all_done(alive):
+            break
+        logits = decoder.step(token, alive)  # [B, V] for the next token
+    responses = torch.stack(tokens, dim=1)  # [B, R]
+    response_mask = torch.stack(masks, dim=1)  # [B, R]
+    ended = torch.isin(responses, eos).any(dim=1)
+    return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
+                   attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
+                   response_mask=response_mask, ended=ended, context_length=context_length,
+                   temperature=temperature)
+
+
+
+
+def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
+            position_ids: torch.Tensor, dedupe: bool = True):
+    """The model on the prompts [B, P]: (logits at the last column [B, V], transformers' cache).
+
+    With `dedupe`, identical rows (GRPO/RLOO put each prompt k times in a batch) are run once and
+    their logits and cache copied to every row that repeats them: the same numbers to float
+    rounding (a smaller batch may take another matmul kernel), k times less prompt compute.
+    """
+    # read through the module: switching prompt sharing off there (a test, bench/grpo.py
+    # --unshared) switches it off here too
+    groups = (shared_prompt.prompt_groups(prompt_ids, attention_mask, prompt_ids.shape[1])
+              if dedupe else None)
+    if groups is not None:
+        first, inverse = groups.first, groups.inverse
+        logits, cache = prefill(model, prompt_ids[first], attention_mask[first],
+                                position_ids[first], dedupe=False)
+        if hasattr(cache, "batch_select_indices"):  # not on legacy tuple caches
+            cache.batch_select_indices(inverse)  # [B_unique, ...] -> [B, ...]
+            return logits[inverse], cache
+    out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], output_cache(out)
+
+
+class ModelForward:
+    """One model forward per token, the cache grown by transformers (any model, any wrapper)."""
+
+    def __init__(self, model: nn.Module, cache, attention_mask: torch.Tensor,
+                 next_position: torch.Tensor):
+        self.model, self.cache, self.cache_kw = model, cache, cache_name(model)
+        self.attention_mask = attention_mask  # [B, L] long
+        self.next_position = next_position  # [B, 1]
+
+    def step(self, token: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        # Finished rows keep feeding pads with attention 0: their outputs are ignored.
+        self.attention_mask = torch.cat([self.attention_mask, alive[:, None].long()], dim=1)
+        out = self.model(input_ids=token[:, None], attention_mask=self.attention_mask,
+                         position_ids=self.next_position, use_cache=True,
+                         **{self.cache_kw: self.cache})
+        self.cache = output_cache(out)
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1]
+

@@ -1,0 +1,143 @@
+"""Held-out evaluation of a policy: proxy and gold reward, KL to the reference, diversity.
+
+One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, batch size, seed) and one
+function measures (`evaluate_policy`), for PPO's periodic evaluation, `tether eval` and the
+demo alike, so every policy in a comparison is measured the same way: the same prompt ids, the
+same seeded sampling stream at the same temperature, the same KL formula. The SFT model scored
+offline and PPO's step 0 (the same model) therefore give the same numbers.
+
+Notation: B prompts in a chunk, R response width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tether.data.prompts import left_pad, load_prompts
+from tether.models.trunk_head import exact_kl_at, score_responses
+from tether.rl.engines.native import sample_responses
+from tether.rl.rollout import Rollout, decode_responses, sampling_uniforms
+
+# reward(prompts, responses, rollout) -> scores [B]
+Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
+
+# The held-out sampling stream is seeded apart from the training one (run seed + this), so an
+# evaluation never replays a training batch's draws.
+EVAL_SEED_OFFSET = 7_919
+
+
+class EvalSettings(Protocol):
+    """The fields an evaluation reads, named as in PPOConfig (and `tether eval`'s EvalConfig)."""
+
+    max_prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    batch_size: int
+    seed: int
+
+
+@dataclass
+class EvalInputs:
+    """Everything an evaluation samples from, built once by `eval_inputs`."""
+
+    prompts: list[str]  # the prompt texts a reward function reads
+    prompt_ids: list[list[int]]  # their ids under the one encoding rule (tether.data.encoding)
+    eos_token_ids: list[int]  # every id that ends a response
+    max_new_tokens: int
+    temperature: float
+    batch_size: int  # prompts per sampling chunk: part of the seeded stream, so fixed here
+    seed: int  # the sampling generator's seed (run seed + EVAL_SEED_OFFSET)
+
+
+def eval_inputs(tokenizer, prompts_source: str, eos: list[int],
+                settings: EvalSettings) -> EvalInputs:
+    """The inputs of a held-out evaluation: prompts encoded by the rule every stage uses
+    (`tether.data.load_prompts`, cut to `max_prompt_len`), the EOS set (`policy_eos_ids`), and
+    the sampling chunk size and seed. PPO and `tether eval` both call this."""
+    prompts, prompt_ids = load_prompts(prompts_source, tokenizer, settings.max_prompt_len)
+    return EvalInputs(prompts, prompt_ids, list(eos), settings.max_new_tokens,
+                      settings.temperature, settings.batch_size,
+                      settings.seed + EVAL_SEED_OFFSET)
+
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Distinct-n (Li et al. 2016): unique word n-grams over all word n-grams in `texts`."""
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
+             for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+@torch.no_grad()
+def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
+                   ) -> dict[str, torch.Tensor]:
+    """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk: each [B]."""
+    args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
+            rollout.temperature)  # the log-probs of what was sampled, at its temperature
+    scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True)
+    ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True)
+    response_mask = rollout.response_mask.float()  # [B, R]
+    out = {"kl": ((scores.logprobs - ref.logprobs) * response_mask).sum(1),
+           "ent": (scores.entropy * response_mask).sum(1) / response_mask.sum(1).clamp(min=1),
+           "len": response_mask.sum(1), "eos": rollout.ended.float()}
+    exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
+    if exact is not None:
+        out["kl_exact"] = (exact * response_mask).sum(1)
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+@torch.no_grad()
+def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: EvalInputs,
+                    reward: Reward | None, gold: Reward | None, *,
+                    chunked_lm_head: bool = True) -> tuple[dict[str, float], list[dict]]:
+    """Sample one response per prompt (seeded) and measure it.
+
+    Metrics: `eval/score` (proxy, if `reward`), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
+    sum_t log pi(y_t) - log ref(y_t), the k1 sequence KL), `eval/kl_exact` (mean over prompts of
+    sum_t KL(pi(. | s_t) || ref(. | s_t)) over the vocabulary at each sampled prefix, when both
+    heads allow it), `eval/entropy` (mean per-token entropy of pi), `eval/response_len`,
+    `eval/eos_rate`, `eval/distinct_2` (diversity of the responses). The seed is fixed, so
+    successive evaluations differ only through the policy; a proxy score that rises while the
+    gold score falls is over-optimisation (Gao et al. 2022).
+    `chunked_lm_head`: log-probs and entropies through the LM head in chunks (tether.lm_head).
+
+    Returns:
+        (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
+    """
+    device = next(policy.parameters()).device
+    # one row of noise per prompt: the samples do not depend on the chunking or the world size
+    uniforms = sampling_uniforms(inputs.seed, len(inputs.prompts), inputs.max_new_tokens)
+    pad = tokenizer.pad_token_id
+    parts: dict[str, list[torch.Tensor]] = {}
+    texts: list[str] = []
+    for start in range(0, len(inputs.prompts), inputs.batch_size):
+        chunk = inputs.prompts[start:start + inputs.batch_size]
+        ids, mask = left_pad(inputs.prompt_ids[start:start + inputs.batch_size], pad, device)
+        rollout = sample_responses(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
+                                   temperature=inputs.temperature,
+                                   eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
+                                   uniforms=uniforms[start:start + inputs.batch_size])
+        responses = decode_responses(tokenizer, rollout)
+        texts += responses
+        measured = _measure_chunk(policy, reference, rollout, chunked_lm_head)
+        if reward is not None:
+            measured["score"] = reward(chunk, responses, rollout).float().cpu()
+        if gold is not None:
+            measured["gold"] = gold(chunk, responses, rollout).float().cpu()
+        for key, value in measured.items():
+            parts.setdefault(key, []).append(value)
+    joined = {k: torch.cat(v) for k, v in parts.items()}
+    names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
+             "kl_exact": "eval/kl_exact", "ent": "eval/entropy", "len": "eval/response_len",
+             "eos": "eval/eos_rate"}
+    metrics = {names[k]: v.mean().item() for k, v in joined.items()}
+    metrics["eval/distinct_2"] = distinct_n(texts, 2)
+    def per_prompt(key: str) -> list:
+        return joined[key].tolist() if key in joined else [None] * len(texts)
+    samples = [{"prompt": p, "response": r, "score": s, "gold_score": g}
+               for p, r, s, g in zip(inputs.prompts, texts, per_prompt("score"), per_prompt("gold"))]
+    return metrics, samples

@@ -1,0 +1,95 @@
+"""A rollout batch: the sampled responses in one layout every engine returns and every scorer
+reads, with the noise that makes them reproducible, stop strings and the decoded text.
+
+Notation: B batch, P prompt (context) width, R response width.
+
+Layout of a rollout batch (one row per prompt)::
+
+    [pad pad p1 p2 p3 | r1 r2 EOS pad]      input_ids       [B, P + R]
+    [ 0   0  1  1  1  |  1  1  1   0 ]      attention_mask  [B, P + R]
+                        [1  1  1   0 ]      response_mask   [B, R]
+
+Prompts are left-padded so every response starts at column P; what follows a response's end
+(EOS, stop string, or max_new_tokens) is padding. Masks come from the sampling itself, never from
+comparing tokens to the pad id, so a sampled EOS (or even a sampled pad id) is never mistaken for
+padding (pitfall: "pad is not EOS").
+
+The engines that sample a rollout live in `tether.rl.engines` (`native`: tether's own KV-cached
+sampler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled responses in the layout above."""
+
+    input_ids: torch.Tensor  # [B, P + R] prompt (left-padded), response, padding
+    attention_mask: torch.Tensor  # [B, P + R] 1 on real prompt and response tokens
+    response_mask: torch.Tensor  # [B, R] bool, True on real response tokens (EOS included)
+    ended: torch.Tensor  # [B] bool, True when the response ended by EOS or a stop string
+    context_length: int  # P
+    # The temperature the responses were sampled at: every log-prob of them (policy, old
+    # policy, reference) must be taken at it, or the KL and the ratio are wrong (DESIGN.md).
+    temperature: float = 1.0
+
+    @property
+    def responses(self) -> torch.Tensor:  # [B, R]
+        return self.input_ids[:, self.context_length:]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        """The rows `index` (a minibatch), same widths."""
+        return replace(self, input_ids=self.input_ids[index],
+                       attention_mask=self.attention_mask[index],
+                       response_mask=self.response_mask[index], ended=self.ended[index])
+
+
+def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
+    """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
+    seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
+    the world size or the chunking, and a resumed run draws what the uninterrupted one did."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand((n_rows, max_new_tokens), generator=generator)
+
+
+def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
+                       pad_token_id: int) -> Rollout:
+    """Cut each response just after the first token that completes one of `stop_strings`.
+
+    The stop string stays in the response (like EOS); what follows becomes padding, and the row
+    counts as ended (it gets no missing-EOS penalty).
+    """
+    if not stop_strings:
+        return rollout
+    input_ids = rollout.input_ids.clone()
+    response_mask = rollout.response_mask.clone()
+    ended = rollout.ended.clone()
+    context = rollout.context_length
+    for row in range(len(rollout)):
+        length = int(response_mask[row].sum())
+        tokens = input_ids[row, context:context + length].tolist()
+        if not any(s in tokenizer.decode(tokens) for s in stop_strings):
+            continue
+        cut = next(k for k in range(1, length + 1)
+                   if any(s in tokenizer.decode(tokens[:k]) for s in stop_strings))
+        response_mask[row, cut:] = False
+        input_ids[row, context + cut:] = pad_token_id
+        ended[row] = True
+    attention_mask = torch.cat([rollout.attention_mask[:, :context], response_mask.long()], dim=1)
+    return replace(rollout, input_ids=input_ids, attention_mask=attention_mask,
+                   response_mask=response_mask, ended=ended)
+
+
+def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    """The text of each response (special tokens such as EOS dropped), for reward functions."""
+    return [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
+            for row, mask in zip(rollout.responses, rollout.response_mask, strict=True)]

@@ -1,0 +1,391 @@
+"""Atomic writes and training checkpoints (weights, optimizer, scheduler, RNG, trainer state).
+
+A crash mid-write must never leave a half-written file where a good one was: every file goes to a
+temp name in the same directory, is fsynced, then `os.replace`d; a checkpoint is a whole directory
+written under a temp name and renamed to `step_<N>` only once complete. Weights are safetensors;
+optimizer and scheduler state use `torch.save` and are read back with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save
+from torch import nn
+
+from tether.errors import TetherError
+
+STEP_PREFIX = "step_"
+TEMP_PREFIX = ".tmp-"  # a checkpoint being written; one left behind was cut off by a kill
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same directory, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written `tmp` directory to `out`: fsync its files, rename, fsync the parent.
+
+    An old `out` is moved aside first and deleted only once the new one is in place, so a crash
+    leaves either the old directory or the new one, never a half-written one.
+    """
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Save tensors as safetensors, atomically."""
+    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON, atomically."""
+    atomic_write_bytes(path, json.dumps(obj, indent=2).encode("utf-8"))
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Python, NumPy and torch RNG states as (JSON-safe dict, tensors)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    meta = {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    return meta, tensors
+
+
+def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def check_finite_weights(model: nn.Module, what: str) -> None:
+    """Refuse to save weights holding NaN or inf: such a model is lost, and a checkpoint of it
+    would only be resumed into more NaN. Frozen weights are not checked (training never writes
+    them)."""
+    for name, param in model.named_parameters():
+        if (param.requires_grad or not has_frozen_parameters(model)) and not bool(
+                torch.isfinite(param.detach()).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+
+
+def remove_temp_dirs(directory: str | Path) -> list[Path]:
+    """Delete the temporary directories a killed run left in `directory` (a checkpoint cut off
+    mid-write, `.tmp-step_N-*`, or a final model, `.final.tmp-*`); returns what was removed."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = [p for p in root.iterdir()
+               if p.is_dir() and p.name.startswith(".") and TEMP_PREFIX in p.name]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def has_frozen_parameters(model: nn.Module) -> bool:
+    """True when some parameter takes no gradient (a LoRA base): such a model's checkpoint, like
+    every model's, holds its trainable tensors only (the frozen base is reloaded from its source)."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP / `distributed.Parallel` wrapper (a plain module as it is);
+    its parameter names are the one-process names, the same at every world size."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tether.run.distributed import Parallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model.module if isinstance(model, Parallel) else model
+
+
+def reshard(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 unit in `model` back to its sharded parameters. FSDP2 keeps the root unit
+    gathered after a forward (its backward would need it again), so after a no-grad forward
+    (evaluation, a reference pass) the module holds plain gathered tensors, not the shards the
+    optimizer steps, until the next backward. No-op without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard (a DTensor) is all-gathered (every rank must
+    call this, in the same order), a plain tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
+        -> dict[str, torch.Tensor]:
+    """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
+    tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
+    `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
+    holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
+    out = {}
+    for name, param in plain_model(reshard(model)).named_parameters():
+        if not param.requires_grad:
+            continue
+        full = _full(param.detach())
+        if what and not bool(torch.isfinite(full).all()):
+            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
+                              "the last good checkpoint. Lower the learning rate or clip gradients "
+                              "harder, then --resume")
+        if keep:
+            out[name] = full.contiguous().cpu()
+    return out
+
+
+def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy whole `tensors` into the trainable parameters of `model` (each FSDP2 shard takes its
+    own part, no communication); the names must match exactly."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    _check_names(model, tensors)
+    params = {name: p for name, p in plain_model(reshard(model)).named_parameters()
+              if p.requires_grad}
+    with torch.no_grad():
+        for name, param in params.items():
+            value = tensors[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(param.device), param.device_mesh,
+                                          param.placements, src_data_rank=None)
+            param.copy_(value)
+
+
+def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    names = {name for name, p in plain_model(model).named_parameters() if p.requires_grad}
+    if names != set(tensors):
+        missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
+        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
+                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+
+
+def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
+    """One module holding every model under its checkpoint name: optimizer state is keyed by
+    parameter name through it (`policy.transformer.h.0...`), not by position."""
+    return nn.ModuleDict({name: plain_model(reshard(m)) for name, m in models.items()})
+
+
+def optimizer_state(models: dict[str, nn.Module], optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, whole tensors on the CPU: the same file at
+    any world size, with DDP or FSDP2 (torch.distributed.checkpoint's full optimizer state dict;
+    under FSDP2 every rank calls this and rank 0 receives the state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(_optimizer_owner(models), optimizer,
+                                    options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=True))
+
+
+def load_optimizer_state(models: dict[str, nn.Module], optimizer, state: dict[str, Any]) -> None:
+    """Restore `optimizer_state`'s output on every rank (FSDP2 ranks keep their own shards)."""
+    if any(isinstance(k, int) for k in state.get("state", {})):  # a checkpoint from before names
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(_optimizer_owner(models), optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), oldest first; temp dirs are ignored."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        name = path.name
+        if path.is_dir() and name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+            found.append((int(name[len(STEP_PREFIX):]), path))
+    return sorted(found)
+
+
+def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Module], optimizer,
+                    scheduler, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `ckpt_root/step_<step>/` atomically and keep only the newest `keep` checkpoints.
+
+    Contents: `<name>.safetensors` per model (its trainable parameters, whole tensors, by their
+    one-process names), `optimizer.pt` (state keyed by parameter name), `scheduler.pt`,
+    `rng.safetensors`, and `state.json` (the trainer's `state` plus the RNG metadata). Nothing in
+    it depends on the world size, so a run resumes on any number of ranks.
+
+    Under torchrun every rank calls this (FSDP2 gathers the shards); rank 0 alone writes, and
+    every rank returns once the checkpoint is complete. `models` may be wrapped (DDP, FSDP2).
+    """
+    from tether.run import distributed
+
+    d = distributed.current()
+    # every rank gathers and checks the same tensors (one error on all); rank 0 keeps them
+    weights = {name: trainable_tensors(model, keep=d.is_main, what=f"the {name} at step {step}")
+               for name, model in models.items()}
+    optim = optimizer_state(models, optimizer) if optimizer is not None else None
+    final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
+    if d.is_main:
+        _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, state, keep)
+    distributed.barrier(d)
+    return final
+
+
+def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
+                      scheduler, state: dict[str, Any], keep: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-", dir=root))
+    try:
+        for name, tensors in weights.items():
+            (tmp / f"{name}.safetensors").write_bytes(save(tensors))
+        if optim is not None:
+            (tmp / "optimizer.pt").write_bytes(_torch_bytes(optim))
+        if scheduler is not None:
+            (tmp / "scheduler.pt").write_bytes(_torch_bytes(scheduler.state_dict()))
+        rng_meta, rng_tensors = rng_state()
+        (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
+        payload = {"step": step, "state": state, "rng": rng_meta}
+        (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
+        replace_dir(tmp, root / f"{STEP_PREFIX}{step}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], optimizer,
+                           scheduler, restore_rng: bool = True) -> dict[str, Any] | None:
+    """Restore the newest intact checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
+
+    A damaged checkpoint (truncated weights, a garbage optimizer file, a cut `state.json`: a disk
+    that filled up, a copy that broke off), or one whose tensors do not match the models, is
+    skipped with one line on stderr, and the one before it is used. Every file is read before
+    anything is restored, so nothing of a damaged checkpoint reaches the models.
+
+    Under torchrun every rank calls this and reads the same files (the run directory must be
+    visible to every rank, e.g. a shared filesystem across machines); rank 0 chooses the
+    checkpoint, every rank restores it (FSDP2: each its own shards), and every rank's RNGs take
+    the saved (rank 0's) state. Returns the trainer `state` saved with it (with `step` added), or
+    None when there is none.
+    """
+    from tether.run import distributed
+
+    d = distributed.current()
+    # rank 0's view decides (another node may not see the directory: that is an error below)
+    found = distributed.broadcast_object(list_checkpoints(ckpt_root) if d.is_main else None, d)
+    if not found:
+        return None
+    chosen, contents = None, None
+    for index in reversed(range(len(found))) if d.is_main else ():
+        try:
+            contents = _read_checkpoint(found[index][1], models, optimizer, scheduler)
+            chosen = index
+            break
+        except Exception as exc:  # noqa: BLE001 - any failure to read it means it is unusable
+            reason = (str(exc).splitlines() or [""])[0][:200]
+            print(f"warning: checkpoint {found[index][1]} is damaged ({type(exc).__name__}: "
+                  f"{reason}); falling back to the one before it", file=sys.stderr)
+    chosen = distributed.broadcast_object(chosen, d)
+    if chosen is None:
+        raise TetherError(f"no checkpoint in {ckpt_root} can be read (all {len(found)} are "
+                          "damaged); delete the directory to start the run afresh")
+    if contents is None:  # the other ranks read what rank 0 chose
+        try:
+            contents = _read_checkpoint(found[chosen][1], models, optimizer, scheduler)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise TetherError(f"rank {d.rank} cannot read the checkpoint {found[chosen][1]} that "
+                              f"rank 0 chose ({type(exc).__name__}); on several machines the run "
+                              "directory must be on a filesystem every node sees") from None
+    for name, model in models.items():
+        load_trainable_tensors(model, contents["weights"][name])
+    if optimizer is not None:
+        load_optimizer_state(models, optimizer, contents["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(contents["scheduler"])
+    payload = contents["payload"]
+    if restore_rng:
+        set_rng_state(payload["rng"], contents["rng"])
+    state = dict(payload["state"])
+    state.setdefault("step", payload["step"])
+    return state
+
+
+def _read_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, scheduler
+                     ) -> dict[str, Any]:
+    """Every file of one checkpoint that the caller restores, read, and the weights checked
+    against `models`' trainable parameters."""
+    payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    weights = {name: load_file(str(path / f"{name}.safetensors")) for name in models}
+    for name, model in models.items():
+        _check_names(model, weights[name])
+    return {"payload": payload, "weights": weights,
+            "rng": load_file(str(path / "rng.safetensors")),
+            "optimizer": None if optimizer is None else
+            torch.load(path / "optimizer.pt", weights_only=True),
+            "scheduler": None if scheduler is None else
+            torch.load(path / "scheduler.pt", weights_only=True)}

@@ -1,0 +1,281 @@
+"""The run directory `runs/<name>/`: resolved config, metrics, TensorBoard events, checkpoints,
+final model; plus the progress bar.
+
+Layout::
+
+    runs/<name>/config.yaml       the resolved config (YAML file + flags + defaults)
+    runs/<name>/metrics.jsonl     one JSON object per logged step: {"step": N, "<metric>": value}
+    runs/<name>/samples.jsonl     evaluation samples: {"step": N, "samples": [{prompt, response, ...}]}
+    runs/<name>/tb/               TensorBoard events
+    runs/<name>/checkpoints/      step_<N>/ (see tether.run.checkpoint)
+    runs/<name>/final/            the trained model, Hugging Face format
+
+Under torchrun only rank 0 writes here (config, metrics, trackers, samples, progress lines); the
+other ranks run the same checks and calls, which do nothing on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tether.errors import AlreadyFinished, TetherError
+from tether.run import distributed
+from tether.run.checkpoint import atomic_write_bytes, remove_temp_dirs
+from tether.run.config import config_to_dict
+from tether.run.trackers import parse_report_to, start_trackers
+
+RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
+
+
+@dataclass
+class RunResult:
+    """What a stage returns: where the final model is, and the final metrics."""
+
+    output_path: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# Config fields whose change on --resume does not change what is trained (with
+# --resume-allow-changes); any other difference makes the resumed run a different run.
+HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
+                      "report_to", "fsdp")
+NOT_COMPARED = ("resume", "resume_allow_changes")
+
+
+class RunDir:
+    """One run directory: checked when made (nothing is created yet), created by `save_config`.
+
+    Without `resume`, a directory that already holds results is refused. With `resume`, a
+    finished run (its final model exists) raises `AlreadyFinished`, and `save_config` checks the
+    config against the saved one instead of rewriting it.
+    """
+
+    def __init__(self, output_dir: str | Path, run_name: str, resume: bool = False):
+        self.path = Path(output_dir) / run_name
+        self.resume = resume
+        self.checkpoint_dir = self.path / "checkpoints"
+        self.final_dir = self.path / "final"
+        self.merged_dir = self.path / "merged"  # a LoRA run's adapter merged into its base
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.samples_path = self.path / "samples.jsonl"
+        self.config_path = self.path / "config.yaml"
+        has_results = any((self.path / name).exists() for name in RESULT_NAMES)
+        if has_results and not resume:
+            raise TetherError(f"run directory {self.path} already has results; "
+                              "pass --resume to continue it or choose another --run-name")
+        if resume and self.final_dir.exists():
+            raise AlreadyFinished(f"{self.path} already finished (final model in "
+                                  f"{self.final_dir}); nothing was run or rewritten")
+        self._trackers: list | None = None
+        self._config: dict[str, Any] = {}
+
+    @property
+    def writes(self) -> bool:
+        """True on the process that writes the run directory: rank 0 (or the only process)."""
+        return distributed.current().is_main
+
+    def save_config(self, cfg: Any) -> Path:
+        """Create the directory and write the resolved config as `config.yaml` (atomically).
+
+        On resume the saved config stays as it is (it describes the run): a field that changes
+        the result is an error listing the differences; a harmless one (logging, checkpoint
+        cadence, device) needs `--resume-allow-changes` and is recorded in `resumes.jsonl`.
+        """
+        new = config_to_dict(cfg)
+        self._config = new
+        if not self.writes:  # the other ranks refuse the same resumed configs, and write nothing
+            if self.resume and self.config_path.exists():
+                self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
+            return self.config_path
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TetherError(f"cannot create run directory {self.path}: {exc.strerror}") from None
+        for directory in (self.path, self.checkpoint_dir):
+            for leftover in remove_temp_dirs(directory):
+                print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
+        if self.resume and self.config_path.exists():
+            self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
+            return self.config_path
+        atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
+        return self.config_path
+
+    def _check_resumed_config(self, new: dict[str, Any], defaults: dict[str, Any],
+                              allow_harmless: bool) -> None:
+        try:
+            old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            raise TetherError(f"{self.config_path} cannot be read; the run cannot be resumed "
+                              "safely: start a new run") from None
+        changed = {k: (old.get(k), v) for k, v in new.items()
+                   if k not in NOT_COMPARED and k in old and old[k] != v}
+        # A field tether gained after the run started is no change while it keeps its default.
+        changed |= {k: (None, v) for k, v in new.items()
+                    if k not in old and k not in NOT_COMPARED and defaults.get(k, object()) != v}
+        harmful = {k: d for k, d in changed.items() if k not in HARMLESS_ON_RESUME}
+        if harmful:
+            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(harmful.items()))
+            raise TetherError(f"--resume with a different config would mix two runs ({diff}); "
+                              f"resume with the settings in {self.config_path}, or start a new "
+                              "run under another --run-name")
+        if changed and not allow_harmless:
+            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise TetherError(f"--resume with changed settings ({diff}); pass "
+                              "--resume-allow-changes to accept them (they do not change what is "
+                              "trained)")
+        if changed and self.writes:
+            record = {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
+            with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"changes": record}) + "\n")
+
+    def announce_resume(self, step: int | None) -> None:
+        """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
+        if not self.resume or not self.writes:
+            return
+        if step is not None:
+            print(f"resuming {self.path} from step {step}", file=sys.stderr)
+        elif self.metrics_path.exists() or self.checkpoint_dir.exists():
+            print(f"no checkpoint in {self.path} yet: restarting it from step 0", file=sys.stderr)
+        else:
+            print(f"nothing to resume in {self.path}: starting fresh", file=sys.stderr)
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop metric and sample lines logged after `after_step` (logged again on resume), and a
+        line cut off by a kill mid-write."""
+        if not self.writes:
+            return
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            keep = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a partial line: the step it belonged to runs again
+                if record.get("step", 0) <= after_step:
+                    keep.append(line)
+            atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
+
+    def _sinks(self) -> list:
+        """The trackers of `--report-to` (TensorBoard alone by default), started at first use."""
+        if self._trackers is None:
+            names = parse_report_to(self._config.get("report_to", "tensorboard"))
+            self._trackers = start_trackers(names, self.path, self.path.name, self._config)
+        return self._trackers
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append `{"step": step, **metrics}` to metrics.jsonl and write TensorBoard scalars."""
+        if not self.writes:
+            return
+        clean = {k: float(v) for k, v in metrics.items()}
+        record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        for tracker in self._sinks():
+            tracker.log(step, clean)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Append `{"step": step, "samples": samples}` to samples.jsonl (generations to read later)."""
+        if not self.writes:
+            return
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": int(step), "samples": samples}) + "\n")
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Text for the trackers (e.g. a markdown table of samples)."""
+        if not self.writes:
+            return
+        for tracker in self._sinks():
+            tracker.text(step, tag, text)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        records = []
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # empty, or cut off by a kill
+        return records
+
+    def close(self) -> None:
+        for tracker in self._trackers or []:
+            tracker.close()
+        self._trackers = None
+
+
+def _defaults(cfg: Any) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+
+
+def progress(total: int, desc: str, initial: int = 0):
+    """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
+    that prints a plain line now and then, so a log shows where the run is. Under torchrun only
+    rank 0 shows one (the others get a silent one)."""
+    if not distributed.current().is_main:
+        return PlainProgress(total, desc, initial, lines=0)
+    if not sys.stderr.isatty():
+        return PlainProgress(total, desc, initial)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class PlainProgress:
+    """The tqdm calls the stages use (`update`, `set_postfix`, `close`), printed as one line per
+    twentieth of the run (and at the end): `desc: step 40/100 loss=1.23 elapsed 0:00:12 eta 0:00:18`."""
+
+    def __init__(self, total: int, desc: str, initial: int = 0, lines: int = 20):
+        self.total, self.desc, self.n, self.start_n = total, desc, initial, initial
+        self.silent = lines == 0
+        self.every = max(1, total // max(lines, 1))
+        self.postfix: dict[str, str] = {}
+        self.started = time.monotonic()
+        self.printed_at = initial
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = {k: str(v) for k, v in values.items()}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n - self.printed_at >= self.every or self.n >= self.total:
+            self._print()
+
+    def _print(self) -> None:
+        self.printed_at = self.n
+        if self.silent:
+            return
+        elapsed = time.monotonic() - self.started
+        done = self.n - self.start_n
+        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: step {self.n}/{self.total} {fields} elapsed {_clock(elapsed)} "
+              f"eta {_clock(eta)}".replace("  ", " "), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def print_result(result: RunResult) -> None:
+    """One stderr line for the CLI: where the final model is, then the final metrics (rank 0)."""
+    if not distributed.current().is_main:
+        return
+    print(f"saved {result.output_path}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()),
+          file=sys.stderr)

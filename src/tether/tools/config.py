@@ -1,0 +1,107 @@
+"""The configs of the tools (`tether generate`, `eval`, `report`, `sweep`), apart from their code so
+that `--help` imports no torch.
+
+The sampling fields (max_prompt_len, max_new_tokens, temperature, batch_size, seed) carry the
+names and defaults of PPOConfig's, because the evaluation samples exactly as PPO's held-out
+evaluation does (tether.rl.evaluation.eval_inputs): `tether eval` of a PPO run's starting model with
+that run's settings gives the numbers its step 0 logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tether.run.config import check_device, require_positive
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Fields shared by generate and eval: the model, the prompts and how responses are sampled."""
+
+    model: str
+    """The policy: the final/ directory of any stage (full model or LoRA adapter) or a hub name."""
+    prompts: str
+    """Prompts: rows with `prompt` or `messages` (JSONL, JSON, Parquet, CSV, dataset dir)."""
+    max_prompt_len: int = 256
+    """Longer prompts lose the start of their content; BOS, role markers and the generation prompt stay."""
+    max_new_tokens: int = 32
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (plain ancestral sampling, no top-k or top-p)."""
+    batch_size: int = 32
+    """Prompts sampled together; part of the seeded stream, so keep it to reproduce a PPO run's evaluation."""
+    seed: int = 0
+    """Seed of the sampling stream (a PPO run's --seed gives its evaluation's stream)."""
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the model weights are loaded in."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code (off unless you trust the source)."""
+
+    def validate(self) -> None:
+        require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size")
+        check_device(self.device)
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(SamplingConfig):
+    """Sample responses to prompts and write them as JSONL, with training's encoding and EOS rules."""
+
+    output: str = ""
+    """JSONL file to write ({prompt, response, sample, ended, length} per line); empty: stdout."""
+    samples_per_prompt: int = 1
+    """Responses per prompt, written in consecutive lines."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a response (kept in it); EOS always ends one."""
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "samples_per_prompt")
+
+
+@dataclass(kw_only=True)
+class EvalConfig(SamplingConfig):
+    """Held-out evaluation of a policy, as PPO and the demo run it: proxy and gold score, KL to
+    the reference (k1 and exact), entropy, EOS rate, distinct-2, length."""
+
+    reference: str = ""
+    """Reference for the KL (default: the starting model recorded in the run's config.yaml beside --model; else none)."""
+    reward_model: str = ""
+    """A reward model written by `tether rm` (full or LoRA): the proxy score."""
+    reward_fn: str = ""
+    """A Python proxy reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
+    gold_fn: str = ""
+    """A Python gold reward `module:function`, scored beside the proxy."""
+    output: str = ""
+    """JSON file for the metrics, settings and samples (default: eval.json inside --model's directory)."""
+    chunked_lm_head: bool = True
+    """Log-probs, entropy and exact KL through the LM head in chunks (off: full logits)."""
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """Run directories of any stage on one HTML page: metric curves side by side, configs diffed."""
+
+    runs: list[str] = field(default_factory=list)
+    """Run directories (given as the command's positional arguments: tether report RUN RUN ...)."""
+    output: str = "report.html"
+    """The HTML file to write (self-contained: the figures are inline)."""
+    title: str = "tether runs"
+    """The page's title."""
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    """Run a grid of PPO and DPO/IPO runs from one YAML file; write the frontier report."""
+
+    grid: str
+    """The grid file (YAML: name, output_dir, seeds, and ppo / dpo / eval blocks; see docs/frontier.md)."""
+    jobs: int = 1
+    """Runs at once, each in its own process (1: one after another, in this process)."""
+    output_dir: str = ""
+    """Where the sweep directory goes (default: the grid file's output_dir, else runs)."""
+
+    def validate(self) -> None:
+        require_positive(self, "jobs")

@@ -1,0 +1,132 @@
+"""`tether eval`: the held-out evaluation PPO runs, on any saved policy.
+
+    policy (any stage's final/, full or LoRA) and its reference, frozen
+    prompts -> tether.rl.evaluation.eval_inputs      the one encoding, EOS set, chunking and seed
+    tether.rl.evaluation.evaluate_policy             proxy, gold, KL (k1, exact), entropy, ...
+    -> eval.json and a table on stdout
+
+The models are loaded and prepared as PPO prepares its own (dropout off, the fused GELU, eval
+mode), and rewards come through the same adapters (tether.rl.rewards), so the SFT model evaluated
+here with a PPO run's settings gives the numbers that run logged at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tether.errors import TetherError
+from tether.models.prepare import freeze, fuse_gelu, load_frozen_lm
+from tether.models.pretrained import (
+    check_same_vocabulary,
+    load_tokenizer,
+    policy_eos_ids,
+)
+from tether.models.reward_model import load_reward_model
+from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy
+from tether.rl.rewards import load_reward_function, reward_from_function, reward_from_model
+from tether.run.checkpoint import atomic_write_bytes
+from tether.run.config import config_to_dict
+from tether.run.launch import resolve_device
+from tether.tools.config import EvalConfig
+
+# The config fields that name a run's starting model, in the order that decides it: an explicit
+# reference first (ppo --ref-model, dpo --ref-model), then the policy a PPO run started from,
+# then the model an offline stage started from.
+STARTING_MODEL_FIELDS = ("ref_model", "policy", "model")
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    samples: list[dict]
+    output_path: Path | None
+
+
+def default_reference(model_path: str) -> str:
+    """The starting model of the run that wrote `model_path` (runs/<name>/final), read from the
+    run's config.yaml; empty when there is none to read."""
+    config_path = Path(model_path).parent / "config.yaml"
+    if not config_path.is_file():
+        return ""
+    try:
+        saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return ""
+    for name in STARTING_MODEL_FIELDS:
+        if isinstance(saved.get(name), str) and saved[name]:
+            return saved[name]
+    return ""
+
+
+def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
+             gold_fn: Callable | None) -> tuple[Reward | None, Reward | None]:
+    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
+        raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
+    reward = None
+    if cfg.reward_model:
+        model = load_reward_model(cfg.reward_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
+        # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
+        # micro_batch_rows (the whole chunk by default); a smaller one may differ in rounding.
+        reward = reward_from_model(freeze(fuse_gelu(model), device), cfg.batch_size)
+    elif cfg.reward_fn or reward_fn is not None:
+        reward = reward_from_function(reward_fn or load_reward_function(cfg.reward_fn),
+                                      "reward function")
+    gold_fn = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
+    gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
+    return reward, gold
+
+
+def output_path(cfg: EvalConfig) -> Path:
+    if cfg.output:
+        return Path(cfg.output)
+    if not Path(cfg.model).is_dir():
+        raise TetherError(f"--model {cfg.model} is not a local directory; pass --output FILE.json")
+    return Path(cfg.model) / "eval.json"
+
+
+def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
+        write: bool = True) -> EvalResult:
+    """Evaluate `cfg.model`; returns the metrics and samples (also written as JSON when
+    `write`). `reward_fn` / `gold_fn`: Python callables instead of --reward-fn / --gold-fn."""
+    device = resolve_device(cfg.device)
+    out = output_path(cfg) if write else None
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    reference_path = cfg.reference or default_reference(cfg.model) or cfg.model
+    if reference_path != cfg.model:
+        ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
+        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
+                               device)
+    reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
+    inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model),
+                         cfg)
+    metrics, samples = evaluate_policy(policy, reference, tokenizer, inputs, reward, gold,
+                                       chunked_lm_head=cfg.chunked_lm_head)
+    if out is not None:
+        record = {"metrics": metrics, "reference": reference_path,
+                  "config": config_to_dict(cfg), "samples": samples}
+        atomic_write_bytes(out, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+    return EvalResult(metrics, samples, out)
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    """`metric  value` lines, aligned."""
+    width = max(len(name) for name in metrics)
+    return "\n".join(f"{name:<{width}}  {value:+.4f}" for name, value in metrics.items())
+
+
+def cli(argv: list[str]) -> int:
+    """`tether eval --model M --prompts P [--reference R] [--reward-model RM] [--gold-fn mod:f]`."""
+    from tether.run.config import parse_config
+
+    cfg = parse_config(EvalConfig, argv, prog="tether eval")
+    result = run(cfg)
+    print(metrics_table(result.metrics))
+    print(f"written to {result.output_path}")
+    return 0

@@ -1,0 +1,218 @@
+"""`tether report RUN [RUN ...]`: any run directories, of any stage, on one HTML page.
+
+    runs/<name>/config.yaml, metrics.jsonl   -> RunRecord (read_run)
+    one panel per metric, a line per run     -> PNGs embedded in the page (plot_metrics)
+    the configs side by side, differences first, a link to each config.yaml
+    -> report.html (self-contained: the figures are inline PNG data)
+
+The demo's report and the sweep's report add their own sections to the same page machinery
+(`figure_html`, `page`, `config_diff`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import yaml
+
+matplotlib.use("Agg")  # no screen needed: reports are written on servers and in CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tether.errors import TetherError  # noqa: E402
+from tether.run.checkpoint import atomic_write_bytes  # noqa: E402
+
+# Logged every step but about the machine, not the training: left out of the curves.
+SKIPPED_PREFIXES = ("perf/", "data/")
+PANELS_PER_ROW = 3
+
+
+@dataclass
+class RunRecord:
+    """One run directory as read back: its config and every logged metric line."""
+
+    name: str
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    def series(self, name: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of metric `name`, in logged order; non-numbers (NaN logged as text)
+        are skipped."""
+        steps, values = [], []
+        for row in self.metrics:
+            value = row.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                steps.append(float(row["step"]))
+                values.append(float(value))
+        return steps, values
+
+
+def read_run(path: str | Path) -> RunRecord:
+    """Read `path/config.yaml` and `path/metrics.jsonl` (a line cut off by a kill is skipped)."""
+    path = Path(path)
+    if not (path / "config.yaml").is_file() and not (path / "metrics.jsonl").is_file():
+        raise TetherError(f"{path} is not a tether run directory (no config.yaml or "
+                          "metrics.jsonl); pass the directory a stage wrote under --output-dir")
+    config: dict[str, Any] = {}
+    if (path / "config.yaml").is_file():
+        try:
+            config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            raise TetherError(f"{path / 'config.yaml'} is not valid YAML; restore it from the "
+                              "run or leave the run out") from None
+    metrics = []
+    if (path / "metrics.jsonl").is_file():
+        for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                metrics.append(row)
+    return RunRecord(path.name, path, config, metrics)
+
+
+def metric_names(runs: list[RunRecord]) -> list[str]:
+    """Every numeric metric any run logged, sorted by namespace then name."""
+    names = {key for run in runs for row in run.metrics for key, value in row.items()
+             if key != "step" and isinstance(value, (int, float))
+             and not key.startswith(SKIPPED_PREFIXES)}
+    return sorted(names)
+
+
+def png_data(fig) -> str:
+    """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def figure_html(data: str, title: str, caption: str = "") -> str:
+    return (f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(title)}'>"
+            f"<figcaption><b>{html.escape(title)}</b> {html.escape(caption)}</figcaption></figure>")
+
+
+def plot_metrics(runs: list[RunRecord], names: list[str]) -> list[tuple[str, str]]:
+    """One figure per metric namespace, a panel per metric, a line per run: [(title, png)]."""
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figures = []
+    namespaces: dict[str, list[str]] = {}
+    for name in names:
+        namespaces.setdefault(name.split("/")[0], []).append(name)
+    for namespace, group in namespaces.items():
+        rows = (len(group) + PANELS_PER_ROW - 1) // PANELS_PER_ROW
+        fig, axes = plt.subplots(rows, PANELS_PER_ROW, figsize=(13, 3.2 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, group):
+            for i, run in enumerate(runs):
+                steps, values = run.series(name)
+                if steps:
+                    ax.plot(steps, values, "-o" if len(steps) < 3 else "-", markersize=4,
+                            color=colours[i % len(colours)], label=run.name)
+            ax.set(title=name, xlabel="step")
+        for ax in list(axes.flat)[len(group):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        figures.append((f"{namespace}/ metrics", png_data(fig)))
+    return figures
+
+
+def config_diff(configs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """(shared, differing): fields with one value in every config, and fields whose values
+    differ (or are missing somewhere), each with its value per config (None where missing)."""
+    keys = sorted({k for c in configs for k in c})
+    shared, differing = {}, {}
+    for key in keys:
+        values = [c.get(key) for c in configs]
+        if all(key in c for c in configs) and all(v == values[0] for v in values):
+            shared[key] = values[0]
+        else:
+            differing[key] = values
+    return shared, differing
+
+
+def _cell(value: Any) -> str:
+    return f"<td>{html.escape('' if value is None else json.dumps(value))}</td>"
+
+
+def config_html(runs: list[RunRecord], page_dir: Path) -> str:
+    """The configs side by side: differences in a table, shared values folded away, and a link
+    to each run's config.yaml (relative to the page)."""
+    shared, differing = config_diff([run.config for run in runs])
+    links = "".join(f"<li><a href='{html.escape(relative_link(run.path / 'config.yaml', page_dir))}'>"
+                    f"{html.escape(run.name)}/config.yaml</a></li>" for run in runs)
+    header = "<tr><th>field</th>" + "".join(f"<th>{html.escape(r.name)}</th>" for r in runs)
+    rows = "".join(f"<tr><td>{html.escape(k)}</td>{''.join(_cell(v) for v in values)}</tr>"
+                   for k, values in differing.items())
+    same = "".join(f"<tr><td>{html.escape(k)}</td>{_cell(v)}</tr>" for k, v in shared.items())
+    return (f"<ul class='config-links'>{links}</ul>"
+            f"<table id='config-diff'>{header}</tr>{rows or '<tr><td>(none)</td></tr>'}</table>"
+            f"<details><summary>{len(shared)} fields the runs share</summary>"
+            f"<table id='config-shared'>{same}</table></details>")
+
+
+def relative_link(target: Path, start: Path) -> str:
+    return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
+
+
+STYLE = """body { font-family: sans-serif; max-width: 1150px; margin: 2em auto; line-height: 1.45; }
+table { border-collapse: collapse; margin: 1em 0; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 0.9em; }
+img { max-width: 100%; } figure { margin: 1.5em 0; }
+li.holds b { color: #1a7f37; } li.fails b { color: #b42318; } .note { color: #555; }"""
+
+
+def page(title: str, body: str) -> str:
+    return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+
+
+def write_page(path: Path, text: str) -> Path:
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return path
+
+
+def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
+    """The metric curves side by side and the configs diffed: the body `tether report` writes."""
+    figures = "".join(figure_html(data, title) for title, data in
+                      plot_metrics(runs, metric_names(runs)))
+    return (f"<h2 id='curves'>Metrics</h2>{figures or '<p>No metrics logged.</p>'}"
+            f"<h2 id='configs'>Configs</h2>{config_html(runs, page_dir)}")
+
+
+def write_report(run_dirs: list[str | Path], output: str | Path,
+                 title: str = "tether runs") -> Path:
+    """Read every run in `run_dirs` and write one page to `output`; returns its path."""
+    if not run_dirs:
+        raise TetherError("tether report needs at least one run directory: tether report RUN ...")
+    runs = [read_run(d) for d in run_dirs]
+    output = Path(output)
+    names = ", ".join(run.name for run in runs)
+    return write_page(output, page(title, f"<p>Runs: {html.escape(names)}.</p>"
+                                          + runs_section(runs, output.parent)))
+
+
+def cli(argv: list[str]) -> int:
+    """`tether report RUN [RUN ...] [--output report.html] [--title T]`."""
+    from tether.run.config import parse_config
+    from tether.tools.config import ReportConfig
+
+    # Leading plain arguments are the runs: `tether report A B` reads as `--runs A B`.
+    positional = []
+    while argv and not argv[0].startswith("--"):
+        positional.append(argv.pop(0))
+    cfg = parse_config(ReportConfig, (["--runs", *positional] if positional else []) + argv,
+                       prog="tether report")
+    path = write_report(cfg.runs, cfg.output, cfg.title)
+    print(f"report written to {path}")
+    return 0
