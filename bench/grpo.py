@@ -21,7 +21,7 @@ sequence and averages per-sequence losses, tether clips per token and averages o
 reward model re-tokenises the decoded text (tether scores the policy's token ids); tether
 writes its final model, TRL saves nothing. Both take the old policy's log-probs for GRPO from
 the update's own forward (one step per batch); for RLOO TRL runs a separate old-policy forward,
-tether does not (train/onpolicy.py). Responses stop at EOS on both sides, so the bench prints
+tether does not (tether.rl.update.one_pass). Responses stop at EOS on both sides, so the bench prints
 the mean response length and generated tokens/s beside episodes/s.
 
 Each run is timed from construction to the end of training, in wall-clock time and in the
@@ -35,8 +35,8 @@ method) and the medians of `--repeats` runs are reported.
 Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench` extra pins
 1.12.0 for the PPO, DPO and memory benchmarks (docs/benchmarks.md says how to make it).
 `--no-trl` runs tether's side alone (the smoke test does, with tiny settings); `--two-pass` adds
-a third side, tether with its two-pass loop (a separate old-policy forward, as before
-train/onpolicy.py), to measure what the one-forward step saves; `--unshared` one more, tether with
+a third side, tether with its two-pass path (a separate old-policy forward, as without
+`tether.rl.update.one_pass`), to measure what the one-forward step saves; `--unshared` one more, tether with
 every prompt run once per row (no `tether.shared_prompt` sharing, in sampling and scoring), to
 measure what running each distinct prompt once saves; `--profile` profiles one more tether run
 per method and prints its matmul time beside this machine's matmul peak. `--prompt-words LO-HI`
@@ -93,13 +93,14 @@ def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, 
                args, two_pass: bool = False, unshared: bool = False
                ) -> tuple[Timing, list[dict]]:
     import tether.models.shared_prompt as shared_prompt
+    import tether.rl.update as update
     import tether.train.ppo as loop
 
     cfg = tether_config(method, policy_dir, rm_dir, prompts_file, root, args)
     assert cfg.ppo_epochs == 1 and cfg.samples_per_prompt == K  # the workload, not a default drift
-    fuses_scoring = loop.fuses_scoring
-    if two_pass:  # the loop's other branch: score pi_old in its own forward, then update
-        loop.fuses_scoring = lambda cfg: False
+    one_pass = update.one_pass
+    if two_pass:  # the update's other path: score pi_old in its own forward, then update
+        update.one_pass = lambda spec, rows, d: False
     prompt_groups = shared_prompt.prompt_groups
     if unshared:  # no repeated prompt found: every forward and the sampler's prefill take all rows
         shared_prompt.prompt_groups = lambda *args: None
@@ -108,7 +109,7 @@ def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, 
         loop.run(cfg)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
-        loop.fuses_scoring = fuses_scoring
+        update.one_pass = one_pass
         shared_prompt.prompt_groups = prompt_groups
     lines = (root / "runs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if "rollout/response_len" in m]

@@ -23,10 +23,10 @@ from test_distributed_offline import ROOT, torchrun
 from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
-from tether.rl.roles import check_world
 from tether.run.distributed import Dist
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
+from tether.train.ppo_setup import check_world
 
 pytestmark = pytest.mark.slow
 

@@ -186,7 +186,8 @@ def test_ppo_scoring_and_update_never_hold_full_logits(model_dir, tmp_path, monk
     adv = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     with spy_for(setup.policy, monkeypatch) as spy:
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 0.7, 4, chunked)
-        loss, stats = minibatch_loss(setup.policy, setup.critic, rollout, old, adv, adv, cfg, 0.0)
+        loss, stats = minibatch_loss(setup.policy, setup.critic, rollout, old, adv, adv, setup.spec,
+                                     0.0)
         loss.backward()
     assert stats["policy/ratio_mean"] == 1.0  # the invariant holds on either path
     if chunked:

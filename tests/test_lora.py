@@ -347,9 +347,9 @@ def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_contex
     scores = torch.linspace(-1, 1, len(rollout))
     rewards, _ = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask, 0.1)
     advantages, returns = gae(rewards, old.values, rollout.response_mask)
-    with update_mode(cfg, setup.policy, setup.critic):
-        loss, _ = minibatch_loss(setup.policy, setup.critic, rollout, old, advantages, returns, cfg,
-                                 kl_loss_beta=0.0)
+    with update_mode(cfg.gradient_checkpointing, setup.policy, setup.critic):
+        loss, _ = minibatch_loss(setup.policy, setup.critic, rollout, old, advantages, returns,
+                                 setup.spec, kl_loss_beta=0.0)
         loss.backward()
     params = [*setup.lm.peft.named_parameters(), *setup.critic.head.named_parameters()]
     return {n: p.grad.clone() for n, p in params if p.requires_grad}

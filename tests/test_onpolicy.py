@@ -1,6 +1,7 @@
-"""train/onpolicy.py: one optimizer step per batch on a single policy forward gives what the
-two-pass loop gives (score_rollout, then kl_shaped_rewards, estimate_advantages, ppo_update):
-the same old-policy scores, KL, advantages, loss, and parameters after the step."""
+"""tether.rl.update.update_batch: one optimizer step per batch on a single policy forward (pi_old
+scored by the update's own forward) gives what the two-pass path gives (score_rollout, then
+kl_shaped_rewards, estimate_advantages, ppo_update): the same old-policy scores, KL, advantages,
+loss, and parameters after the step."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ import json
 import pytest
 import torch
 
-from tether.advantages import kl_shaped_rewards
-from tether.models.forward import autocast
 from tether.rl.engines.native import sample_responses
-from tether.rl.onpolicy import fuses_scoring, on_policy_step
-from tether.rl.scoring import score_reference, score_rollout
-from tether.rl.update import estimate_advantages, ppo_update
+from tether.rl.update import one_pass, update_batch
+from tether.run.distributed import Dist
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build, prompt_batch, update_spec
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 
@@ -68,7 +66,7 @@ CASES = {  # name: (family fixture, config overrides)
 def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
     family, overrides = CASES[case]
     cfg = config(request.getfixturevalue(family), prompts_file, **overrides)
-    assert fuses_scoring(cfg)
+    assert one_pass(update_spec(cfg, Dist()), cfg.batch_size, Dist())
     two_pass, fused = moved_setup(cfg), moved_setup(cfg)  # identical models and optimizers
     _, ids, mask = prompt_batch(two_pass, cfg, 0)
     rollout = sample_responses(two_pass.policy, ids, mask, max_new_tokens=cfg.max_new_tokens,
@@ -76,25 +74,13 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
                                pad_token_id=two_pass.tokenizer.pad_token_id,
                                generator=torch.Generator().manual_seed(0))
     scores = torch.randn(len(rollout), generator=torch.Generator().manual_seed(2))
-    in_reward = cfg.kl_in == "reward"
-    beta = cfg.beta
 
-    with autocast(cfg.mixed_precision, torch.device("cpu")):  # as train/ppo.py scores them
-        old = score_rollout(two_pass.policy, two_pass.reference, two_pass.critic, rollout, None,
-                            cfg.micro_batch_rows, cfg.chunked_lm_head)
-    rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask,
-                                    beta if in_reward else 0.0,
-                                    cfg.resolved_estimator if in_reward else "k1")
-    advantages, returns = estimate_advantages(cfg, rewards, old.values, rollout.response_mask)
-    stats = ppo_update(two_pass.policy, two_pass.critic, two_pass.optimizer, rollout, old,
-                       advantages, returns, cfg, 0.0 if in_reward else beta,
-                       torch.Generator().manual_seed(0), reference=two_pass.reference)
-
-    with autocast(cfg.mixed_precision, torch.device("cpu")):
-        ref = score_reference(fused.reference, rollout, cfg.chunked_lm_head)
-    old_f, kl_f, advantages_f, returns_f, stats_f = on_policy_step(
-        fused.policy, fused.critic, fused.reference, fused.optimizer, rollout, ref, scores, cfg,
-        beta)
+    def steps_2_to_4(setup, fuse: bool):
+        done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores,
+                            cfg.beta, setup.spec, torch.Generator().manual_seed(0), fuse=fuse)
+        return done.old, done.kl, done.advantages, done.returns, done.stats
+    old, kl, advantages, returns, stats = steps_2_to_4(two_pass, fuse=False)
+    old_f, kl_f, advantages_f, returns_f, stats_f = steps_2_to_4(fused, fuse=True)
 
     assert kl.abs().sum() > 0.01  # the policy really differs from its reference
     for name in ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl"):
@@ -124,5 +110,7 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
                                        dict(micro_batch_size=4)])
 def test_two_pass_loop_kept_when_a_batch_gets_more_than_one_forward(overrides):
     fields = dict(policy="p", prompts="p", batch_size=8, ppo_epochs=1) | overrides
-    assert fuses_scoring(PPOConfig(policy="p", prompts="p", batch_size=8, ppo_epochs=1))
-    assert not fuses_scoring(PPOConfig(**fields))
+    one = PPOConfig(policy="p", prompts="p", batch_size=8, ppo_epochs=1)
+    assert one_pass(update_spec(one, Dist()), 8, Dist())
+    assert not one_pass(update_spec(PPOConfig(**fields), Dist()), 8, Dist())
+    assert not one_pass(update_spec(one, Dist(world_size=2)), 8, Dist(world_size=2))  # torchrun

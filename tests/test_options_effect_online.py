@@ -17,7 +17,7 @@ import torch
 from test_options_effect import ModelCalls, trunk_moves
 
 from tether.errors import TetherError
-from tether.rl import onpolicy, update
+from tether.rl import update
 from tether.train import ppo
 from tether.train.ppo_config import PPOConfig
 
@@ -186,8 +186,7 @@ def _gae_by_hand(rewards, values, mask, gamma, lam):
 
 def test_gamma_lam_and_whitening_reach_the_advantages(tiny_model_dir, tmp_path, monkeypatch):
     calls = []
-    for module in (ppo, onpolicy):  # the two-pass loop, or one forward per batch (one step)
-        _spy(monkeypatch, module, "estimate_advantages", calls)
+    _spy(monkeypatch, update, "estimate_advantages", calls)  # either path (one_pass or not)
     online_run(tiny_model_dir, tmp_path, name="raw", gamma=0.5, lam=0.7, whiten_advantages="off")
     (_, rewards, values, mask), _, (advantages, _) = calls[-1]
     torch.testing.assert_close(advantages, _gae_by_hand(rewards, values, mask, 0.5, 0.7))
@@ -298,8 +297,7 @@ def test_reward_fn_given_as_file_and_function(tiny_model_dir, tmp_path):
 def test_grpo_scale_rewards_none_leaves_the_centred_rewards(tiny_model_dir, tmp_path, monkeypatch):
     # Dr. GRPO (Liu et al. 2025): A_i = R_i - mean of its group of k = 2, on its real tokens
     calls = []
-    for module in (ppo, onpolicy):  # the two-pass loop, or one forward per batch (one step)
-        _spy(monkeypatch, module, "estimate_advantages", calls)
+    _spy(monkeypatch, update, "estimate_advantages", calls)  # either path (one_pass or not)
     online_run(tiny_model_dir, tmp_path, advantage="grpo", samples_per_prompt=2, kl_in="loss",
                scale_rewards="none", max_new_tokens=8)
     (_, rewards, _, mask), _, (advantages, _) = calls[-1]

@@ -85,13 +85,14 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     for rows in (slice(0, 4), slice(4, 8)):  # each first-epoch minibatch, before any step
         _, stats = minibatch_loss(setup.policy, setup.critic, rollout.select(rows),
-                                  old.select(rows), advantages[rows], advantages[rows], cfg, 0.0)
+                                  old.select(rows), advantages[rows], advantages[rows], setup.spec,
+                                  0.0)
         assert stats["policy/ratio_mean"] == 1.0  # exactly, not approximately
         assert stats["policy/approx_kl"] == 0.0
         assert stats["policy/clip_frac"] == 0.0
     ref_before = [p.clone() for p in setup.reference.parameters()]
-    ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old, advantages, advantages,
-               cfg, 0.0, torch.Generator().manual_seed(0))
+    ppo_update(setup.roles, setup.optimizer, rollout, old, advantages, advantages,
+               setup.spec, 0.0, torch.Generator().manual_seed(0))
     assert all(a.equal(b) for a, b in zip(ref_before, setup.reference.parameters(), strict=True))
     assert not all(a.equal(b) for a, b in zip(ref_before, setup.policy.parameters(), strict=True))
 
@@ -109,7 +110,7 @@ def test_kl_as_loss_adds_beta_times_the_kl_term(env, tiny_model_dir, estimator, 
     # exactly 1, so k3 x ratio is the same number.
     old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
-    args = (setup.policy, setup.critic, rollout, old, advantages, advantages, cfg)
+    args = (setup.policy, setup.critic, rollout, old, advantages, advantages, setup.spec)
     loss_without, _ = minibatch_loss(*args, 0.0)
     loss_with, stats = minibatch_loss(*args, 2.0)
     k3 = math.exp(-0.3) - 1 + 0.3
@@ -129,8 +130,8 @@ def test_trust_region_guard_stops_epochs(env, tiny_model_dir):
         rollout = fresh_rollout(setup, cfg)
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, 8)
         adv = torch.randn(rollout.response_mask.shape) * rollout.response_mask
-        stats = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old, adv, adv,
-                           cfg, 0.0, torch.Generator().manual_seed(0))
+        stats = ppo_update(setup.roles, setup.optimizer, rollout, old, adv, adv,
+                           setup.spec, 0.0, torch.Generator().manual_seed(0))
         results[target] = (stats["policy/updates"], stats["policy/early_stopped"])
     # One minibatch per epoch. Epoch 1 is on-policy (approx KL exactly 0), so its step is taken;
     # at epoch 2 the KL to the rollout policy is positive, past 1e-12: no further step.

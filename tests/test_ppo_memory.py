@@ -27,10 +27,10 @@ from tether.models.forward import autocast
 from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.models.trunk_head import trunk_and_head
+from tether.rl import scoring
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.rl.update import ppo_update
-from tether.train import ppo as ppo_module
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
 
@@ -128,7 +128,7 @@ def fresh_setup(env, model_dir, name, **overrides):
 
 
 def score_and_update(cfg, setup, rollout):
-    """Steps 2-4 of the PPO loop on a given rollout, as `train/ppo.py` runs them."""
+    """Steps 2-4 of the PPO loop on a given rollout, as `tether.rl.update` runs them."""
     with autocast(cfg.mixed_precision, setup.device):
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
                             cfg.temperature, cfg.micro_batch_rows)
@@ -137,8 +137,8 @@ def score_and_update(cfg, setup, rollout):
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, cfg.beta)
     advantages, returns = gae(rewards, old.values, mask, cfg.gamma, cfg.lam)
     advantages = whiten(advantages, mask)
-    stats = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old, advantages,
-                       returns, cfg, 0.0, torch.Generator().manual_seed(0))
+    stats = ppo_update(setup.roles, setup.optimizer, rollout, old, advantages,
+                       returns, setup.spec, 0.0, torch.Generator().manual_seed(0))
     return old, kl, advantages, stats
 
 
@@ -202,7 +202,7 @@ def test_bf16_end_to_end_with_reward_model_and_critic(env, tiny_llama_dir, monke
 
     # The loop scores in the first epoch's micro-batch rows (on a GPU, batch shape can change
     # the last bits of a forward, so other chunks would break the exact ratio of 1).
-    monkeypatch.setattr(ppo_module, "score_rollout", recording_score_rollout)
+    monkeypatch.setattr(scoring, "score_rollout", recording_score_rollout)
     # The chunked head checks each model's split once in fp32 (tether.trunk_head._logits_match);
     # that check is not part of the batch and would show up as fp32 layer outputs here.
     monkeypatch.setattr(trunk_head, "_logits_match", lambda model, trunk, head: True)

@@ -25,14 +25,6 @@ from tether._checks import choice, masked_mean, non_negative, same_shape
 from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
 
 
-def assert_finite(name: str, value: torch.Tensor) -> None:
-    """Stop with a clear message rather than let a NaN or inf reach the optimiser."""
-    if not bool(torch.isfinite(value).all()):
-        raise FloatingPointError(
-            f"{name} is not finite ({value.detach().flatten()[:4].tolist()}); the step was "
-            "skipped. Lower the learning rate, check the rewards for NaN, or clip them")
-
-
 def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = True,
                   denominator: float | None = None) -> torch.Tensor:
     """Scalar reduction of a [B, T] per-token quantity over the real tokens of `mask`.
@@ -307,4 +299,3 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
-

@@ -1,4 +1,4 @@
-"""What data parallelism adds to the online loop (`train/ppo.py`), and nothing else.
+"""What data parallelism adds to the online loop (`tether.train.ppo`), and nothing else.
 
 Under `torchrun --nproc-per-node W` every rank runs the same loop. The model work is split; the
 arithmetic between model calls is not:
@@ -41,26 +41,6 @@ from tether.rl.rollout import Rollout
 from tether.run import distributed
 from tether.run.distributed import Dist
 from tether.run.slicing import epoch0_rows
-from tether.train.ppo_config import PPOConfig
-
-
-def check_world(cfg: PPOConfig, d: Dist) -> None:
-    """The global batch must split evenly over the ranks: whole groups of samples per rank, and
-    each minibatch's share a whole number of micro-batches (`--micro-batch-size` is per rank)."""
-    world = d.world_size
-    if world == 1:
-        return
-    per_rank = cfg.batch_size // world
-    if cfg.batch_size % world or per_rank % cfg.samples_per_prompt:
-        raise TetherError(f"--batch-size {cfg.batch_size} must split over {world} processes in "
-                          f"whole groups of --samples-per-prompt {cfg.samples_per_prompt}; use a "
-                          f"multiple of {world * cfg.samples_per_prompt}")
-    share = cfg.minibatch_size // world
-    if cfg.minibatch_size % world or (cfg.micro_batch_size and share % cfg.micro_batch_size):
-        raise TetherError(f"each minibatch of {cfg.minibatch_size} rows must split over {world} "
-                          f"processes in whole micro-batches of --micro-batch-size "
-                          f"{cfg.micro_batch_size or share}; change --batch-size, "
-                          "--num-minibatches or --micro-batch-size")
 
 
 class Roles:

@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from tether import kl as kl_lib
+from tether.lm_head import head_entropy
 from tether.models.critic import policy_and_values
-from tether.models.trunk_head import ResponseScores, exact_kl_at, score_responses
+from tether.models.trunk_head import ResponseScores, exact_kl_at, score_responses, trunk_and_head
+from tether.rl.roles import Roles, gather_in_order
 from tether.rl.rollout import Rollout
-from tether.run.slicing import chunks
+from tether.run.slicing import chunks, epoch0_rows
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -109,3 +111,46 @@ def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> Re
                            rollout.context_length, rollout.temperature, chunked=chunked,
                            hidden=True)
 
+
+def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_size: int,
+                micro_rows: int, chunked: bool) -> Scored:
+    """pi_old, the reference and the critic on the global rollout's tokens: each rank scores the
+    rows it updates in the first epoch, in its micro-batches of `micro_rows` rows (so that
+    epoch's ratio is exactly 1), and every rank gets all rows back in order."""
+    d = roles.dist
+    rows = epoch0_rows(len(rollout), minibatch_size, d).to(rollout.input_ids.device)
+    mine = roles.peek(lambda policy, critic: score_rollout(
+        policy, reference, critic, rollout.select(rows), None, micro_rows, chunked))
+    return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch_size, d)
+                    for name in SCORED))
+
+
+@torch.no_grad()
+def scored_from_forward(policy: nn.Module, reference: nn.Module, rollout: Rollout,
+                        forward: tuple[ResponseScores, torch.Tensor], ref: ResponseScores,
+                        chunked: bool) -> Scored:
+    """pi_old's scores read off the update's own forward on the whole batch (`forward`, from
+    `policy_and_values` with its hidden states; `tether.rl.update.one_pass`), detached: its
+    log-probs and values, the entropy and the exact KL from its hidden states through the LM
+    head; `ref`: `score_reference` of the batch."""
+    current, values = forward
+    real = rollout.response_mask.float()
+    exact = exact_kl_at(policy, reference, current.hidden.detach(), ref.hidden,
+                        rollout.temperature)
+    return Scored(logprobs=current.logprobs.detach() * real, ref_logprobs=ref.logprobs * real,
+                  values=values.detach().float() * real,
+                  entropy=_entropy(policy, rollout, current.hidden, chunked) * real,
+                  exact_kl=(exact.float() * real if exact is not None
+                            else torch.full_like(real, float("nan"))))
+
+
+def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked: bool):
+    """H(pi(. | s_t)) [B, R] from the update's hidden states through the LM head; a model whose
+    logits are not head(hidden) gets one more forward (tether.models.trunk_head.trunk_and_head)."""
+    try:
+        _, head = trunk_and_head(policy)
+    except ValueError:
+        return score_responses(policy, rollout.input_ids, rollout.attention_mask,
+                               rollout.context_length, rollout.temperature, chunked=chunked,
+                               entropy=True).entropy
+    return head_entropy(hidden.detach(), head, rollout.temperature)

@@ -120,16 +120,21 @@ def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Non
         torch.cuda.set_rng_state_all(cuda)
 
 
+def require_finite_weight(what: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuse to save a weight holding NaN or inf: such a model is lost, and a checkpoint of it
+    would only be resumed into more NaN."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over the "
+                          "last good checkpoint. Lower the learning rate or clip gradients "
+                          "harder, then --resume")
+
+
 def check_finite_weights(model: nn.Module, what: str) -> None:
-    """Refuse to save weights holding NaN or inf: such a model is lost, and a checkpoint of it
-    would only be resumed into more NaN. Frozen weights are not checked (training never writes
-    them)."""
+    """`require_finite_weight` on every weight of `model` that training writes (all of them when
+    none is frozen; a frozen LoRA base is not checked)."""
     for name, param in model.named_parameters():
-        if (param.requires_grad or not has_frozen_parameters(model)) and not bool(
-                torch.isfinite(param.detach()).all()):
-            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
-                              "the last good checkpoint. Lower the learning rate or clip gradients "
-                              "harder, then --resume")
+        if param.requires_grad or not has_frozen_parameters(model):
+            require_finite_weight(what, name, param.detach())
 
 
 def remove_temp_dirs(directory: str | Path) -> list[Path]:
@@ -195,10 +200,8 @@ def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
         if not param.requires_grad:
             continue
         full = _full(param.detach())
-        if what and not bool(torch.isfinite(full).all()):
-            raise TetherError(f"{what} has non-finite weights ({name}); nothing was saved over "
-                              "the last good checkpoint. Lower the learning rate or clip gradients "
-                              "harder, then --resume")
+        if what:
+            require_finite_weight(what, name, full)
         if keep:
             out[name] = full.contiguous().cpu()
     return out

@@ -1,8 +1,13 @@
-"""The one optimizer and learning-rate schedule of every stage (SFT, RM, DPO, PPO).
+"""The one optimizer, learning-rate schedule and optimizer step of every stage (SFT, RM, DPO,
+PPO), with one failure behaviour.
 
 AdamW with weight decay on matrices only, and a schedule of `warmup` steps of linear warm-up,
 (k + 1) / warmup for k = 0 .. warmup - 1, then constant, linear or cosine decay to 0 over the
-remaining steps. A PPO "step" is one rollout batch.
+remaining steps. A PPO "step" of the schedule is one rollout batch.
+
+A NaN or inf loss (checked before its backward) or gradient norm (checked before the step) raises
+`NonFiniteStep`: the step is not taken, nothing is saved, and the loop's error line names the
+step or batch.
 """
 
 from __future__ import annotations
@@ -59,40 +64,56 @@ def make_lr_schedule(optimizer, total_steps: int, warmup_steps: int = 0, schedul
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+# ----------------------------------------------------------------------------- the step
+
+class NonFiniteStep(TetherError):
+    """A NaN or inf loss or gradient norm: the step was not taken. The loop that catches it names
+    its step or batch; nothing has been saved over the last good checkpoint."""
+
+
+def _not_finite(what: str, value: float, fix: str) -> NonFiniteStep:
+    return NonFiniteStep(f"the {what} is {value}: the step was not taken and nothing was saved "
+                         f"over the last good checkpoint; {fix}, then --resume")
+
+
 def backward(loss: torch.Tensor, d: Dist | None = None) -> None:
-    """Add d(loss)/d(params) to the gradients; refuses a non-finite loss instead of a silent bad
-    update. Under torchrun the check is global (every rank stops with the same line, none is left
-    waiting in the gradient reduction)."""
+    """Add d(loss)/d(params) to the gradients; a non-finite loss raises `NonFiniteStep` instead of
+    a silent bad update. Under torchrun the check is global (every rank stops with the same line,
+    none is left waiting in the gradient reduction)."""
     finite = bool(torch.isfinite(loss))
     if d is not None and d.active:
         finite = distributed.all_agree(finite, d)
     if not finite:
-        raise TetherError(f"the loss is {loss.item()}: the step was not taken and nothing was "
-                          "saved over the last good checkpoint; lower --lr or check the data, "
-                          "then --resume")
+        raise _not_finite("loss", loss.item(), "lower --lr or check the data")
     loss.backward()
 
 
-def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
-    """Clip the accumulated gradients, step, schedule, then zero the gradients for the next step.
+def clip_and_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                  max_grad_norm: float) -> float:
+    """The one optimizer step of every stage: clip the accumulated gradients of `params` to
+    `max_grad_norm` (0: no clipping), refuse a non-finite norm (`NonFiniteStep`, the gradients
+    dropped), step, and zero the gradients. Returns the norm before clipping.
 
-    The gradients are those `backward` summed over the step's micro-batches; returns their norm
-    before clipping. `model` may be wrapped: DDP's gradients are already the global ones on every
-    rank, and FSDP2's sharded norm is reduced over ranks by DTensor, so the norm is global.
+    The gradients are those `backward` summed over the step's micro-batches. Under DDP they are
+    already the global ones on every rank; FSDP2's sharded norm is a DTensor reduced over ranks,
+    so the norm is global either way.
     """
-    params = [p for p in plain_model(model).parameters() if p.grad is not None]
     # max_grad_norm 0: no clipping; an infinite bound scales every gradient by exactly 1.
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0
                                                else math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if not torch.isfinite(grad_norm):  # a finite loss can still have an overflowing gradient
         optimizer.zero_grad(set_to_none=True)
-        raise TetherError(f"the gradient norm is {float(grad_norm)}: the step was not taken and "
-                          "nothing was saved over the last good checkpoint; lower --lr or "
-                          "--max-grad-norm, then --resume")
+        raise _not_finite("gradient norm", float(grad_norm), "lower --lr or --max-grad-norm")
     optimizer.step()
-    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
 
 
+def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+    """An offline stage's step: `clip_and_step` on the gradients of `model` (possibly wrapped),
+    then one step of the learning-rate schedule. Returns the gradient norm before clipping."""
+    params = [p for p in plain_model(model).parameters() if p.grad is not None]
+    grad_norm = clip_and_step(params, optimizer, max_grad_norm)
+    scheduler.step()
+    return grad_norm

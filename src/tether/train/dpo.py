@@ -25,33 +25,27 @@ import torch
 from tether.data.batches import batch_order, collate_pairs, to_device
 from tether.data.encoding import encode_preferences
 from tether.data.rows import load_rows
+from tether.errors import TetherError
 from tether.losses import dpo_loss
 from tether.models.forward import autocast
-from tether.models.lora import AdapterView, LoraSpec, check_targets
+from tether.models.lora import LoraSpec, check_targets
 from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
-from tether.models.prepare import (
-    disable_dropout,
-    enable_gradient_checkpointing,
-    freeze,
-    frozen_copy,
-)
+from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
 from tether.models.pretrained import (
     TrainableLM,
-    check_same_vocabulary,
-    load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
-    save_trained_lm,
 )
+from tether.models.reference import reference_model
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.config import parse_config
 from tether.run.distributed import wrap_frozen
 from tether.run.launch import join, seed_everything
-from tether.run.optim import backward, optimizer_step
+from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
-from tether.train.offline import maybe_checkpoint, save_final, start_training
+from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
 from tether.train.offline_config import DPOConfig
 
 
@@ -90,31 +84,48 @@ def precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id: int, cfg: DP
 
 
 def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
-    """(the reference model that decides the batch layout, a function of the policy wrapper
-    giving `ref_fn(batch)`). Built before the policy is wrapped: the full-weight copy must be
-    taken of the plain model."""
-    policy = lm.model
-    if cfg.ref_model:
-        # DPO compares the two models' log-probs of the same token ids: one vocabulary.
-        ref_tokenizer = load_tokenizer(cfg.ref_model, cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
-        ref = load_causal_lm(cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
-        freeze(ref, d.device)  # a fresh load: no copy needed
-    elif lm.peft is not None:
-        # LoRA: the shared base with the adapter off, or the starting adapter kept frozen; it is
-        # the policy's own model, so it is called through the policy's wrapper.
-        view = AdapterView(lm.peft, lm.reference_adapter)
-        return view, lambda wrapped: lambda batch: wrapped(
-            lambda _model, b: pair_logprobs(view, b, cfg.chunked_lm_head), batch)
-    elif cfg.precompute_ref_logprobs:
-        # Before any update (and before a resumed checkpoint is loaded) the policy *is* the reference.
-        return policy, lambda wrapped: lambda batch: wrapped(pair_logprobs, batch,
-                                                             cfg.chunked_lm_head)
-    else:
-        ref = frozen_copy(policy)
-    ref_wrapped = wrap_frozen(ref, d)
-    return ref, lambda _wrapped: lambda batch: ref_wrapped(pair_logprobs, batch,
-                                                           cfg.chunked_lm_head)
+    """(the model that decides the batch layout, a function of the policy wrapper giving
+    `ref_fn(batch)`, the reference's `pair_logprobs`). Built before the policy is wrapped: the
+    full-weight copy must be taken of the plain model."""
+    if cfg.precompute_ref_logprobs and not cfg.ref_model and lm.peft is None:
+        # Before any update (and before a resumed checkpoint is loaded) the policy *is* the
+        # reference: scored once through its own wrapper, no copy made.
+        return lm.model, lambda wrapped: lambda batch: wrapped(pair_logprobs, batch,
+                                                               cfg.chunked_lm_head)
+    reference = reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
+    if lm.peft is not None and not cfg.ref_model:
+        # LoRA: a view of the policy's own model, so it is called through the policy's wrapper.
+        return reference, lambda wrapped: lambda batch: wrapped(
+            lambda _model, b: pair_logprobs(reference, b, cfg.chunked_lm_head), batch)
+    ref_wrapped = wrap_frozen(reference.to(d.device), d)
+    return reference, lambda _wrapped: lambda batch: ref_wrapped(pair_logprobs, batch,
+                                                                 cfg.chunked_lm_head)
+
+
+def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_logps,
+                     cfg: DPOConfig, d: distributed.Dist, pad_id: int) -> list[torch.Tensor]:
+    """Forward and backward over this rank's share of the global batch `indices`, in its
+    micro-batches; returns the global batch's policy (chosen, rejected, chosen_len,
+    rejected_len) and reference (chosen, rejected) log-probs, `[B]` each, gathered from every
+    rank for the metrics. `ref_logps(rows, batch)`: the reference's (chosen, rejected)."""
+    micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    parts = []
+    for i, (rows, real) in enumerate(micro):
+        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
+                                  cfg.share_prompt), d.device)
+        with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+            with autocast(cfg.mixed_precision, d.device):
+                # chosen, rejected and their lengths: [b] each
+                policy_logps = wrapped(pair_logprobs, batch, cfg.chunked_lm_head)
+                ref_chosen, ref_rejected = ref_logps(rows, batch)
+            losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
+            # the loss is a mean over the global batch's pairs
+            backward(losses.sum() / len(indices) * (d.grad_scale if real else 0.0), d)
+        if real:
+            parts.append(torch.stack([t.detach().float() for t in
+                                      (*policy_logps, ref_chosen, ref_rejected)], dim=-1))
+    local = torch.cat(parts) if parts else torch.zeros((0, 6), device=d.device)
+    return list(distributed.all_gather_rows(local, d).unbind(-1))
 
 
 def pair_losses(cfg: DPOConfig, policy_logps, ref_chosen, ref_rejected):
@@ -146,7 +157,8 @@ def run(cfg: DPOConfig) -> RunResult:
     """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
-    examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
+    examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
+                                         cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
@@ -169,6 +181,12 @@ def run(cfg: DPOConfig) -> RunResult:
                                             wrapped)
         wrapped.train()
         ref_fn = ref_layout = make_ref_fn = None  # a separate reference is dropped here
+
+    def ref_logps(rows, batch):  # the reference's (chosen, rejected) of a micro-batch
+        if ref_table is not None:
+            return ref_table[rows].to(d.device).unbind(-1)
+        with torch.no_grad():
+            return ref_fn(batch)[:2]
     run_dir.save_config(cfg)
     total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
                                                               len(examples))
@@ -176,53 +194,29 @@ def run(cfg: DPOConfig) -> RunResult:
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
-    for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
-        micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
-        parts = []
-        for i, (rows, real) in enumerate(micro):
-            batch = to_device(collate(policy, [examples[k] for k in rows], pad_id,
-                                      cfg.share_prompt), d.device)
-            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
-                with autocast(cfg.mixed_precision, d.device):
-                    # chosen, rejected and their lengths: [b] each
-                    policy_logps = wrapped(pair_logprobs, batch, cfg.chunked_lm_head)
-                    if ref_table is not None:
-                        ref_chosen, ref_rejected = ref_table[rows].to(d.device).unbind(-1)
-                    else:
-                        with torch.no_grad():
-                            ref_chosen, ref_rejected, _, _ = ref_fn(batch)
-                losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
-                # the loss is a mean over the global batch's pairs
-                backward(losses.sum() / len(indices) * (d.grad_scale if real else 0.0), d)
-            if real:
-                parts.append(torch.stack([t.detach().float() for t in
-                                          (*policy_logps, ref_chosen, ref_rejected)], dim=-1))
-        # Metrics are the full global batch's, from the log-probs every rank produced.
-        local = torch.cat(parts) if parts else torch.zeros((0, 6), device=d.device)
-        *policy_logps, ref_chosen, ref_rejected = distributed.all_gather_rows(local, d).unbind(-1)
-        losses, chosen_rewards, rejected_rewards = pair_losses(cfg, policy_logps, ref_chosen,
-                                                               ref_rejected)
-        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-        bar.update(1)
-        metrics = dpo_metrics(losses, chosen_rewards, rejected_rewards, cfg.beta)
-        metrics |= {"logps/chosen": policy_logps[0].mean().item(),
-                    "logps/rejected": policy_logps[1].mean().item(),
-                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-        if step % cfg.log_every == 0 or step == total_steps:
-            run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
-                         scheduler, {"step": step})
-    bar.close()
-
-    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
-        fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
-        return fresh, fresh.model
-
-    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
-        owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
-    run_dir.close()
+    try:
+        for step in range(state["step"] + 1, total_steps + 1):
+            indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global
+            *policy_logps, ref_chosen, ref_rejected = accumulate_pairs(
+                wrapped, policy, examples, indices, ref_logps, cfg, d, pad_id)
+            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
+            # Metrics are the full global batch's, from the log-probs every rank produced.
+            metrics = dpo_metrics(*pair_losses(cfg, policy_logps, ref_chosen, ref_rejected),
+                                  cfg.beta)
+            metrics |= {"logps/chosen": policy_logps[0].mean().item(),
+                        "logps/rejected": policy_logps[1].mean().item(),
+                        "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+            if step % cfg.log_every == 0 or step == total_steps:
+                run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
+            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
+                             scheduler, {"step": step})
+    except NonFiniteStep as exc:  # nothing of this step was applied or saved
+        raise TetherError(f"step {step}: {exc}") from None
+    finally:
+        bar.close()
+    save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, metrics | data_stats)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from tether.models.lora import LoraSpec
+from tether.models.pretrained import TrainableLM, load_trainable_lm, save_trained_lm
 from tether.run import distributed, interrupt
 from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
 from tether.run.config import RunConfig
@@ -83,3 +85,19 @@ def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
         save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state)
     if asked:
         raise interrupt.stop(step, str(run.checkpoint_dir))
+
+
+def save_final_lm(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, lm: TrainableLM,
+                  tokenizer, cfg: TrainConfig) -> None:
+    """The end of an SFT or DPO run: the trained LM (or its LoRA adapter) to `final/`, merged into
+    its base too with --merge-lora (`save_final`: rank 0 writes, FSDP2 shards gathered into a
+    fresh copy of the starting model); then the run directory is closed."""
+    lora = LoraSpec.from_config(cfg)
+
+    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
+        fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+        return fresh, fresh.model
+
+    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
+        owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
+    run_dir.close()

@@ -4,17 +4,19 @@ The loop in `run` is the algorithm, top to bottom (Ziegler et al. 2019; Stiennon
 Ouyang et al. 2022):
 
     for each batch of prompts x:
-        y ~ pi_old(. | x)                          sample (rollout.sample_responses)
+        y ~ pi_old(. | x)                          sample (tether.rl.engines.native)
         s = R(x, y)                                 reward model or Python function
-        log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (ppo_step.score_rollout)
+        log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (tether.rl.scoring)
         r_t = -beta * kl_t (+ s at the last token)  advantages.kl_shaped_rewards
-        A, G = GAE(r, V_old)                        advantages.gae, whitened
-        PPO epochs on the clipped losses            ppo_step.ppo_update
+        A, G = GAE(r, V_old)                        or rloo, grpo, reinforce++ without a critic
+        PPO epochs on the clipped losses            tether.rl.update.ppo_update
         beta <- controller(mean_seq KL, batch)      kl.AdaptiveKL / FixedKL / AnnealedKL
 
-Setup (loading, checks) lives in `ppo_setup.py`; the per-batch pieces in `ppo_step.py`. With one
-optimizer step per batch (rloo's and grpo's defaults), the update's forward also scores pi_old
-(`onpolicy.py`), so the policy runs forward once per batch instead of twice.
+The middle four lines are one call, `tether.rl.update.update_batch`, the one update path (it
+alone decides whether the update's forward also scores pi_old). Setup (loading, checks, the
+settings each piece takes) lives in `ppo_setup.py`; under torchrun every rank runs this loop on
+its rows of each global batch (`tether.rl.roles`) and rank 0 writes. `tether rloo` and `tether
+grpo` are this loop with other defaults (`ppo_config.RLOOConfig`, `GRPOConfig`).
 """
 
 from __future__ import annotations
@@ -24,34 +26,110 @@ import time
 
 import torch
 
-from tether.advantages import ScoreNormalizer, kl_shaped_rewards
+from tether.advantages import ScoreNormalizer
 from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.engines.native import sample_responses
-from tether.rl.onpolicy import fuses_scoring, on_policy_step
-from tether.rl.roles import all_done, any_rank, check_same_beta, gather_in_order, gather_rollout
-from tether.rl.rollout import apply_stop_strings, decode_responses, sampling_uniforms
-from tether.rl.scoring import (
-    SCORED,
-    Scored,
-    explained_variance,
-    kl_sums,
-    score_reference,
-    score_rollout,
-)
-from tether.rl.update import estimate_advantages, ppo_update
+from tether.rl.evaluation import evaluate_policy
+from tether.rl.roles import all_done, any_rank, check_same_beta, gather_rollout
+from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+from tether.rl.scoring import explained_variance, kl_sums
+from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.run.config import parse_config
 from tether.run.distributed import all_gather_rows, barrier
+from tether.run.optim import NonFiniteStep
 from tether.run.rundir import RunDir, RunResult, print_result, progress
-from tether.run.slicing import epoch0_rows, micro_rows, rank_slice
+from tether.run.slicing import rank_slice
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import Setup, build, evaluate, prompt_batch, sample_table
+from tether.train.ppo_setup import Setup, build, prompt_batch
 
 __all__ = ["PPOConfig", "run", "cli"]
+
+
+def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
+    """Train with PPO; returns the final policy's directory and the last batch's metrics.
+
+    `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
+    of --reward-fn / --gold-fn (give a reward one way only).
+    """
+    rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
+    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
+    d = setup.dist
+    rundir.save_config(cfg)  # rank 0 writes it; every rank checks a resumed one
+    models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
+    normalizer = ScoreNormalizer(cfg.score_norm)
+    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
+    if cfg.eval_prompts and cfg.eval_every and start == 0:
+        # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
+        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
+    metrics: dict[str, float] = {}
+    warned = False
+    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
+    try:
+        for batch in range(start, cfg.n_batches):
+            step = batch + 1
+            started = time.perf_counter()
+            # Seeded per batch and row, so a resumed run samples what the uninterrupted one would
+            # have, at any world size.
+            seed = cfg.seed * 1_000_003 + batch
+            prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
+            uniforms = sampling_uniforms(seed, len(prompts), cfg.max_new_tokens)
+            mine = rank_slice(len(prompts), d)
+
+            # 1. Rollout and reward of this rank's rows, then the global batch on every rank.
+            #    With --mixed-precision bf16 every model forward runs under autocast; log-probs,
+            #    values and scores come out in fp32.
+            with autocast(cfg.mixed_precision, setup.device):
+                rollout, responses, raw_scores = rollout_batch(
+                    setup, cfg, prompts[mine], prompt_ids[mine], prompt_mask[mine],
+                    uniforms[mine])
+            rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
+            scores = batch_scores(raw_scores, rollout, normalizer, cfg)
+
+            # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
+            #      the KL in the loss, beta moves there), estimate the advantages, PPO epochs.
+            beta = setup.kl_ctl.beta
+            done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores,
+                                beta, setup.spec, torch.Generator().manual_seed(seed))
+            lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
+            setup.scheduler.step()
+
+            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
+            seq_kl = done.kl.sum(dim=1).mean().item()
+            setup.kl_ctl.update(seq_kl, len(rollout))
+            check_same_beta(setup.kl_ctl.beta, d)
+
+            metrics = batch_metrics(rollout, raw_scores, scores, done, beta, seq_kl, lr,
+                                    time.perf_counter() - started, setup.critic is not None)
+            if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
+                metrics.update(log_evaluation(rundir, setup, cfg, step))
+            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores[mine])
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
+                            beta=f"{beta:.3g}")
+            # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
+            warned = warn_or_stop(metrics, cfg.max_kl, step, warned or not d.is_main)
+            stopping = any_rank(interrupt.requested(), d)
+            due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
+            if due or stopping:
+                checkpoint(rundir, setup, models, step, normalizer)
+            if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
+                raise interrupt.stop(step, str(rundir.checkpoint_dir))
+    except NonFiniteStep as exc:
+        raise TetherError(f"batch {batch + 1}: {exc}") from None
+    finally:
+        bar.close()
+    if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
+        final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
+        rundir.log(cfg.n_batches, final_eval)
+        metrics.update(final_eval)
+    save_policy(rundir, setup, cfg)
+    metrics["objective/beta_final"] = setup.kl_ctl.beta
+    return RunResult(output_path=rundir.final_dir, metrics=metrics)
 
 
 def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
@@ -71,18 +149,41 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
     return setup.roles.generate(sample_and_score)
 
 
-def score_batch(setup: Setup, cfg: PPOConfig, rollout) -> Scored:
-    """Old policy, reference and critic on the global rollout's tokens: each rank scores the rows
-    it updates in the first epoch, in its micro-batches (so that epoch's ratio is exactly 1), and
-    every rank gets all rows back in order."""
-    d, minibatch = setup.dist, cfg.minibatch_size
-    rows = epoch0_rows(len(rollout), minibatch, d).to(rollout.input_ids.device)
-    mine = setup.roles.peek(lambda policy, critic: score_rollout(
-        policy, setup.reference, critic, rollout.select(rows), None,
-        micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
-        cfg.chunked_lm_head))
-    return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch, d)
-                    for name in SCORED))
+def batch_scores(raw_scores: torch.Tensor, rollout: Rollout, normalizer: ScoreNormalizer,
+                 cfg: PPOConfig) -> torch.Tensor:
+    """The [B] scores the rewards are shaped with: raw scores less --missing-eos-penalty for
+    responses that never ended, normalised (--score-norm), clipped to +-(--reward-clip)."""
+    scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
+    scores = normalizer(scores)
+    return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
+
+
+def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tensor,
+                  done: BatchUpdate, beta: float, seq_kl: float, lr: float, elapsed: float,
+                  has_critic: bool) -> dict[str, float]:
+    """The batch's metric line (docs/ppo.md defines each), the same on every rank."""
+    mask, old = rollout.response_mask, done.old
+    n_tokens = int(mask.sum())
+    metrics = {
+        "objective/score": raw_scores.mean().item(),
+        "objective/kl": seq_kl,
+        "objective/beta": beta,
+        "objective/rlhf_reward": scores.mean().item() - beta * seq_kl,
+        "policy/entropy": (old.entropy.sum() / n_tokens).item(),
+        "rollout/response_len": mask.sum(1).float().mean().item(),
+        "rollout/eos_rate": rollout.ended.float().mean().item(),
+        **kl_sums(old, mask),
+        "perf/tokens_per_s": n_tokens / elapsed,
+        "perf/episodes_per_s": len(rollout) / elapsed,
+        "perf/rollout_s": elapsed - done.update_s,
+        "perf/update_s": done.update_s,
+        "optim/lr": lr,
+        **done.stats,
+    }
+    if has_critic:
+        metrics["value/explained_var"] = explained_variance(old.values, done.returns, mask)
+    metrics["policy/collapsed"] = float(collapsed(metrics))
+    return metrics
 
 
 # A policy whose entropy is near 0 nats per token while it sits far (in KL) from the reference has
@@ -118,7 +219,11 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
     Under several processes every rank evaluates every prompt alike (the same noise, the same
     numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
     with autocast(cfg.mixed_precision, setup.device):
-        metrics, samples = setup.roles.generate(lambda _policy, _critic: evaluate(setup, cfg))
+        # Sampled with the same seed each time: successive evaluations differ only through the
+        # policy (tether.rl.evaluation.evaluate_policy).
+        metrics, samples = setup.roles.generate(lambda policy, _critic: evaluate_policy(
+            policy, setup.reference, setup.tokenizer, setup.eval, setup.reward, setup.gold,
+            chunked_lm_head=cfg.chunked_lm_head))
     rundir.log_samples(step, samples)
     return metrics
 
@@ -163,142 +268,6 @@ def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
                      "score_norm": normalizer.state_dict()})
 
 
-def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
-    """Train with PPO; returns the final policy's directory and the last batch's metrics.
-
-    `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
-    of --reward-fn / --gold-fn (give a reward one way only). Under torchrun every rank runs this
-    loop on its rows of each global batch (`tether.rl.roles`); rank 0 writes.
-    """
-    rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
-    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
-    d = setup.dist
-    rundir.save_config(cfg)  # rank 0 writes it; every rank checks a resumed one
-    models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
-    normalizer = ScoreNormalizer(cfg.score_norm)
-    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
-    if cfg.eval_prompts and cfg.eval_every and start == 0:
-        # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
-        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
-    metrics: dict[str, float] = {}
-    warned = False
-    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
-    try:
-        for batch in range(start, cfg.n_batches):
-            step = batch + 1
-            started = time.perf_counter()
-            # Seeded per batch and row, so a resumed run samples what the uninterrupted one would
-            # have, at any world size.
-            seed = cfg.seed * 1_000_003 + batch
-            shuffle_gen = torch.Generator().manual_seed(seed)
-            prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
-            uniforms = sampling_uniforms(seed, len(prompts), cfg.max_new_tokens)
-            mine = rank_slice(len(prompts), d)
-
-            # 1. Rollout and reward of this rank's rows, then the global batch on every rank.
-            #    With --mixed-precision bf16 every model forward here and in step 2 runs under
-            #    autocast; log-probs, values and scores come out in fp32.
-            with autocast(cfg.mixed_precision, setup.device):
-                rollout, responses, raw_scores = rollout_batch(
-                    setup, cfg, prompts[mine], prompt_ids[mine], prompt_mask[mine],
-                    uniforms[mine])
-            rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
-            scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
-            scores = normalizer(scores)
-            if cfg.reward_clip > 0:
-                scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-
-            mask = rollout.response_mask
-            beta = setup.kl_ctl.beta
-            in_reward = cfg.kl_in == "reward"
-            if fuses_scoring(cfg) and not setup.dist.active:
-                # 2-4 with one optimizer step per batch (rloo, grpo): the update's forward
-                #    scores pi_old too, one policy pass instead of two (train/onpolicy.py). One
-                #    process only: under torchrun each rank scores its rows, then all are gathered.
-                with autocast(cfg.mixed_precision, setup.device):
-                    ref = score_reference(setup.reference, rollout, cfg.chunked_lm_head)
-                update_started = time.perf_counter()
-                old, kl, advantages, returns, update = on_policy_step(
-                    setup.policy, setup.critic, setup.reference, setup.optimizer, rollout, ref,
-                    scores, cfg, beta)
-            else:
-                # 2. Score the same tokens: old policy, reference, critic (same temperature), in
-                #    the rows of the first epoch's micro-batches, so its ratio is exactly 1.
-                with autocast(cfg.mixed_precision, setup.device):
-                    old = score_batch(setup, cfg, rollout)
-
-                # 3. Per-token rewards: -beta * kl_t, score on the last real token. With the KL
-                #    as a loss term the reward is the score alone, beta moves into the loss, and
-                #    the controller is fed the rollout's k1 (unbiased for the per-sequence KL).
-                rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask,
-                                                beta if in_reward else 0.0,
-                                                cfg.resolved_estimator if in_reward else "k1")
-                advantages, returns = estimate_advantages(cfg, rewards, old.values, mask)
-
-                # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
-                update_started = time.perf_counter()
-                update = ppo_update(setup.policy, setup.critic, setup.optimizer, rollout, old,
-                                    advantages, returns, cfg,
-                                    kl_loss_beta=0.0 if in_reward else beta,
-                                    generator=shuffle_gen, reference=setup.reference,
-                                    roles=setup.roles)
-            update_s = time.perf_counter() - update_started
-            lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
-            setup.scheduler.step()
-
-            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
-            seq_kl = kl.sum(dim=1).mean().item()
-            setup.kl_ctl.update(seq_kl, len(rollout))
-            check_same_beta(setup.kl_ctl.beta, d)
-
-            elapsed = time.perf_counter() - started
-            n_tokens = int(mask.sum())
-            metrics = {
-                "objective/score": raw_scores.mean().item(),
-                "objective/kl": seq_kl,
-                "objective/beta": beta,
-                "objective/rlhf_reward": scores.mean().item() - beta * seq_kl,
-                "policy/entropy": (old.entropy.sum() / n_tokens).item(),
-                "rollout/response_len": mask.sum(1).float().mean().item(),
-                "rollout/eos_rate": rollout.ended.float().mean().item(),
-                **kl_sums(old, mask),
-                "perf/tokens_per_s": n_tokens / elapsed,
-                "perf/episodes_per_s": len(rollout) / elapsed,
-                "perf/rollout_s": elapsed - update_s,
-                "perf/update_s": update_s,
-                "optim/lr": lr,
-                **update,
-            }
-            if setup.critic is not None:
-                metrics["value/explained_var"] = explained_variance(old.values, returns, mask)
-            metrics["policy/collapsed"] = float(collapsed(metrics))
-            if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
-                metrics.update(log_evaluation(rundir, setup, cfg, step))
-            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores[mine])
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
-                            beta=f"{beta:.3g}")
-            # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
-            warned = warn_or_stop(metrics, cfg.max_kl, step, warned or not d.is_main)
-            stopping = any_rank(interrupt.requested(), d)
-            due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
-            if due or stopping:
-                checkpoint(rundir, setup, models, step, normalizer)
-            if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
-                raise interrupt.stop(step, str(rundir.checkpoint_dir))
-    except FloatingPointError as exc:
-        raise TetherError(f"batch {batch + 1}: {exc}") from None
-    finally:
-        bar.close()
-    if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
-        final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
-        rundir.log(cfg.n_batches, final_eval)
-        metrics.update(final_eval)
-    save_policy(rundir, setup, cfg)
-    metrics["objective/beta_final"] = setup.kl_ctl.beta
-    return RunResult(output_path=rundir.final_dir, metrics=metrics)
-
-
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
               prompts: list[str], responses: list[str], raw_scores: torch.Tensor) -> None:
     """The metric line and sample table (rank 0 writes them; the table shows its own rows, the
@@ -307,6 +276,17 @@ def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, floa
         rundir.log(step, metrics)
     if cfg.sample_every and step % cfg.sample_every == 0:
         rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
+
+
+def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,
+                 n: int = 4) -> str:
+    """A markdown table of the first `n` prompts, responses and scores (TensorBoard text)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")[:300]
+    lines = ["| prompt | response | score |", "|---|---|---|"]
+    lines += [f"| {cell(p)} | {cell(r)} | {float(s):.3f} |"
+              for p, r, s in zip(prompts[:n], responses[:n], scores[:n].tolist(), strict=True)]
+    return "\n".join(lines)
 
 
 def cli(argv: list[str]) -> int:

@@ -1,8 +1,11 @@
-"""Everything `tether ppo` needs before its loop: models, reward, critic, optimiser, prompts
-(`build`), and the small per-batch helpers that need them: the prompt batch, the held-out
-evaluation and the sample table. The pieces live by concern: prompts and their order in
-`tether.data`, reward sources in `tether.reward_fn`, score normalisation beside the shaping maths
-in `tether.advantages`, freezing in `tether.models`, the optimizer in `tether.optim`.
+"""Everything `tether ppo` builds before its first batch (`build`): models, reward, critic,
+optimiser, prompts, and the settings each online piece takes (`update_spec`), plus the prompt
+batch of each step.
+
+The choices live in one place each: the reference in `tether.models.reference`, the critic in
+`tether.models.critic.make_critic` (none for the critic-free estimators), the reward source in
+`tether.rl.rewards`, where the KL acts in `tether.rl.update.KLPlacement`. Every bad input fails
+here, before the first batch and before anything is written.
 """
 
 from __future__ import annotations
@@ -16,26 +19,19 @@ from torch import nn
 from tether import kl as kl_lib
 from tether.data.prompts import left_pad, load_prompts, prompt_indices
 from tether.errors import TetherError
-from tether.models.critic import ValueHead, ValueModel, lora_critic
+from tether.models.critic import ValueModel, make_critic
 from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models.prepare import (
     disable_dropout,
     enable_gradient_checkpointing,
     freeze,
-    frozen_copy,
     fuse_gelu,
 )
-from tether.models.pretrained import (
-    TrainableLM,
-    check_same_vocabulary,
-    load_causal_lm,
-    load_tokenizer,
-    load_trainable_lm,
-    policy_eos_ids,
-)
+from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
+from tether.models.reference import reference_model
 from tether.models.reward_model import load_reward_model, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
-from tether.rl.evaluation import EvalInputs, eval_inputs, evaluate_policy
+from tether.rl.evaluation import EvalInputs, eval_inputs
 from tether.rl.rewards import (
     Reward,
     check_one_reward,
@@ -43,10 +39,12 @@ from tether.rl.rewards import (
     reward_from_function,
     reward_from_model,
 )
-from tether.rl.roles import Roles, check_world
+from tether.rl.roles import Roles
+from tether.rl.update import AdvantageSpec, KLPlacement, UpdateSpec
 from tether.run.distributed import Dist
 from tether.run.launch import join
 from tether.run.optim import make_lr_schedule, make_optimizer
+from tether.run.slicing import micro_rows
 from tether.train.ppo_config import PPOConfig
 
 
@@ -54,7 +52,7 @@ from tether.train.ppo_config import PPOConfig
 class Setup:
     device: torch.device
     dist: Dist  # this process's rank and world size (one process: rank 0 of 1)
-    roles: Roles  # policy and critic under one DDP/FSDP2 wrapper (ppo_dist.Roles)
+    roles: Roles  # policy and critic under one DDP/FSDP2 wrapper (tether.rl.roles)
     tokenizer: object
     policy: nn.Module
     reference: nn.Module
@@ -70,15 +68,50 @@ class Setup:
     prompts: list[str]
     prompt_ids: list[list[int]]
     eval: EvalInputs | None  # the held-out evaluation's inputs (None without --eval-prompts)
+    spec: UpdateSpec  # what steps 2-4 read (update_spec)
 
 
-def _kl_controller(cfg: PPOConfig):
+def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
+    """The settings of steps 2-4 (tether.rl.update), derived once from the config."""
+    kl = KLPlacement(in_reward=cfg.kl_in == "reward", estimator=cfg.resolved_estimator,
+                     per_token_mean=cfg.kl_per_token_mean)
+    advantage = AdvantageSpec(cfg.advantage, cfg.gamma, cfg.lam, cfg.whitens,
+                              cfg.samples_per_prompt, cfg.scale_rewards)
+    return UpdateSpec(epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
+                      micro_rows=micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
+                      clip_range=cfg.clip_range, value_clip_range=cfg.value_clip_range,
+                      vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
+                      target_kl=cfg.target_kl, kl=kl, advantage=advantage,
+                      mixed_precision=cfg.mixed_precision, chunked_lm_head=cfg.chunked_lm_head,
+                      gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def kl_controller(cfg: PPOConfig) -> kl_lib.KLController:
     if cfg.kl_ctl == "adaptive":
         return kl_lib.AdaptiveKL(cfg.beta, cfg.kl_target, cfg.kl_horizon, cfg.kl_max_error)
     if cfg.kl_ctl == "annealed":
         return kl_lib.AnnealedKL(cfg.beta, cfg.beta_end, cfg.anneal_batches or cfg.n_batches,
                                  cfg.anneal_shape)
     return kl_lib.FixedKL(cfg.beta)
+
+
+def check_world(cfg: PPOConfig, d: Dist) -> None:
+    """The global batch must split evenly over the ranks: whole groups of samples per rank, and
+    each minibatch's share a whole number of micro-batches (`--micro-batch-size` is per rank)."""
+    world = d.world_size
+    if world == 1:
+        return
+    per_rank = cfg.batch_size // world
+    if cfg.batch_size % world or per_rank % cfg.samples_per_prompt:
+        raise TetherError(f"--batch-size {cfg.batch_size} must split over {world} processes in "
+                          f"whole groups of --samples-per-prompt {cfg.samples_per_prompt}; use a "
+                          f"multiple of {world * cfg.samples_per_prompt}")
+    share = cfg.minibatch_size // world
+    if cfg.minibatch_size % world or (cfg.micro_batch_size and share % cfg.micro_batch_size):
+        raise TetherError(f"each minibatch of {cfg.minibatch_size} rows must split over {world} "
+                          f"processes in whole micro-batches of --micro-batch-size "
+                          f"{cfg.micro_batch_size or share}; change --batch-size, "
+                          "--num-minibatches or --micro-batch-size")
 
 
 def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
@@ -106,52 +139,17 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
     disable_dropout(policy)
-    fuse_gelu(policy)  # the same function, faster (tether.activations): a small model gains
+    fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
     policy.eval().to(device)
-    if cfg.ref_model:
-        ref_tokenizer = load_tokenizer(cfg.ref_model, trust_remote_code=cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
-        reference = load_causal_lm(cfg.ref_model, ref_tokenizer, cfg.dtype, cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reference model": (None, reference)})
-    elif lm.peft is not None:
-        # LoRA: the same base with the adapter off, or the frozen starting adapter; no copy.
-        reference = AdapterView(lm.peft, lm.reference_adapter)
-    else:
-        reference = frozen_copy(policy)
-    reference = freeze(fuse_gelu(reference), device)
-    reward_model = None
-    if cfg.reward_model:
-        # A LoRA reward model on the policy's base joins it as one more adapter (no second base).
-        reward_model = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
-                        or load_reward_model(cfg.reward_model, tokenizer, cfg.dtype,
-                                             cfg.trust_remote_code))
-        reward_model = freeze(fuse_gelu(reward_model), device)
-        reward = reward_from_model(reward_model, cfg.micro_batch_rows)
-    else:
-        reward = reward_from_function(reward_fn, "reward function")
+    reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
+                                          cfg.trust_remote_code)).to(device)
+    reward, reward_model = _reward(cfg, lm, tokenizer, reward_fn, device)
     gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
-
-    if not cfg.uses_critic:  # the critic-free estimators: no critic, its memory or optimizer state
-        critic = None
-    elif cfg.critic == "shared":
-        hidden = policy.config.get_text_config().hidden_size
-        critic = ValueHead(hidden).to(device=device, dtype=next(policy.parameters()).dtype)
-    elif lm.peft is not None:
-        critic = lora_critic(lm, lora, reward_model, cfg.reward_model)
-    elif reward_model is not None:
-        critic = ValueModel.from_reward_model(reward_model).requires_grad_(True)
-    else:
-        critic = ValueModel.from_causal_lm(policy)
-    if critic is not None:
-        disable_dropout(critic)
-        critic.eval().to(device)
+    critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, reward_model,
+                         cfg.reward_model)
+    critic = critic.to(device) if critic is not None else None
     if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
-        # With LoRA the critic's trunk is the policy's base under another adapter: one call
-        # covers both, and each layer is recomputed under the adapter it ran with.
-        recompute = adapter_recompute_context(lm.peft) if lm.peft is not None else None
-        enable_gradient_checkpointing(policy, recompute)
-        if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
-            enable_gradient_checkpointing(critic)  # a shared critic's head reads the policy's trunk
+        _checkpoint_trunks(lm, critic)
 
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
@@ -168,11 +166,33 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
-                 reference=reference,
-                 critic=critic, lm=lm, optimizer=optimizer, scheduler=scheduler,
-                 kl_ctl=_kl_controller(cfg), reward=reward, reward_model=reward_model, gold=gold,
-                 eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids,
-                 eval=evaluation)
+                 reference=reference, critic=critic, lm=lm, optimizer=optimizer,
+                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
+                 reward_model=reward_model, gold=gold, eos_token_ids=eos, prompts=prompts,
+                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d))
+
+
+def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,
+            device: torch.device) -> tuple[Reward, nn.Module | None]:
+    """(the reward the loop calls, the reward model behind it or None). A LoRA reward model on
+    the policy's base joins it as one more adapter (no second base in memory)."""
+    if not cfg.reward_model:
+        return reward_from_function(reward_fn, "reward function"), None
+    reward_model = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
+                    or load_reward_model(cfg.reward_model, tokenizer, cfg.dtype,
+                                         cfg.trust_remote_code))
+    reward_model = freeze(fuse_gelu(reward_model), device)
+    return reward_from_model(reward_model, cfg.micro_batch_rows), reward_model
+
+
+def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:
+    """Gradient checkpointing on the trained trunks. With LoRA the critic's trunk is the policy's
+    base under another adapter: one call covers both, and each layer is recomputed under the
+    adapter it ran with. A shared critic's head reads the policy's trunk."""
+    recompute = adapter_recompute_context(lm.peft) if lm.peft is not None else None
+    enable_gradient_checkpointing(lm.model, recompute)
+    if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
+        enable_gradient_checkpointing(critic)
 
 
 def _owns_weights(model: nn.Module) -> bool:
@@ -189,24 +209,3 @@ def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
                          setup.device)
     return [setup.prompts[i] for i in rows], ids, mask
-
-
-def evaluate(setup: Setup, cfg: PPOConfig) -> tuple[dict[str, float], list[dict]]:
-    """The held-out evaluation (`tether.evaluation.evaluate_policy`) of the current policy.
-
-    Sampled with the same seed each time, so successive evaluations differ only through the
-    policy; returns (metrics, samples).
-    """
-    return evaluate_policy(setup.policy, setup.reference, setup.tokenizer, setup.eval,
-                           setup.reward, setup.gold, chunked_lm_head=cfg.chunked_lm_head)
-
-
-def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,
-                 n: int = 4) -> str:
-    """A markdown table of the first `n` prompts, responses and scores (TensorBoard text)."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")[:300]
-    lines = ["| prompt | response | score |", "|---|---|---|"]
-    lines += [f"| {cell(p)} | {cell(r)} | {float(s):.3f} |"
-              for p, r, s in zip(prompts[:n], responses[:n], scores[:n].tolist(), strict=True)]
-    return "\n".join(lines)

@@ -20,6 +20,7 @@ import torch
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
 from tether.data.encoding import encode_preferences, encode_sft
 from tether.data.rows import load_rows
+from tether.errors import TetherError
 from tether.losses import bradley_terry_loss
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec, check_targets
@@ -29,7 +30,7 @@ from tether.models.reward_model import RewardModel
 from tether.run import distributed
 from tether.run.config import parse_config
 from tether.run.launch import join, seed_everything
-from tether.run.optim import backward, optimizer_step
+from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
 from tether.train.offline import maybe_checkpoint, save_final, start_training
@@ -122,41 +123,45 @@ def run(cfg: RMConfig) -> RunResult:
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
-    for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
-        micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
-        parts = []
-        for i, (rows, real) in enumerate(micro):
-            batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
-            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
-                with autocast(cfg.mixed_precision, d.device):
-                    chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
-                margin = batch["margin"] if cfg.margin_column else None
-                part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
-                # a mean over this share of the global batch's pairs
-                backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
-            if real:
-                parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
-        # The logged loss is the full global batch's, from every rank's scores.
-        local = torch.cat(parts) if parts else torch.zeros((0, 3), device=d.device)
-        chosen, rejected, margins = distributed.all_gather_rows(local, d).unbind(-1)  # [B] each
-        loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
-                                cfg.center_rewards_coef)
-        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
-                   "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-                   "rewards/margin": (chosen - rejected).mean().item(),
-                   "rewards/accuracy": (chosen > rejected).float().mean().item(),
-                   "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-        if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
-        if step % cfg.log_every == 0 or step == total_steps:
-            run_dir.log(step, metrics)
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
-                         scheduler, {"step": step})
-    bar.close()
+    try:
+        for step in range(state["step"] + 1, total_steps + 1):
+            indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
+            micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
+            parts = []
+            for i, (rows, real) in enumerate(micro):
+                batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
+                with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+                    with autocast(cfg.mixed_precision, d.device):
+                        chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
+                    margin = batch["margin"] if cfg.margin_column else None
+                    part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
+                    # a mean over this share of the global batch's pairs
+                    backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
+                if real:
+                    parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
+            # The logged loss is the full global batch's, from every rank's scores.
+            local = torch.cat(parts) if parts else torch.zeros((0, 3), device=d.device)
+            chosen, rejected, margins = distributed.all_gather_rows(local, d).unbind(-1)  # [B] each
+            loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
+                                    cfg.center_rewards_coef)
+            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
+                       "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+                       "rewards/margin": (chosen - rejected).mean().item(),
+                       "rewards/accuracy": (chosen > rejected).float().mean().item(),
+                       "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
+            if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
+            if step % cfg.log_every == 0 or step == total_steps:
+                run_dir.log(step, metrics)
+            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
+                             scheduler, {"step": step})
+    except NonFiniteStep as exc:  # nothing of this step was applied or saved
+        raise TetherError(f"step {step}: {exc}") from None
+    finally:
+        bar.close()
 
     final = stats.as_metrics()
     if held_out:

@@ -17,18 +17,19 @@ from __future__ import annotations
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
 from tether.data.rows import load_rows
+from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec, check_targets
 from tether.models.prepare import enable_gradient_checkpointing
-from tether.models.pretrained import load_tokenizer, load_trainable_lm, save_trained_lm
+from tether.models.pretrained import load_tokenizer, load_trainable_lm
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.config import parse_config
 from tether.run.launch import join, seed_everything
-from tether.run.optim import backward, optimizer_step
+from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_micro_batches
-from tether.train.offline import maybe_checkpoint, save_final, start_training
+from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
 from tether.train.offline_config import SFTConfig
 
 
@@ -73,39 +74,37 @@ def run(cfg: SFTConfig) -> RunResult:
 
     metrics: dict[str, float] = {}
     bar = progress(total_steps, f"sft {cfg.run_name}", initial=state["step"])
-    for step in range(state["step"] + 1, total_steps + 1):
-        indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
-        micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
-                 for rows, real in rank_micro_batches(indices, cfg.grad_accum_steps, d)]
-        # the whole global batch's tokens: every rank's part of the loss divides by it
-        n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
-        loss = 0.0
-        for i, (batch, real) in enumerate(micro):
-            with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
-                with autocast(cfg.mixed_precision, d.device):
-                    part, _ = wrapped(sft_loss, to_device(batch, d.device), n_tokens,
-                                      cfg.chunked_lm_head)
-                backward(part * (d.grad_scale if real else 0.0), d)
-            loss += part.item() if real else 0.0
-        loss = distributed.global_sum(loss, d)
-        grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        metrics = {"train/loss": loss, "train/tokens": float(n_tokens),
-                   "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-        if step % cfg.log_every == 0 or step == total_steps:
-            run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-        maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer, scheduler,
-                         {"step": step})
-    bar.close()
+    try:
+        for step in range(state["step"] + 1, total_steps + 1):
+            indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
+            micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
+                     for rows, real in rank_micro_batches(indices, cfg.grad_accum_steps, d)]
+            # the whole global batch's tokens: every rank's part of the loss divides by it
+            n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
+            loss = 0.0
+            for i, (batch, real) in enumerate(micro):
+                with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+                    with autocast(cfg.mixed_precision, d.device):
+                        part, _ = wrapped(sft_loss, to_device(batch, d.device), n_tokens,
+                                          cfg.chunked_lm_head)
+                    backward(part * (d.grad_scale if real else 0.0), d)
+                loss += part.item() if real else 0.0
+            loss = distributed.global_sum(loss, d)
+            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            metrics = {"train/loss": loss, "train/tokens": float(n_tokens),
+                       "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
+            if step % cfg.log_every == 0 or step == total_steps:
+                run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
+            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer, scheduler,
+                             {"step": step})
+    except NonFiniteStep as exc:  # nothing of this step was applied or saved
+        raise TetherError(f"step {step}: {exc}") from None
+    finally:
+        bar.close()
 
-    def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
-        fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
-        return fresh, fresh.model
-
-    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
-        owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
-    run_dir.close()
+    save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, metrics | data_stats)
 
 
