@@ -2,15 +2,10 @@
 
 Notation: B rows, P prompt width, R new tokens, V vocabulary.
 
-The prompt's forward runs once per distinct prompt (`prefill`), then one token per row per step
-through the KV cache, with one of two decoders of one interface, `step(token [B], alive [B]) ->
-logits [B, V]`:
-
-- `ModelForward`: the model's own forward for each token, with transformers' DynamicCache. Works
-  for any causal LM and wrapper; under FSDP2 each layer's forward runs, so its hooks gather the
-  layer's parameters.
-- `tether.rl.engines.lean.LeanDecoder`, for GPT-2, Llama, Mistral and Qwen2: the same function
-  with less overhead per step.
+The prompt's forward runs once per distinct prompt (`prefill`: GRPO and RLOO answer each prompt k
+times), then one token per row per step through transformers' KV cache (`ModelForward`: the
+model's own forward, so any causal LM and wrapper works, and under FSDP2 each layer's hooks
+gather its parameters).
 
 Each row's tokens depend on its own noise only (`tether.rl.rollout.sampling_uniforms`), not on the
 batch it is sampled in, so any split of a global batch (ranks, chunks) samples what the whole batch
@@ -26,7 +21,6 @@ from torch import nn
 
 from tether.models import shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
-from tether.rl.engines.lean import LeanDecoder
 from tether.rl.rollout import Rollout
 
 
@@ -49,8 +43,7 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
                      pad_token_id: int, generator: torch.Generator | None = None,
-                     uniforms: torch.Tensor | None = None, all_done=None,
-                     lean: bool = True) -> Rollout:
+                     uniforms: torch.Tensor | None = None, all_done=None) -> Rollout:
     """Sample up to `max_new_tokens` per prompt from softmax(logits / temperature), KV-cached.
 
     Plain ancestral sampling and nothing else: no top-k, top-p, repetition penalty or any of the
@@ -67,9 +60,6 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
             any split of a global batch (ranks, chunks) samples what the whole batch would.
         all_done: `alive [B] -> bool`, whether sampling may stop (default: no row is alive);
             under FSDP2 every rank must run the same number of steps, so it is a global "any".
-        lean: run identical prompt rows once and decode GPT-2/Llama/Mistral/Qwen2 with
-            `decode.LeanDecoder` (the same samples, less overhead per step); False: the model's
-            forward on every row at every step (the path before, kept for bench/sampling.py).
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling")
@@ -82,12 +72,8 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     all_done = all_done or (lambda alive: not bool(alive.any()))
     attention_mask = prompt_mask.long()
     position_ids = position_ids_from_mask(attention_mask)
-    logits, cache = prefill(policy, prompt_ids, attention_mask, position_ids, dedupe=lean)
-    next_position = position_ids[:, -1:] + 1  # [B, 1]
-    decoder = LeanDecoder.build(policy, cache, attention_mask, next_position,
-                                max_new_tokens) if lean else None
-    decoder = decoder or ModelForward(policy, cache, attention_mask, next_position)
-    del cache  # the decoder holds what it needs (the lean one copied it into its own buffers)
+    logits, cache = prefill(policy, prompt_ids, attention_mask, position_ids)
+    decoder = ModelForward(policy, cache, attention_mask, position_ids[:, -1:] + 1)
     eos = torch.tensor(list(eos_token_ids), device=device, dtype=torch.long)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     tokens, masks = [], []
@@ -137,7 +123,8 @@ def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class ModelForward:
-    """One model forward per token, the cache grown by transformers (any model, any wrapper)."""
+    """One model forward per token, the cache grown by transformers (any model, any wrapper):
+    `step(token [B], alive [B]) -> logits [B, V]` for the token after `token`."""
 
     def __init__(self, model: nn.Module, cache, attention_mask: torch.Tensor,
                  next_position: torch.Tensor):
