@@ -1,4 +1,4 @@
-"""Getting a loaded model ready for its role: dropout off, frozen for scoring, the fused GELU,
+"""Getting a loaded model ready for its role: dropout off, frozen for scoring, torch's fused GELU,
 gradient checkpointing, and a saved policy prepared for sampling.
 
 RL and reward modelling compare log-probs and scores across forward passes, so dropout is off in
@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
-from tether.models.activations import TanhGELU
 from tether.models.pretrained import load_causal_lm
 
 
@@ -52,28 +51,26 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 def fuse_gelu(model: nn.Module) -> nn.Module:
-    """Swap every tanh-approximate GELU in `model` for `tether.models.activations.TanhGELU`: the
-    same function, on the CPU 2-3x faster than torch's own kernel forward and 1.5x forward + backward,
-    more against transformers' Python formula (bench/gelu.py); torch's fused kernel on CUDA.
+    """Swap every tanh-approximate GELU in `model` for torch's fused kernel,
+    `nn.GELU(approximate="tanh")`: the same function, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+    x^3))) (Hendrycks & Gimpel 2016), in one kernel forward and one backward, where transformers'
+    GPT-2 GELU ("gelu_new", `NewGELUActivation`) runs five elementwise kernels from Python: about
+    10% of an rloo or grpo run on the CPU (docs/benchmarks.md), fewer launches on CUDA.
 
-    Swapped, as the same formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): transformers'
-    `NewGELUActivation` (GPT-2's "gelu_new", five elementwise kernels in Python), `GELUTanh`
-    (alias `PytorchGELUTanh`; "gelu_pytorch_tanh", Gemma's), `FastGELUActivation` ("gelu_fast",
-    sqrt(2/pi) rounded to 0.7978845608: 4e-12 relative, below fp32's rounding),
-    `AccurateGELUActivation` ("gelu_accurate") and `nn.GELU(approximate="tanh")`. Never the erf
-    GELU ("gelu"), the clipped or quick ones, or anything else."""
+    Swapped: `NewGELUActivation`, `FastGELUActivation` ("gelu_fast", sqrt(2/pi) rounded to
+    0.7978845608: 4e-12 relative, below fp32's rounding), `AccurateGELUActivation`
+    ("gelu_accurate") and `GELUTanh` (alias `PytorchGELUTanh`; "gelu_pytorch_tanh", Gemma's,
+    already torch's kernel unless its Python form was asked for). Never the erf GELU ("gelu"),
+    the clipped or quick ones, or anything else."""
     from transformers import activations as hf
 
     tanh_gelus = (hf.NewGELUActivation, hf.GELUTanh, hf.FastGELUActivation,
                   hf.AccurateGELUActivation)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            is_torch_tanh = type(child) is nn.GELU and child.approximate == "tanh"
-            if type(child) in tanh_gelus or is_torch_tanh:
-                setattr(module, name, TanhGELU())
+            if type(child) in tanh_gelus:
+                setattr(module, name, nn.GELU(approximate="tanh"))
     return model
-
-
 
 
 def enable_gradient_checkpointing(model: nn.Module, context_fn=None) -> nn.Module:
@@ -102,8 +99,6 @@ def enable_gradient_checkpointing(model: nn.Module, context_fn=None) -> nn.Modul
     else:
         trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
-
-
 
 
 def load_frozen_lm(path: str, tokenizer, dtype: str, trust_remote_code: bool, device) -> nn.Module:
