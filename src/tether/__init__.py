@@ -1,7 +1,20 @@
 """tether: RLHF with a KL leash.
 
-The maths layer (`tether.kl`, `tether.logprobs`, `tether.advantages`, `tether.losses`) is pure
-tensor functions; the stages in `tether.train` are explicit loops built on it.
+The maths layer (`tether.kl`, `tether.logprobs`, `tether.advantages`, `tether.losses`,
+`tether.lm_head`) is pure tensor functions at the package root; the folders are the layers above
+it (DESIGN.md): `data`, `run`, `models`, `rl`, then the stages in `tether.train` (explicit loops
+built on them), the tools and the demo.
 """
 
 __version__ = "0.1.0"
+
+
+def version() -> str:
+    """The installed distribution's version (what `tether --version` prints)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("tether")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import NoReturn
 
+from tether import version
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import interrupt
 from tether.run.interrupt import Interrupted
@@ -77,16 +78,6 @@ def usage() -> str:
     lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
               "Flags override values from --config; errors exit with code 2."]
     return "\n".join(lines)
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("tether")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def entry() -> NoReturn:

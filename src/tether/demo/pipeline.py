@@ -189,7 +189,7 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]
     """Every value that shaped the results, read back from the runs' own config.yaml files."""
     import yaml
 
-    from tether.cli import version
+    from tether import version
     from tether.tools.report import read_run
 
     def saved(run: str) -> dict:

@@ -123,10 +123,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
         bar.close()
-    if cfg.eval_prompts and not (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
-        final_eval = log_evaluation(rundir, setup, cfg, cfg.n_batches)
-        rundir.log(cfg.n_batches, final_eval)
-        metrics.update(final_eval)
+    metrics |= final_evaluation(rundir, setup, cfg)
     save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
@@ -225,6 +222,16 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
             policy, setup.reference, setup.tokenizer, setup.eval, setup.reward, setup.gold,
             chunked_lm_head=cfg.chunked_lm_head))
     rundir.log_samples(step, samples)
+    return metrics
+
+
+def final_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> dict[str, float]:
+    """The held-out evaluation of the final policy, logged at the last batch, unless the last
+    batch already had one (--eval-every dividing the run); {} without --eval-prompts."""
+    if not cfg.eval_prompts or (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
+        return {}
+    metrics = log_evaluation(rundir, setup, cfg, cfg.n_batches)
+    rundir.log(cfg.n_batches, metrics)
     return metrics
 
 

@@ -101,6 +101,28 @@ def _load_data(cfg: RMConfig, tokenizer):
     return train, held_out, norm, stats
 
 
+def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,
+                     pad_id: int) -> list[torch.Tensor]:
+    """Forward and backward over this rank's share of the global batch `indices`, in its
+    micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each,
+    gathered from every rank (the logged loss is the full batch's)."""
+    micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    parts = []
+    for i, (rows, real) in enumerate(micro):
+        batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
+        with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
+            with autocast(cfg.mixed_precision, d.device):
+                chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
+            margin = batch["margin"] if cfg.margin_column else None
+            part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
+            # a mean over this share of the global batch's pairs
+            backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
+        if real:
+            parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
+    local = torch.cat(parts) if parts else torch.zeros((0, 3), device=d.device)
+    return list(distributed.all_gather_rows(local, d).unbind(-1))
+
+
 def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
@@ -126,29 +148,15 @@ def run(cfg: RMConfig) -> RunResult:
     try:
         for step in range(state["step"] + 1, total_steps + 1):
             indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
-            micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
-            parts = []
-            for i, (rows, real) in enumerate(micro):
-                batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
-                with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
-                    with autocast(cfg.mixed_precision, d.device):
-                        chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
-                    margin = batch["margin"] if cfg.margin_column else None
-                    part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
-                    # a mean over this share of the global batch's pairs
-                    backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
-                if real:
-                    parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
-            # The logged loss is the full global batch's, from every rank's scores.
-            local = torch.cat(parts) if parts else torch.zeros((0, 3), device=d.device)
-            chosen, rejected, margins = distributed.all_gather_rows(local, d).unbind(-1)  # [B] each
+            chosen, rejected, margins = accumulate_pairs(wrapped, train, indices, cfg, d, pad_id)
             loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
                                     cfg.center_rewards_coef)
             grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}")
             metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
-                       "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+                       "rewards/chosen": chosen.mean().item(),
+                       "rewards/rejected": rejected.mean().item(),
                        "rewards/margin": (chosen - rejected).mean().item(),
                        "rewards/accuracy": (chosen > rejected).float().mean().item(),
                        "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
