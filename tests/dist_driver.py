@@ -55,7 +55,7 @@ def run_spec(items: list[dict]) -> None:
 
 if __name__ == "__main__":
     if os.environ.get("TETHER_IGNORE_OPTION"):  # the options audit reaches the ranks too
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "audit"))
         from ignore_option import ENV, install
 
         install(os.environ[ENV])

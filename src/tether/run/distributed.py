@@ -138,7 +138,7 @@ def exit_process(code: int) -> NoReturn:
     sharding caches), and a worker still letting go of the last collective's tensors needs the
     GIL, which a finalizing interpreter answers by ending the thread inside a C++ destructor:
     "terminate called without an active exception", SIGABRT, and torchrun fails the whole job
-    (`bench/torchrun_exit.py` counts it; docs/scaling.md has the figures). The `tether` command
+    (`bench/scale/torchrun_exit.py` counts it; docs/scaling.md has the figures). The `tether` command
     ends every torchrun rank here; a script of your own that runs a stage under torchrun can too.
     tether's own files are closed by then (run directories write each line in a `with`).
     """

@@ -106,7 +106,7 @@ def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Te
     their logits and cache copied to every row that repeats them: the same numbers to float
     rounding (a smaller batch may take another matmul kernel), k times less prompt compute.
     """
-    # read through the module: switching prompt sharing off there (a test, bench/grpo.py
+    # read through the module: switching prompt sharing off there (a test, bench/peers/grpo.py
     # --unshared) switches it off here too
     groups = (shared_prompt.prompt_groups(prompt_ids, attention_mask, prompt_ids.shape[1])
               if dedupe else None)
