@@ -153,10 +153,6 @@ class PPOConfig(RunConfig):
         return self.whiten_advantages == "on"
 
     @property
-    def policy_loss_per_token_mean(self) -> bool:  # derived: the KL term's units, when it is there
-        return self.kl_per_token_mean if self.kl_in == "loss" else True
-
-    @property
     def minibatch_size(self) -> int:  # derived: rows per optimizer step
         return self.batch_size // self.num_minibatches
 
