@@ -96,7 +96,7 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
     assert [m["step"] for m in m1] == [m["step"] for m in m2]
     # The adaptive controller's error is clipped at every batch of these configs (a tiny KL
     # target), so beta is a function of the batch count alone and must agree bit for bit; every
-    # rank checked its beta against rank 0's each batch (ppo_dist.check_same_beta).
+    # rank checked its beta against rank 0's each batch (tether.rl.roles.check_same_beta).
     assert [m.get("objective/beta") for m in m1] == [m.get("objective/beta") for m in m2]
     # The gradient norm too: Adam's step does not change when every gradient is scaled alike
     # (a loss divided by a per-rank count, a missing grad_scale), the norm does.
