@@ -71,7 +71,6 @@ def split_holdout(items: list[Any], fraction: float, seed: int) -> tuple[list[An
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
 
 
-
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 

@@ -82,10 +82,6 @@ def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bo
     return prompt[:shared], responses
 
 
-
-
-
-
 # ----------------------------------------------------------------------------- tokenising
 
 @dataclass

@@ -97,7 +97,6 @@ def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> li
     return out
 
 
-
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, P] ids and mask with each sequence right-aligned (left padding)."""
     width = max(len(s) for s in sequences)

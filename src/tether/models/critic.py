@@ -107,8 +107,6 @@ def lora_critic(lm: TrainableLM, lora: LoraSpec, reward_model: nn.Module | None,
     return critic.to(device=lm.model.device, dtype=lm.model.dtype)
 
 
-
-
 def make_critic(kind: str | None, lm: TrainableLM, lora: LoraSpec | None,
                 reward_model: nn.Module | None, reward_dir: str = "") -> nn.Module | None:
     """The value model of the run, in eval mode with dropout off: None when the advantage

@@ -41,8 +41,6 @@ def output_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-
-
 def response_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     context_length: int, with_hidden: bool = False):
     """Logits (and optionally last hidden states) at the positions that predict the response.
@@ -71,8 +69,6 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     """
     logits, _ = response_logits(model, input_ids, attention_mask, context_length=1)
     return token_logprobs(logits, input_ids[:, 1:], temperature)
-
-
 
 
 def autocast(mixed_precision: str, device: torch.device):

@@ -138,8 +138,6 @@ def policy_eos_ids(tokenizer, model: nn.Module, name: str) -> list[int]:
     return eos
 
 
-
-
 def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.Module | None]]
                           ) -> None:
     """PPO scores the policy's token ids with the reference and the reward model directly, so
@@ -156,8 +154,6 @@ def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.M
                 raise TetherError(f"the {name} has {rows} embedding rows but the policy's "
                                   f"tokenizer has {len(policy_tokenizer)} tokens; train the "
                                   f"{name} from the same SFT model")
-
-
 
 
 def _resize_for(model: nn.Module, tokenizer) -> None:

@@ -227,8 +227,6 @@ def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked:
     return logprobs, mask.to(logprobs.dtype)
 
 
-
-
 def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
                 ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
     """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two

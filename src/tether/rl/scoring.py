@@ -102,8 +102,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - (returns - values).var(unbiased=False) / var)
 
 
-
-
 @torch.no_grad()
 def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> ResponseScores:
     """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""

@@ -133,7 +133,8 @@ def estimate_advantages(spec: AdvantageSpec, rewards: torch.Tensor, values: torc
     k = spec.samples_per_prompt
     critic_free = {
         "rloo": lambda: rloo(rewards, mask, k),  # Ahmadian et al. 2024
-        "grpo": lambda: grpo(rewards, mask, k, spec.scale_rewards),  # Shao et al. 2024; Liu et al. 2025
+        # Shao et al. 2024; Liu et al. 2025 (scale_rewards "none": Dr. GRPO)
+        "grpo": lambda: grpo(rewards, mask, k, spec.scale_rewards),
         "reinforce++": lambda: reinforce_pp(rewards, mask, spec.gamma),  # Hu 2025
     }
     return critic_free[spec.name](), torch.zeros_like(rewards)

@@ -138,9 +138,9 @@ def exit_process(code: int) -> NoReturn:
     sharding caches), and a worker still letting go of the last collective's tensors needs the
     GIL, which a finalizing interpreter answers by ending the thread inside a C++ destructor:
     "terminate called without an active exception", SIGABRT, and torchrun fails the whole job
-    (`bench/scale/torchrun_exit.py` counts it; docs/scaling.md has the figures). The `tether` command
-    ends every torchrun rank here; a script of your own that runs a stage under torchrun can too.
-    tether's own files are closed by then (run directories write each line in a `with`).
+    (`bench/scale/torchrun_exit.py` counts it; docs/scaling.md has the figures). The `tether`
+    command ends every torchrun rank here; a script of your own that runs a stage under torchrun
+    can too. tether's own files are closed by then (run directories write each line in a `with`).
     """
     main = threading.main_thread()
     for thread in threading.enumerate():
@@ -284,8 +284,6 @@ def wrap_frozen(model: nn.Module, d: Dist) -> nn.Module:
     it, `wrapped(fn, *args)`: sharded under FSDP2 like the trained one (it would not fit either),
     plain otherwise (DDP has nothing to reduce for it and refuses a model without gradients)."""
     return wrap(model, d) if d.fsdp else Parallel(model)
-
-
 
 
 def held_fraction(model: nn.Module) -> tuple[float, int]:

@@ -29,8 +29,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA)."""
     random.seed(seed)

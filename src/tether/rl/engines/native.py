@@ -96,8 +96,6 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
                    temperature=temperature)
 
 
-
-
 def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
             position_ids: torch.Tensor, dedupe: bool = True):
     """The model on the prompts [B, P]: (logits at the last column [B, V], transformers' cache).
