@@ -34,7 +34,7 @@ LAYERS = [
     {"tether.demo"},
     {"tether.cli", "tether.__main__"},
 ]
-ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "_checks", "kl", "logprobs",
+ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "_checks", "_compat", "kl", "logprobs",
                 "advantages", "losses", "lm_head"}
 
 
@@ -50,7 +50,8 @@ def layer_of(name: str) -> int:
     for rank, members in enumerate(LAYERS):
         if any(name == m or name.startswith(m + ".") for m in members):
             return rank
-    return -1 if name == "tether" else len(LAYERS)
+    # the package and what it runs on import (tether._compat) sit below every layer
+    return -1 if name in ("tether", "tether._compat") else len(LAYERS)
 
 
 def imported(path: Path) -> set[str]:

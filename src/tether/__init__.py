@@ -8,6 +8,12 @@ built on them), the tools and the demo.
 
 __version__ = "0.1.0"
 
+# Before anything imports transformers: an extension built for another torch (vLLM's CPU build
+# pulls CUDA torchvision) would break its imports (tether._compat).
+from tether._compat import hide_mismatched_extensions  # noqa: E402
+
+hide_mismatched_extensions()
+
 
 def version() -> str:
     """The installed distribution's version (what `tether --version` prints)."""

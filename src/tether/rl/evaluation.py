@@ -93,7 +93,8 @@ def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
 @torch.no_grad()
 def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: EvalInputs,
                     reward: Reward | None, gold: Reward | None, *,
-                    chunked_lm_head: bool = True) -> tuple[dict[str, float], list[dict]]:
+                    chunked_lm_head: bool = True, sample: Callable = sample_responses
+                    ) -> tuple[dict[str, float], list[dict]]:
     """Sample one response per prompt (seeded) and measure it.
 
     Metrics: `eval/score` (proxy, if `reward`), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
@@ -104,6 +105,7 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
     successive evaluations differ only through the policy; a proxy score that rises while the
     gold score falls is over-optimisation (Gao et al. 2022).
     `chunked_lm_head`: log-probs and entropies through the LM head in chunks (tether.lm_head).
+    `sample`: the engine (`sample_responses`'s signature; a vLLM engine's `sample`).
 
     Returns:
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
@@ -117,10 +119,9 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
     for start in range(0, len(inputs.prompts), inputs.batch_size):
         chunk = inputs.prompts[start:start + inputs.batch_size]
         ids, mask = left_pad(inputs.prompt_ids[start:start + inputs.batch_size], pad, device)
-        rollout = sample_responses(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
-                                   temperature=inputs.temperature,
-                                   eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
-                                   uniforms=uniforms[start:start + inputs.batch_size])
+        rollout = sample(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
+                         temperature=inputs.temperature, eos_token_ids=inputs.eos_token_ids,
+                         pad_token_id=pad, uniforms=uniforms[start:start + inputs.batch_size])
         responses = decode_responses(tokenizer, rollout)
         texts += responses
         measured = _measure_chunk(policy, reference, rollout, chunked_lm_head)

@@ -122,7 +122,9 @@ def gather_rollout(rollout: Rollout, d: Dist) -> Rollout:
     return replace(rollout, input_ids=gather(rollout.input_ids, d),
                    attention_mask=gather(rollout.attention_mask, d),
                    response_mask=_gather_bool(rollout.response_mask, d),
-                   ended=_gather_bool(rollout.ended, d))
+                   ended=_gather_bool(rollout.ended, d),
+                   engine_logprobs=(None if rollout.engine_logprobs is None
+                                    else gather(rollout.engine_logprobs, d)))
 
 
 def gather_in_order(part: torch.Tensor, batch: int, minibatch: int, d: Dist) -> torch.Tensor:

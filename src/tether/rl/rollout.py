@@ -15,7 +15,7 @@ comparing tokens to the pad id, so a sampled EOS (or even a sampled pad id) is n
 padding (pitfall: "pad is not EOS").
 
 The engines that sample a rollout live in `tether.rl.engines` (`native`: tether's own KV-cached
-sampler).
+sampler; `vllm_engine`: vLLM, which also reports its own log-probs of the sampled tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Rollout:
     # The temperature the responses were sampled at: every log-prob of them (policy, old
     # policy, reference) must be taken at it, or the KL and the ratio are wrong (DESIGN.md).
     temperature: float = 1.0
+    # [B, R] the engine's own log-prob of each sampled token, log_softmax(z / T), 0 on padding;
+    # None from the native engine, which is the trainer's model (rl.engines.mismatch).
+    engine_logprobs: torch.Tensor | None = None
 
     @property
     def responses(self) -> torch.Tensor:  # [B, R]
@@ -50,7 +53,9 @@ class Rollout:
         """The rows `index` (a minibatch), same widths."""
         return replace(self, input_ids=self.input_ids[index],
                        attention_mask=self.attention_mask[index],
-                       response_mask=self.response_mask[index], ended=self.ended[index])
+                       response_mask=self.response_mask[index], ended=self.ended[index],
+                       engine_logprobs=(None if self.engine_logprobs is None
+                                        else self.engine_logprobs[index]))
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
@@ -85,8 +90,11 @@ def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
         input_ids[row, context + cut:] = pad_token_id
         ended[row] = True
     attention_mask = torch.cat([rollout.attention_mask[:, :context], response_mask.long()], dim=1)
+    engine_logprobs = rollout.engine_logprobs
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs * response_mask
     return replace(rollout, input_ids=input_ids, attention_mask=attention_mask,
-                   response_mask=response_mask, ended=ended)
+                   response_mask=response_mask, ended=ended, engine_logprobs=engine_logprobs)
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -41,6 +41,7 @@ from tether.losses import exact_kl_penalty, kl_penalty, ppo_policy_loss, value_l
 from tether.models.critic import policy_and_values
 from tether.models.forward import autocast
 from tether.models.trunk_head import ResponseScores, exact_kl_at, score_responses
+from tether.rl.engines.mismatch import Correction, correction_weights
 from tether.rl.roles import Roles, sum_stats
 from tether.rl.rollout import Rollout
 from tether.rl.scoring import Scored, score_batch, score_reference, scored_from_forward
@@ -104,6 +105,7 @@ class UpdateSpec:
     mixed_precision: str  # "bf16": forwards under autocast
     chunked_lm_head: bool
     gradient_checkpointing: bool
+    correction: Correction = Correction()  # engine-mismatch corrections (off: the default)
 
 
 @dataclass
@@ -177,11 +179,19 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, reward_beta,
                                     spec.kl.reward_estimator)
     advantages, returns = estimate_advantages(spec.advantage, rewards, old.values, mask)
+    corrected = {}
+    if spec.correction.active and rollout.engine_logprobs is not None:
+        # The engine sampled from pi_engine, the loss's ratio is against the trainer's pi_old:
+        # weight the policy gradient by min(pi_old / pi_engine, C), or drop far-off rows (w >= 0,
+        # so weighting A is weighting the clipped surrogate).
+        weights, corrected = correction_weights(old.logprobs, rollout.engine_logprobs, mask,
+                                                spec.correction)
+        advantages = advantages * weights
     if not fuse:
         started = time.perf_counter()
     # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
     stats = ppo_update(roles, optimizer, rollout, old, advantages, returns, spec, loss_beta,
-                       generator, reference, forward)
+                       generator, reference, forward) | corrected
     return BatchUpdate(old, kl, advantages, returns, stats, time.perf_counter() - started)
 
 

@@ -183,6 +183,16 @@ def global_sum(x: float | int, d: Dist | None = None) -> float:
     return float(all_reduce_sum(torch.tensor(float(x), dtype=torch.float64), d))
 
 
+def global_max(x: int, d: Dist | None = None) -> int:
+    """A Python integer's maximum over ranks (the rollout width every rank pads to)."""
+    d = d or current()
+    if not d.active:
+        return int(x)
+    out = torch.tensor(int(x), dtype=torch.int64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out)
+
+
 def global_mean(total: float, count: float, d: Dist | None = None) -> float:
     """sum_r total_r / sum_r count_r: a mean over all ranks' rows, not a mean of rank means."""
     d = d or current()

@@ -39,9 +39,14 @@ class SamplingConfig:
     """Dtype the model weights are loaded in."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off unless you trust the source)."""
+    engine: Literal["native", "vllm"] = "native"
+    """Who samples: native (tether's sampler) or vllm (vLLM in this process; pip install -e '.[vllm]'; docs/engine.md)."""
+    engine_kv_cache_mb: int = 512
+    """vllm: the engine's KV cache in MiB."""
 
     def validate(self) -> None:
-        require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size")
+        require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size",
+                         "engine_kv_cache_mb")
         check_device(self.device)
 
 

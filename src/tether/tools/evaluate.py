@@ -27,6 +27,7 @@ from tether.models.pretrained import (
     policy_eos_ids,
 )
 from tether.models.reward_model import load_reward_model
+from tether.rl.engines import engine_sampler
 from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy
 from tether.rl.rewards import load_reward_function, reward_from_function, reward_from_model
 from tether.run.checkpoint import atomic_write_bytes
@@ -106,8 +107,11 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model),
                          cfg)
-    metrics, samples = evaluate_policy(policy, reference, tokenizer, inputs, reward, gold,
-                                       chunked_lm_head=cfg.chunked_lm_head)
+    with engine_sampler(cfg.engine, policy, inputs.prompt_ids, cfg.max_new_tokens,
+                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=cfg.dtype, seed=cfg.seed,
+                        device=device) as sample:
+        metrics, samples = evaluate_policy(policy, reference, tokenizer, inputs, reward, gold,
+                                           chunked_lm_head=cfg.chunked_lm_head, sample=sample)
     if out is not None:
         record = {"metrics": metrics, "reference": reference_path,
                   "config": config_to_dict(cfg), "samples": samples}

@@ -16,7 +16,7 @@ import torch
 from tether.data.prompts import left_pad
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
-from tether.rl.engines.native import sample_responses
+from tether.rl.engines import engine_sampler
 from tether.rl.evaluation import eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
 from tether.run.checkpoint import atomic_write_bytes
@@ -35,8 +35,17 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
     # `tether eval` scores with the same settings.
     gen = torch.Generator(device).manual_seed(inputs.seed)
+    with engine_sampler(cfg.engine, policy, inputs.prompt_ids, cfg.max_new_tokens,
+                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=cfg.dtype, seed=cfg.seed,
+                        device=device) as sample_responses:
+        by_prompt = _sample_all(cfg, tokenizer, policy, inputs, gen, sample_responses, device)
+    return [row for group in by_prompt for row in group]
+
+
+def _sample_all(cfg: GenerateConfig, tokenizer, policy, inputs, gen: torch.Generator,
+                sample_responses, device) -> list[list[dict]]:
+    """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts."""
     pad = tokenizer.pad_token_id
-    rows: list[dict] = []
     by_prompt: list[list[dict]] = [[] for _ in inputs.prompts]
     for sample in range(cfg.samples_per_prompt):
         for start in range(0, len(inputs.prompts), cfg.batch_size):
@@ -53,9 +62,7 @@ def generate(cfg: GenerateConfig) -> list[dict]:
                 by_prompt[i].append({"prompt": inputs.prompts[i], "response": text,
                                      "sample": sample, "ended": bool(rollout.ended[offset]),
                                      "length": int(lengths[offset])})
-    for group in by_prompt:
-        rows += group
-    return rows
+    return by_prompt
 
 
 def cli(argv: list[str]) -> int:

@@ -4,7 +4,7 @@ The loop in `run` is the algorithm, top to bottom (Ziegler et al. 2019; Stiennon
 Ouyang et al. 2022):
 
     for each batch of prompts x:
-        y ~ pi_old(. | x)                          sample (tether.rl.engines.native)
+        y ~ pi_old(. | x)                          sample (tether.rl.engines: native or vLLM)
         s = R(x, y)                                 reward model or Python function
         log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (tether.rl.scoring)
         r_t = -beta * kl_t (+ s at the last token)  advantages.kl_shaped_rewards
@@ -13,7 +13,9 @@ Ouyang et al. 2022):
         beta <- controller(mean_seq KL, batch)      kl.AdaptiveKL / FixedKL / AnnealedKL
 
 The middle four lines are one call, `tether.rl.update.update_batch`, the one update path (it
-alone decides whether the update's forward also scores pi_old). Setup (loading, checks, the
+alone decides whether the update's forward also scores pi_old). With --engine vllm the engine
+samples and gets the new weights after each update (`engine.update`); the trainer still scores
+every token itself. Setup (loading, checks, the
 settings each piece takes) lives in `ppo_setup.py`; under torchrun every rank runs this loop on
 its rows of each global batch (`tether.rl.roles`) and rank 0 writes. `tether rloo` and `tether
 grpo` are this loop with other defaults (`ppo_config.RLOOConfig`, `GRPOConfig`).
@@ -31,7 +33,7 @@ from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
-from tether.rl.engines.native import sample_responses
+from tether.rl.engines.mismatch import mismatch_metrics
 from tether.rl.evaluation import evaluate_policy
 from tether.rl.roles import all_done, any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
@@ -63,6 +65,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
     start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
+    if setup.engine is not None and start > 0:
+        setup.engine.sync()  # the resumed weights
     if cfg.eval_prompts and cfg.eval_every and start == 0:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
         rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
@@ -92,11 +96,9 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
 
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
             #      the KL in the loss, beta moves there), estimate the advantages, PPO epochs.
+            #      With --engine vllm the engine then gets the new weights.
             beta = setup.kl_ctl.beta
-            done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores,
-                                beta, setup.spec, torch.Generator().manual_seed(seed))
-            lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
-            setup.scheduler.step()
+            done, lr = update(setup, rollout, scores, beta, seed)
 
             # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
             seq_kl = done.kl.sum(dim=1).mean().item()
@@ -124,9 +126,28 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     finally:
         bar.close()
     metrics |= final_evaluation(rundir, setup, cfg)
+    if setup.engine is not None:
+        setup.engine.close()
     save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
+
+
+def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float,
+           seed: int) -> tuple[BatchUpdate, float]:
+    """Steps 2-4 and the schedule's step; (what they did, the learning rate they used). A vLLM
+    engine sleeps through them (on a GPU) and is synced after, for the next rollout."""
+    if setup.engine is not None:
+        setup.engine.sleep()  # a GPU engine frees its KV cache for the update
+    done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
+                        setup.spec, torch.Generator().manual_seed(seed))
+    lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
+    setup.scheduler.step()
+    if setup.engine is not None:
+        synced = time.perf_counter()
+        setup.engine.update()  # the next rollout samples the policy just updated
+        done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
+    return done, lr
 
 
 def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
@@ -134,7 +155,7 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
     """Sample responses to this rank's rows of a batch of prompts (`uniforms`: the rows' noise)
     and score them with the reward."""
     def sample_and_score(policy, _critic):
-        rollout = sample_responses(policy, prompt_ids, prompt_mask,
+        rollout = setup.sample(policy, prompt_ids, prompt_mask,
                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                    eos_token_ids=setup.eos_token_ids,
                                    pad_token_id=setup.tokenizer.pad_token_id, uniforms=uniforms,
@@ -170,6 +191,9 @@ def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tens
         "rollout/response_len": mask.sum(1).float().mean().item(),
         "rollout/eos_rate": rollout.ended.float().mean().item(),
         **kl_sums(old, mask),
+        # the engine's log-probs against the trainer's pi_old of the same tokens (vLLM only)
+        **(mismatch_metrics(old.logprobs, rollout.engine_logprobs, mask)
+           if rollout.engine_logprobs is not None else {}),
         "perf/tokens_per_s": n_tokens / elapsed,
         "perf/episodes_per_s": len(rollout) / elapsed,
         "perf/rollout_s": elapsed - done.update_s,
@@ -220,7 +244,7 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
         # policy (tether.rl.evaluation.evaluate_policy).
         metrics, samples = setup.roles.generate(lambda policy, _critic: evaluate_policy(
             policy, setup.reference, setup.tokenizer, setup.eval, setup.reward, setup.gold,
-            chunked_lm_head=cfg.chunked_lm_head))
+            chunked_lm_head=cfg.chunked_lm_head, sample=setup.sample))
     rundir.log_samples(step, samples)
     return metrics
 

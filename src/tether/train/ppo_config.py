@@ -60,6 +60,16 @@ class PPOConfig(RunConfig):
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
 
+    # ---- rollout engine (docs/engine.md)
+    engine: Literal["native", "vllm"] = "native"
+    """Who samples: native (tether's sampler on the trainer's model) or vllm (vLLM in this process, fed the weights in memory before each rollout; pip install -e '.[vllm]')."""
+    engine_kv_cache_mb: int = 512
+    """vllm: the engine's KV cache in MiB (vLLM would otherwise take 90% of the device's memory)."""
+    engine_is_cap: float = 0.0
+    """vllm: truncated importance sampling, each token's policy gradient weighted by min(pi_old / pi_engine, C) (0: off; C >= 1, 2 is usual)."""
+    engine_mask_kl: float = 0.0
+    """vllm: rows whose engine-vs-trainer KL (summed k3, nats) passes this get no policy gradient (0: off)."""
+
     # ---- reward shaping and the KL penalty
     kl_in: Literal["reward", "loss"] = "reward"
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
@@ -205,6 +215,15 @@ class PPOConfig(RunConfig):
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
+        require_positive(self, "engine_kv_cache_mb")
+        require_positive(self, "engine_mask_kl", allow_zero=True)
+        if self.engine_is_cap and not self.engine_is_cap >= 1:
+            raise TetherError(f"--engine-is-cap {self.engine_is_cap} must be 0 (off) or >= 1: a "
+                              "cap below 1 shrinks the weight of tokens the engine matched exactly")
+        if self.engine == "native" and (self.engine_is_cap or self.engine_mask_kl):
+            raise TetherError("--engine-is-cap and --engine-mask-kl correct vLLM's sampling; the "
+                              "native engine samples from the trainer's model itself. Pass "
+                              "--engine vllm or drop them")
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable
 from tether.models.reference import reference_model
 from tether.models.reward_model import load_reward_model, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
+from tether.rl.engines.mismatch import Correction
+from tether.rl.engines.native import sample_responses
 from tether.rl.evaluation import EvalInputs, eval_inputs
 from tether.rl.rewards import (
     Reward,
@@ -46,6 +49,9 @@ from tether.run.launch import join
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.slicing import micro_rows
 from tether.train.ppo_config import PPOConfig
+
+if TYPE_CHECKING:
+    from tether.rl.engines.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -69,6 +75,9 @@ class Setup:
     prompt_ids: list[list[int]]
     eval: EvalInputs | None  # the held-out evaluation's inputs (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
+    # `sample_responses`'s signature: the native sampler, or the vLLM engine's `sample`
+    sample: Callable
+    engine: VLLMEngine | None = None  # --engine vllm: the engine, synced after every update
 
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
@@ -83,7 +92,8 @@ def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
                       vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
                       target_kl=cfg.target_kl, kl=kl, advantage=advantage,
                       mixed_precision=cfg.mixed_precision, chunked_lm_head=cfg.chunked_lm_head,
-                      gradient_checkpointing=cfg.gradient_checkpointing)
+                      gradient_checkpointing=cfg.gradient_checkpointing,
+                      correction=Correction(cfg.engine_is_cap, cfg.engine_mask_kl))
 
 
 def kl_controller(cfg: PPOConfig) -> kl_lib.KLController:
@@ -165,11 +175,27 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     eos = policy_eos_ids(tokenizer, policy, cfg.policy)
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
+    engine = _engine(cfg, lm, prompt_ids + (evaluation.prompt_ids if evaluation else []), d)
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
                  reward_model=reward_model, gold=gold, eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d))
+                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d),
+                 sample=engine.sample if engine else sample_responses, engine=engine)
+
+
+def _engine(cfg: PPOConfig, lm: TrainableLM, prompt_ids: list[list[int]], d: Dist):
+    """--engine vllm: vLLM on this rank, started from the policy as prepared (after the
+    wrapper, so FSDP2 shards are gathered at each sync); None for the native engine."""
+    if cfg.engine != "vllm":
+        return None
+    from tether.rl.engines.vllm_engine import start_engine
+
+    # What the trainer computes in: bf16 under --mixed-precision bf16, else the weights' dtype.
+    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else cfg.dtype
+    return start_engine(lm.model, lm.peft, prompt_ids, cfg.max_new_tokens,
+                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=dtype, seed=cfg.seed, d=d,
+                        device=d.device)
 
 
 def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,

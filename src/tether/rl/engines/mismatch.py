@@ -1,0 +1,95 @@
+"""How far the rollout engine's sampling distribution is from the trainer's, and the two
+corrections for it (both off by default).
+
+Notation: B rows, R response width; at each sampled token y_t (drawn from the engine),
+e_t = log pi_engine(y_t) as the engine reported it, l_t = log pi_old(y_t) as the trainer
+recomputes it (the same weights, at the same temperature), d_t = l_t - e_t.
+
+An inference engine computes the same function with other kernels (fused attention, another
+matmul order, bf16 on a GPU), so pi_engine != pi_old in the last digits at best. PPO's ratio
+pi / pi_old is taken against the trainer's pi_old, so the tokens are off-policy for the loss by
+the ratio pi_old / pi_engine, which is what these measure and correct.
+
+    engine_kl   = mean_b sum_t [(exp(d_t) - 1) - d_t]      k3 estimate of KL(pi_engine || pi_old)
+                                                           per sequence (Schulman 2020), samples
+                                                           from the engine, batch mean
+    max_diff    = max_{b,t} |d_t|                          over real tokens
+
+Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
+you off-policy RL training"; Ionides 2008 for truncation): weight each token's policy-gradient
+term by w_t = min(exp(d_t), C), detached. Because w_t >= 0 it can multiply the advantage: PPO's
+max(-A r, -A clip(r)) times w equals the same with A replaced by w A.
+
+Sequence masking: rows whose summed k3 (the per-sequence term of engine_kl) passes a threshold
+get no policy gradient at all (w = 0 on the row), for rows the engine sampled from a distribution
+too far from the trainer's to correct.
+
+Every mean here is over real tokens (or rows), never over the padded [B, R] tensor: averaging
+padding in as zeros makes a ratio of 0.99 read as 0.57 on short responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tether._checks import same_shape
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The engine-mismatch corrections of a run (--engine-is-cap, --engine-mask-kl)."""
+
+    is_cap: float = 0.0  # C of the truncated importance weight (0: off)
+    mask_kl: float = 0.0  # drop rows whose summed k3 passes this many nats (0: off)
+
+    @property
+    def active(self) -> bool:
+        return self.is_cap > 0 or self.mask_kl > 0
+
+
+def sequence_k3(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+    """[B] sum over real tokens of (exp(d) - 1) - d, d = trainer - engine log-prob: the k3
+    estimate of each sequence's KL(pi_engine || pi_trainer), >= 0 term by term."""
+    same_shape(trainer_logprobs=trainer_logprobs, engine_logprobs=engine_logprobs, mask=mask)
+    d = (trainer_logprobs - engine_logprobs).double()
+    return ((torch.expm1(d) - d) * mask).sum(dim=1).float()
+
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """`rollout/engine_kl` (batch mean of `sequence_k3`) and `rollout/engine_max_logprob_diff`
+    (max |d| over real tokens)."""
+    mask = mask.bool()
+    diff = (trainer_logprobs - engine_logprobs).abs()
+    return {"rollout/engine_kl": sequence_k3(trainer_logprobs, engine_logprobs, mask).mean().item(),
+            "rollout/engine_max_logprob_diff":
+                diff[mask].max().item() if bool(mask.any()) else 0.0}
+
+
+def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                       mask: torch.Tensor, correction: Correction
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """([B, R] detached weights for the advantages, their stats). Without a cap the token weight
+    is 1; rows past `mask_kl` weigh 0. Stats: `rollout/engine_is_weight` (mean weight over real
+    tokens, after truncation and masking), `rollout/engine_is_truncated` (share of real tokens
+    whose ratio passed the cap), `rollout/engine_masked_rows` (share of rows masked)."""
+    same_shape(trainer_logprobs=trainer_logprobs, engine_logprobs=engine_logprobs, mask=mask)
+    mask = mask.bool()
+    ratio = torch.exp((trainer_logprobs - engine_logprobs).detach().double())
+    weights = torch.ones_like(ratio)
+    truncated = torch.zeros_like(mask)
+    if correction.is_cap > 0:
+        weights = ratio.clamp(max=correction.is_cap)
+        truncated = (ratio > correction.is_cap) & mask
+    keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    if correction.mask_kl > 0:
+        keep = sequence_k3(trainer_logprobs.detach(), engine_logprobs, mask) <= correction.mask_kl
+    weights = (weights * keep[:, None] * mask).float()
+    n_tokens = int(mask.sum())
+    stats = {"rollout/engine_is_weight": weights[mask].mean().item() if n_tokens else 1.0,
+             "rollout/engine_is_truncated": truncated.sum().item() / max(n_tokens, 1),
+             "rollout/engine_masked_rows": (~keep).float().mean().item()}
+    return weights, stats

