@@ -357,11 +357,32 @@ class VLLMEngine:
         """Stop the engine and free its memory (also on a failed start)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _trainer_group_kept():
                 llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _trainer_group_kept():
+    """vLLM's shutdown ends with `destroy_process_group()`, which under torchrun is the trainer's
+    own group: let it destroy the groups it made, not the default one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    destroy, default = dist.destroy_process_group, dist.distributed_c10d._get_default_group()
+
+    def destroy_own(group=None):
+        if group is not None and group is not default:
+            destroy(group)
+    dist.destroy_process_group = destroy_own
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def _one_line(exc: BaseException) -> str:
