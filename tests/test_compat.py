@@ -20,10 +20,11 @@ def fake_package(site: Path, name: str, version: str) -> None:
 
 
 def hidden_in_fresh_interpreter(site: Path) -> list[str]:
-    code = ("import sys; sys.path[:0] = [%r, %r]; import tether, json; "
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; import tether, json; "
             "print(json.dumps(sorted(k for k in ('torchvision', 'torchaudio', 'torchcodec', "
-            "'torch') if k in sys.modules and sys.modules[k] is None)))") % (str(site), str(SRC))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            "'torch') if k in sys.modules and sys.modules[k] is None)))")
+    out = subprocess.run([sys.executable, "-c", code, str(site), str(SRC)], capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout)
 
 
