@@ -41,7 +41,7 @@ def test_stage_help_is_sectioned_and_loads_no_torch():
     assert "LOADED False False 0" in proc.stdout
     sections = [line[:-1] for line in proc.stdout.splitlines() if line.endswith(":")
                 and not line.startswith(" ")]
-    assert sections[:3] == ["models and reward", "prompts and rollout",
+    assert sections[:4] == ["models and reward", "prompts and rollout", "rollout engine",
                             "reward shaping and the KL penalty"]
     assert {"PPO update", "run and logging", "memory and scale"} <= set(sections)
     assert "  --lora-r INT" in proc.stdout and "(default: 0)" in proc.stdout

@@ -467,3 +467,18 @@ def _tools_map() -> dict[str, list[str]]:
 
 
 OPTION_TESTS |= _tools_map()
+
+# --engine vllm and its fields (these tests need vLLM: CI installs it; without it they skip)
+ENGINE = "tests/rl/engines/test_vllm_engine.py::"
+OPTION_TESTS |= {
+    "online:engine": [ENGINE + "test_engine_and_its_kv_cache_size_reach_vllm[grpo]",
+                      ENGINE + "test_a_stale_engine_shows_in_the_engine_kl"],
+    "online:engine_kv_cache_mb": [ENGINE + "test_engine_and_its_kv_cache_size_reach_vllm[grpo]"],
+    "online:engine_is_cap": [ENGINE + "test_truncated_importance_weights_and_row_masking_act_on_the_update"],
+    "online:engine_mask_kl": [ENGINE + "test_truncated_importance_weights_and_row_masking_act_on_the_update"],
+}
+for _tool in ("generate", "eval"):
+    OPTION_TESTS |= {
+        f"{_tool}:engine": [ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{_tool}]"],
+        f"{_tool}:engine_kv_cache_mb": [ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{_tool}]"],
+    }

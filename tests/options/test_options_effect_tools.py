@@ -66,7 +66,7 @@ def models(tmp_path_factory, tiny_model_dir, tiny_llama_dir):
 
 
 class Sampler:
-    """Spy on `sample_responses` as generate and eval call it: one dict per call."""
+    """Spy on the native `sample_responses` as generate and eval call it: one dict per call."""
 
     def __init__(self, monkeypatch):
         self.calls: list[dict] = []
@@ -78,8 +78,8 @@ class Sampler:
                                "temperature": kwargs["temperature"],
                                "longest": int(out.response_mask.sum(1).max())})
             return out
-        monkeypatch.setattr(generate, "sample_responses", spy)
-        monkeypatch.setattr(evaluation, "sample_responses", spy)
+        # both tools take the native engine's sampler through tether.rl.engines.engine_sampler
+        monkeypatch.setattr(native, "sample_responses", spy)
 
 
 def run_tool(tool, model, prompts, tmp_path, *extra, name="out") -> list[dict]:

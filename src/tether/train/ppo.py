@@ -125,6 +125,13 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
         bar.close()
+        if sys.exc_info()[0] is not None and setup.engine is not None:
+            setup.engine.close()  # a failed or stopped run leaves no engine behind
+    return finish(rundir, setup, cfg, metrics)
+
+
+def finish(rundir: RunDir, setup: Setup, cfg: PPOConfig, metrics: dict[str, float]) -> RunResult:
+    """After the last batch: the final evaluation, the engine stopped, the policy saved."""
     metrics |= final_evaluation(rundir, setup, cfg)
     if setup.engine is not None:
         setup.engine.close()

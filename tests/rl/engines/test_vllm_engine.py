@@ -344,3 +344,110 @@ def test_generate_and_eval_with_the_engine(tiny_model_dir, prompts, tmp_path, ca
     # the policy is its own reference: both KLs vanish, on whatever the engine sampled
     assert abs(metrics["eval/kl"]) < 1e-5 and abs(metrics["eval/kl_exact"]) < 1e-5
     assert metrics["eval/response_len"] > 1
+
+
+# ----------------------------------------------------------------------------- the options
+
+class StartSpy:
+    """Records each start_engine call's KV size and the size vLLM itself was given."""
+
+    def __init__(self, monkeypatch):
+        from tether.rl.engines import vllm_engine
+
+        self.sizes: list[tuple[int, int]] = []
+        real = vllm_engine.start_engine
+
+        def spy(*args, **kwargs):
+            engine = real(*args, **kwargs)
+            cache = engine.llm.llm_engine.vllm_config.cache_config
+            self.sizes.append((kwargs["kv_cache_mb"], cache.kv_cache_memory_bytes))
+            return engine
+        monkeypatch.setattr(vllm_engine, "start_engine", spy)
+
+
+@pytest.mark.parametrize("tool", ["grpo", "generate", "eval"])
+def test_engine_and_its_kv_cache_size_reach_vllm(tool, tiny_model_dir, prompts, tmp_path,
+                                                  monkeypatch):
+    spy = StartSpy(monkeypatch)
+    common = ["--engine", "vllm", "--engine-kv-cache-mb", "48", "--device", "cpu",
+              "--max-new-tokens", "4"]
+    if tool == "grpo":
+        argv = ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts),
+                "--reward-fn", f"{Path(__file__).resolve()}:length_reward", "--batch-size", "8",
+                "--total-episodes", "8", "--output-dir", str(tmp_path), "--save-every", "0"]
+    else:
+        argv = [tool, "--model", str(tiny_model_dir), "--prompts", str(prompts), "--output",
+                str(tmp_path / f"out.{'jsonl' if tool == 'generate' else 'json'}")]
+    assert main(argv + common) == 0
+    assert spy.sizes == [(48, 48 << 20)]
+
+
+def offset_engine_logprobs(monkeypatch, offset: float) -> None:
+    """The engine reports log-probs `offset` away from its true ones, as an engine with other
+    kernels would: pi_old / pi_engine = exp(-offset) at every token."""
+    real = VLLMEngine.sample
+
+    def sample(self, *args, **kwargs):
+        rollout = real(self, *args, **kwargs)
+        rollout.engine_logprobs = (rollout.engine_logprobs + offset) * rollout.response_mask
+        return rollout
+    monkeypatch.setattr(VLLMEngine, "sample", sample)
+
+
+def corrected_run(model_dir, prompts, tmp_path, name, **overrides) -> list[dict]:
+    cfg = GRPOConfig(run_name=name, output_dir=str(tmp_path / "runs"), policy=str(model_dir),
+                     prompts=str(prompts), max_new_tokens=6, batch_size=16,
+                     total_episodes=16 * 2, lr=5e-2, lr_schedule="constant", engine="vllm",
+                     device="cpu", save_every=0, sample_every=0, seed=2, **overrides)
+    return metrics_of(Path(run(cfg, reward_fn=length_reward).output_path).parent)
+
+
+@pytest.mark.slow
+def test_truncated_importance_weights_and_row_masking_act_on_the_update(tiny_model_dir, prompts,
+                                                                         tmp_path, monkeypatch):
+    offset_engine_logprobs(monkeypatch, -0.5)  # every ratio pi_old / pi_engine = e^0.5 = 1.65
+    capped = corrected_run(tiny_model_dir, prompts, tmp_path, "capped", engine_is_cap=1.2)
+    assert capped[0]["rollout/engine_is_weight"] == pytest.approx(1.2)  # every token at the cap
+    assert capped[0]["rollout/engine_is_truncated"] == 1.0
+    assert capped[0]["rollout/engine_masked_rows"] == 0.0
+    # each row's summed k3 is (e^0.5 - 1.5) = 0.149 nats per token: every row passes 0.1
+    masked = corrected_run(tiny_model_dir, prompts, tmp_path, "masked", engine_mask_kl=0.1)
+    assert masked[0]["rollout/engine_masked_rows"] == 1.0
+    assert masked[0]["rollout/engine_is_weight"] == 0.0
+    # No row has a policy gradient, and GRPO's KL term has none at pi = pi_ref: the first
+    # update leaves the policy where it was, which the second batch's KL shows.
+    assert masked[1]["objective/kl"] == 0.0
+    plain = corrected_run(tiny_model_dir, prompts, tmp_path, "plain")
+    assert plain[1]["objective/kl"] != 0.0 and "rollout/engine_is_weight" not in plain[0]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_samples_what_the_uninterrupted_one_did(llama_dir, prompts, tmp_path):
+    from safetensors.torch import load_file
+
+    from tether.errors import TetherError
+
+    def config(name, **extra):
+        return GRPOConfig(run_name=name, output_dir=str(tmp_path / "runs"), policy=str(llama_dir),
+                          prompts=str(prompts), max_new_tokens=6, batch_size=8,
+                          total_episodes=8 * 4, lr=2e-2, engine="vllm", device="cpu",
+                          save_every=1, sample_every=0, seed=3, **extra)
+    full = run(config("full"), reward_fn=length_reward)
+    calls = {"n": 0}
+
+    def crashes_on_third_batch(prompts_, responses):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("reward server went away")
+        return length_reward(prompts_, responses)
+    with pytest.raises(TetherError, match="reward server went away"):
+        run(config("resumed"), reward_fn=crashes_on_third_batch)
+    resumed = run(config("resumed", resume=True), reward_fn=length_reward)
+    # The engine got the restored weights and each row its own seed back: the same responses,
+    # so the same scores and the same final weights.
+    keys = ("objective/score", "rollout/response_len", "objective/kl")
+    assert ([[x[k] for k in keys] for x in metrics_of(tmp_path / "runs" / "resumed")]
+            == [[x[k] for k in keys] for x in metrics_of(tmp_path / "runs" / "full")])
+    a = load_file(str(full.output_path / "model.safetensors"))
+    b = load_file(str(resumed.output_path / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
