@@ -97,7 +97,7 @@ def tiny_workload(policy_dir: Path, prompts: list[str], args) -> Workload:
 
     tokenizer = load_tokenizer(str(policy_dir))
     model = fuse_gelu(disable_dropout(load_causal_lm(str(policy_dir), tokenizer)))
-    return Workload("GRPO bench, GPT-2 4x256", model.eval().to(args.device),
+    return Workload("GPT-2 4x256 fp32 (GRPO)", model.eval().to(args.device),
                     [tokenizer(p)["input_ids"] for p in prompts], [tokenizer.eos_token_id],
                     tokenizer.pad_token_id, args.batch_size, args.response_length, "float32",
                     args.kv_cache_mb)
@@ -123,7 +123,8 @@ def large_workload(prompts: list[str], args) -> Workload:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(args.device)
     params = sum(p.numel() for p in model.parameters())
-    return Workload(f"Llama {params / 1e6:.0f}M, 24x1024", model,
+    short = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+    return Workload(f"Llama {params / 1e6:.0f}M 24x1024 {short}", model,
                     [tokenizer(p)["input_ids"] for p in prompts], [tokenizer.eos_token_id],
                     tokenizer.pad_token_id, args.large_rows, args.max_new_tokens, args.dtype,
                     args.kv_cache_mb)
@@ -414,7 +415,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                       f"{result.response_len:.1f} tokens", flush=True)
 
     lines = [f"rollouts: temperature 1, stop at EOS, k = {K}, device {args.device}, "
-             f"{torch.get_num_threads()} torch thread(s), median of {args.repeats} interleaved",
+             f"{torch.get_num_threads()} torch thread(s), median of {args.repeats} interleaved "
+             "repeats",
              f"{'model':<26}{'rows x new':>9}  {'engine':<8}{'tokens/s':>10}{'tok/row':>9}"
              f"{'vs native':>11}"] + rollout_table
     if args.episodes:
