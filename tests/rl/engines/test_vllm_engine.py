@@ -451,3 +451,15 @@ def test_a_resumed_run_samples_what_the_uninterrupted_one_did(llama_dir, prompts
     a = load_file(str(full.output_path / "model.safetensors"))
     b = load_file(str(resumed.output_path / "model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_model_vllm_cannot_run_on_cpu_is_one_line_and_writes_nothing(tiny_llama_dir, prompts,
+                                                                       tmp_path, capsys):
+    # the suite's tiny Llama has head size 16: vLLM's CPU attention has no kernel for it
+    code = main(["grpo", "--policy", str(tiny_llama_dir), "--prompts", str(prompts),
+                 "--reward-fn", f"{Path(__file__).resolve()}:length_reward", "--engine", "vllm",
+                 "--output-dir", str(tmp_path / "runs"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "no kernel for head size 16" in err[0] and "--engine native" in err[0]
+    assert not (tmp_path / "runs").exists()

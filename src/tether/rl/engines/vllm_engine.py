@@ -209,6 +209,7 @@ class VLLMEngine:
             self.sync()
         except Exception as exc:
             if self.lora_mode != "adapter":
+                self.close()
                 raise
             # vLLM refused this adapter (a target module or option it has no LoRA kernel for):
             # serve the merged weights instead, which every architecture takes.
@@ -252,7 +253,9 @@ class VLLMEngine:
                       # log_softmax(z / T) of the sampled tokens, not of the raw logits
                       logprobs_mode="processed_logprobs", load_format="dummy",
                       skip_tokenizer_init=True, generation_config="vllm",
-                      enforce_eager=self.device.type != "cuda")
+                      # No CUDA graphs: the layer-wise reload gives parameters new storage,
+                      # which a graph captured at start would not read.
+                      enforce_eager=True)
         if self.lora_mode == "adapter":
             rank = self.peft.peft_config[self.adapter].r
             kwargs |= dict(enable_lora=True, max_loras=1,
