@@ -1,5 +1,6 @@
-"""Rollout engines side by side: tether's native sampler against vLLM (`--engine vllm`), in one
-process, on the same prompts.
+"""Rollout engines side by side in one process: tether's native sampler against vLLM.
+
+vLLM is tether's `--engine vllm` (tether.rl.engines.vllm_engine); both see the same prompts.
 
 1. Rollouts. Batches of responses sampled by `tether.rl.engines.native.sample_responses` and by
    `VLLMEngine.sample` (the same signature; the same prompts, noise, temperature 1, stop at EOS)
@@ -7,9 +8,9 @@ process, on the same prompts.
    - the GRPO benchmark's workload (bench/peers/grpo.py; model and prompts from
      bench/peers/ppo.py): a GPT-2-style policy of 4 layers, width 256, 513-token vocabulary, in
      fp32; 32 rows = 8 prompts x k = 4, up to 32 new tokens;
-   - a Llama-shaped model with random weights built from its config (hidden 1024, 24 layers,
-     16 heads and 8 KV heads of 64, intermediate 2816, vocabulary 32000, untied head: 349M
-     parameters) and a local BPE tokenizer; 16 rows = 4 prompts x k, up to 64 new tokens
+   - a Llama-shaped model with random weights built from its config, Qwen2.5-0.5B's dimensions
+     (hidden 896, 24 layers, 14 heads and 2 KV heads of 64, intermediate 4864, vocabulary 151936,
+     tied head: 494M parameters) and a local BPE tokenizer; 16 rows = 4 prompts x k, up to 64 new tokens
      (`--skip-large` leaves it out).
    Tokens/s is the generated tokens (the rollout's response_mask, EOS included) over the wall
    time of the sampling call. Each repeat takes a batch of prompts of its own, the same for both
@@ -61,6 +62,7 @@ import grpo  # noqa: E402  (the GRPO benchmark: its configs for tether and TRL)
 from ppo import build_workload, make_prompts  # noqa: E402  (its model and prompts)
 
 K = grpo.K  # samples per prompt, as in the GRPO benchmark
+N_PROMPTS = 512  # the GRPO benchmark's prompt set; rollout batches take disjoint slices of it
 
 
 # ----------------------------------------------------------------------------- 1. rollouts
@@ -106,7 +108,7 @@ def tiny_workload(policy_dir: Path, prompts: list[str], args) -> Workload:
 def large_workload(prompts: list[str], args) -> Workload:
     """A Llama-shaped model with random weights (head size 64: vLLM's CPU attention has kernels
     for 32, 64, 80, ... only) and a byte-level BPE trained on the prompts. The vocabulary is the
-    model's 32000 though the tokenizer has ~513 entries: prompts use the first few hundred ids,
+    model's 151936 though the tokenizer has ~513 entries: prompts use the first few hundred ids,
     sampled tokens range over all of them (nothing is decoded here)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -114,9 +116,10 @@ def large_workload(prompts: list[str], args) -> Workload:
 
     tokenizer = make_llama_tokenizer(prompts * 4, vocab_size=512)
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
-                         max_position_embeddings=4096, tie_word_embeddings=False,
+    # Qwen2.5-0.5B's dimensions in Llama's architecture: 494M parameters, tied head
+    config = LlamaConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -124,7 +127,7 @@ def large_workload(prompts: list[str], args) -> Workload:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(args.device)
     params = sum(p.numel() for p in model.parameters())
     short = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
-    return Workload(f"Llama {params / 1e6:.0f}M 24x1024 {short}", model,
+    return Workload(f"Llama {params / 1e6:.0f}M 24x896 {short}", model,
                     [tokenizer(p)["input_ids"] for p in prompts], [tokenizer.eos_token_id],
                     tokenizer.pad_token_id, args.large_rows, args.max_new_tokens, args.dtype,
                     args.kv_cache_mb)
@@ -352,13 +355,13 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for every side (0: torch's default; 1 is "
                              "steadiest on a shared machine)")
-    parser.add_argument("--skip-large", action="store_true", help="no rollouts of the 349M model")
+    parser.add_argument("--skip-large", action="store_true", help="no rollouts of the 494M model")
     parser.add_argument("--max-new-tokens", type=int, default=64,
-                        help="the 349M model's new tokens per row")
+                        help="the 494M model's new tokens per row")
     parser.add_argument("--large-rows", type=int, default=16,
-                        help="the 349M model's rows per batch (a multiple of k = 4)")
+                        help="the 494M model's rows per batch (a multiple of k = 4)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="the 349M model's dtype (the GRPO workload stays fp32)")
+                        help="the 494M model's dtype (the GRPO workload stays fp32)")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="GRPO workload: rows per batch (k = 4), rollouts and runs")
     parser.add_argument("--response-length", type=int, default=32,
@@ -371,6 +374,9 @@ def parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     if args.large_rows % K or args.batch_size % K:
         parser.error(f"--large-rows and --batch-size: multiples of k = {K}")
+    if (args.repeats + 1) * max(args.large_rows, args.batch_size) // K > N_PROMPTS:
+        parser.error(f"each rollout repeat (and the warm-up) takes prompts of its own: "
+                     f"(--repeats + 1) x rows / {K} must be <= {N_PROMPTS}")
     return args
 
 
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         from trl import GRPOTrainer  # noqa: F401  (imported outside the timings, as in grpo.py)
     import tether.train.ppo  # noqa: F401
 
-    prompts = make_prompts(512)
+    prompts = make_prompts(N_PROMPTS)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         paths = build_workload(root, prompts)  # policy dir, reward model dir, prompts.jsonl

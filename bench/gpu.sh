@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Rollout engines on one NVIDIA GPU: bench/engine.py --device cuda, with GPU-sized settings.
 # It prints tether's native sampler against vLLM (tokens/s, vLLM start-up and weight-sync times)
-# on the GRPO bench's tiny GPT-2 (32 rows x 32 tokens) and on a 349M Llama-shaped model with random
+# on the GRPO bench's tiny GPT-2 (32 rows x 32 tokens) and on a 494M Llama-shaped model with random
 # weights in bf16 (128 rows x 256 tokens), then whole GRPO runs with --engine native and
 # --engine vllm (256 episodes each, 3 interleaved runs), plus TRL's GRPOTrainer when trl imports.
 #
 #   bash bench/gpu.sh                            # about 5-8 minutes once installed; killed at 12
 #   OUT=/some/dir bash bench/gpu.sh --repeats 5  # extra flags go to bench/engine.py (later wins)
 #
-# Most of the time is vLLM starting 5 engines (2 rollout benches + 3 GRPO runs): each captures
-# CUDA graphs, the first also compiles the model (a minute or two; later starts reuse the cache).
+# Most of the time is vLLM starting 5 engines (2 rollout benches + 3 GRPO runs; tether runs them
+# eager, without CUDA graphs: docs/engine.md).
 # The venv ($VENV, default .venv-gpu) is created if absent; torch (PyPI's Linux wheel, the CUDA
 # build), vllm ($VLLM, the version whose CPU build tether's engine was tested with) and tether's
 # other dependencies (`pip install -e .`) are installed only where they do not import. With no

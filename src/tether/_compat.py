@@ -23,9 +23,11 @@ _VERSION = re.compile(r"""^__version__\s*(?::\s*\w+\s*)?=\s*['"]([^'"]+)['"]""",
 
 def build_tag(package: str) -> str | None:
     """The local part of an installed package's version ("cpu", "cu130", "" for none), read from
-    its version.py without importing it; None when the package or the file is not there."""
-    if package in sys.modules:  # already imported (or already hidden): nothing to decide
-        return None
+    the imported module, or else from its version.py without importing it; None when it cannot
+    be told (not installed, no version file, or marked absent)."""
+    if package in sys.modules:  # imported already (torch, by whoever came first) or hidden
+        version = getattr(sys.modules[package], "__version__", None)
+        return str(version).partition("+")[2] if version is not None else None
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
@@ -51,6 +53,8 @@ def hide_mismatched_extensions() -> list[str]:
         return []
     hidden = []
     for package in EXTENSIONS:
+        if package in sys.modules:  # imported (it loads) or hidden already: nothing to do
+            continue
         tag = build_tag(package)
         if tag is not None and tag and torch_tag and tag != torch_tag:
             sys.modules[package] = None  # `import` now raises ImportError; find_spec gives None
