@@ -15,10 +15,10 @@ Ouyang et al. 2022):
 The middle four lines are one call, `tether.rl.update.update_batch`, the one update path (it
 alone decides whether the update's forward also scores pi_old). With --engine vllm the engine
 samples and gets the new weights after each update (`engine.update`); the trainer still scores
-every token itself. Setup (loading, checks, the
-settings each piece takes) lives in `ppo_setup.py`; under torchrun every rank runs this loop on
-its rows of each global batch (`tether.rl.roles`) and rank 0 writes. `tether rloo` and `tether
-grpo` are this loop with other defaults (`ppo_config.RLOOConfig`, `GRPOConfig`).
+every token itself. Setup (loading, checks, the settings each piece takes) lives in
+`ppo_setup.py`; under torchrun every rank runs this loop on its rows of each global batch
+(`tether.rl.roles`) and rank 0 writes. `tether rloo` and `tether grpo` are this loop with other
+defaults (`ppo_config.RLOOConfig`, `GRPOConfig`).
 """
 
 from __future__ import annotations
