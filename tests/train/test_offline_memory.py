@@ -184,7 +184,9 @@ def test_checkpointing_on_a_lora_model_matches_plain_gradients(tiny_llama_dir):
         model = peft.get_peft_model(base, config)
         if checkpointing:
             assert enable_gradient_checkpointing(model) is model
-            assert base.is_activation_checkpointing
+            # transformers 5.20 renamed the flag (the vllm extra pins 5.19)
+            assert (getattr(base, "is_activation_checkpointing", False)
+                    or getattr(base, "is_gradient_checkpointing", False))
         model.train()
         with layer_calls() as calls:
             model(input_ids=ids, labels=ids).loss.backward()
