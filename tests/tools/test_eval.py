@@ -152,6 +152,8 @@ def test_generate_writes_samples_eval_scores_the_first(task_files, trained, tmp_
     (["--model", "no/such/dir"], "no/such/dir"),
     (["--reward-fn", "x.py:f", "--reward-model", "rm"], "at most one proxy reward"),
     (["--temperature", "0"], "temperature"),
+    (["--engine", "sglang"], "'engine' must be one of"),
+    (["--engine", "vllm", "--engine-kv-cache-mb", "-5"], "'engine_kv_cache_mb' must be > 0"),
 ])
 def test_eval_bad_input_is_one_line(task_files, tiny_model_dir, tmp_path, args, message, capsys):
     base = ["eval", "--model", str(tiny_model_dir), "--prompts", str(task_files / "prompts.jsonl"),
