@@ -161,16 +161,27 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
                   uniforms: torch.Tensor):
     """Sample responses to this rank's rows of a batch of prompts (`uniforms`: the rows' noise)
     and score them with the reward."""
-    def sample_and_score(policy, _critic):
+    def sample(policy):
         rollout = setup.sample(policy, prompt_ids, prompt_mask,
-                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                   eos_token_ids=setup.eos_token_ids,
-                                   pad_token_id=setup.tokenizer.pad_token_id, uniforms=uniforms,
-                                   all_done=all_done(setup.dist))
+                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               eos_token_ids=setup.eos_token_ids,
+                               pad_token_id=setup.tokenizer.pad_token_id, uniforms=uniforms,
+                               all_done=all_done(setup.dist))
         rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings,
                                      setup.tokenizer.pad_token_id)
-        responses = decode_responses(setup.tokenizer, rollout)
-        return rollout, responses, setup.reward(prompts, responses, rollout).to(setup.device)
+        return rollout, decode_responses(setup.tokenizer, rollout)
+
+    def score(_policy, _critic, rollout, responses):
+        return setup.reward(prompts, responses, rollout).to(setup.device)
+
+    def sample_and_score(policy, critic):
+        rollout, responses = sample(policy)
+        return rollout, responses, score(policy, critic, rollout, responses)
+    if setup.engine is not None:
+        # The engine holds its own weights: no need to gather the policy's FSDP2 shards for it
+        # (`Roles.generate`); a reward model is still called inside the wrapper (`peek`).
+        rollout, responses = sample(None)
+        return rollout, responses, setup.roles.peek(score, rollout, responses)
     return setup.roles.generate(sample_and_score)
 
 
