@@ -172,6 +172,7 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-fn", "rewards.py:score", "--samples-per-prompt", "0"], "--samples-per-prompt 0"),
     (["--reward-fn", "rewards.py:score", "--kl-estimator", "exact"], "exact is a loss term"),
     (["--reward-fn", "rewards.py:score", "--report-to", "comet"], "'comet' is not a tracker"),
+    (["--reward-fn", "rewards.py:score", "--clip-high", "-0.1"], "'clip_high' must be >= 0"),
     (["--reward-fn", "rewards.py:score", "--engine", "sglang"], "'engine' must be one of"),
     (["--reward-fn", "rewards.py:score", "--engine", "vllm", "--engine-kv-cache-mb", "0"],
      "'engine_kv_cache_mb' must be > 0"),

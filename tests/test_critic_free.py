@@ -60,6 +60,33 @@ def test_grpo_without_scaling_hand_computed():
     torch.testing.assert_close(advantages, on_tokens([-2.0, -1.0, 3.0, -1.0, -1.0, 2.0], mask))
 
 
+def test_grpo_batch_std_hand_computed():
+    # scale_rewards="batch": the group's deviations over the std of all six rewards
+    # R = (1, 2, 6, 0, 0, 3): mean 2, squared deviations 1 + 0 + 16 + 4 + 4 + 1 = 26, sample
+    # variance 26 / 5 = 5.2. Group 1's deviations are no longer scaled up by its smaller std.
+    rewards, mask = group_rewards()
+    advantages = grpo(rewards, mask, k=3, scale_rewards="batch")
+    s = 5.2**0.5 + 1e-4
+    expected = on_tokens([-2 / s, -1 / s, 3 / s, -1 / s, -1 / s, 2 / s], mask)
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_grpo_batch_scaling_equals_trls_documented_formula():
+    # TRL 1.16, scale_rewards="batch": advantages = (r - mean of its group) / (r.std() + 1e-4),
+    # the std over the whole batch's rewards (sample std, torch's default).
+    gen = torch.Generator().manual_seed(5)
+    k, n_prompts = 4, 6
+    lengths = torch.randint(1, 5, (n_prompts * k,), generator=gen)
+    mask = torch.arange(5)[None, :] < lengths[:, None]
+    scores = torch.randn(n_prompts * k, generator=gen, dtype=torch.float64)
+    rewards = torch.zeros(n_prompts * k, 5, dtype=torch.float64)
+    rewards[torch.arange(n_prompts * k), lengths - 1] = scores  # the score on the last token
+    mean_grouped = scores.view(-1, k).mean(dim=1).repeat_interleave(k)
+    theirs = (scores - mean_grouped) / (scores.std() + 1e-4)
+    ours = grpo(rewards, mask, k, scale_rewards="batch")
+    torch.testing.assert_close(ours, (theirs[:, None] * mask).float())  # grpo returns fp32
+
+
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_rloo_and_grpo_properties(k):
     gen = torch.Generator().manual_seed(k)
@@ -152,7 +179,7 @@ def test_estimators_reject_bad_input():
     with pytest.raises(ValueError, match="k >= 2"):
         grpo(rewards, mask, k=1)
     with pytest.raises(ValueError, match="scale_rewards"):
-        grpo(rewards, mask, k=3, scale_rewards="batch")
+        grpo(rewards, mask, k=3, scale_rewards="global")
     with pytest.raises(ValueError, match="shape mismatch"):
         grpo(rewards, mask[:, :2], k=3)
     empty = mask.clone()

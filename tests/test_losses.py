@@ -30,11 +30,11 @@ def test_ppo_on_policy_equals_minus_mean_advantage():
     assert float(stats["ratio_mean"]) == 1.0
 
 
-def _ppo_one_token(ratio, advantage, clip=0.2):
+def _ppo_one_token(ratio, advantage, clip=0.2, clip_high=None):
     logprobs = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 1, dtype=torch.float64)
     loss, stats = ppo_policy_loss(logprobs, old, torch.tensor([[advantage]], dtype=torch.float64),
-                                  torch.ones(1, 1, dtype=torch.bool), clip)
+                                  torch.ones(1, 1, dtype=torch.bool), clip, clip_high=clip_high)
     loss.backward()
     return float(loss.detach()), float(logprobs.grad), float(stats["clip_frac"])
 
@@ -56,6 +56,46 @@ def test_ppo_clipping_engages_exactly_beyond_the_band(ratio, advantage, clipped_
         assert loss == pytest.approx(-advantage * ratio, rel=1e-12)
         assert grad == pytest.approx(-advantage * ratio, rel=1e-12)
         assert clip_frac == 0.0
+
+
+@pytest.mark.parametrize("ratio, advantage, clipped_value", [
+    # clip-higher (DAPO, Yu et al. 2025, eq. 10): eps 0.2 below, eps_high 0.28 above. A ratio of
+    # 1.25 with A > 0 keeps its gradient (the symmetric band would have stopped it at 1.2) ...
+    (1.25, 1.0, None), (1.29, 1.0, -1.28),
+    # ... and the lower side is unchanged: A < 0 is still clipped below 0.8, never above 1.28.
+    (0.79, -1.0, 0.8), (1.25, -1.0, None),
+])
+def test_clip_higher_moves_only_the_upper_bound(ratio, advantage, clipped_value):
+    loss, grad, clip_frac = _ppo_one_token(ratio, advantage, clip=0.2, clip_high=0.28)
+    if clipped_value is not None:
+        assert loss == pytest.approx(clipped_value, rel=1e-12)
+        assert grad == 0.0 and clip_frac == 1.0
+    else:
+        assert loss == pytest.approx(-advantage * ratio, rel=1e-12)
+        assert grad == pytest.approx(-advantage * ratio, rel=1e-12)
+    # the same token under the symmetric band, for contrast
+    if (ratio, advantage) == (1.25, 1.0):
+        assert _ppo_one_token(ratio, advantage, clip=0.2)[1] == 0.0
+
+
+def test_clip_higher_equals_trls_documented_formula():
+    # TRL 1.16's GRPO loss with epsilon (low) and epsilon_high, as its docs write it:
+    #   coef_1 = exp(logp - old_logp); coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    #   per_token_loss = -min(coef_1 * A, coef_2 * A); loss = sum(per_token_loss * mask) / sum(mask)
+    gen = torch.Generator().manual_seed(3)
+    logprobs = (-torch.rand(3, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = logprobs.detach() + 0.3 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=gen) > 0.3
+    ours, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, clip_high=0.28)
+    (grad_ours,) = torch.autograd.grad(ours, logprobs)
+    coef_1 = torch.exp(logprobs - old)
+    coef_2 = coef_1.clamp(1 - 0.2, 1 + 0.28)
+    per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
+    theirs = (per_token * mask).sum() / mask.sum()
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-15)
 
 
 def test_ppo_approx_kl_hand_computed():

@@ -188,7 +188,7 @@ def rloo(rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     return _on_real_tokens(returns - others_mean, mask)
 
 
-GRPO_SCALES = ("group", "none")
+GRPO_SCALES = ("group", "batch", "none")
 
 
 def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str = "group",
@@ -196,6 +196,11 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
     """Group-relative advantages, outcome supervision (Shao et al. 2024, "DeepSeekMath", GRPO).
 
     group: A_i = (R_i - mean_group R) / (std_group R + eps)
+    batch: A_i = (R_i - mean_group R) / (std_batch R + eps)   (std over every reward of the
+                                               batch: a prompt whose rewards barely vary is no
+                                               longer scaled up; TRL's scale_rewards="batch",
+                                               after Hu et al. 2025 "REINFORCE++" on global
+                                               normalisation)
     none:  A_i =  R_i - mean_group R          (Dr. GRPO, Liu et al. 2025, "Understanding
                                                R1-Zero-Like Training: A Critical Perspective")
 
@@ -210,7 +215,8 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
         rewards: [B, T] per-token rewards (`kl_shaped_rewards`), B = n_prompts * k.
         mask: [B, T] bool, true on real response tokens; every row needs at least one.
         k: samples per prompt, >= 2; rows i*k .. i*k + k - 1 share a prompt.
-        scale_rewards: "group" (divide by the group's std) or "none".
+        scale_rewards: "group" (divide by the group's std), "batch" (by the std of all B
+            rewards) or "none".
         eps: > 0, added to the std.
 
     Returns:
@@ -222,6 +228,8 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
     advantages = returns - returns.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
         advantages = advantages / (returns.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (returns.std() + eps)
     return _on_real_tokens(advantages, mask)
 
 

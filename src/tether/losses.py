@@ -49,24 +49,30 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = Tr
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip: float = 0.2,
                     per_token_mean: bool = True,
-                    denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+                    denominator: float | None = None,
+                    clip_high: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7), negated to a loss.
 
     ratio_t = exp(log pi(y_t) - log pi_old(y_t))
-    L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps))
+    L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high))
+
+    eps_high = eps unless `clip_high` is given: DAPO's "clip-higher" (Yu et al. 2025, eq. 10,
+    eps 0.2 and eps_high 0.28) lets a token with A > 0 rise further before its gradient stops,
+    so low-probability tokens can gain mass and the entropy does not collapse.
 
     Args:
         logprobs: [B, T] log-probs under the policy being updated (differentiable).
         old_logprobs: [B, T] log-probs at rollout time.
         advantages: [B, T] advantages (usually whitened).
         mask: [B, T] bool.
-        clip: eps > 0.
+        clip: eps > 0 (the lower bound, and the upper one without `clip_high`).
         per_token_mean: True (default): the masked token mean over the batch; False:
             per-sequence sums averaged over sequences, the units of `kl_penalty`'s default
             (see the module docstring: pass the same value to both).
         denominator: the whole minibatch's token (or sequence) count when this is one of its
             micro-batches; default: this batch's own.
+        clip_high: eps_high >= 0, the upper bound's epsilon (default: `clip`).
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
@@ -75,10 +81,12 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     non_negative("clip", clip)
+    high = clip if clip_high is None else clip_high
+    non_negative("clip_high", high)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
     loss = reduce_tokens(torch.maximum(pg_loss1, pg_loss2), mask, per_token_mean, denominator)
     with torch.no_grad():
         stats = {

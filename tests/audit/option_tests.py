@@ -386,6 +386,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "online:max_grad_norm": [ONLINE + "test_online_first_adamw_step_lr_warmup_decay_and_clip"],
     "online:clip_range": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
+    "online:clip_high": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:value_clip_range": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:vf_coef": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:gamma": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
@@ -393,7 +394,8 @@ OPTION_TESTS: dict[str, list[str]] = {
     "online:advantage": [
         "tests/train/test_ppo.py::test_batch_holds_each_prompt_k_times_in_consecutive_rows",
     ],
-    "online:scale_rewards": [ONLINE + "test_grpo_scale_rewards_none_leaves_the_centred_rewards"],
+    "online:scale_rewards": [ONLINE + "test_grpo_scale_rewards_none_leaves_the_centred_rewards[none]",
+                             ONLINE + "test_grpo_scale_rewards_none_leaves_the_centred_rewards[batch]"],
     "online:whiten_advantages": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
     "online:max_kl": [ONLINE + "test_max_kl_stops_the_run"],
     "online:target_kl": ["tests/train/test_ppo.py::test_trust_region_guard_stops_epochs"],

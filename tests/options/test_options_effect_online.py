@@ -202,8 +202,10 @@ def test_clip_ranges_and_vf_coef_reach_the_losses(tiny_model_dir, tmp_path, monk
     _spy(monkeypatch, update, "ppo_policy_loss", policy_calls)
     _spy(monkeypatch, update, "value_loss", value_calls)
     _spy(monkeypatch, update, "minibatch_loss", losses)
-    online_run(tiny_model_dir, tmp_path, clip_range=0.05, value_clip_range=0.3, vf_coef=0.7)
+    online_run(tiny_model_dir, tmp_path, clip_range=0.05, value_clip_range=0.3, vf_coef=0.7,
+               clip_high=0.4)
     assert {args[4] for args, _, _ in policy_calls} == {0.05}
+    assert {kwargs["clip_high"] for _, kwargs, _ in policy_calls} == {0.4}  # clip-higher
     assert {args[4] for args, _, _ in value_calls} == {0.3}
     for _, _, (loss, stats) in losses:  # loss = surrogate + vf_coef * value loss (KL in reward)
         assert loss.item() == pytest.approx(stats["policy/loss"] + 0.7 * stats["value/loss"], rel=1e-5)
@@ -294,15 +296,20 @@ def test_reward_fn_given_as_file_and_function(tiny_model_dir, tmp_path):
     assert result.metrics["objective/score"] == 2.5
 
 
-def test_grpo_scale_rewards_none_leaves_the_centred_rewards(tiny_model_dir, tmp_path, monkeypatch):
-    # Dr. GRPO (Liu et al. 2025): A_i = R_i - mean of its group of k = 2, on its real tokens
+@pytest.mark.parametrize("scale", ["none", "batch"])
+def test_grpo_scale_rewards_none_leaves_the_centred_rewards(scale, tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    # Dr. GRPO (Liu et al. 2025): A_i = R_i - mean of its group of k = 2, on its real tokens;
+    # "batch": the same over the std of every reward of the batch (TRL's scale_rewards="batch")
     calls = []
     _spy(monkeypatch, update, "estimate_advantages", calls)  # either path (one_pass or not)
     online_run(tiny_model_dir, tmp_path, advantage="grpo", samples_per_prompt=2, kl_in="loss",
-               scale_rewards="none", max_new_tokens=8)
+               scale_rewards=scale, max_new_tokens=8)
     (_, rewards, _, mask), _, (advantages, _) = calls[-1]
     totals = rewards.sum(dim=1).view(-1, 2)  # [prompts, k]: the score, on the last token
     expected = (totals - totals.mean(dim=1, keepdim=True)).flatten()
+    if scale == "batch":
+        expected = expected / (totals.std() + 1e-4)
     assert expected.abs().max() > 0
     torch.testing.assert_close(advantages, expected[:, None] * mask.float())
 

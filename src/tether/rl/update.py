@@ -84,7 +84,7 @@ class AdvantageSpec:
     lam: float
     whiten: bool  # gae only: standardise the advantages over the batch's real tokens
     samples_per_prompt: int  # k: the group rloo and grpo compare
-    scale_rewards: str  # grpo: "group" (divide by the group's std) or "none" (Dr. GRPO)
+    scale_rewards: str  # grpo: "group" or "batch" (divide by that std) or "none" (Dr. GRPO)
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class UpdateSpec:
     minibatch_size: int  # global rows per optimizer step
     micro_rows: int  # rows per forward and backward on this rank
     clip_range: float  # PPO's ratio clip epsilon
+    clip_high: float  # the upper bound's epsilon (DAPO's clip-higher); 0: clip_range
     value_clip_range: float
     vf_coef: float
     max_grad_norm: float  # 0: no clipping
@@ -324,7 +325,8 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     logprobs = scores.logprobs * mask
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, spec.clip_range,
                                         per_token_mean=per_token,
-                                        denominator=n_tokens if per_token else n_rows)
+                                        denominator=n_tokens if per_token else n_rows,
+                                        clip_high=spec.clip_high or None)
     loss = pg_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),

@@ -119,6 +119,8 @@ class PPOConfig(RunConfig):
     """Clip the global gradient norm to this (0: off)."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
+    clip_high: float = 0.0
+    """Upper ratio clip epsilon, clip(ratio, 1 - clip_range, 1 + clip_high): DAPO's clip-higher (Yu et al. 2025 use 0.28; TRL's epsilon_high); 0: the same as --clip-range."""
     value_clip_range: float = 0.2
     """Value clip, in the units of the value (0: values may not move from the rollout values)."""
     vf_coef: float = 0.1
@@ -129,8 +131,8 @@ class PPOConfig(RunConfig):
     """GAE lambda."""
     advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "gae"
     """Advantage estimator: gae (needs the critic), or critic-free rloo, grpo, reinforce++ (no critic is built)."""
-    scale_rewards: Literal["group", "none"] = "group"
-    """grpo: divide each group's centred rewards by its std (group), or not (none: Dr. GRPO)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """grpo: divide each group's centred rewards by its std (group), by the std of the batch's rewards (batch; TRL's "batch"), or not (none: Dr. GRPO)."""
     whiten_advantages: Literal["auto", "on", "off"] = "auto"
     """Standardise gae advantages over the batch's real tokens; auto: on with the KL in the reward, off with it in the loss (whitening scales the reward's advantage but not the KL term, moving the optimum)."""
     max_kl: float = 0.0
@@ -194,7 +196,7 @@ class PPOConfig(RunConfig):
         require_positive(self, "batch_size", "max_new_tokens", "temperature", "ppo_epochs",
                          "num_minibatches", "max_prompt_len", "kl_horizon")
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
-                         "max_grad_norm", "clip_range", "value_clip_range", "vf_coef",
+                         "max_grad_norm", "clip_range", "clip_high", "value_clip_range", "vf_coef",
                          "warmup_batches", "weight_decay", "max_kl", "beta_end", "anneal_batches",
                          "eval_every", "sample_every", allow_zero=True)
         if self.kl_ctl == "adaptive":

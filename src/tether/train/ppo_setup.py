@@ -88,7 +88,8 @@ def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
                               cfg.samples_per_prompt, cfg.scale_rewards)
     return UpdateSpec(epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
                       micro_rows=micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
-                      clip_range=cfg.clip_range, value_clip_range=cfg.value_clip_range,
+                      clip_range=cfg.clip_range, clip_high=cfg.clip_high,
+                      value_clip_range=cfg.value_clip_range,
                       vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
                       target_kl=cfg.target_kl, kl=kl, advantage=advantage,
                       mixed_precision=cfg.mixed_precision, chunked_lm_head=cfg.chunked_lm_head,
