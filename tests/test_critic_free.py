@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.advantages import grpo, kl_shaped_rewards, reinforce_pp, rloo
+from tether.advantages import grpo, kl_shaped_rewards, overlong_penalty, reinforce_pp, rloo
 
 # Two prompts, k = 3 samples each (rows 0-2 and 3-5), T = 3, ragged lengths. Each row's rewards
 # sum to its return R over the real tokens; padding holds garbage that must not count.
@@ -188,3 +188,13 @@ def test_estimators_reject_bad_input():
         rloo(rewards, empty, k=3)
     with pytest.raises(ValueError, match="gamma"):
         reinforce_pp(rewards, mask, gamma=1.5)
+
+
+def test_overlong_penalty_hand_computed_and_trls_example():
+    # DAPO eq. 13 with L_max 100, L_cache 20: 0 up to 80 tokens, then linear to -1 at 100.
+    # TRL's docstring example of get_soft_overlong_punishment: 90 tokens -> -0.5.
+    lengths = torch.tensor([50, 80, 81, 90, 100, 101])
+    got = overlong_penalty(lengths, 100, 20)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.05, -0.5, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="cache must be > 0"):
+        overlong_penalty(lengths, 100, 0)

@@ -98,6 +98,87 @@ def test_clip_higher_equals_trls_documented_formula():
     torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-15)
 
 
+def _trl_inputs(seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = (-torch.rand(3, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = logprobs.detach() + 0.3 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 1, generator=gen, dtype=torch.float64).expand(3, 5).clone()
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    return logprobs, old, adv, mask
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    # One response of two tokens, log ratios 0.1 and 0.3: s = exp(0.2) = 1.2214 for both tokens.
+    # With A = +1 and eps 0.2 the sequence is past 1.2: clipped whole, no gradient to either
+    # token, although the first token's own ratio (1.105) is inside the band.
+    logprobs = torch.tensor([[0.1, 0.3]], dtype=torch.float64, requires_grad=True)
+    old, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    loss, stats = ppo_policy_loss(logprobs, old, adv, mask, 0.2, level="sequence")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2, rel=1e-12)
+    assert logprobs.grad.tolist() == [[0.0, 0.0]] and float(stats["clip_frac"]) == 1.0
+    assert float(stats["ratio_mean"]) == pytest.approx(math.exp(0.2), rel=1e-12)
+    # inside the band (eps 0.3): L = -s, dL/dlogp_t = -s / 2 for each of the 2 tokens
+    logprobs.grad = None
+    loss, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.3, level="sequence")
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-math.exp(0.2) / 2] * 2, rel=1e-12)
+
+
+def test_gspo_equals_trls_documented_formula():
+    # TRL 1.16, importance_sampling_level="sequence" (GSPO):
+    #   log_w = sum_t(log_ratio * mask) / sum_t(mask); coef_1 = exp(log_w) [B, 1]
+    #   coef_2 = clamp(coef_1, 1 - eps, 1 + eps_high); per_token = -min(coef_1 A, coef_2 A)
+    #   loss = sum(per_token * mask) / sum(mask)
+    logprobs, old, adv, mask = _trl_inputs()
+    ours, _ = ppo_policy_loss(logprobs, old, adv, mask, 3e-2, clip_high=4e-2, level="sequence")
+    (grad_ours,) = torch.autograd.grad(ours, logprobs)
+    log_w = ((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    coef_1 = torch.exp(log_w)[:, None]
+    coef_2 = coef_1.clamp(1 - 3e-2, 1 + 4e-2)
+    theirs = (-torch.minimum(coef_1 * adv, coef_2 * adv) * mask).sum() / mask.sum()
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-15)
+
+
+def test_cispo_keeps_a_bounded_gradient_where_ppo_drops_it():
+    # ratio 1.5, A = +1, log pi = log 1.5 = 0.405: PPO's clipped branch has no gradient; CISPO's
+    # weight is capped at 1 + 0.28 and detached, so dL/dlogp = -1.28 * A.
+    logprobs = torch.tensor([[math.log(1.5)]], dtype=torch.float64, requires_grad=True)
+    old, mask = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
+    adv = torch.ones(1, 1, dtype=torch.float64)
+    loss, stats = ppo_policy_loss(logprobs, old, adv, mask, 0.2, clip_high=0.28, kind="cispo")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.28 * math.log(1.5), rel=1e-12)
+    assert logprobs.grad.item() == pytest.approx(-1.28, rel=1e-12)
+    assert float(stats["clip_frac"]) == 1.0
+    assert _ppo_one_token(1.5, 1.0, clip=0.2, clip_high=0.28)[1] == 0.0
+
+
+def test_cispo_equals_trls_documented_formula():
+    # TRL 1.16, loss_type="cispo": w = clamp(coef_1, max=epsilon_high).detach() (a cap on the
+    # ratio itself: TRL's epsilon_high C is tether's --clip-high C - 1);
+    #   per_token = -w * A * logp; loss = sum(per_token * mask) / sum(mask)  (token level)
+    logprobs, old, adv, mask = _trl_inputs(seed=6)
+    ours, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, clip_high=0.3, kind="cispo")
+    (grad_ours,) = torch.autograd.grad(ours, logprobs)
+    w = torch.exp(logprobs - old).clamp(max=1.3).detach()
+    theirs = (-w * adv * logprobs * mask).sum() / mask.sum()
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-15)
+
+
+def test_ppo_policy_loss_names_a_wrong_level_or_kind():
+    logprobs, old, adv, mask = _trl_inputs()
+    with pytest.raises(ValueError, match="unknown importance level 'seq'"):
+        ppo_policy_loss(logprobs, old, adv, mask, level="seq")
+    with pytest.raises(ValueError, match="unknown policy loss 'gspo'"):
+        ppo_policy_loss(logprobs, old, adv, mask, kind="gspo")
+
+
 def test_ppo_approx_kl_hand_computed():
     # r = 1.21: k3 for KL(pi_old || pi) is r - 1 - ln r = 0.21 - 0.190620360 = 0.019379640
     _, stats = ppo_policy_loss(torch.tensor([[math.log(1.21)]]), torch.zeros(1, 1),

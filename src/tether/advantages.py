@@ -295,3 +295,25 @@ class ScoreNormalizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13), added to the score:
+
+        0                                   |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+        -1                                  |y| > L_max
+
+    Args:
+        lengths: [B] response lengths in tokens. max_len: L_max (--max-new-tokens).
+        cache: L_cache > 0, the window before L_max where the penalty grows from 0 to -1.
+
+    Returns:
+        [B] fp32 penalties in [-1, 0].
+    """
+    positive("cache", cache)
+    start = max_len - cache
+    lengths = lengths.float()
+    inside = (start - lengths) / cache
+    return torch.where(lengths <= start, torch.zeros_like(lengths),
+                       torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))

@@ -46,20 +46,35 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = Tr
     return summed / max(float(denominator), 1.0)
 
 
+IMPORTANCE_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo", "cispo")
+
+
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip: float = 0.2,
                     per_token_mean: bool = True,
                     denominator: float | None = None,
-                    clip_high: float | None = None) -> tuple[torch.Tensor, dict]:
+                    clip_high: float | None = None, level: str = "token",
+                    kind: str = "ppo") -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
-    Algorithms", eq. 7), negated to a loss.
+    Algorithms", eq. 7), negated to a loss, and the variants of the GRPO family.
 
     ratio_t = exp(log pi(y_t) - log pi_old(y_t))
-    L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high))
+    ppo:   L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high))
+    cispo: L = mean_t -sg(min(ratio_t, 1 + eps_high)) * A_t * log pi(y_t)
 
     eps_high = eps unless `clip_high` is given: DAPO's "clip-higher" (Yu et al. 2025, eq. 10,
     eps 0.2 and eps_high 0.28) lets a token with A > 0 rise further before its gradient stops,
     so low-probability tokens can gain mass and the entropy does not collapse.
+
+    `level="sequence"` (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7):
+    every token of response i takes the response's ratio s_i = exp(mean_t log ratio_t) (a
+    length-normalised sequence ratio, differentiable through the mean), so a response is clipped
+    or kept whole; its clip range is ~1e-3, not 0.2.
+
+    `kind="cispo"` (MiniMax-M1, 2025, eq. 4-5): REINFORCE on log pi weighted by the ratio, the
+    weight capped at 1 + eps_high and detached, so no token's gradient is dropped, only bounded
+    (TRL's loss_type="cispo" caps at `epsilon_high` itself: its 5.0 is eps_high = 4 here).
 
     Args:
         logprobs: [B, T] log-probs under the policy being updated (differentiable).
@@ -73,28 +88,48 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
         denominator: the whole minibatch's token (or sequence) count when this is one of its
             micro-batches; default: this batch's own.
         clip_high: eps_high >= 0, the upper bound's epsilon (default: `clip`).
+        level: "token" or "sequence" (GSPO). kind: "ppo" or "cispo".
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
-        is taken), `approx_kl` (mean of k3 for KL(pi_old || pi), Schulman 2020), `ratio_mean`;
+        is taken, or for cispo where the weight is capped), `approx_kl` (mean of k3 for
+        KL(pi_old || pi) per token, Schulman 2020), `ratio_mean` (of the ratio the loss used);
         the stats are always means over `mask`, whatever `denominator`.
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     non_negative("clip", clip)
+    choice("importance level", level, IMPORTANCE_LEVELS)
+    choice("policy loss", kind, POLICY_LOSSES)
     high = clip if clip_high is None else clip_high
     non_negative("clip_high", high)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
-    loss = reduce_tokens(torch.maximum(pg_loss1, pg_loss2), mask, per_token_mean, denominator)
+    ratio = torch.exp(_level_log_ratio(log_ratio, mask, level))  # [B, T] or [B, 1]
+    ratio = ratio.expand_as(log_ratio)
+    if kind == "cispo":
+        weight = ratio.clamp(max=1.0 + high).detach()
+        per_token = -weight * advantages * logprobs
+        clipped = ratio > 1.0 + high
+    else:
+        pg_loss1 = -advantages * ratio
+        pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
+        per_token = torch.maximum(pg_loss1, pg_loss2)
+        clipped = pg_loss2 > pg_loss1
+    loss = reduce_tokens(per_token, mask, per_token_mean, denominator)
     with torch.no_grad():
         stats = {
-            "clip_frac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
+            "clip_frac": masked_mean(clipped.float(), mask),
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The token log-ratios [B, T], or each response's mean over its real tokens [B, 1]."""
+    if level == "token":
+        return log_ratio
+    m = mask.to(log_ratio.dtype)
+    return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
 
 
 def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

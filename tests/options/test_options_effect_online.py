@@ -203,12 +203,32 @@ def test_clip_ranges_and_vf_coef_reach_the_losses(tiny_model_dir, tmp_path, monk
     _spy(monkeypatch, update, "value_loss", value_calls)
     _spy(monkeypatch, update, "minibatch_loss", losses)
     online_run(tiny_model_dir, tmp_path, clip_range=0.05, value_clip_range=0.3, vf_coef=0.7,
-               clip_high=0.4)
+               clip_high=0.4, importance_level="sequence", policy_loss="cispo")
     assert {args[4] for args, _, _ in policy_calls} == {0.05}
-    assert {kwargs["clip_high"] for _, kwargs, _ in policy_calls} == {0.4}  # clip-higher
+    # clip-higher, GSPO's sequence-level ratio, CISPO
+    assert {(kw["clip_high"], kw["level"], kw["kind"]) for _, kw, _ in policy_calls} == {
+        (0.4, "sequence", "cispo")}
     assert {args[4] for args, _, _ in value_calls} == {0.3}
     for _, _, (loss, stats) in losses:  # loss = surrogate + vf_coef * value loss (KL in reward)
         assert loss.item() == pytest.approx(stats["policy/loss"] + 0.7 * stats["value/loss"], rel=1e-5)
+
+
+def test_overlong_penalty_reaches_the_scores(tiny_model_dir, tmp_path, monkeypatch):
+    # DAPO's soft penalty with a window of 2 before max_new_tokens 4: a response of 3 tokens
+    # loses 0.5, one of 4 loses 1; the same seed samples the same batch with and without it
+    from tether.advantages import overlong_penalty
+
+    runs = {}
+    for name, window in (("plain", 0), ("penalised", 2)):
+        calls = []
+        _spy(monkeypatch, ppo, "update_batch", calls)
+        online_run(tiny_model_dir, tmp_path, name=name, overlong_penalty=window)
+        monkeypatch.undo()
+        (_, _, _, rollout, scores, *_), _, _ = calls[0]
+        runs[name] = (rollout.response_mask.sum(1), scores)
+    lengths, plain = runs["plain"]
+    assert torch.equal(lengths, runs["penalised"][0]) and int(lengths.max()) > 2
+    torch.testing.assert_close(runs["penalised"][1], plain + overlong_penalty(lengths, 4, 2))
 
 
 def test_epochs_minibatches_and_micro_batches(tiny_model_dir, tmp_path):

@@ -97,6 +97,8 @@ class UpdateSpec:
     micro_rows: int  # rows per forward and backward on this rank
     clip_range: float  # PPO's ratio clip epsilon
     clip_high: float  # the upper bound's epsilon (DAPO's clip-higher); 0: clip_range
+    importance_level: str  # "token" (PPO) or "sequence" (GSPO: one ratio per response)
+    policy_loss: str  # "ppo" (the clipped surrogate) or "cispo" (capped, detached IS weights)
     value_clip_range: float
     vf_coef: float
     max_grad_norm: float  # 0: no clipping
@@ -326,7 +328,8 @@ def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, ol
     pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, spec.clip_range,
                                         per_token_mean=per_token,
                                         denominator=n_tokens if per_token else n_rows,
-                                        clip_high=spec.clip_high or None)
+                                        clip_high=spec.clip_high or None,
+                                        level=spec.importance_level, kind=spec.policy_loss)
     loss = pg_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from tether.advantages import ScoreNormalizer
+from tether.advantages import ScoreNormalizer, overlong_penalty
 from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
@@ -188,8 +188,12 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
 def batch_scores(raw_scores: torch.Tensor, rollout: Rollout, normalizer: ScoreNormalizer,
                  cfg: PPOConfig) -> torch.Tensor:
     """The [B] scores the rewards are shaped with: raw scores less --missing-eos-penalty for
-    responses that never ended, normalised (--score-norm), clipped to +-(--reward-clip)."""
+    responses that never ended and DAPO's --overlong-penalty for long ones, normalised
+    (--score-norm), clipped to +-(--reward-clip)."""
     scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
+    if cfg.overlong_penalty:
+        lengths = rollout.response_mask.sum(dim=1)
+        scores = scores + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
     scores = normalizer(scores)
     return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
 

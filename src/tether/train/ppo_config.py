@@ -59,6 +59,8 @@ class PPOConfig(RunConfig):
     """Strings that end a response (kept in it); EOS always ends one."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
+    overlong_penalty: int = 0
+    """DAPO's soft overlong penalty (Yu et al. 2025, eq. 13): from max_new_tokens - L tokens on, the score loses up to 1, linearly, reaching -1 at max_new_tokens (L tokens; 0: off)."""
 
     # ---- rollout engine (docs/engine.md)
     engine: Literal["native", "vllm"] = "native"
@@ -121,6 +123,10 @@ class PPOConfig(RunConfig):
     """PPO ratio clip epsilon."""
     clip_high: float = 0.0
     """Upper ratio clip epsilon, clip(ratio, 1 - clip_range, 1 + clip_high): DAPO's clip-higher (Yu et al. 2025 use 0.28; TRL's epsilon_high); 0: the same as --clip-range."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """The ratio per token (PPO), or per response, exp(mean log ratio), shared by its tokens (GSPO, Zheng et al. 2025; use a clip range near 3e-4)."""
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    """ppo: the clipped surrogate; cispo: -sg(min(ratio, 1 + clip_high)) * A * log pi, no token's gradient dropped (MiniMax-M1 2025; TRL's epsilon_high 5.0 = --clip-high 4)."""
     value_clip_range: float = 0.2
     """Value clip, in the units of the value (0: values may not move from the rollout values)."""
     vf_coef: float = 0.1
@@ -217,6 +223,10 @@ class PPOConfig(RunConfig):
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.overlong_penalty < self.max_new_tokens:
+            raise TetherError(f"--overlong-penalty {self.overlong_penalty} must lie in [0, "
+                              f"--max-new-tokens {self.max_new_tokens}): it is the length of the "
+                              "window before the limit where the penalty grows")
         require_positive(self, "engine_kv_cache_mb")
         require_positive(self, "engine_mask_kl", allow_zero=True)
         if self.engine_is_cap and not self.engine_is_cap >= 1:

@@ -89,6 +89,7 @@ def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
     return UpdateSpec(epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
                       micro_rows=micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
                       clip_range=cfg.clip_range, clip_high=cfg.clip_high,
+                      importance_level=cfg.importance_level, policy_loss=cfg.policy_loss,
                       value_clip_range=cfg.value_clip_range,
                       vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
                       target_kl=cfg.target_kl, kl=kl, advantage=advantage,
