@@ -47,12 +47,17 @@ def _ppo_one_token(ratio, advantage, clip=0.2, clip_high=None):
     (0.79, -1.0, 0.8), (0.81, -1.0, None), (1.21, -1.0, None), (3.0, -1.0, None),
 ])
 def test_ppo_clipping_engages_exactly_beyond_the_band(ratio, advantage, clipped_value):
-    loss, grad, clip_frac = _ppo_one_token(ratio, advantage)
+    _check_one_token(_ppo_one_token(ratio, advantage), ratio, advantage, clipped_value)
+
+
+def _check_one_token(result, ratio, advantage, clipped_value):
+    """Clipped: the loss sits at the bound, flat (no gradient); unclipped: L = -A r and
+    dL/dlogprob = -A r (since dr/dlogprob = r)."""
+    loss, grad, clip_frac = result
     if clipped_value is not None:
         assert loss == pytest.approx(clipped_value, rel=1e-12)
         assert grad == 0.0 and clip_frac == 1.0
     else:
-        # unclipped: L = -A r and dL/dlogprob = -A r (since dr/dlogprob = r)
         assert loss == pytest.approx(-advantage * ratio, rel=1e-12)
         assert grad == pytest.approx(-advantage * ratio, rel=1e-12)
         assert clip_frac == 0.0
@@ -66,13 +71,8 @@ def test_ppo_clipping_engages_exactly_beyond_the_band(ratio, advantage, clipped_
     (0.79, -1.0, 0.8), (1.25, -1.0, None),
 ])
 def test_clip_higher_moves_only_the_upper_bound(ratio, advantage, clipped_value):
-    loss, grad, clip_frac = _ppo_one_token(ratio, advantage, clip=0.2, clip_high=0.28)
-    if clipped_value is not None:
-        assert loss == pytest.approx(clipped_value, rel=1e-12)
-        assert grad == 0.0 and clip_frac == 1.0
-    else:
-        assert loss == pytest.approx(-advantage * ratio, rel=1e-12)
-        assert grad == pytest.approx(-advantage * ratio, rel=1e-12)
+    _check_one_token(_ppo_one_token(ratio, advantage, clip=0.2, clip_high=0.28), ratio, advantage,
+                     clipped_value)
     # the same token under the symmetric band, for contrast
     if (ratio, advantage) == (1.25, 1.0):
         assert _ppo_one_token(ratio, advantage, clip=0.2)[1] == 0.0

@@ -229,6 +229,15 @@ def metrics_of(result_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (result_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def grpo_run(model_dir, prompts, tmp_path, name, **overrides) -> list[dict]:
+    """A GRPO run with the engine on 16-response batches (lr 5e-2, constant); its metric lines."""
+    values = dict(run_name=name, output_dir=str(tmp_path / "runs"), policy=str(model_dir),
+                  prompts=str(prompts), max_new_tokens=8, batch_size=16, total_episodes=16 * 5,
+                  lr=5e-2, lr_schedule="constant", engine="vllm", device="cpu", save_every=0,
+                  sample_every=0, seed=1) | overrides
+    return metrics_of(Path(run(GRPOConfig(**values), reward_fn=length_reward).output_path).parent)
+
+
 def lora_sft(model_dir: Path, out: Path) -> Path:
     """A LoRA SFT adapter trained away from its base (the run's starting point and reference)."""
     data = write_jsonl(out / "sft.jsonl", sft_rows())
@@ -245,11 +254,7 @@ def test_grpo_with_the_engine_starts_on_policy_and_tracks_every_update(family, s
                                                                         request, tmp_path):
     model_dir = request.getfixturevalue(family)
     policy = lora_sft(model_dir, tmp_path) if start == "lora_sft" else model_dir
-    cfg = GRPOConfig(run_name="g", output_dir=str(tmp_path / "runs"), policy=str(policy),
-                     prompts=str(prompts), max_new_tokens=8, batch_size=16,
-                     total_episodes=16 * 5, lr=5e-2, lr_schedule="constant", engine="vllm",
-                     device="cpu", save_every=0, sample_every=0, seed=1)
-    lines = metrics_of(Path(run(cfg, reward_fn=length_reward).output_path).parent)
+    lines = grpo_run(policy, prompts, tmp_path, "g")
     # Step 0: the policy is the reference (the SFT adapter itself when starting from one, never
     # the bare base) and pi_old, and the engine serves that same model.
     assert lines[0]["objective/kl"] == 0.0 and lines[0]["policy/ratio_mean"] == 1.0
@@ -262,11 +267,7 @@ def test_grpo_with_the_engine_starts_on_policy_and_tracks_every_update(family, s
 @pytest.mark.slow
 def test_a_stale_engine_shows_in_the_engine_kl(tiny_model_dir, prompts, tmp_path, monkeypatch):
     monkeypatch.setattr(VLLMEngine, "update", lambda self: None)  # never synced after an update
-    cfg = GRPOConfig(run_name="stale", output_dir=str(tmp_path / "runs"),
-                     policy=str(tiny_model_dir), prompts=str(prompts), max_new_tokens=8,
-                     batch_size=16, total_episodes=16 * 5, lr=5e-2, lr_schedule="constant",
-                     engine="vllm", device="cpu", save_every=0, sample_every=0, seed=1)
-    lines = metrics_of(Path(run(cfg, reward_fn=length_reward).output_path).parent)
+    lines = grpo_run(tiny_model_dir, prompts, tmp_path, "stale")
     assert lines[0]["rollout/engine_kl"] < 1e-6
     assert lines[-1]["rollout/engine_kl"] > 1e-3, [x["rollout/engine_kl"] for x in lines]
 
@@ -395,11 +396,8 @@ def offset_engine_logprobs(monkeypatch, offset: float) -> None:
 
 
 def corrected_run(model_dir, prompts, tmp_path, name, **overrides) -> list[dict]:
-    cfg = GRPOConfig(run_name=name, output_dir=str(tmp_path / "runs"), policy=str(model_dir),
-                     prompts=str(prompts), max_new_tokens=6, batch_size=16,
-                     total_episodes=16 * 2, lr=5e-2, lr_schedule="constant", engine="vllm",
-                     device="cpu", save_every=0, sample_every=0, seed=2, **overrides)
-    return metrics_of(Path(run(cfg, reward_fn=length_reward).output_path).parent)
+    return grpo_run(model_dir, prompts, tmp_path, name, max_new_tokens=6, total_episodes=16 * 2,
+                    seed=2, **overrides)
 
 
 @pytest.mark.slow
