@@ -198,3 +198,13 @@ def test_overlong_penalty_hand_computed_and_trls_example():
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.05, -0.5, -1.0, -1.0]))
     with pytest.raises(ValueError, match="cache must be > 0"):
         overlong_penalty(lengths, 100, 0)
+
+
+def test_varied_groups_hand_computed():
+    from tether.advantages import varied_groups
+
+    # groups of 3: all equal (1, 1, 1), varied (0, 1, 0), all equal (0, 0, 0), varied (2, 2, 2.5)
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.5])
+    assert varied_groups(scores, 3).tolist() == [False, True, False, True]
+    with pytest.raises(ValueError, match="do not split into groups of 5"):
+        varied_groups(scores, 5)

@@ -417,3 +417,67 @@ def test_dpo_bandit_runs_to_the_deterministic_corner():
     assert pi_a[1] > 0.99
     assert pi_a[1] > pi_a[0]  # still increasing: there is no finite optimum
     assert float(torch.softmax(theta.detach(), -1)[2]) < 1e-3
+
+
+# ---------------------------------------------------------------- --loss-aggregation
+
+
+def test_loss_aggregations_hand_computed():
+    # Row 0: 2 real tokens of values 1 and 3; row 1: 1 real token of value 6 (its 9 is padding).
+    x = torch.tensor([[1.0, 3.0], [6.0, 9.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    assert float(reduce_tokens(x, mask, aggregation="token")) == pytest.approx(10 / 3)
+    assert float(reduce_tokens(x, mask, aggregation="sum")) == pytest.approx((4 + 6) / 2)
+    assert float(reduce_tokens(x, mask, aggregation="sequence")) == pytest.approx((2 + 6) / 2)
+    # the per_token_mean spellings are "token" and "sum"
+    assert float(reduce_tokens(x, mask, True)) == float(reduce_tokens(x, mask, aggregation="token"))
+    assert float(reduce_tokens(x, mask, False)) == float(reduce_tokens(x, mask, aggregation="sum"))
+    # a micro-batch of the first row in a minibatch of 2 rows: (4 / 2) / 2
+    assert float(reduce_tokens(x[:1], mask[:1], aggregation="sequence", denominator=2)) == 1.0
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        reduce_tokens(x, mask, aggregation="mean")
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "sum"])
+def test_loss_aggregations_equal_trls_documented_formulas(aggregation):
+    # TRL 1.16 GRPOTrainer, per_token_loss = -min(coef_1 A, coef_2 A) (+ beta * per_token_kl):
+    #   loss_type="dapo" (and "bnpo" on one process): sum(per_token_loss * mask) / sum(mask)
+    #   loss_type="grpo": mean_i( sum_t(per_token_loss * mask)_i / clamp(sum_t mask_i, min=1) )
+    #   loss_type="dr_grpo": sum(per_token_loss * mask) / (B * max_completion_length), which is
+    #   tether's "sum" divided by max_completion_length (5 here).
+    logprobs, old, adv, mask = _trl_inputs()
+    ours, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, aggregation=aggregation)
+    (grad_ours,) = torch.autograd.grad(ours, logprobs)
+    ratio = torch.exp(logprobs - old)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    if aggregation == "token":
+        theirs = (per_token * mask).sum() / mask.sum()
+    elif aggregation == "sequence":
+        theirs = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    else:
+        theirs = (per_token * mask).sum() / (mask.shape[0] * 5) * 5  # dr_grpo times L_max
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-15)
+
+
+def test_sequence_aggregation_micro_batches_add_up():
+    # Each row's mean is its own, so split rows divided by the minibatch's row count add up.
+    logprobs, old, adv, mask = _trl_inputs()
+    full, _ = ppo_policy_loss(logprobs, old, adv, mask, aggregation="sequence")
+    parts = sum(ppo_policy_loss(logprobs[rows], old[rows], adv[rows], mask[rows],
+                                aggregation="sequence", denominator=3)[0]
+                for rows in (slice(0, 1), slice(1, 3)))
+    torch.testing.assert_close(parts, full, rtol=1e-12, atol=1e-15)
+
+
+def test_label_smoothing_is_conservative_dpo_where_trls_sigmoid_ignores_it():
+    # docs/from_trl.md: beta * h = 0.5 and e = 0.1. Conservative DPO (Mitchell 2023):
+    # 0.9 * log(1 + e^-0.5) + 0.1 * log(1 + e^0.5) = 0.9 * 0.474077 + 0.1 * 0.974077 = 0.524077;
+    # TRL 1.16's loss_type="sigmoid" reads no label_smoothing: -log sigmoid(0.5) = 0.474077.
+    h = torch.tensor([5.0])  # chosen log-ratio 5, rejected 0: beta * h = 0.5 at beta 0.1
+    zero = torch.zeros(1)
+    smoothed, _, _ = dpo_loss(h, zero, zero, zero, beta=0.1, label_smoothing=0.1)
+    plain, _, _ = dpo_loss(h, zero, zero, zero, beta=0.1)
+    assert float(smoothed) == pytest.approx(0.524077, abs=1e-6)
+    assert float(plain) == pytest.approx(0.474077, abs=1e-6)

@@ -317,3 +317,20 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.T
     inside = (start - lengths) / cache
     return torch.where(lengths <= start, torch.zeros_like(lengths),
                        torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))
+
+
+def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[B / k] bool: True for each group of k consecutive scores that are not all equal.
+
+    A group whose k responses all score exactly the same has zero advantage under rloo and grpo
+    (each response equals its baseline), so it adds no policy gradient. DAPO's dynamic sampling
+    (Yu et al. 2025, "DAPO", eq. 11: 0 < |{o_i : o_i correct}| < G) keeps only the others.
+
+    Args:
+        scores: [B] sequence scores, B a multiple of k, groups in consecutive rows.
+    """
+    if k < 1 or scores.numel() % k:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {k}")
+    groups = scores.reshape(-1, k)
+    return groups.amax(dim=1) != groups.amin(dim=1)
+

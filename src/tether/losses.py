@@ -4,16 +4,19 @@ Notation: B batch, T response positions; `mask` [B, T] is true on real response 
 means are masked means over the whole batch (every real token weighs the same). Each loss returns
 the loss plus detached statistics and never logs.
 
-Two reductions over tokens (`per_token_mean`): the masked token mean over the batch,
-sum_{i,t} m x / sum_{i,t} m, and per-sequence sums averaged over sequences, 1/B sum_i sum_t m x.
-They differ by the factor L = sum m / B, the batch's mean response length. When the KL is a loss
-term beside the policy loss, both must use the same reduction, or beta is multiplied by L (or
-1/L) relative to the reward placement.
+Three reductions over tokens (`reduce_tokens`, `--loss-aggregation`): "token", the masked token
+mean over the batch, sum_{i,t} m x / sum_{i,t} m; "sum", per-sequence sums averaged over
+sequences, 1/B sum_i sum_t m x; "sequence", each response's token mean averaged over responses.
+"token" and "sum" differ by the factor L = sum m / B, the batch's mean response length; "sequence"
+weighs a short response's tokens more than a long one's. When the KL is a loss term beside the
+policy loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
+reward placement.
 
 Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
 or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
 micro-batch is divided by it instead of by its own count, so the losses of a minibatch's
-micro-batches add up to the minibatch's loss (and their gradients to its gradient).
+micro-batches add up to the minibatch's loss (and their gradients to its gradient). Rows that
+carry no loss at all (--mask-truncated) are left out of the count of sequences the same way.
 """
 
 from __future__ import annotations
@@ -24,22 +27,37 @@ import torch.nn.functional as F
 from tether._checks import choice, masked_mean, non_negative, same_shape
 from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
 
+AGGREGATIONS = ("token", "sequence", "sum")
+
 
 def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = True,
-                  denominator: float | None = None) -> torch.Tensor:
+                  denominator: float | None = None,
+                  aggregation: str | None = None) -> torch.Tensor:
     """Scalar reduction of a [B, T] per-token quantity over the real tokens of `mask`.
 
-    per_token_mean=True: sum_{i,t} m x / sum_{i,t} m (masked token mean over the batch);
-    per_token_mean=False: 1/B sum_i sum_t m x (per-sequence sums, mean over sequences).
+    aggregation (when given, it replaces `per_token_mean`):
+        "token":    sum_{i,t} m x / sum_{i,t} m            masked token mean over the batch
+                    (per_token_mean=True; DAPO, Yu et al. 2025, eq. 12; TRL's "dapo"/"bnpo")
+        "sequence": 1/B sum_i (sum_t m x / sum_t m)         each response's token mean, then the
+                    mean over responses (GRPO as written, Shao et al. 2024, eq. 3; TRL's "grpo")
+        "sum":      1/B sum_i sum_t m x                     per-sequence sums, mean over sequences
+                    (per_token_mean=False; the units of the per-sequence KL)
 
     Args:
         x: [B, T] values. mask: [B, T] bool or 0/1.
-        denominator: > 0 replaces sum(m) (or B): the whole minibatch's count when this batch is
-            one of its micro-batches (see the module docstring).
+        denominator: > 0 replaces sum(m) ("token") or B ("sequence", "sum"): the whole
+            minibatch's count when this batch is one of its micro-batches (see the module
+            docstring), or the rows that carry loss when some rows are masked out whole.
     """
-    summed = (x * mask.to(x.dtype)).sum()
+    if aggregation is None:
+        aggregation = "token" if per_token_mean else "sum"
+    choice("loss aggregation", aggregation, AGGREGATIONS)
+    m = mask.to(x.dtype)
+    if aggregation == "sequence":  # each response's mean first; a row with no tokens adds 0
+        x = x / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    summed = (x * m).sum()
     if denominator is None:
-        if per_token_mean:
+        if aggregation == "token":
             return masked_mean(x, mask)
         denominator = x.shape[0]
     non_negative("denominator", denominator)
@@ -55,7 +73,8 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
                     per_token_mean: bool = True,
                     denominator: float | None = None,
                     clip_high: float | None = None, level: str = "token",
-                    kind: str = "ppo") -> tuple[torch.Tensor, dict]:
+                    kind: str = "ppo",
+                    aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7), negated to a loss, and the variants of the GRPO family.
 
@@ -89,6 +108,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
             micro-batches; default: this batch's own.
         clip_high: eps_high >= 0, the upper bound's epsilon (default: `clip`).
         level: "token" or "sequence" (GSPO). kind: "ppo" or "cispo".
+        aggregation: "token", "sequence" or "sum" (`reduce_tokens`); replaces `per_token_mean`.
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
@@ -114,7 +134,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
         pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
         per_token = torch.maximum(pg_loss1, pg_loss2)
         clipped = pg_loss2 > pg_loss1
-    loss = reduce_tokens(per_token, mask, per_token_mean, denominator)
+    loss = reduce_tokens(per_token, mask, per_token_mean, denominator, aggregation)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean(clipped.float(), mask),
@@ -135,7 +155,8 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
 def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                mask: torch.Tensor, estimator: str = "k3_ratio",
                per_token_mean: bool = False,
-               denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+               denominator: float | None = None,
+               aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
     """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
 
     On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
@@ -172,6 +193,7 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         per_token_mean: the reduction, see above.
         denominator: the whole minibatch's token (or sequence) count for a micro-batch, as in
             `reduce_tokens`.
+        aggregation: "token", "sequence" or "sum" (`reduce_tokens`); replaces `per_token_mean`.
 
     Returns:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
@@ -198,11 +220,12 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         if estimator == "k3_ratio":
             log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             per_token = torch.exp(log_ratio) * per_token
-    return _reduced_penalty(per_token, mask, per_token_mean, denominator)
+    return _reduced_penalty(per_token, mask, per_token_mean, denominator, aggregation)
 
 
 def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = False,
-                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+                     denominator: float | None = None,
+                     aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
     """The exact KL as a loss term: KL(pi(.|prefix) || ref(.|prefix)) summed over the whole
     vocabulary at every sampled prefix, reduced as in `kl_penalty`.
 
@@ -213,19 +236,20 @@ def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, per_token_mean:
         exact_kl: [B, T] per-position exact KL, differentiable, e.g. `tether.kl.exact(logits,
             ref_logits, temperature)` at the response positions.
         mask: [B, T] bool, true on real response tokens.
-        per_token_mean: the reduction, as in `kl_penalty`.
+        per_token_mean, aggregation: the reduction, as in `kl_penalty`.
 
     Returns:
         (penalty, stats), as `kl_penalty`.
     """
     same_shape(exact_kl=exact_kl, mask=mask)
     return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean,
-                            denominator)
+                            denominator, aggregation)
 
 
 def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor, per_token_mean: bool,
-                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
-    penalty = reduce_tokens(per_token, mask, per_token_mean, denominator)
+                     denominator: float | None = None,
+                     aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
+    penalty = reduce_tokens(per_token, mask, per_token_mean, denominator, aggregation)
     with torch.no_grad():
         stats = {"kl_per_sequence": reduce_tokens(per_token, mask, per_token_mean=False),
                  "kl_per_token": reduce_tokens(per_token, mask, per_token_mean=True)}

@@ -393,6 +393,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     "online:value_clip_range": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:vf_coef": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:gamma": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
+    "online:mask_truncated": [ONLINE + "test_loss_aggregation_and_mask_truncated_reach_the_update"],
+    "online:dynamic_sampling": [ONLINE + "test_dynamic_sampling_refills_the_batch",
+                                "tests/rl/test_grpo_family.py::test_dynamic_sampling_end_to_end"],
+    "online:loss_aggregation": [ONLINE + "test_loss_aggregation_and_mask_truncated_reach_the_update"],
     "online:lam": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
     "online:advantage": [
         "tests/train/test_ppo.py::test_batch_holds_each_prompt_k_times_in_consecutive_rows",

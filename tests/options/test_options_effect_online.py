@@ -231,6 +231,37 @@ def test_overlong_penalty_reaches_the_scores(tiny_model_dir, tmp_path, monkeypat
     torch.testing.assert_close(runs["penalised"][1], plain + overlong_penalty(lengths, 4, 2))
 
 
+def test_loss_aggregation_and_mask_truncated_reach_the_update(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    # The surrogate is reduced as asked, over the tokens of the responses that ended only.
+    calls = []
+    _spy(monkeypatch, update, "ppo_policy_loss", calls)
+    online_run(tiny_model_dir, tmp_path, name="masked", loss_aggregation="sequence",
+               mask_truncated=True, max_new_tokens=3)
+    (logprobs, _, _, mask, *_), kwargs, _ = calls[0]
+    assert kwargs["aggregation"] == "sequence"
+    update_calls = []
+    monkeypatch.undo()
+    _spy(monkeypatch, ppo, "update_batch", update_calls)
+    online_run(tiny_model_dir, tmp_path, name="masked_again", loss_aggregation="sequence",
+               mask_truncated=True, max_new_tokens=3)
+    rollout = update_calls[0][0][3]
+    assert not rollout.ended.all()  # some responses ran to the limit
+    torch.testing.assert_close(mask, rollout.response_mask & rollout.ended[:, None])
+
+
+def test_dynamic_sampling_refills_the_batch(tiny_model_dir, tmp_path):
+    # "it" scores 0 for every response: its group is all-equal, dropped and refilled.
+    def reward(prompts, responses):
+        return [0.0 if p == "it" else float(sum(map(ord, r)) % 97)
+                for p, r in zip(prompts, responses, strict=True)]
+    _, _, _, lines = online_run(tiny_model_dir, tmp_path, name="dynamic", reward=reward,
+                                prompts=["it", "the movie was"], advantage="grpo",
+                                samples_per_prompt=2, dynamic_sampling=2)
+    assert lines[-1]["rollout/equal_groups_first"] == 0.5
+    assert lines[-1]["rollout/varied_groups"] == 1.0 and lines[-1]["rollout/dynamic_rounds"] >= 1
+
+
 def test_epochs_minibatches_and_micro_batches(tiny_model_dir, tmp_path):
     # 2 epochs x 2 minibatches of 2 rows = 4 optimizer steps; micro-batches of 1 row
     with ModelCalls() as calls:

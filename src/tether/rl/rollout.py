@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -56,6 +57,29 @@ class Rollout:
                        response_mask=self.response_mask[index], ended=self.ended[index],
                        engine_logprobs=(None if self.engine_logprobs is None
                                         else self.engine_logprobs[index]))
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """The rows of several rollouts as one, in order, in the layout above: every prompt
+    left-padded to the widest context, every response right-padded to the widest response. The
+    extra padding is masked out, so each row scores as it did alone."""
+    if len({r.temperature for r in rollouts}) != 1:
+        raise ValueError("rollouts sampled at different temperatures cannot be one batch")
+    context = max(r.context_length for r in rollouts)
+    width = max(r.responses.shape[1] for r in rollouts)
+    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention": [], "response": [],
+                                            "engine": []}
+    for r in rollouts:
+        left, right = context - r.context_length, width - r.responses.shape[1]
+        parts["ids"].append(F.pad(r.input_ids, (left, right), value=pad_token_id))
+        parts["attention"].append(F.pad(r.attention_mask, (left, right), value=0))
+        parts["response"].append(F.pad(r.response_mask, (0, right), value=False))
+        if r.engine_logprobs is not None:
+            parts["engine"].append(F.pad(r.engine_logprobs, (0, right), value=0.0))
+    engine = torch.cat(parts["engine"]) if len(parts["engine"]) == len(rollouts) else None
+    return Rollout(torch.cat(parts["ids"]), torch.cat(parts["attention"]),
+                   torch.cat(parts["response"]), torch.cat([r.ended for r in rollouts]), context,
+                   rollouts[0].temperature, engine)
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:

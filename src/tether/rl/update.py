@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,11 +53,12 @@ from tether.run.slicing import chunks, rank_slice
 
 @dataclass(frozen=True)
 class KLPlacement:
-    """Where the KL penalty acts (--kl-in, --kl-estimator resolved, --kl-per-token-mean)."""
+    """Where the KL penalty acts (--kl-in, --kl-estimator resolved). As a loss term it takes the
+    surrogate's reduction (`UpdateSpec.aggregation`), so beta means what it means in the reward
+    when both are per-sequence sums (DESIGN.md)."""
 
     in_reward: bool  # per token, -beta * kl in the reward (PPO); else a loss term (GRPO)
     estimator: str  # k1, k2, k3 or abs in the reward; k3_ratio, k2, k3 or exact in the loss
-    per_token_mean: bool  # the loss term as a token mean over the batch (GRPO's form)
 
     def betas(self, beta: float) -> tuple[float, float]:
         """(beta in the reward, beta on the loss term)."""
@@ -67,12 +69,6 @@ class KLPlacement:
         # With the KL in the loss the reward is the score alone and the controller is fed the
         # rollout's k1, unbiased for the per-sequence KL.
         return self.estimator if self.in_reward else "k1"
-
-    @property
-    def surrogate_per_token_mean(self) -> bool:
-        # With the KL in the loss the surrogate takes the KL term's units (per-sequence sums over
-        # sequences, or token means), so beta means what it means in the reward (DESIGN.md).
-        return True if self.in_reward else self.per_token_mean
 
 
 @dataclass(frozen=True)
@@ -109,6 +105,35 @@ class UpdateSpec:
     chunked_lm_head: bool
     gradient_checkpointing: bool
     correction: Correction = Correction()  # engine-mismatch corrections (off: the default)
+    # The surrogate's reduction over tokens, and the KL term's with the KL in the loss: "token",
+    # "sequence" or "sum" (tether.losses.reduce_tokens, --loss-aggregation resolved).
+    aggregation: str = "token"
+    mask_truncated: bool = False  # responses that never ended carry no policy loss (DAPO)
+
+
+class Counts(NamedTuple):
+    """A minibatch's denominators (all ranks' rows): the tokens and the rows that carry the
+    policy's loss, and the real tokens the value loss averages over."""
+
+    tokens: int
+    rows: int
+    value_tokens: int
+
+
+def policy_mask(rollout: Rollout, spec: UpdateSpec) -> torch.Tensor:
+    """[B, R] the tokens that carry the policy's loss (the surrogate and the KL term): every real
+    response token, or with `spec.mask_truncated` only those of responses that ended (EOS or a
+    stop string). A response cut at --max-new-tokens was not finished, so its score does not
+    judge it: DAPO's overlong filtering (Yu et al. 2025, sec. 3.4) drops it from the loss, and
+    from every denominator, as if it had not been sampled. The critic still learns from it."""
+    mask = rollout.response_mask
+    return mask & rollout.ended[:, None] if spec.mask_truncated else mask
+
+
+def counts_of(rollout: Rollout, spec: UpdateSpec) -> Counts:
+    carrying = policy_mask(rollout, spec)
+    rows = int(carrying.any(dim=1).sum()) if spec.mask_truncated else len(rollout)
+    return Counts(int(carrying.sum()), rows, int(rollout.response_mask.sum()))
 
 
 @dataclass
@@ -123,8 +148,11 @@ class BatchUpdate:
     update_s: float  # seconds from the first forward with gradients to the last step
 
 
-# minibatch_loss stats that are means over a batch's real tokens (the rest are loss values).
-TOKEN_MEANS = ("policy/clip_frac", "policy/approx_kl", "policy/ratio_mean", "value/clip_frac")
+# minibatch_loss stats that are means over tokens (the rest are loss values): the policy's over
+# the tokens that carry its loss, the critic's over every real token.
+POLICY_MEANS = ("policy/clip_frac", "policy/approx_kl", "policy/ratio_mean")
+VALUE_MEANS = ("value/clip_frac",)
+TOKEN_MEANS = POLICY_MEANS + VALUE_MEANS
 
 
 def estimate_advantages(spec: AdvantageSpec, rewards: torch.Tensor, values: torch.Tensor,
@@ -234,13 +262,19 @@ def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, rollout: Rollout,
     batch = len(rollout)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     history: list[dict[str, float]] = []
-    stopped = False
+    stopped, skipped = False, 0
     with update_mode(spec.gradient_checkpointing, roles.policy, roles.critic):
         for epoch in range(spec.epochs):
             order = (torch.arange(batch) if epoch == 0
                      else torch.randperm(batch, generator=generator))
             for rows in chunks(batch, spec.minibatch_size):
                 index = order[rows].to(advantages.device)
+                if (spec.mask_truncated and roles.critic is None and counts_of(rollout.select(index), spec).tokens == 0):
+                    # Every response of it was truncated (--mask-truncated): no loss, and an
+                    # AdamW step on a zero gradient would still move the weights (momentum).
+                    skipped += 1
+                    forward = None
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 stats = accumulate_minibatch(roles, rollout, old, advantages, returns, index,
                                              spec, kl_loss_beta, reference, forward)
@@ -253,9 +287,11 @@ def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, rollout: Rollout,
                 history.append(stats)
             if stopped:
                 break
-    out = {key: sum(s[key] for s in history) / len(history) for key in history[0]}
+    out = {key: sum(s[key] for s in history) / len(history) for key in history[0]} if history else {}
     out["policy/updates"] = float(len(history))
     out["policy/early_stopped"] = float(stopped)
+    if spec.mask_truncated:
+        out["policy/skipped_minibatches"] = float(skipped)
     return out
 
 
@@ -276,7 +312,8 @@ def accumulate_minibatch(roles: Roles, rollout: Rollout, old: Scored, advantages
     backward (`tether.run.optim.backward`).
     """
     d = roles.dist
-    n_tokens = int(rollout.response_mask[index].sum())  # the minibatch's real tokens, all ranks
+    counts = counts_of(rollout.select(index), spec)  # the whole minibatch's, all ranks
+    carrying = policy_mask(rollout, spec)
     device = rollout.input_ids.device
     mine = index[rank_slice(len(index), d)]
     parts = chunks(len(mine), spec.micro_rows)
@@ -289,65 +326,71 @@ def accumulate_minibatch(roles: Roles, rollout: Rollout, old: Scored, advantages
             with autocast(spec.mixed_precision, device):
                 loss, part = roles.call(minibatch_loss, rollout.select(micro), old.select(micro),
                                         advantages[micro], returns[micro], spec, kl_loss_beta,
-                                        (n_tokens, len(index)), reference, forward)
+                                        counts, reference, forward)
             backward(loss * d.grad_scale if d.active else loss, d)
-        micro_tokens = int(rollout.response_mask[micro].sum())
+        weights = {key: int(carrying[micro].sum()) for key in POLICY_MEANS}
+        weights |= {key: int(rollout.response_mask[micro].sum()) for key in VALUE_MEANS}
         for key, value in part.items():  # losses are already shares; weight the token means
-            sums[key] = sums.get(key, 0.0) + (value * micro_tokens if key in TOKEN_MEANS else value)
+            sums[key] = sums.get(key, 0.0) + value * weights.get(key, 1)
     sums = sum_stats(sums, d)
-    return {key: value / n_tokens if key in TOKEN_MEANS else value for key, value in sums.items()}
+    totals = {key: counts.tokens for key in POLICY_MEANS} | {key: counts.value_tokens
+                                                              for key in VALUE_MEANS}
+    return {key: value / max(totals.get(key, 1), 1) for key, value in sums.items()}
 
 
 def minibatch_loss(policy: nn.Module, critic: nn.Module | None, sub: Rollout, old: Scored,
                    advantages: torch.Tensor, returns: torch.Tensor, spec: UpdateSpec,
-                   kl_loss_beta: float, denominators: tuple[int, int] | None = None,
+                   kl_loss_beta: float, denominators: Counts | None = None,
                    reference: nn.Module | None = None, computed=None):
     """The loss on one minibatch: the clipped surrogate, plus vf_coef * the clipped value loss
     when there is a critic (Schulman et al. 2017, eq. 9, without the entropy bonus), plus beta *
     the KL penalty when the KL is a loss term (`tether.losses.kl_penalty`, k3 x ratio by default,
     whose gradient is that of KL(pi || ref); `exact` needs `reference`).
 
-    Reductions: the surrogate is a token mean, or with the KL in the loss takes the KL term's
-    units (`KLPlacement.surrogate_per_token_mean`). `denominators` = (real tokens, rows) of the
-    whole minibatch when `sub` is one of its micro-batches: every loss term is divided by the
-    minibatch's count, so the micro-batches' losses add up to the minibatch's; the stats in
-    `TOKEN_MEANS` are means over this micro-batch's tokens. `computed`: the (scores, values) of
+    Reductions: the surrogate and the KL term reduce by `spec.aggregation` over the tokens that
+    carry the policy's loss (`policy_mask`), the value loss is a token mean over every real
+    token. `denominators`: the whole minibatch's `Counts` when `sub` is one of its micro-batches
+    (default: `sub`'s own): every loss term is divided by the minibatch's count, so the
+    micro-batches' losses add up to the minibatch's; the stats in `TOKEN_MEANS` are means over
+    this micro-batch's tokens. `computed`: the (scores, values) of
     `policy_and_values` on `sub`, already run with gradients (`one_pass`), instead of a forward.
 
     Returns (loss, stats) with detached float stats.
     """
-    mask = sub.response_mask
-    per_token = spec.kl.surrogate_per_token_mean
-    n_tokens, n_rows = denominators if denominators is not None else (None, None)
+    mask, carrying = sub.response_mask, policy_mask(sub, spec)
+    counts = denominators if denominators is not None else counts_of(sub, spec)
+    aggregation = spec.aggregation
+    # "token" divides by the tokens that carry loss, "sequence" and "sum" by their rows.
+    policy_denominator = counts.tokens if aggregation == "token" else counts.rows
     exact = kl_loss_beta > 0 and spec.kl.estimator == "exact"
     scores, values = computed or policy_and_values(policy, critic, sub.input_ids,
                                                    sub.attention_mask, sub.context_length,
                                                    sub.temperature, chunked=spec.chunked_lm_head,
                                                    hidden=exact)
     logprobs = scores.logprobs * mask
-    pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, mask, spec.clip_range,
-                                        per_token_mean=per_token,
-                                        denominator=n_tokens if per_token else n_rows,
+    pg_loss, pg_stats = ppo_policy_loss(logprobs, old.logprobs, advantages, carrying,
+                                        spec.clip_range, denominator=policy_denominator,
                                         clip_high=spec.clip_high or None,
-                                        level=spec.importance_level, kind=spec.policy_loss)
+                                        level=spec.importance_level, kind=spec.policy_loss,
+                                        aggregation=aggregation)
     loss = pg_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),
              "policy/ratio_mean": float(pg_stats["ratio_mean"])}
     if critic is not None:
         v_loss, v_stats = value_loss(values * mask, old.values, returns, mask,
-                                     spec.value_clip_range, denominator=n_tokens)
+                                     spec.value_clip_range, denominator=counts.value_tokens)
         loss = loss + spec.vf_coef * v_loss
         stats |= {"value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
     if kl_loss_beta > 0:
-        kl_denominator = n_tokens if spec.kl.per_token_mean else n_rows
         if exact:
             per_position = _exact_kl(policy, reference, sub, scores.hidden, spec.chunked_lm_head)
-            kl_term, _ = exact_kl_penalty(per_position, mask, spec.kl.per_token_mean,
-                                          kl_denominator)
+            kl_term, _ = exact_kl_penalty(per_position, carrying, denominator=policy_denominator,
+                                          aggregation=aggregation)
         else:
-            kl_term, _ = kl_penalty(logprobs, old.logprobs, old.ref_logprobs, mask,
-                                    spec.kl.estimator, spec.kl.per_token_mean, kl_denominator)
+            kl_term, _ = kl_penalty(logprobs, old.logprobs, old.ref_logprobs, carrying,
+                                    spec.kl.estimator, denominator=policy_denominator,
+                                    aggregation=aggregation)
         loss = loss + kl_loss_beta * kl_term
         stats["objective/kl_loss"] = kl_term.item()
     return loss, stats

@@ -33,6 +33,7 @@ from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
+from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.engines.mismatch import mismatch_metrics
 from tether.rl.evaluation import evaluate_policy
 from tether.rl.roles import all_done, any_rank, check_same_beta, gather_rollout
@@ -80,18 +81,11 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             # Seeded per batch and row, so a resumed run samples what the uninterrupted one would
             # have, at any world size.
             seed = cfg.seed * 1_000_003 + batch
-            prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch)
-            uniforms = sampling_uniforms(seed, len(prompts), cfg.max_new_tokens)
+            # 1. Rollout and reward (each rank samples its rows; every rank then holds the global
+            #    batch); with --dynamic-sampling, groups of equal scores are replaced.
+            drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)
+            prompts, rollout, raw_scores = drawn.prompts, drawn.rollout, drawn.raw_scores
             mine = rank_slice(len(prompts), d)
-
-            # 1. Rollout and reward of this rank's rows, then the global batch on every rank.
-            #    With --mixed-precision bf16 every model forward runs under autocast; log-probs,
-            #    values and scores come out in fp32.
-            with autocast(cfg.mixed_precision, setup.device):
-                rollout, responses, raw_scores = rollout_batch(
-                    setup, cfg, prompts[mine], prompt_ids[mine], prompt_mask[mine],
-                    uniforms[mine])
-            rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
             scores = batch_scores(raw_scores, rollout, normalizer, cfg)
 
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
@@ -107,9 +101,11 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
 
             metrics = batch_metrics(rollout, raw_scores, scores, done, beta, seq_kl, lr,
                                     time.perf_counter() - started, setup.critic is not None)
+            metrics |= drawn_stats
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
-            log_batch(rundir, cfg, step, metrics, prompts[mine], responses, raw_scores[mine])
+            log_batch(rundir, cfg, step, metrics, prompts[mine],
+                      decode_responses(setup.tokenizer, rollout.select(mine)), raw_scores[mine])
             bar.update(1)
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
@@ -157,6 +153,32 @@ def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float,
     return done, lr
 
 
+def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
+                  ) -> tuple[Drawn, dict[str, float]]:
+    """The global rollout batch `batch` on every rank (prompts, rollout, raw scores) and its
+    stats: round 0 alone, or with --dynamic-sampling the groups whose scores vary, refilled from
+    further rounds (`tether.rl.dynamic_sampling`). `seed`: round 0's noise; round j's is offset
+    past every batch's, so each round draws its own."""
+    d = setup.dist
+
+    def draw(round_: int) -> Drawn:
+        prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch, round_)
+        uniforms = sampling_uniforms(seed + round_ * 1_000_000_007, len(prompts),
+                                     cfg.max_new_tokens)
+        mine = rank_slice(len(prompts), d)
+        # With --mixed-precision bf16 every model forward runs under autocast; log-probs, values
+        # and scores come out in fp32.
+        with autocast(cfg.mixed_precision, setup.device):
+            rollout, _, raw_scores = rollout_batch(setup, cfg, prompts[mine], prompt_ids[mine],
+                                                   prompt_mask[mine], uniforms[mine])
+        rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
+        return Drawn(prompts, rollout, raw_scores, penalised_scores(raw_scores, rollout, cfg))
+    if not cfg.dynamic_sampling:
+        return draw(0), {}
+    return collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling,
+                   setup.tokenizer.pad_token_id)
+
+
 def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
                   uniforms: torch.Tensor):
     """Sample responses to this rank's rows of a batch of prompts (`uniforms`: the rows' noise)
@@ -187,15 +209,20 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
 
 def batch_scores(raw_scores: torch.Tensor, rollout: Rollout, normalizer: ScoreNormalizer,
                  cfg: PPOConfig) -> torch.Tensor:
-    """The [B] scores the rewards are shaped with: raw scores less --missing-eos-penalty for
-    responses that never ended and DAPO's --overlong-penalty for long ones, normalised
-    (--score-norm), clipped to +-(--reward-clip)."""
+    """The [B] scores the rewards are shaped with: the penalised scores (`penalised_scores`),
+    normalised (--score-norm), clipped to +-(--reward-clip)."""
+    scores = normalizer(penalised_scores(raw_scores, rollout, cfg))
+    return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
+
+
+def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig) -> torch.Tensor:
+    """[B] raw scores less --missing-eos-penalty for responses that never ended, plus DAPO's
+    --overlong-penalty for long ones."""
     scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
     if cfg.overlong_penalty:
         lengths = rollout.response_mask.sum(dim=1)
         scores = scores + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
-    scores = normalizer(scores)
-    return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
+    return scores
 
 
 def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tensor,

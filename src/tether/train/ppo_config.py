@@ -61,6 +61,10 @@ class PPOConfig(RunConfig):
     """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
     overlong_penalty: int = 0
     """DAPO's soft overlong penalty (Yu et al. 2025, eq. 13): from max_new_tokens - L tokens on, the score loses up to 1, linearly, reaching -1 at max_new_tokens (L tokens; 0: off)."""
+    mask_truncated: bool = False
+    """Responses that hit --max-new-tokens without EOS or a stop carry no policy loss and count in no denominator (DAPO's overlong filtering; TRL's mask_truncated_completions); the critic still learns from them."""
+    dynamic_sampling: int = 0
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): drop the groups of --samples-per-prompt responses whose scores are all equal and refill the batch from further prompts, at most this many more rounds of --batch-size responses per batch; a batch still short is topped up with dropped groups (0: off)."""
 
     # ---- rollout engine (docs/engine.md)
     engine: Literal["native", "vllm"] = "native"
@@ -78,7 +82,7 @@ class PPOConfig(RunConfig):
     kl_estimator: Literal["auto", "k1", "k2", "k3", "abs", "k3_ratio", "exact"] = "auto"
     """Per-token KL estimator; auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
     kl_per_token_mean: bool = False
-    """KL in the loss as a token mean over the batch (GRPO's form; it changes the objective for responses of different lengths) instead of per-sequence sums averaged over sequences."""
+    """KL in the loss, and the surrogate beside it, as token means over the batch (GRPO's form; it changes the objective for responses of different lengths) instead of per-sequence sums averaged over sequences; --loss-aggregation, when given, replaces it."""
     reward_clip: float = 0.0
     """Clip scores to [-c, c] after normalisation (0: off)."""
     score_norm: Literal["none", "batch", "running"] = "none"
@@ -137,6 +141,8 @@ class PPOConfig(RunConfig):
     """GAE lambda."""
     advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "gae"
     """Advantage estimator: gae (needs the critic), or critic-free rloo, grpo, reinforce++ (no critic is built)."""
+    loss_aggregation: Literal["auto", "token", "sequence", "sum"] = "auto"
+    """How the surrogate (and with --kl-in loss the KL term) reduce over tokens: token (token mean over the minibatch; TRL's dapo), sequence (each response's token mean, then the mean over responses; TRL's grpo), sum (per-response sums averaged over responses); auto: token, or with --kl-in loss sum (token with --kl-per-token-mean)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """grpo: divide each group's centred rewards by its std (group), by the std of the batch's rewards (batch; TRL's "batch"), or not (none: Dr. GRPO)."""
     whiten_advantages: Literal["auto", "on", "off"] = "auto"
@@ -177,6 +183,14 @@ class PPOConfig(RunConfig):
     @property
     def micro_batch_rows(self) -> int:  # derived: rows per forward/backward (0: the minibatch)
         return self.micro_batch_size or self.minibatch_size
+
+    @property
+    def resolved_aggregation(self) -> str:  # derived: auto follows the KL placement (DESIGN.md)
+        if self.loss_aggregation != "auto":
+            return self.loss_aggregation
+        if self.kl_in == "loss" and not self.kl_per_token_mean:
+            return "sum"  # the per-sequence KL's units, so beta means what it means in the reward
+        return "token"
 
     @property
     def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
@@ -238,6 +252,15 @@ class PPOConfig(RunConfig):
                               "--engine vllm or drop them")
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
+        self._check_dynamic_sampling()
+
+    def _check_dynamic_sampling(self) -> None:
+        if self.dynamic_sampling < 0:
+            raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} must be >= 0: the most "
+                              "extra rounds of prompts a batch may draw (0: off)")
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise TetherError("--dynamic-sampling drops groups whose responses all score the same; "
+                              "a group of one always does: pass --samples-per-prompt 2 or more")
 
 
 @dataclass(kw_only=True)
@@ -270,7 +293,7 @@ class GRPOConfig(PPOConfig):
     kl_in: Literal["reward", "loss"] = "loss"
     """Where the KL penalty goes (GRPO: the loss)."""
     kl_per_token_mean: bool = True
-    """KL term and surrogate as token means over the batch (GRPO's form)."""
+    """KL term and surrogate as token means over the batch (GRPO's form); --loss-aggregation, when given, replaces it."""
     beta: float = 0.04
     """KL coefficient (Shao et al. 2024 use 0.04)."""
     ppo_epochs: int = 1

@@ -82,8 +82,7 @@ class Setup:
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
     """The settings of steps 2-4 (tether.rl.update), derived once from the config."""
-    kl = KLPlacement(in_reward=cfg.kl_in == "reward", estimator=cfg.resolved_estimator,
-                     per_token_mean=cfg.kl_per_token_mean)
+    kl = KLPlacement(in_reward=cfg.kl_in == "reward", estimator=cfg.resolved_estimator)
     advantage = AdvantageSpec(cfg.advantage, cfg.gamma, cfg.lam, cfg.whitens,
                               cfg.samples_per_prompt, cfg.scale_rewards)
     return UpdateSpec(epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
@@ -95,7 +94,8 @@ def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
                       target_kl=cfg.target_kl, kl=kl, advantage=advantage,
                       mixed_precision=cfg.mixed_precision, chunked_lm_head=cfg.chunked_lm_head,
                       gradient_checkpointing=cfg.gradient_checkpointing,
-                      correction=Correction(cfg.engine_is_cap, cfg.engine_mask_kl))
+                      correction=Correction(cfg.engine_is_cap, cfg.engine_mask_kl),
+                      aggregation=cfg.resolved_aggregation, mask_truncated=cfg.mask_truncated)
 
 
 def kl_controller(cfg: PPOConfig) -> kl_lib.KLController:
@@ -228,11 +228,16 @@ def _owns_weights(model: nn.Module) -> bool:
     return any(True for _ in model.parameters())
 
 
-def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int):
+def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0):
     """The prompts of rollout batch `batch`, each repeated `samples_per_prompt` times in
     consecutive rows (the groups rloo and grpo compare), left-padded on the device. The whole
-    global batch on every rank, padded to its width: a rank's slice of it has the global width."""
-    rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, cfg.seed, batch)
+    global batch on every rank, padded to its width: a rank's slice of it has the global width.
+
+    `round_` j >= 1: the batch's j-th refill under --dynamic-sampling, drawn from the prompt
+    stream of another seed at the same position, so it too is a pure function of (seed, batch)
+    and a resumed run draws what the uninterrupted one did."""
+    seed = cfg.seed if round_ == 0 else cfg.seed + 7_919 * round_
+    rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, seed, batch)
             for _ in range(cfg.samples_per_prompt)]
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
                          setup.device)

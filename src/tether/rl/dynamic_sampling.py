@@ -1,0 +1,77 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, "DAPO", sec. 3.2, eq. 11): a rollout batch keeps only
+the groups whose k responses do not all score the same, refilled from further prompts so that
+the batch keeps its size.
+
+Why: under rloo and grpo a group of equal scores has zero advantage (every response equals its
+baseline), so it adds no policy gradient; as training succeeds on more prompts, more groups are
+all-correct, and a fixed-size batch carries fewer responses that teach anything. The filter looks
+at the scores the advantages see (the raw score less --missing-eos-penalty and
+--overlong-penalty, before normalisation). With the KL in the reward a group's returns still
+differ through their KL, so the filter drops groups that carry KL signal: DAPO runs it with
+beta = 0, and it suits --kl-in loss or --beta 0 best.
+
+`collect` draws through a callable and knows nothing of models or ranks: `draw(0)` is the batch's
+own prompts, `draw(j)` for j >= 1 a further round of as many prompts. Every rank draws the same
+global rows (gathered), so every rank keeps the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tether.advantages import varied_groups
+from tether.rl.rollout import Rollout, concat_rollouts
+
+
+@dataclass
+class Drawn:
+    """One round of a batch, global rows: the prompts, what was sampled and how it scored."""
+
+    prompts: list[str]  # [B] prompt texts
+    rollout: Rollout  # B rows
+    raw_scores: torch.Tensor  # [B] the reward's scores
+    scores: torch.Tensor  # [B] what the filter judges: the raw scores with the length penalties
+
+    def select(self, rows: list[int]) -> Drawn:
+        index = torch.tensor(rows, dtype=torch.long)
+        return Drawn([self.prompts[i] for i in rows], self.rollout.select(index.to(
+            self.rollout.input_ids.device)), self.raw_scores[index.to(self.raw_scores.device)],
+            self.scores[index.to(self.scores.device)])
+
+
+def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int,
+            pad_token_id: int) -> tuple[Drawn, dict[str, float]]:
+    """A batch of as many groups as `draw(0)` holds, each group's scores varied, drawn from at
+    most `max_rounds` further rounds; a batch still short is topped up with round 0's dropped
+    groups, in order (their advantage is 0: they only add the KL term's gradient).
+
+    Returns the batch (groups in the order drawn) and its stats: `rollout/dynamic_rounds` (extra
+    rounds drawn), `rollout/varied_groups` (share of the batch's groups with spread) and
+    `rollout/equal_groups_first` (share of round 0's groups that were all equal).
+    """
+    rounds = [draw(0)]
+    keeps = [varied_groups(rounds[0].scores, k)]
+    groups = len(rounds[0].prompts) // k
+    while sum(int(keep.sum()) for keep in keeps) < groups and len(rounds) <= max_rounds:
+        rounds.append(draw(len(rounds)))
+        keeps.append(varied_groups(rounds[-1].scores, k))
+    chosen = [(r, g) for r, keep in enumerate(keeps) for g in keep.nonzero().flatten().tolist()]
+    chosen = chosen[:groups]
+    varied = len(chosen)
+    chosen += [(0, g) for g in (~keeps[0]).nonzero().flatten().tolist()][:groups - varied]
+    parts = []
+    for r, drawn in enumerate(rounds):
+        rows = [g * k + j for rr, g in chosen if rr == r for j in range(k)]
+        if rows:
+            parts.append(drawn.select(rows))
+    batch = Drawn([p for part in parts for p in part.prompts],
+                  concat_rollouts([part.rollout for part in parts], pad_token_id),
+                  torch.cat([part.raw_scores for part in parts]),
+                  torch.cat([part.scores for part in parts]))
+    stats = {"rollout/dynamic_rounds": float(len(rounds) - 1),
+             "rollout/varied_groups": varied / groups,
+             "rollout/equal_groups_first": float((~keeps[0]).float().mean())}
+    return batch, stats
