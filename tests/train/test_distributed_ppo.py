@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor"]
 REWARDS = "def length_reward(prompts, responses):\n    return [len(r) / 10.0 for r in responses]\n"
+# Two values only: many groups score alike, so --dynamic-sampling refills batches.
+REWARDS += "def coarse_reward(prompts, responses):\n    return [float(len(r) % 3 == 0) for r in responses]\n"
 CONFIGS = {"ppo": PPOConfig, "rloo": RLOOConfig, "grpo": GRPOConfig}
 WEIGHT_ATOL = 1e-5
 
@@ -103,7 +105,8 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
     keys = ("objective/kl", "objective/score", "policy/entropy", "policy/loss", "value/loss",
             "policy/grad_norm",
             "rollout/response_len", "policy/updates", "policy/approx_kl", "eval/score", "eval/kl",
-            "eval/entropy", "eval/response_len")
+            "eval/entropy", "eval/response_len", "rollout/varied_groups", "rollout/dynamic_rounds",
+            "policy/skipped_minibatches")
     for a, b in zip(m1, m2, strict=True):
         assert a.keys() == b.keys()
         for key in keys:
@@ -124,6 +127,12 @@ CASES = {
     "grpo-llama-ddp-full": ("grpo", "llama", {"samples_per_prompt": 4, "num_minibatches": 2,
                                               "ppo_epochs": 2, "target_kl": 1e-7,
                                               "eval_every": 2, "eval_prompts": "PROMPTS"}),
+    # DAPO's batch options: every rank keeps the same groups, the same rows leave the loss.
+    "grpo-gpt2-ddp-dapo": ("grpo", "gpt2", {"samples_per_prompt": 2, "dynamic_sampling": 2,
+                                            "mask_truncated": True, "loss_aggregation": "sequence",
+                                            "num_minibatches": 2, "reward_fn": "COARSE",
+                                            # some responses end at an "a" (a stop string), the rest run out
+                                            "stop_strings": ["a"]}),
 }
 # A 3-batch run that checkpoints at batches 2 and 3, resumed on 1 process from batch 2.
 # FSDP2: the checkpoint's weights and optimizer state are gathered from shards. A reward model
@@ -141,6 +150,8 @@ def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) 
     values = base_args(env, model_dir, name) | extra
     if values.get("eval_prompts") == "PROMPTS":
         values["eval_prompts"] = values["prompts"]
+    if values.get("reward_fn") == "COARSE":
+        values["reward_fn"] = f"{env / 'rewards.py'}:coarse_reward"
     if values.get("reward_model") == "RM":
         values |= {"reward_model": str(env / "rm"), "reward_fn": ""}
     if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
@@ -184,10 +195,14 @@ def test_two_processes_equal_one(env, two_process_runs, case):
     if stage == "ppo":
         betas = [m["objective/beta"] for m in metrics(runs / f"{case}-2")]
         assert len(set(betas)) == len(betas)  # it did move
-    if stage == "grpo":  # each batch: the on-policy first minibatch's step, then the guard
+    if "target_kl" in extra:  # each batch: the on-policy first minibatch's step, then the guard
         lines = [m for m in metrics(runs / f"{case}-2") if "policy/updates" in m]
         assert [m["policy/updates"] for m in lines] == [1.0] * 3
         assert all(m["policy/early_stopped"] == 1.0 for m in lines)
+    if case == "grpo-gpt2-ddp-dapo":  # the refill ran: some round-0 groups were all equal
+        lines = metrics(runs / f"{case}-2")
+        assert any(m["rollout/equal_groups_first"] > 0 for m in lines)
+        assert any(m["rollout/dynamic_rounds"] > 0 for m in lines)
     if stage == "rloo":  # one epoch of one minibatch: each rank updates the rows it scored
         assert all(m["policy/approx_kl"] == 0.0 and m["policy/ratio_mean"] == 1.0
                    for m in metrics(runs / f"{case}-2"))
