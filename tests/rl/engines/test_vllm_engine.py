@@ -265,6 +265,23 @@ def test_grpo_with_the_engine_starts_on_policy_and_tracks_every_update(family, s
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_keeps_the_engines_logprobs_with_their_tokens(tiny_model_dir, prompts,
+                                                                       tmp_path):
+    # A refilled batch joins rows of several engine rounds re-padded to one layout: each row's
+    # engine log-probs must still sit on its tokens, or rollout/engine_kl would show it.
+    def coarse(prompts, responses):  # two values: many groups score alike and are refilled
+        return [float(len(r) % 3 == 0) for r in responses]
+    values = dict(run_name="dynamic", output_dir=str(tmp_path / "runs"), policy=str(tiny_model_dir),
+                  prompts=str(prompts), max_new_tokens=8, batch_size=8, samples_per_prompt=2,
+                  total_episodes=8 * 3, lr=5e-2, engine="vllm", device="cpu", save_every=0,
+                  sample_every=0, dynamic_sampling=3, mask_truncated=True)
+    lines = metrics_of(Path(run(GRPOConfig(**values), reward_fn=coarse).output_path).parent)
+    assert any(x["rollout/dynamic_rounds"] > 0 for x in lines)
+    assert max(x["rollout/engine_kl"] for x in lines) < 1e-6
+    assert max(x["rollout/engine_max_logprob_diff"] for x in lines) < TOLERANCE
+
+
+@pytest.mark.slow
 def test_a_stale_engine_shows_in_the_engine_kl(tiny_model_dir, prompts, tmp_path, monkeypatch):
     monkeypatch.setattr(VLLMEngine, "update", lambda self: None)  # never synced after an update
     lines = grpo_run(tiny_model_dir, prompts, tmp_path, "stale")
