@@ -80,9 +80,9 @@ def _check_exists(name_or_path: str) -> None:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """Load a tokenizer; when it has no pad token, or pads with an EOS id (its own, or one the
-    model's `generation_config` declares, like Qwen2.5-Instruct's `<|endoftext|>`), add a
-    distinct `<|pad|>`.
+    """Load a tokenizer and make sure its pad token is no EOS id (its own EOS, or one the model's
+    config or `generation_config` declares, like Qwen2.5-Instruct's `<|endoftext|>`); see
+    `choose_pad` for how a missing or EOS pad is replaced.
 
     Pad must not be EOS: masking pads would then also mask the real EOS the model must learn to
     emit, a sampled EOS would not stop generation, and the reward would be read at the wrong
@@ -98,10 +98,56 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     if len(tokenizer) < 8 or not tokenizer("a b c", add_special_tokens=False)["input_ids"]:
         raise TetherError(f"{name_or_path} has no usable tokenizer (vocabulary of {len(tokenizer)} "
                           "tokens); save the tokenizer beside the model (tokenizer.save_pretrained)")
-    declared = eos_token_ids(tokenizer, *_saved_configs(name_or_path, trust_remote_code))
-    if tokenizer.pad_token is None or tokenizer.pad_token_id in declared:
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    # An adapter directory holds no model config: its base's says what the model declares.
+    model_dir = adapter_base(name_or_path) if is_adapter(name_or_path) else name_or_path
+    configs = _saved_configs(model_dir, trust_remote_code)
+    choose_pad(tokenizer, eos_token_ids(tokenizer, *configs), _embedding_rows(configs))
     return tokenizer
+
+
+# Pad tokens a vocabulary may hold without its tokenizer naming one: Llama 3.1 ships
+# `<|finetune_right_pad_id|>` for this and leaves `pad_token` unset.
+KNOWN_PADS = ("<|finetune_right_pad_id|>", "<pad>", "[PAD]", PAD_TOKEN)
+
+
+def choose_pad(tokenizer, eos_ids: list[int], rows: int | None) -> None:
+    """Give `tokenizer` a pad token that is no id of `eos_ids`, growing the vocabulary only when
+    the model (`rows` embedding rows; None when unknown) has no room for one. The first that
+    applies:
+
+    1. the tokenizer's own pad token, when it is no EOS id: kept;
+    2. a token of `KNOWN_PADS` the vocabulary already holds, when it is no EOS id;
+    3. a spare embedding row (`rows` > len(tokenizer); Qwen2 has 151936 rows for 151665 tokens):
+       `PAD_TOKEN` is added on it, and no row is added;
+    4. the unknown token, when it is neither EOS nor BOS (Llama 2 and Mistral practice): safe
+       because tether derives every mask from lengths, never from `ids == pad_token_id`;
+    5. else (GPT-2: no spare row, no unknown token) `PAD_TOKEN` is added on a new row: the model
+       grows by one (`_resize_for`), and a LoRA adapter is saved with its embeddings
+       (`save_model`), so standard loaders see the same numbers.
+    """
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id not in eos_ids:
+        return
+    vocab = tokenizer.get_vocab()
+    for name in KNOWN_PADS:
+        if name in vocab and vocab[name] not in eos_ids and (rows is None or vocab[name] < rows):
+            tokenizer.pad_token = name
+            return
+    unk = tokenizer.unk_token_id
+    spare = rows is not None and rows > len(tokenizer)
+    if not spare and unk is not None and unk not in eos_ids and unk != tokenizer.bos_token_id:
+        tokenizer.pad_token = tokenizer.unk_token
+        return
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+
+
+def _embedding_rows(configs: list) -> int | None:
+    """The embedding rows a saved model has (its text config's `vocab_size`), None if unknown."""
+    for config in configs:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        rows = getattr(text, "vocab_size", None)
+        if isinstance(rows, int):
+            return rows
+    return None
 
 
 def _saved_configs(name_or_path: str, trust_remote_code: bool) -> list:
@@ -157,12 +203,14 @@ def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.M
 
 
 def _resize_for(model: nn.Module, tokenizer) -> None:
-    """Grow the embeddings when the tokenizer gained tokens; new rows start at the mean embedding
-    (a neutral input that does not consume random numbers)."""
+    """Grow the embeddings when the tokenizer has ids past the model's rows (the pad token of
+    `choose_pad`'s last rule); new rows start at the mean embedding (a neutral input that does
+    not consume random numbers)."""
     old = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) <= old:
+    needed = max(len(tokenizer), (tokenizer.pad_token_id or 0) + 1)
+    if needed <= old:
         return
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.resize_token_embeddings(needed, mean_resizing=False)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb[old:] = emb[:old].mean(0, keepdim=True)
@@ -279,8 +327,9 @@ def _temp_dir_beside(out: Path) -> Path:
 def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename).
 
-    A PeftModel is saved as its trained adapter alone (PEFT format: `adapter_config.json`,
-    `adapter_model.safetensors`), loadable with peft's `PeftModel.from_pretrained(base, dir)`.
+    A PeftModel is saved as its trained adapter (PEFT format: `adapter_config.json`,
+    `adapter_model.safetensors`, see `save_adapter`), loadable with peft's
+    `PeftModel.from_pretrained(base, dir)` and `AutoPeftModelForCausalLM.from_pretrained(dir)`.
     """
     from peft import PeftModel
 
@@ -289,8 +338,7 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     tmp = _temp_dir_beside(out)
     try:
         if isinstance(model, PeftModel):
-            # The embeddings are the base's: tether never trains them under LoRA.
-            model.save_pretrained(tmp, selected_adapters=[TRAINED], save_embedding_layers=False)
+            save_adapter(model, tmp)
         else:
             model.save_pretrained(tmp)
         if tokenizer is not None:
@@ -299,6 +347,34 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED) -> None:
+    """Write `peft`'s adapter `adapter` to `out_dir` (PEFT format), with the embedding and output
+    layers only when tether grew them for its pad token (`embeddings_grew`).
+
+    tether never trains the embeddings under LoRA, so an adapter on an unchanged base needs none
+    of them; on a grown base a standard loader needs the new row's values (the pad row enters
+    the softmax normaliser): `AutoPeftModelForCausalLM` resizes the base to the adapter's
+    tokenizer with random rows, which the saved layers then overwrite.
+    """
+    peft.save_pretrained(out_dir, selected_adapters=[adapter],
+                         save_embedding_layers=embeddings_grew(peft, adapter))
+
+
+def embeddings_grew(peft: nn.Module, adapter: str = TRAINED) -> bool:
+    """True when the base under `peft` has more embedding rows than its saved config declares
+    (or that config cannot be read: saving the layers is then the safe choice)."""
+    from transformers import PreTrainedConfig
+
+    rows = peft.get_base_model().get_input_embeddings().weight.shape[0]
+    base = peft.peft_config[adapter].base_model_name_or_path
+    try:  # the raw dict: no model class (nor remote code) needed to read one number
+        saved, _ = PreTrainedConfig.get_config_dict(base)
+    except (OSError, ValueError, TypeError):
+        return True
+    declared = saved.get("vocab_size") or saved.get("text_config", {}).get("vocab_size")
+    return not isinstance(declared, int) or rows > declared
 
 
 def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None) -> None:

@@ -215,12 +215,14 @@ def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrai
 def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
                     use_sliding_window: bool = False, sliding_window: int = 8,
                     max_window_layers: int = 1, n_layer: int = 2, hidden_size: int = 64,
-                    n_head: int = 4, n_kv_head: int = 2, seed: int = 0) -> Path:
+                    n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
+                    spare_rows: int = 0) -> Path:
     """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
     `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
 
     With `use_sliding_window`, layers from `max_window_layers` up attend within a window and the
-    ones below attend to everything (Qwen2's mixed layout).
+    ones below attend to everything (Qwen2's mixed layout). `spare_rows`: embedding rows past the
+    tokenizer's last id, as real Qwen2 models have (151936 rows for 151665 tokens).
     """
     import torch
     from transformers import Qwen2Config
@@ -229,7 +231,7 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_qwen2_tokenizer(texts, vocab_size)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size,
+    config = Qwen2Config(vocab_size=len(tokenizer) + spare_rows, hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
                          num_attention_heads=n_head, num_key_value_heads=n_kv_head,
                          use_sliding_window=use_sliding_window, sliding_window=sliding_window,
