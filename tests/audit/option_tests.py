@@ -99,6 +99,9 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "sft:lr_schedule": [OFFLINE + "test_lr_schedule_after_warmup_by_hand[sft]"],
     "sft:max_grad_norm": [OFFLINE + "test_max_grad_norm_clips_the_update[sft]"],
+    "sft:loss_on": [
+        "tests/data/test_multiturn.py::test_sft_cli_loss_on_all_or_last",
+    ],
     "sft:grad_accum_steps": [
         OFFLINE + "test_grad_accum_steps_splits_each_batch[sft]",
         "tests/train/test_offline_memory.py::test_accumulation_and_checkpointing_give_the_plain_update[tiny_model_dir-sft]",

@@ -14,27 +14,31 @@ from tether.data.encoding import Encoded
 from tether.errors import TetherError
 
 
-def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int
-                  ) -> dict[str, torch.Tensor]:
+def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                  loss_masks: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """Right-pad prompt+response rows: `input_ids`, `attention_mask`, `response_mask` (all [N, T]).
 
-    `response_mask[i, t]` is 1 where token t of row i belongs to the response (the tokens that
-    carry loss); prompt and padding are 0.
+    `response_mask[i, t]` is 1 where token t of row i belongs to the response and carries loss:
+    every response token, or where row i's `loss_masks[i]` (over its response) is 1 when it is
+    given (a multi-turn chat: the assistant turns, not the user turns between them); prompt and
+    padding are 0.
     """
     length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     n = len(prompts)
+    loss_masks = [None] * n if loss_masks is None else loss_masks
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, length), dtype=torch.long)
     response_mask = torch.zeros((n, length), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    for i, (p, r, m) in enumerate(zip(prompts, responses, loss_masks, strict=True)):
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p): len(p) + len(r)] = 1
+        response_mask[i, len(p): len(p) + len(r)] = 1 if m is None else torch.tensor(m, dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
 
 
 def collate_sft(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    return pad_sequences([e.prompt for e in examples], [e.responses[0] for e in examples], pad_id)
+    return pad_sequences([e.prompt for e in examples], [e.responses[0] for e in examples], pad_id,
+                         [e.loss_mask for e in examples])
 
 
 def collate_pairs(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:

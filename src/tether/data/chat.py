@@ -10,11 +10,17 @@ Chat preference rows come in the shapes most public preference sets use:
 Each side is rendered exactly as SFT renders `{messages}`: the prompt with the generation prompt,
 the response as what the full chat adds after it (so the template's end-of-turn tokens, e.g.
 EOS or `<|im_end|>`, are part of the response and carry loss).
+
+A message's content is a string or a list of text parts (`{"type": "text", "text": ...}`, the
+OpenAI and Hugging Face form); the parts are joined into one string before rendering, so a
+template never writes the list's Python repr.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import jinja2
 
 from tether.errors import TetherError
 
@@ -25,13 +31,74 @@ def is_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
+def content_text(content: Any, where: str) -> str:
+    """A message's content as one string: a string as it is, a list of text parts joined with
+    nothing between them (what templates that accept parts write, one part after another).
+    Anything else (an image part, a number, a list of strings) is an error, never its repr."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise TetherError(f"{where} content must be a string or a list of text parts (got "
+                          f"{type(content).__name__}); write it as a string")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise TetherError(f"{where} content part {k} is a {type(part).__name__}, not a "
+                              "{'type': 'text', 'text': ...} part; give the content as a string "
+                              "or a list of text parts")
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TetherError(f"{where} content part {k} has type {part.get('type')!r}, not a "
+                              "text part with a string 'text'; tether trains on text only: drop "
+                              "the part or give the content as a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalize_messages(messages: list[dict], where: str) -> list[dict]:
+    """Copies of `messages` (already checked `is_messages`) with each content as one string."""
+    return [dict(m, content=content_text(m["content"], f"{where} message {j}"))
+            for j, m in enumerate(messages)]
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
                 where: str = "data") -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise TetherError(f"{where} uses chat messages but the tokenizer has no chat template; "
                           "give plain-text rows or use a tokenizer with a chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as exc:  # e.g. a template that demands alternating roles
+        raise TetherError(f"{where}: the chat template refuses these messages ({exc}); fix the "
+                          "roles it names or give plain-text rows") from None
+
+
+def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str
+               ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character span `(start, end)` of each trained assistant turn
+    in it (`trained`: ascending message indices, the last one the final message).
+
+    Turn i starts where `messages[:i]` rendered with the generation prompt ends, and ends where
+    `messages[:i+1]` rendered without it ends, less the whitespace the template writes after the
+    turn's end-of-turn token (`_end_at_turn_token`); the text stops there after the last turn.
+    Both renderings must be prefixes of the whole chat's: true of templates that render each turn
+    on its own, not of one that rewrites earlier turns (e.g. drops their reasoning).
+    """
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
+    spans: list[tuple[int, int]] = []
+    for i in trained:
+        start = render_chat(tokenizer, messages[:i], add_generation_prompt=True, where=where)
+        end = full if i == len(messages) - 1 else render_chat(tokenizer, messages[:i + 1], False, where)
+        in_order = len(end) >= len(start) and (not spans or len(start) >= spans[-1][1])
+        if not (full.startswith(start) and full.startswith(end) and in_order):
+            if len(trained) == 1:
+                raise TetherError(f"{where}: the chat template renders the prompt differently "
+                                  "inside the full chat; use plain-text rows for this tokenizer")
+            raise TetherError(f"{where}: the chat template renders message {i} differently inside "
+                              "the full chat, so the assistant turns cannot be located in it; "
+                              "pass --loss-on last or give plain-text rows")
+        spans.append((len(start), len(start) + len(_end_at_turn_token(tokenizer, end[len(start):]))))
+    return full[:spans[-1][1]], spans
 
 
 def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[str, str]:
@@ -39,12 +106,8 @@ def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[st
     if not messages or messages[-1].get("role") != "assistant":
         raise TetherError(f"{where}: each 'messages' row must end with an assistant message "
                           "(the response to learn)")
-    prompt = render_chat(tokenizer, messages[:-1], add_generation_prompt=True, where=where)
-    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
-    if not full.startswith(prompt):
-        raise TetherError("the chat template renders the prompt differently inside the full chat; "
-                          "use plain-text rows for this tokenizer")
-    return prompt, _end_at_turn_token(tokenizer, full[len(prompt):])
+    text, [(start, _)] = turn_spans(tokenizer, messages, [len(messages) - 1], where)
+    return text[:start], text[start:]
 
 
 def _end_at_turn_token(tokenizer, response: str) -> str:
@@ -59,14 +122,15 @@ def _end_at_turn_token(tokenizer, response: str) -> str:
     return response
 
 
-def _turns(value: Any, what: str, where: str) -> list[dict]:
-    """`chosen` / `rejected` as a list of messages (a string is the assistant's content)."""
+def as_turns(value: Any, what: str, where: str) -> list[dict]:
+    """A reply column (`chosen`, `rejected`, `completion`, `response`) as a list of messages: a
+    string is the assistant's content, a message is one turn."""
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     if isinstance(value, dict) and "role" in value and "content" in value:
-        return [value]
+        return normalize_messages([value], f"{where} '{what}'")
     if is_messages(value):
-        return list(value)
+        return normalize_messages(value, f"{where} '{what}'")
     raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
                       f"{{role, content}} messages (got {type(value).__name__})")
 
@@ -77,15 +141,6 @@ def check_prompt(value: Any, where: str) -> None:
     if isinstance(value, (list, dict)) and not is_messages(value):
         raise TetherError(f"{where} 'prompt' must be a string or a list of {{role, content}} "
                           f"messages (got a {type(value).__name__} of other things)")
-
-
-def preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], bool]:
-    """(prompt text, [chosen text, rejected text], chat) of one preference row, plain or chat."""
-    if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
-        return (*chat_preference_texts(tokenizer, row, where), True)
-    if row.get("prompt") is None:
-        raise TetherError(f"{where} has no column 'prompt'; plain-text rows need a prompt")
-    return str(row["prompt"]), [str(row["chosen"]), str(row["rejected"])], False
 
 
 def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
@@ -110,15 +165,15 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     """(prompt text, [chosen text, rejected text]) of a chat preference row, rendered as SFT
     renders `{messages}`."""
     prompt = row.get("prompt")
-    chosen = _turns(row["chosen"], "chosen", where)
-    rejected = _turns(row["rejected"], "rejected", where)
+    chosen = as_turns(row["chosen"], "chosen", where)
+    rejected = as_turns(row["rejected"], "rejected", where)
     check_prompt(prompt, where)
     if prompt is None:
         prompt_messages = _common_prefix(chosen, rejected)
         if prompt_messages and prompt_messages[-1].get("role") == "assistant":
             prompt_messages = prompt_messages[:-1]
     elif is_messages(prompt):
-        prompt_messages = list(prompt)
+        prompt_messages = normalize_messages(prompt, f"{where} 'prompt'")
     else:
         raise TetherError(f"{where} mixes a plain-text prompt with chat responses; give the "
                           "prompt as a list of messages too, or all three as plain text")

@@ -1,26 +1,37 @@
 """The one encoding rule: rows of text (or chat) into token ids with response masks.
 
-Row formats
-- SFT: `{prompt, response}` or `{messages}` (a chat; the last message is the assistant's reply,
-  rendered with the tokenizer's chat template).
-- Preference: `{prompt, chosen, rejected}` (+ optional numeric `margin` for reward modelling), as
-  plain text or as chat messages (`tether.data.chat`).
+Row formats (`tether.data.shapes`; docs/data.md has the table)
+- SFT: `{prompt, response}`, `{prompt, completion}` (plain, or a chat prompt with the assistant's
+  reply), `{messages}` (a chat rendered with the tokenizer's chat template; loss on every
+  assistant turn, or on the last with `loss_on="last"`), `{text}` (loss on every token).
+- Preference: `{prompt, chosen, rejected}` (+ optional numeric `margin` for reward modelling), or
+  `{chosen, rejected}` with an implicit prompt, as plain text or as chat messages.
 - Prompts for generation (PPO): `{prompt}` or `{messages}` (`tether.data.prompts`).
 
 Every stage turns text into ids by one rule (below), so PPO prompts are encoded exactly as SFT,
 RM and DPO saw them.
 
-Loss masks cover response tokens only. A prompt that leaves no room for a response within
-`max_length` is never cut: it is an error, or (when asked) skipped and counted. Responses that
-run past `max_length` are truncated and counted (`data/truncated`).
+Loss masks cover response tokens only: the reply, or in a multi-turn chat every trained assistant
+turn, never the user (tool, system) turns between them. A prompt (everything before the first
+trained reply) that leaves no room for a response within `max_length` is never cut: it is an
+error, or (when asked) skipped and counted. Responses that run past `max_length` are truncated at
+the end and counted (`data/truncated`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tether.data.chat import check_prompt, is_messages, preference_texts, split_chat
+from tether.data.chat import turn_spans
 from tether.data.rows import require_columns
+from tether.data.shapes import (
+    SFTRow,
+    preference_shape,
+    preference_texts,
+    read_sft_row,
+    same_shape,
+    sft_shape,
+)
 from tether.errors import TetherError
 
 # ----------------------------------------------------------------------------- the encoding rule
@@ -31,8 +42,10 @@ from tether.errors import TetherError
 # 2. A response is tokenised together with its prompt and its ids are what follows the prompt's:
 #    SentencePiece-style tokenizers (Llama 2, Mistral) give a text other ids when it is tokenised
 #    alone (a leading `▁`), so encoding apart would train on ids the model never sees in context.
+#    A multi-turn chat is tokenised once, and each assistant turn is located in those ids
+#    (`turn_mask`), so every turn's ids, not only the last's, are those of the context.
 # 3. A plain response gets EOS appended unless it already ends with it; a chat response carries
-#    the template's own end-of-turn tokens.
+#    the template's own end-of-turn tokens (every trained turn its own).
 
 def special_prefix(tokenizer) -> list[int]:
     """The ids the tokenizer puts before every text (Llama's `[BOS]`; `[]` for GPT-2, Qwen)."""
@@ -53,6 +66,13 @@ def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list
     return ids if ids[:len(prefix)] == prefix else prefix + ids
 
 
+def _common_start(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bool,
                 prefix: list[int]) -> tuple[list[int], list[list[int]]]:
     """(prompt ids, response ids) under rules 1-3, one prompt shared by every response.
@@ -65,10 +85,7 @@ def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bo
     fulls = [encode_prompt(tokenizer, prompt_text + text, prefix) for text in response_texts]
     shared = len(prompt)
     for full in fulls:
-        n = 0
-        while n < min(shared, len(full)) and full[n] == prompt[n]:
-            n += 1
-        shared = n
+        shared = _common_start(prompt[:shared], full)
     if shared == 0:  # nothing in common (e.g. a one-token prompt merged away): encode apart
         fulls = [prompt + tokenizer(t, add_special_tokens=False)["input_ids"] for t in response_texts]
         shared = len(prompt)
@@ -82,6 +99,29 @@ def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bo
     return prompt[:shared], responses
 
 
+def turn_mask(tokenizer, text: str, spans: list[tuple[int, int]], ids: list[int], n_prompt: int,
+              prefix: list[int]) -> list[int]:
+    """Loss mask over `ids[n_prompt:]` (the response ids of `text`): 1 on the tokens of each
+    character span `(start, end)` of `spans`, 0 between them; the first span starts at `n_prompt`.
+
+    Rule 2 at every boundary: a boundary at character c falls after the ids that `text[:c]`
+    encodes to in common with the whole text's. So a token that straddles the start of a turn
+    belongs to the turn (as a token merging across the prompt's end belongs to the response),
+    and one that straddles its end does not (templates that close a turn with a special token,
+    EOS or `<|im_end|>`, never make one).
+    """
+    def boundary(char: int) -> int:
+        if char >= len(text):
+            return len(ids)
+        return _common_start(encode_prompt(tokenizer, text[:char], prefix), ids)
+
+    mask = [0] * len(ids)
+    for k, (start, end) in enumerate(spans):
+        for t in range(n_prompt if k == 0 else boundary(start), boundary(end)):
+            mask[t] = 1
+    return mask[n_prompt:]
+
+
 # ----------------------------------------------------------------------------- tokenising
 
 @dataclass
@@ -91,6 +131,9 @@ class Encoded:
     prompt: list[int]
     responses: list[list[int]]
     margin: float = 0.0
+    loss_mask: list[int] | None = None
+    """Over `responses[0]` of a multi-turn chat: 1 on the assistant turns' tokens, 0 on the turns
+    between them; None: every response token carries loss."""
 
 
 @dataclass
@@ -105,7 +148,8 @@ class EncodeStats:
 
 
 def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: int,
-         on_long_prompt: str, source: str, stats: EncodeStats) -> Encoded | None:
+         on_long_prompt: str, source: str, stats: EncodeStats,
+         loss_mask: list[int] | None = None) -> Encoded | None:
     if len(prompt) >= max_length:
         if on_long_prompt == "skip":
             stats.skipped_long_prompt += 1
@@ -116,31 +160,52 @@ def _fit(prompt: list[int], responses: list[list[int]], max_length: int, index: 
     room = max_length - len(prompt)
     if any(len(r) > room for r in responses):
         stats.truncated += 1
-    return Encoded(prompt, [r[:room] for r in responses])
+    return Encoded(prompt, [r[:room] for r in responses],
+                   loss_mask=None if loss_mask is None else loss_mask[:room])
 
 
-def _sft_texts(tokenizer, row: dict, where: str) -> tuple[str, str, bool]:
-    """(prompt text, response text, chat) of one SFT row."""
-    if row.get("messages") is not None:
-        return (*split_chat(tokenizer, list(row["messages"]), where), True)
-    check_prompt(row["prompt"], where)
-    if is_messages(row["prompt"]):  # a chat prompt with the reply beside it
-        reply = row["response"]
-        reply = reply if isinstance(reply, dict) else {"role": "assistant", "content": str(reply)}
-        return (*split_chat(tokenizer, list(row["prompt"]) + [reply], where), True)
-    return str(row["prompt"]), str(row["response"]), False
+def _encode_sft_row(tokenizer, row: SFTRow, loss_on: str, where: str, prefix: list[int]
+                    ) -> tuple[list[int], list[int], list[int] | None]:
+    """(prompt ids, response ids, loss mask or None) of one SFT row under rules 1-3.
+
+    A chat is rendered once; the prompt is everything before the first trained assistant turn,
+    the response everything after it, and the mask marks each trained turn's tokens (its content
+    and its end-of-turn token; what the template writes after that token only between turns).
+    """
+    if row.messages is None:  # plain text; a {text} row has an empty prompt
+        prompt, responses = encode_pair(tokenizer, row.prompt, [row.response], False, prefix)
+        return prompt, responses[0], None
+    messages = row.messages
+    if messages[-1].get("role") != "assistant":
+        raise TetherError(f"{where}: the chat must end with an assistant message (the reply to "
+                          f"learn; got {messages[-1].get('role')!r} last)")
+    trained = [i for i in range(row.reply_from, len(messages))
+               if messages[i].get("role") == "assistant"]
+    if loss_on == "last":
+        trained = trained[-1:]
+    text, spans = turn_spans(tokenizer, messages, trained, where)
+    first = spans[0][0]
+    prompt, responses = encode_pair(tokenizer, text[:first], [text[first:]], True, prefix)
+    if len(spans) == 1:  # one reply, to the end: every response token carries loss
+        return prompt, responses[0], None
+    return prompt, responses[0], turn_mask(tokenizer, text, spans, prompt + responses[0],
+                                           len(prompt), prefix)
 
 
 def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
-               source: str = "data") -> tuple[list[Encoded], EncodeStats]:
-    """Tokenise SFT rows (`{prompt, response}` or `{messages}`) under the encoding rule."""
-    chat = "messages" in rows[0]
-    require_columns(rows, ["messages"] if chat else ["prompt", "response"], source)
+               source: str = "data", loss_on: str = "all") -> tuple[list[Encoded], EncodeStats]:
+    """Tokenise SFT rows (`{prompt, response}`, `{prompt, completion}`, `{messages}`, `{text}`;
+    every row the same shape) under the encoding rule. A chat's loss goes on each of its
+    assistant turns (`loss_on="all"`, TRL's `assistant_only_loss`) or on the last (`"last"`)."""
+    if loss_on not in ("all", "last"):
+        raise TetherError(f"loss_on must be 'all' or 'last' (got {loss_on!r})")
+    shape = same_shape(rows, sft_shape, source)
     stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        prompt_text, response_text, is_chat = _sft_texts(tokenizer, row, f"{source}: row {i}")
-        prompt, responses = encode_pair(tokenizer, prompt_text, [response_text], is_chat, prefix)
-        ex = _fit(prompt, responses, max_length, i, on_long_prompt, source, stats)
+        where = f"{source}: row {i}"
+        prompt, response, mask = _encode_sft_row(tokenizer, read_sft_row(row, shape, where),
+                                                 loss_on, where, prefix)
+        ex = _fit(prompt, [response], max_length, i, on_long_prompt, source, stats, mask)
         if ex is not None:
             out.append(ex)
     if not out:
@@ -150,11 +215,12 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
 
 def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
                        source: str = "data", margin_column: str = "") -> tuple[list[Encoded], EncodeStats]:
-    """Tokenise preference rows under the encoding rule: `{prompt, chosen, rejected}` as plain
-    text, or as chat (see `tether.data.chat`); identical chosen and rejected is an error."""
-    chat = not isinstance(rows[0].get("prompt", ""), str) or is_messages(rows[0].get("chosen"))
-    required = ["chosen", "rejected"] if chat else ["prompt", "chosen", "rejected"]
-    require_columns(rows, required + ([margin_column] if margin_column else []), source)
+    """Tokenise preference rows under the encoding rule: `{prompt, chosen, rejected}` or
+    `{chosen, rejected}` (implicit prompt), as plain text or as chat (`tether.data.chat`);
+    identical chosen and rejected is an error."""
+    same_shape(rows, preference_shape, source)
+    if margin_column:
+        require_columns(rows, [margin_column], source)
     stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
         prompt_text, texts, is_chat = preference_texts(tokenizer, row, f"{source}: row {i}")

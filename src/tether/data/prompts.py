@@ -1,6 +1,12 @@
 """Prompts for generation: `{prompt}` or `{messages}` rows encoded by the one encoding rule
 (`tether.data.encoding`), the seeded order they are drawn in, and left-padded prompt batches.
 
+A prompt row has `prompt` (a string, or a list of messages) or `messages`; other columns (TRL's
+`completion`, `chosen`, `rejected`, a reference answer) are ignored, so a prompt-completion or
+preference file serves as a prompt file. A chat prompt may end in any turn: the template's
+generation prompt opens the assistant's next turn, after a user or tool turn or after an
+assistant turn alike (then the policy writes a new turn, it does not continue the old one).
+
 A long prompt loses the start of its content, never its special prefix (BOS, role markers, the
 system message and the generation prompt stay), so PPO, `tether eval` and `tether generate`
 prompt a policy exactly as SFT, RM and DPO encoded their rows.
@@ -10,22 +16,51 @@ from __future__ import annotations
 
 import torch
 
-from tether.data.chat import check_prompt, is_messages, render_chat, truncate_chat
+from tether.data.chat import (
+    check_prompt,
+    is_messages,
+    normalize_messages,
+    render_chat,
+    truncate_chat,
+)
 from tether.data.encoding import encode_prompt, special_prefix
 from tether.data.rows import load_rows
+from tether.data.shapes import plain_text
 from tether.errors import TetherError
 
 
-def format_prompt(tokenizer, row: dict) -> str:
+def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None:
+    """The chat of a prompt row (`messages`, or a messages-valued `prompt`), each content one
+    string; None for a plain-text prompt."""
+    check_prompt(row.get("prompt"), where)
+    if row.get("messages") is not None:
+        if not is_messages(row["messages"]):
+            raise TetherError(f"{where} 'messages' must be a list of {{role, content}} messages "
+                              f"(got {type(row['messages']).__name__})")
+        return normalize_messages(row["messages"], f"{where} 'messages'")
+    if is_messages(row.get("prompt")):
+        return normalize_messages(row["prompt"], f"{where} 'prompt'")
+    return None
+
+
+def _render_prompt(tokenizer, messages: list[dict], where: str) -> str:
+    """`messages` with the generation prompt. After an assistant turn, a template without one
+    (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=True, where=where)
+    if messages[-1].get("role") == "assistant" and text == render_chat(tokenizer, messages, False, where):
+        raise TetherError(f"{where} ends with an assistant message and the chat template writes no "
+                          "generation prompt to open a new assistant turn after it; end the prompt "
+                          "with a user turn, or use a template with a generation prompt")
+    return text
+
+
+def format_prompt(tokenizer, row: dict, where: str = "a prompt row") -> str:
     """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
     rendered with the generation prompt."""
-    messages = row.get("messages")
-    check_prompt(row.get("prompt"), "a prompt row")
-    if messages is None and is_messages(row.get("prompt")):
-        messages = row["prompt"]
+    messages = prompt_messages(row, where)
     if messages is not None:
-        return render_chat(tokenizer, list(messages), add_generation_prompt=True)
-    return str(row["prompt"])
+        return _render_prompt(tokenizer, messages, where)
+    return plain_text(row, "prompt", where)
 
 
 def _special_head(tokenizer, ids: list[int]) -> list[int]:
@@ -36,8 +71,8 @@ def _special_head(tokenizer, ids: list[int]) -> list[int]:
     return ids[:n]
 
 
-def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None
-                      ) -> tuple[str, list[int]]:
+def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,
+                      where: str = "a prompt row") -> tuple[str, list[int]]:
     """(text, ids) of a generation prompt row (`{prompt}` or `{messages}`) under rule 1, in at
     most `max_tokens` ids.
 
@@ -47,15 +82,13 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
     The text is the full prompt (what a reward function reads).
     """
     prefix = special_prefix(tokenizer) if prefix is None else prefix
-    text = format_prompt(tokenizer, row)
+    text = format_prompt(tokenizer, row, where)
     ids = encode_prompt(tokenizer, text, prefix)
     if len(ids) <= max_tokens:
         return text, ids
-    messages = row.get("messages")
-    if messages is None and is_messages(row.get("prompt")):
-        messages = row["prompt"]
+    messages = prompt_messages(row, where)
     if messages is not None:
-        return text, truncate_chat(tokenizer, list(messages), max_tokens,
+        return text, truncate_chat(tokenizer, messages, max_tokens,
                                    lambda t: encode_prompt(tokenizer, t, prefix))[1]
     head = _special_head(tokenizer, ids)
     if len(head) >= max_tokens:
@@ -65,15 +98,16 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
 
 
 def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows, encoded by the rule
-    every stage uses, each cut to `max_len` ids without losing its special prefix."""
+    """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows (other columns
+    ignored), encoded by the rule every stage uses, each cut to `max_len` ids without losing its
+    special prefix."""
     rows = load_rows(source)
     texts, ids, prefix = [], [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
-        if "prompt" not in row and "messages" not in row:
+        if row.get("prompt") is None and row.get("messages") is None:
             raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
                               "give one of them per row")
-        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix)
+        text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix, f"{source}: row {i}")
         if not tokens or not text.strip():
             raise TetherError(f"{source}: row {i} has an empty prompt; remove it")
         texts.append(text)

@@ -62,10 +62,12 @@ class TrainConfig(RunConfig):
 
 @dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
-    """Supervised fine-tuning on {prompt, response} or {messages} rows."""
+    """Supervised fine-tuning on {prompt, response}, {prompt, completion}, {messages} or {text} rows."""
 
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
+    loss_on: Literal["all", "last"] = "all"
+    """Which assistant turns of a multi-turn chat carry loss: all of them, or the last only."""
 
 
 @dataclass(kw_only=True)

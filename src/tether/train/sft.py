@@ -9,7 +9,9 @@ count (summed over ranks), times the world size because DDP / FSDP2 average the 
 
 Prompt tokens condition the model but carry no loss (InstructGPT, Ouyang et al. 2022, sec. 3.5;
 the prompt is given, not something to imitate). EOS is part of the response so the model learns
-to stop.
+to stop. In a multi-turn chat every assistant turn is a response (TRL's `assistant_only_loss`;
+--loss-on last trains the final one only) and the user turns between them are prompt: the
+batch's `response_mask` says which tokens count. A `{text}` row is all response.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def run(cfg: SFTConfig) -> RunResult:
     # Read and check the data before touching the run directory: bad input leaves no trace.
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
-    examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data)
+    examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data,
+                                 cfg.loss_on)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
