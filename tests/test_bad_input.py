@@ -61,6 +61,7 @@ def root(tmp_path_factory, tiny_model_dir):
         (base / name).write_bytes(content)
     (base / "not_a_model").mkdir()
     (base / "not_a_model" / "config.json").write_text(json.dumps({"model_type": "nonsense"}))
+    _reward_model_lookalikes(base, tiny_model_dir)
     out = base / "runs"
     assert main(["sft", "--model", str(tiny_model_dir), "--data", str(base / SFT), "--run-name",
                  "done", "--output-dir", str(out), "--max-steps", "1", "--batch-size", "4",
@@ -71,6 +72,19 @@ def root(tmp_path_factory, tiny_model_dir):
                  "--save-every", "1", "--device", "cpu"]) == 0
     shutil.rmtree(out / "partial" / "final")
     return base
+
+
+def _reward_model_lookalikes(base, tiny_model_dir):
+    """What `--reward-model` must refuse: a two-label classifier and a causal LM's LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base / "two_labels")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(
+        base / "two_labels")
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(lm, LoraConfig(r=2, target_modules=["c_attn"], task_type="CAUSAL_LM")
+                   ).save_pretrained(base / "lm_adapter")
 
 
 def _snapshot(base):
@@ -181,7 +195,11 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-fn", "rewards.py:score", "--lora-r", "4", "--lora-dropout", "0.1"],
      "--lora-dropout must be 0 for ppo"),
     (["--reward-model", "MISSING_MODEL"], "does not exist|not a tether reward model"),
-    (["--reward-model", "POLICY"], "not a tether reward model"),
+    (["--reward-model", "POLICY"], "is not a reward model: it has no tether_reward.json .* "
+     "GPT2LMHeadModel, not a sequence-classification model"),
+    (["--reward-model", "not_a_model"], "cannot read the reward model's config"),
+    (["--reward-model", "two_labels"], "with 2 labels; a reward model gives one score"),
+    (["--reward-model", "lm_adapter"], "peft adapter of task CAUSAL_LM, not a reward model"),
     (["--reward-fn", "rewards.py:score", "--ref-model", "MISSING_MODEL"], "does not exist"),
     (["--reward-fn", "rewards.py:score", "--critic", "twin"], "critic"),
     (["--reward-fn", "rewards.py:score", "--advantage", "vtrace"], "'advantage' must be one of"),
@@ -246,7 +264,7 @@ def _resolve(base, model_dir, value):
         return str(base / "missing_model")
     if value == "POLICY":
         return str(model_dir)
-    if value.endswith((".jsonl", ".txt", ".yaml", ".py")) or value in ("not_a_model",):
+    if value.endswith((".jsonl", ".txt", ".yaml", ".py")) or value in ("not_a_model", "two_labels", "lm_adapter"):
         return str(base / value)
     if value.endswith(".py:score") or value.endswith(".py:nothing"):
         return str(base / value)

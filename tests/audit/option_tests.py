@@ -308,6 +308,8 @@ OPTION_TESTS: dict[str, list[str]] = {
     "online:ref_model": ["tests/train/test_ppo.py::test_different_vocabularies_are_rejected"],
     "online:reward_model": [
         "tests/models/test_lora.py::test_ppo_lora_roles_share_one_base_and_start_at_kl_zero[tiny_model_dir-base]",
+        "tests/models/test_hub_reward.py::test_hub_rm_drives_the_online_stages[grpo-tiny_llama_dir-llama-True]",
+        "tests/models/test_hub_reward.py::test_ppo_critic_starts_from_the_policy_when_the_rm_reads_another_vocabulary",
     ],
     "online:reward_fn": [ONLINE + "test_reward_fn_given_as_file_and_function"],
     "online:gold_fn": ["tests/train/test_ppo.py::test_cli_end_to_end_with_eval_and_gold"],
@@ -393,13 +395,13 @@ OPTION_TESTS: dict[str, list[str]] = {
     "online:importance_level": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:policy_loss": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
     "online:overlong_penalty": [ONLINE + "test_overlong_penalty_reaches_the_scores"],
-    "online:value_clip_range": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
-    "online:vf_coef": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
-    "online:gamma": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
     "online:mask_truncated": [ONLINE + "test_loss_aggregation_and_mask_truncated_reach_the_update"],
     "online:dynamic_sampling": [ONLINE + "test_dynamic_sampling_refills_the_batch",
                                 "tests/rl/test_grpo_family.py::test_dynamic_sampling_end_to_end"],
     "online:loss_aggregation": [ONLINE + "test_loss_aggregation_and_mask_truncated_reach_the_update"],
+    "online:value_clip_range": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
+    "online:vf_coef": [ONLINE + "test_clip_ranges_and_vf_coef_reach_the_losses"],
+    "online:gamma": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
     "online:lam": [ONLINE + "test_gamma_lam_and_whitening_reach_the_advantages"],
     "online:advantage": [
         "tests/train/test_ppo.py::test_batch_holds_each_prompt_k_times_in_consecutive_rows",
@@ -471,6 +473,8 @@ def _tools_map() -> dict[str, list[str]]:
             "generate:stop_strings": k_and_stop}
     for name in ("reference", "reward_model", "reward_fn", "gold_fn", "output", "chunked_lm_head"):
         out[f"eval:{name}"] = [TOOLS + "test_eval_reference_rewards_output_and_chunking"]
+    out["eval:reward_model"].append(
+        "tests/models/test_hub_reward.py::test_eval_scores_samples_with_the_hub_rm[tiny_llama_dir-llama-True]")
     for name in ("runs", "output", "title"):
         out[f"report:{name}"] = [TOOLS + "test_report_runs_output_and_title"]
     for name in ("grid", "jobs", "output_dir"):

@@ -168,7 +168,9 @@ def test_sft_adapter_loads_with_peft_and_merged_with_transformers(lora_runs):
 
 def test_reward_adapter_and_merged_reward_model_score_alike(lora_runs, data):
     rm_dir = lora_runs["rm"]
-    assert (rm_dir / "adapter_config.json").is_file() and (rm_dir / "reward_head.safetensors").is_file()
+    # v2: the head lives in the adapter (peft's modules_to_save `score`), not beside it
+    assert (rm_dir / "adapter_config.json").is_file() and (rm_dir / "tether_reward.json").is_file()
+    assert not (rm_dir / "reward_head.safetensors").exists()
     lora_rm = RewardModel.from_pretrained(rm_dir)
     merged_rm = RewardModel.from_pretrained(lora_runs["out"] / "rm" / "merged")
     assert lora_rm.lora is not None and merged_rm.lora is None

@@ -89,8 +89,9 @@ def _same_grads(a: list[dict], b: list[dict], rtol: float) -> None:
 
 def _initial(stage, model_dir):
     tokenizer = load_tokenizer(str(model_dir))
-    if stage == "rm":
-        return weights(RewardModel.from_causal_lm(str(model_dir), tokenizer).backbone)
+    if stage == "rm":  # saved as a sequence classifier: the trunk under its prefix, plus `score`
+        trunk = RewardModel.from_causal_lm(str(model_dir), tokenizer).backbone
+        return {f"{trunk.base_model_prefix}.{k}": v for k, v in weights(trunk).items()}
     return weights(load_causal_lm(str(model_dir), tokenizer))
 
 

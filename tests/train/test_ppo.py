@@ -301,10 +301,16 @@ def test_different_vocabularies_are_rejected(env, tiny_model_dir):
     with pytest.raises(TetherError, match="reference model's tokenizer has a different vocab"):
         build(config(env, tiny_model_dir, "vocab_ref", ref_model=str(other)),
               reward_fn=length_reward)
+    # A reward model on another vocabulary is no error: it reads the decoded text with its own
+    # tokenizer (tests/models/test_hub_reward.py), and the critic starts from the policy's trunk.
     other_tok = load_tokenizer(str(other))
     RewardModel.from_causal_lm(str(other), other_tok).save_pretrained(env / "other_rm", other_tok)
-    with pytest.raises(TetherError, match="reward model's tokenizer has a different vocab"):
-        build(config(env, tiny_model_dir, "vocab_rm", reward_model=str(env / "other_rm")))
+    setup = build(config(env, tiny_model_dir, "vocab_rm", reward_model=str(env / "other_rm")))
+    texts, responses = setup.prompts[:2], [" the movie was good.", " it"]
+    expected = RewardModel.from_pretrained(env / "other_rm").score_texts(texts, responses)
+    torch.testing.assert_close(setup.reward(texts, responses, None), expected)
+    if setup.critic is not None:
+        assert setup.critic.head.weight.abs().max() == 0  # not the other vocabulary's trunk
 
 
 def test_config_errors(env, tiny_model_dir, capsys):

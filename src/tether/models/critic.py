@@ -67,9 +67,26 @@ class ValueModel(nn.Module):
         self.head = head
 
     @classmethod
-    def from_reward_model(cls, reward_model: nn.Module) -> ValueModel:
-        """A copy of the reward model's trunk and head (shares no tensor with it)."""
-        return cls(copy.deepcopy(reward_model.backbone), copy.deepcopy(reward_model.head))
+    def from_reward_model(cls, reward_model: nn.Module, vocab_rows: int = 0) -> ValueModel:
+        """A copy of the reward model's trunk and head (shares no tensor with it): tether's own, or
+        a sequence-classification model's trunk and `score`. The head gets a bias (0 where the
+        reward head has none, so the first values are the raw scores): V has an offset to learn.
+        `vocab_rows`: the policy's embedding rows; a trunk with fewer (a reward model without
+        the pad token tether gave the policy) is grown to them with mean rows, as
+        `tether.models.pretrained` grows a model for its tokenizer."""
+        backbone = copy.deepcopy(reward_model.backbone)
+        rows = backbone.get_input_embeddings().weight.shape[0]
+        if vocab_rows > rows:
+            backbone.resize_token_embeddings(vocab_rows, mean_resizing=False)
+            with torch.no_grad():
+                embeddings = backbone.get_input_embeddings().weight
+                embeddings[rows:] = embeddings[:rows].mean(0, keepdim=True)
+        source = reward_model.head
+        head = nn.Linear(source.in_features, 1).to(source.weight.device, source.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(source.weight)
+            head.bias.copy_(source.bias if source.bias is not None else torch.zeros(1))
+        return cls(backbone, head)
 
     @classmethod
     def from_causal_lm(cls, model: nn.Module) -> ValueModel:
@@ -113,7 +130,9 @@ def make_critic(kind: str | None, lm: TrainableLM, lora: LoraSpec | None,
     estimator needs none (`kind` None: rloo, grpo, reinforce++), a `ValueHead` on the policy for
     "shared", else a separate trunk and head ("separate"): a LoRA critic on the policy's base
     (`lora_critic`), a copy of the reward model (Ouyang et al. 2022, sec. 3.5), or the policy's
-    trunk with a zero head when the reward is a Python function."""
+    trunk with a zero head when there is no reward model it can start from: the reward is a
+    Python function, or the reward model reads another vocabulary than the policy's (its trunk
+    cannot read the policy's ids). `reward_model`: one that reads the policy's ids, or None."""
     policy = lm.model
     if kind is None:
         return None
@@ -123,7 +142,8 @@ def make_critic(kind: str | None, lm: TrainableLM, lora: LoraSpec | None,
     elif lm.peft is not None:
         critic = lora_critic(lm, lora, reward_model, reward_dir)
     elif reward_model is not None:
-        critic = ValueModel.from_reward_model(reward_model).requires_grad_(True)
+        rows = policy.get_input_embeddings().weight.shape[0]
+        critic = ValueModel.from_reward_model(reward_model, rows).requires_grad_(True)
     else:
         critic = ValueModel.from_causal_lm(policy)
     disable_dropout(critic)

@@ -1,16 +1,25 @@
 """The reward model: a causal LM's trunk plus a scalar head read at the last non-pad token.
 
-Saved as the trunk (Hugging Face format, or a LoRA adapter on the causal LM), the head
-(`reward_head.safetensors`) and `tether_reward.json` (the score normalisation).
+Saved in the format the ecosystem reads (`tether-reward-v2`): a transformers sequence-
+classification checkpoint with one label (`XForSequenceClassification`: the trunk and the head as
+`score`), or with LoRA a peft adapter for that model (the head as its `modules_to_save`), plus
+`tether_reward.json`, the score normalisation that tether applies on top:
+
+    transformers: AutoModelForSequenceClassification(...)(ids).logits[:, 0] = raw score
+    tether:       RewardModel.score(...)                                = (raw - mean) / std
+
+Directories written before v2 (the trunk, `reward_head.safetensors` with a bias, the json) load
+as before.
 
 As PPO's reward: a LoRA reward model trained on the policy's base (`tether rm --lora-r ...`) joins
 the policy's PeftModel as the frozen adapter "reward" plus its scalar head (`shared_reward_model`:
 one copy of the base in memory); a reward model on another base, or a fully fine-tuned one, stays
-a separate model (`load_reward_model`: it cannot share weights it does not have).
+a separate model (`RewardModel.from_pretrained`: it cannot share weights it does not have).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -18,12 +27,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tether.data.batches import collate_sft
 from tether.data.encoding import encode_sft
 from tether.errors import TetherError
 from tether.models.lora import (
+    ADAPTER_CONFIG,
     TRAINED,
     AdapterView,
     LoraSpec,
@@ -47,7 +57,11 @@ from tether.models.shared_prompt import shared_last_hidden, sharing
 from tether.run.checkpoint import check_finite_weights, replace_dir
 
 REWARD_JSON = "tether_reward.json"
-REWARD_HEAD = "reward_head.safetensors"
+REWARD_FORMAT = "tether-reward-v2"
+REWARD_HEAD = "reward_head.safetensors"  # before v2: the head (weight and bias) beside the trunk
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Where peft keeps a sequence-classification head it trains in full (`modules_to_save`)
+ADAPTER_SCORE = "base_model.model.score.weight"
 REWARD = "reward"  # the frozen adapter of a LoRA reward model on the policy's shared base
 
 
@@ -57,13 +71,17 @@ class RewardModel(nn.Module):
     `forward` returns raw scores; `score` applies the stored normalisation `(raw - mean) / std`
     (identity until `set_normalization` is called), so a normalised model keeps its meaning when
     reloaded.
+
+    The head has no bias, like transformers' `score`: under Bradley-Terry a bias gets exactly zero
+    gradient (it cancels in r_c - r_r), so it only ever held its initial 0, and the saved head is
+    then the sequence-classification model's own. Heads loaded from before v2 keep their bias.
     """
 
     def __init__(self, backbone: nn.Module, tokenizer=None, lora: TrainableLM | None = None):
         super().__init__()
         self.backbone = backbone
         hidden = backbone.config.get_text_config().hidden_size
-        self.head = nn.Linear(hidden, 1)
+        self.head = nn.Linear(hidden, 1, bias=False)
         self.tokenizer = tokenizer
         self.norm_mean, self.norm_std = 0.0, 1.0
         # With LoRA the trunk lives inside a PeftModel over the causal LM (so the adapter's layer
@@ -90,17 +108,17 @@ class RewardModel(nn.Module):
             model = cls(backbone, tokenizer)
         hidden = model.head.in_features
         nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
-        nn.init.zeros_(model.head.bias)
         return model
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32",
                         trust_remote_code: bool = False) -> RewardModel:
-        """Load a reward model written by `save_pretrained` (trunk, head, normalisation, tokenizer)."""
+        """Load a reward model written by `save_pretrained` (trunk, head, normalisation,
+        tokenizer), in the v2 format or the one before it."""
         path = Path(path)
-        meta_path = path / REWARD_JSON
-        if not meta_path.is_file():
-            raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one with `tether rm`")
+        if not (path / REWARD_JSON).is_file():
+            raise TetherError(f"{path} is not a tether reward model (no {REWARD_JSON}); train one "
+                              "with `tether rm`")
         tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
         if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
             base_name = adapter_base(path)
@@ -110,40 +128,69 @@ class RewardModel(nn.Module):
             set_trainable(peft, [])
             lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
             model = cls(lm.model.base_model, tokenizer, lora=lm)
-        else:
+        elif (path / REWARD_HEAD).is_file():  # before v2: a trunk beside the head file
             backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
                                         trust_remote_code)
             model = cls(backbone, tokenizer)
+        else:  # v2: a sequence-classification checkpoint, its `score` the head
+            classifier = _from_pretrained(AutoModelForSequenceClassification, "the reward model",
+                                          str(path), dtype, trust_remote_code)
+            model = cls(classifier.base_model, tokenizer)
+            model.head = classifier.score
         model.load_head(path)
         return model
 
     def load_head(self, path: str | Path) -> None:
-        """Read the head and the normalisation constants written by `save_pretrained`."""
+        """Read the normalisation constants written by `save_pretrained` and, where it is not in a
+        sequence-classification checkpoint, the head: `reward_head.safetensors` before v2 (a
+        weight and a bias), the LoRA adapter's `score` in v2."""
         path = Path(path)
         meta = json.loads((path / REWARD_JSON).read_text(encoding="utf-8"))
-        head = load_file(str(path / REWARD_HEAD))
-        self.head.load_state_dict({k: v.to(self.head.weight.dtype) for k, v in head.items()})
+        if (path / REWARD_HEAD).is_file():
+            state = load_file(str(path / REWARD_HEAD))
+        elif is_adapter(path):
+            state = {"weight": load_file(str(path / ADAPTER_WEIGHTS))[ADAPTER_SCORE]}
+        else:
+            state = None  # the classifier's own `score`, loaded with it
+        if state is not None:
+            weight = self.head.weight
+            if "bias" in state and self.head.bias is None:
+                self.head = nn.Linear(self.head.in_features, 1).to(weight.device, weight.dtype)
+            self.head.load_state_dict({k: v.to(weight.dtype) for k, v in state.items()})
         self.set_normalization(meta.get("mean", 0.0), meta.get("std", 1.0))
 
     def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> Path:
-        """Write the trunk (HF format), the head (safetensors), `tether_reward.json` and the
-        tokenizer into `out_dir`, atomically."""
+        """Write the model in the v2 format (see the module docstring), the tokenizer and
+        `tether_reward.json` into `out_dir`, atomically."""
         check_finite_weights(self, "the reward model")
         out = Path(out_dir)
         tmp = _temp_dir_beside(out)
         try:
+            head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
+            tok = tokenizer if tokenizer is not None else self.tokenizer
+            pad_id = None if tok is None else tok.pad_token_id
+            classifier = (None if self.lora is not None
+                          else sequence_classifier(self.backbone, self.head, pad_id))
             if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
                 self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
                                                save_embedding_layers=False)
-            else:
+                _add_score_to_adapter(tmp, head["weight"])
+            elif classifier is not None:
+                classifier.save_pretrained(tmp)
+            else:  # transformers has no sequence-classification model for it: the v1 layout
                 self.backbone.save_pretrained(tmp)
-            tok = tokenizer if tokenizer is not None else self.tokenizer
+                save_file(head, str(tmp / REWARD_HEAD))
             if tok is not None:
                 tok.save_pretrained(tmp)
-            head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
-            save_file(head, str(tmp / REWARD_HEAD))
-            meta = {"format": "tether-reward-v1", "mean": self.norm_mean, "std": self.norm_std,
-                    "head_file": REWARD_HEAD, "score": "(raw - mean) / std at the last non-pad token"}
+            # A head from before v2 may carry a bias b: raw - b is what the bias-free head gives,
+            # so the offset moves into the stored mean and the normalised score is unchanged.
+            v1 = (tmp / REWARD_HEAD).is_file()
+            bias = 0.0 if v1 or "bias" not in head else head["bias"].item()
+            meta = {"format": "tether-reward-v1" if v1 else REWARD_FORMAT,
+                    "mean": self.norm_mean - bias, "std": self.norm_std,
+                    "score": "(raw - mean) / std at the last non-pad token" if v1 else
+                             "(raw - mean) / std; raw = the sequence-classification model's "
+                             "logits[:, 0], read at the last non-pad token"}
             (tmp / REWARD_JSON).write_text(json.dumps(meta, indent=2), encoding="utf-8")
             replace_dir(tmp, out)
         finally:
@@ -200,15 +247,22 @@ class RewardModel(nn.Module):
 
     @torch.no_grad()
     def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
-                    max_length: int = 4096) -> torch.Tensor:
+                    max_length: int | None = None) -> torch.Tensor:
         """Normalised scores `[N]` of (prompt, response) texts, encoded exactly as `tether rm`
         encoded its training pairs: the prompt under the one encoding rule (a chat prompt, a
         list of messages, through the chat template), the response with EOS appended, which is
-        where the score is read. Without that EOS a score is read at an arbitrary token."""
+        where the score is read. Without that EOS a score is read at an arbitrary token.
+        `max_length`: the longest row (default: what the trunk can read); a longer one is an
+        error, since cutting it would cut the EOS the score is read at."""
         if self.tokenizer is None:
             raise ValueError("score_texts needs the reward model's tokenizer")
+        limit = max_length or position_limit(self.backbone.config, self.tokenizer) or 4096
         rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
-        examples, _ = encode_sft(self.tokenizer, rows, max_length, source="score_texts")
+        examples, stats = encode_sft(self.tokenizer, rows, limit, source="reward model scoring")
+        if stats.truncated:
+            raise TetherError(f"{stats.truncated} prompt + response rows are longer than the "
+                              f"{limit} tokens the reward model reads; lower --max-prompt-len or "
+                              "--max-new-tokens")
         device = self.head.weight.device
         scores = []
         for start in range(0, len(examples), batch_size):
@@ -218,16 +272,60 @@ class RewardModel(nn.Module):
         return torch.cat(scores)
 
 
-# ----------------------------------------------------------------------------- as PPO's reward
+def position_limit(config, tokenizer) -> int | None:
+    """The longest input a model reads: its position limit and its tokenizer's
+    `model_max_length` (which is 1e30 when unset); None when neither is known."""
+    text = config.get_text_config()
+    limits = [getattr(text, key, None) for key in ("max_position_embeddings", "n_positions")]
+    limits.append(getattr(tokenizer, "model_max_length", None))
+    limits = [int(v) for v in limits if isinstance(v, int) and 0 < v < 10**12]
+    return min(limits) if limits else None
 
-def load_reward_model(path: str, policy_tokenizer, dtype: str = "float32",
-                      trust_remote_code: bool = False) -> RewardModel:
-    """A reward model written by `tether rm`, checked to share the policy's vocabulary (it
-    scores the policy's token ids directly)."""
-    model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    check_same_vocabulary(policy_tokenizer, {"reward model": (model.tokenizer, model.backbone)})
+
+def sequence_classifier(trunk: nn.Module, head: nn.Linear, pad_token_id: int | None = None
+                        ) -> nn.Module | None:
+    """The transformers sequence-classification model (one label) made of `trunk` and `head`,
+    sharing their tensors (built on the meta device, then given the trunk and the head as its
+    `score`: nothing is copied), for `save_pretrained`; None when transformers has none for the
+    architecture, or keeps its head under another name. `pad_token_id`: the tokenizer's, which
+    transformers needs in the config to find each padded row's last token."""
+    config = copy.deepcopy(trunk.config)
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    try:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config, dtype=trunk.dtype)
+    except (ValueError, KeyError):  # "Unrecognized configuration class ..."
+        return None
+    if not isinstance(getattr(model, "score", None), nn.Linear):
+        return None
+    if head.bias is not None:  # a head from before v2: its weight alone (see save_pretrained)
+        weight = head.weight
+        head = nn.Linear(head.in_features, 1, bias=False, device="meta")
+        head.weight = weight
+    setattr(model, model.base_model_prefix, trunk)
+    model.score = head
     return model
 
+
+def _add_score_to_adapter(adapter_dir: Path, head_weight: torch.Tensor) -> None:
+    """Make a saved LoRA adapter (trained on a causal LM's trunk) a peft sequence-classification
+    adapter: the head as `score` in `modules_to_save`, which peft loads into
+    `AutoModelForSequenceClassification`. The LoRA layers' names are the same on both models (the
+    trunk is `base_model_prefix` in each), and a causal LM loading the adapter skips the head."""
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    state = load_file(str(weights))
+    state[ADAPTER_SCORE] = head_weight
+    save_file(state, str(weights))
+    config_path = adapter_dir / ADAPTER_CONFIG
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["modules_to_save"] = sorted(set(config.get("modules_to_save") or []) | {"score"})
+    config["task_type"] = "SEQ_CLS"
+    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- as PPO's reward
 
 def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
     """True when `adapter_dir` is a LoRA adapter trained on the base `lm` already holds."""
@@ -239,8 +337,9 @@ def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
 def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
                         trust_remote_code: bool = False) -> RewardModel | None:
     """The LoRA reward model at `path` as the frozen adapter "reward" on `lm`'s base, with its
-    head and normalisation; None when it cannot share the base (load it separately then)."""
-    if not shares_base(lm, path):
+    head and normalisation; None when it cannot share the base (load it separately then), or
+    is not tether's (a peft adapter of another sequence-classification model)."""
+    if not shares_base(lm, path) or not (Path(path).expanduser() / REWARD_JSON).is_file():
         return None
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     check_same_vocabulary(policy_tokenizer, {"reward model": (tokenizer, None)})

@@ -1,5 +1,11 @@
 """Where PPO's sequence scores come from: a reward model or a Python function, checked.
 
+A reward model is tether's own (`tether rm`) or a transformers sequence-classification model
+(`tether.models.hub_reward`). Tether's own, on the policy's vocabulary, scores the policy's token
+ids directly (`reward_from_model`); every other reward model reads text (`reward_from_texts`): the
+decoded response and the prompt as its row gave it (plain text, or the chat messages, which the
+reward model renders with its own template), tokenised by its own tokenizer.
+
 A reward function is any callable `(prompts: list[str], responses: list[str]) -> list[float]`,
 named on the command line as `module:function` or `path/to/file.py:function`. Whatever it does
 wrong (raises, returns NaN, the wrong count, not numbers) stops the run with one line that names
@@ -12,17 +18,27 @@ import importlib
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from tether.data.chat import is_messages
+from tether.data.prompts import format_prompt, prompt_messages
+from tether.data.rows import load_rows
 from tether.errors import TetherError
+from tether.models.hub_reward import TETHER, load_hub_reward_model, reward_model_kind
+from tether.models.prepare import freeze, fuse_gelu
+from tether.models.pretrained import check_same_vocabulary
+from tether.models.reward_model import RewardModel
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 # What the loop calls: reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Any], torch.Tensor]
+# A prompt as its row gave it: plain text, or a list of chat messages
+Prompt = str | list[dict]
 
 
 def load_reward_function(spec: str) -> RewardFn:
@@ -115,3 +131,83 @@ def reward_from_model(reward_model: nn.Module, chunk: int) -> Reward:
 def reward_from_function(fn: Callable, what: str) -> Reward:
     """A Python `(prompts, responses) -> scores` function as a `Reward`, checked on every call."""
     return lambda prompts, responses, rollout: call_reward_function(fn, prompts, responses, what)
+
+
+# ----------------------------------------------------------------------------- reward models
+
+def prompt_originals(tokenizer, *sources: str) -> dict[str, Prompt]:
+    """Each prompt text the policy continues (a chat rendered with the policy's template, as
+    `tether.data.prompts.load_prompts` gives it) -> the prompt as its row gave it, for a reward
+    model that renders a chat with its own template. `sources`: prompt files (empty ones skipped)."""
+    originals: dict[str, Prompt] = {}
+    for source in sources:
+        for i, row in enumerate(load_rows(source) if source else []):
+            where = f"{source}: row {i}"
+            messages = prompt_messages(row, where)  # content parts joined, as the policy saw them
+            original = messages if messages is not None else str(row["prompt"])
+            originals[format_prompt(tokenizer, row, where)] = original
+    return originals
+
+
+def reward_from_texts(reward_model: nn.Module, chunk: int, originals: dict[str, Prompt]
+                      ) -> Reward:
+    """A reward model that reads text as a `Reward`: each prompt text is looked up in
+    `originals` (one missing there is read as plain text), the responses are the decoded ones,
+    and the model's `score_texts` tokenises both with its own tokenizer, `chunk` rows at a time."""
+    @torch.no_grad()
+    def reward(prompts, responses, rollout) -> torch.Tensor:
+        return reward_model.score_texts([originals.get(p, p) for p in prompts], list(responses),
+                                        chunk)
+    return reward
+
+
+@dataclass
+class ModelReward:
+    """A reward model ready for the loop: the `Reward` it gives, the model (frozen), and the
+    model a critic may start from (it reads the policy's token ids), or None."""
+
+    reward: Reward
+    model: nn.Module
+    critic_init: nn.Module | None
+
+
+def _check_chat_prompts(tokenizer, originals: dict[str, Prompt], name: str) -> None:
+    if not getattr(tokenizer, "chat_template", None) and any(
+            is_messages(p) for p in originals.values()):
+        raise TetherError(f"the prompts are chat messages but the reward model {name} has no "
+                          "chat template to render them with; give plain-text prompts, or a "
+                          "reward model whose tokenizer has a chat_template")
+
+
+def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt], chunk: int,
+                      device, dtype: str = "float32", trust_remote_code: bool = False
+                      ) -> ModelReward:
+    """The reward model at `path` (tether's own, or a sequence-classification model) as the
+    loop's reward, scoring `chunk` rows per forward.
+
+    Tether's own on the policy's vocabulary scores the policy's ids (the fast path); any other
+    reads text (`reward_from_texts`). A critic can start from a model that reads the policy's
+    ids: tether's own on the fast path, or a sequence-classification model whose vocabulary is
+    the policy's (the policy may add a pad token to it).
+    """
+    policy_vocab = policy_tokenizer.get_vocab()
+    if reward_model_kind(path, trust_remote_code) == TETHER:
+        model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        fast = model.tokenizer.get_vocab() == policy_vocab
+        if fast:  # the policy's ids index its embeddings
+            check_same_vocabulary(policy_tokenizer, {"reward model": (None, model.backbone)})
+        critic_init = model if fast else None
+    else:
+        model = load_hub_reward_model(path, dtype, trust_remote_code)
+        fast = False
+        vocab = model.tokenizer.get_vocab()
+        # the same ids for the same tokens, and no policy token it lacks but the pad tether added
+        same_ids = (vocab.items() <= policy_vocab.items()
+                    and set(policy_vocab) - set(vocab) <= {policy_tokenizer.pad_token})
+        critic_init = model if same_ids and model.head is not None else None
+    model = freeze(fuse_gelu(model), device)
+    if fast:
+        return ModelReward(reward_from_model(model, chunk), model, critic_init)
+    _check_chat_prompts(model.tokenizer, originals, path)
+    return ModelReward(reward_from_texts(model, chunk, originals), model, critic_init)
+

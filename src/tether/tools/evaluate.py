@@ -20,16 +20,20 @@ from pathlib import Path
 import yaml
 
 from tether.errors import TetherError
-from tether.models.prepare import freeze, fuse_gelu, load_frozen_lm
+from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
     check_same_vocabulary,
     load_tokenizer,
     policy_eos_ids,
 )
-from tether.models.reward_model import load_reward_model
 from tether.rl.engines import engine_sampler
 from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy
-from tether.rl.rewards import load_reward_function, reward_from_function, reward_from_model
+from tether.rl.rewards import (
+    load_reward_function,
+    load_reward_model,
+    prompt_originals,
+    reward_from_function,
+)
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict
 from tether.run.launch import resolve_device
@@ -70,10 +74,12 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
         raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
     reward = None
     if cfg.reward_model:
-        model = load_reward_model(cfg.reward_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
         # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
         # micro_batch_rows (the whole chunk by default); a smaller one may differ in rounding.
-        reward = reward_from_model(freeze(fuse_gelu(model), device), cfg.batch_size)
+        # A reward model that reads text gets each prompt as its row gave it (ppo_setup._reward).
+        reward = load_reward_model(cfg.reward_model, tokenizer,
+                                   prompt_originals(tokenizer, cfg.prompts), cfg.batch_size,
+                                   device, cfg.dtype, cfg.trust_remote_code).reward
     elif cfg.reward_fn or reward_fn is not None:
         reward = reward_from_function(reward_fn or load_reward_function(cfg.reward_fn),
                                       "reward function")

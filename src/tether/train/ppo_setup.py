@@ -21,6 +21,7 @@ from tether import kl as kl_lib
 from tether.data.prompts import left_pad, load_prompts, prompt_indices
 from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
+from tether.models.hub_reward import reward_model_kind
 from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models.prepare import (
     disable_dropout,
@@ -30,7 +31,7 @@ from tether.models.prepare import (
 )
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
 from tether.models.reference import reference_model
-from tether.models.reward_model import load_reward_model, shared_reward_model
+from tether.models.reward_model import shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines.mismatch import Correction
 from tether.rl.engines.native import sample_responses
@@ -39,6 +40,8 @@ from tether.rl.rewards import (
     Reward,
     check_one_reward,
     load_reward_function,
+    load_reward_model,
+    prompt_originals,
     reward_from_function,
     reward_from_model,
 )
@@ -141,6 +144,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     if cfg.eval_prompts:  # checked now; encoded for use once the EOS set is known (below)
         load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
     check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+    if cfg.reward_model:  # what kind of reward model it is, from its config alone
+        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_function(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
@@ -155,9 +160,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     policy.eval().to(device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
-    reward, reward_model = _reward(cfg, lm, tokenizer, reward_fn, device)
+    reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, reward_fn, device)
     gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
-    critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, reward_model,
+    critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
                          cfg.reward_model)
     critic = critic.to(device) if critic is not None else None
     if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
@@ -201,16 +206,23 @@ def _engine(cfg: PPOConfig, lm: TrainableLM, prompt_ids: list[list[int]], d: Dis
 
 
 def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,
-            device: torch.device) -> tuple[Reward, nn.Module | None]:
-    """(the reward the loop calls, the reward model behind it or None). A LoRA reward model on
-    the policy's base joins it as one more adapter (no second base in memory)."""
+            device: torch.device) -> tuple[Reward, nn.Module | None, nn.Module | None]:
+    """(the reward the loop calls, the reward model behind it or None, the model the critic
+    starts from or None). A LoRA reward model on the policy's base joins it as one more adapter
+    (no second base in memory); any other reward model is loaded apart, and one that does not read
+    the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
+    text: the prompt as its row gave it (`prompt_originals`, so a chat is rendered with the reward
+    model's own template), the response as sampled."""
     if not cfg.reward_model:
-        return reward_from_function(reward_fn, "reward function"), None
-    reward_model = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
-                    or load_reward_model(cfg.reward_model, tokenizer, cfg.dtype,
-                                         cfg.trust_remote_code))
-    reward_model = freeze(fuse_gelu(reward_model), device)
-    return reward_from_model(reward_model, cfg.micro_batch_rows), reward_model
+        return reward_from_function(reward_fn, "reward function"), None, None
+    shared = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
+    if shared is not None:
+        shared = freeze(fuse_gelu(shared), device)
+        return reward_from_model(shared, cfg.micro_batch_rows), shared, shared
+    originals = prompt_originals(tokenizer, cfg.prompts, cfg.eval_prompts)
+    loaded = load_reward_model(cfg.reward_model, tokenizer, originals, cfg.micro_batch_rows,
+                               device, cfg.dtype, cfg.trust_remote_code)
+    return loaded.reward, loaded.model, loaded.critic_init
 
 
 def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:
