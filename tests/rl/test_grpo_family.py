@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -221,3 +222,42 @@ def test_dynamic_sampling_end_to_end(tiny_model_dir, prompts_file):
     assert [m["objective/score"] for m in on] == [m["objective/score"] for m in again]
     assert "rollout/varied_groups" not in off[0]
     assert on[0]["objective/score"] != off[0]["objective/score"]
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_mask_truncated_against_trls_documented_formula(aggregation):
+    # TRL 1.16, mask_truncated_completions=True: completion_mask *= ~is_truncated, then
+    #   loss_type="dapo": sum(per_token_loss * mask) / sum(mask) (num_items_in_batch is counted
+    #   after the masking): tether's "token", equal;
+    #   loss_type="grpo": mean over ALL rows of sum_t(per_token_loss * mask) / clamp(sum_t mask, 1):
+    #   a truncated row adds 0 but still counts; tether leaves it out of the count, so TRL's loss
+    #   is tether's times (kept rows / rows) (docs/from_trl.md).
+    from tether.losses import ppo_policy_loss
+    from tether.rl.update import counts_of, policy_mask
+
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    ended = torch.tensor([True, False, True, False])  # rows 1 and 3 ran to the limit
+    rollout = Rollout(torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.long), mask,
+                      ended, 2)
+    logprobs = (-torch.rand(4, 4, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = logprobs.detach() + 0.2 * torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 4)
+    spec = SimpleNamespace(mask_truncated=True)  # the one field policy_mask and counts_of read
+    carrying, counts = policy_mask(rollout, spec), counts_of(rollout, spec)
+    assert counts.tokens == 3 + 2 and counts.rows == 2 and counts.value_tokens == 3 + 4 + 2 + 4
+    ours, _ = ppo_policy_loss(logprobs, old, adv, carrying, 0.2, aggregation=aggregation,
+                              denominator=counts.tokens if aggregation == "token" else counts.rows)
+    (grad_ours,) = torch.autograd.grad(ours, logprobs)
+    ratio = torch.exp(logprobs - old)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    trl_mask = mask * ended[:, None]  # completion_mask * (~is_truncated)
+    if aggregation == "token":
+        theirs = (per_token * trl_mask).sum() / trl_mask.sum()
+        factor = 1.0
+    else:
+        theirs = ((per_token * trl_mask).sum(-1) / trl_mask.sum(-1).clamp(min=1.0)).mean()
+        factor = 2 / 4  # kept rows / rows
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    assert theirs.item() == pytest.approx(factor * ours.item(), rel=1e-12)
+    torch.testing.assert_close(grad_theirs, factor * grad_ours, rtol=1e-12, atol=1e-15)
