@@ -130,10 +130,13 @@ def policy_mask(rollout: Rollout, spec: UpdateSpec) -> torch.Tensor:
     return mask & rollout.ended[:, None] if spec.mask_truncated else mask
 
 
-def counts_of(rollout: Rollout, spec: UpdateSpec) -> Counts:
-    carrying = policy_mask(rollout, spec)
-    rows = int(carrying.any(dim=1).sum()) if spec.mask_truncated else len(rollout)
-    return Counts(int(carrying.sum()), rows, int(rollout.response_mask.sum()))
+def counts_of(rollout: Rollout, spec: UpdateSpec, index: torch.Tensor | None = None) -> Counts:
+    """The `Counts` of the rows `index` of `rollout` (default: all of them)."""
+    carrying, real = policy_mask(rollout, spec), rollout.response_mask
+    if index is not None:
+        carrying, real = carrying[index], real[index]
+    rows = int(carrying.any(dim=1).sum()) if spec.mask_truncated else real.shape[0]
+    return Counts(int(carrying.sum()), rows, int(real.sum()))
 
 
 @dataclass
@@ -269,7 +272,8 @@ def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, rollout: Rollout,
                      else torch.randperm(batch, generator=generator))
             for rows in chunks(batch, spec.minibatch_size):
                 index = order[rows].to(advantages.device)
-                if (spec.mask_truncated and roles.critic is None and counts_of(rollout.select(index), spec).tokens == 0):
+                if (spec.mask_truncated and roles.critic is None
+                        and counts_of(rollout, spec, index).tokens == 0):
                     # Every response of it was truncated (--mask-truncated): no loss, and an
                     # AdamW step on a zero gradient would still move the weights (momentum).
                     skipped += 1
@@ -312,7 +316,7 @@ def accumulate_minibatch(roles: Roles, rollout: Rollout, old: Scored, advantages
     backward (`tether.run.optim.backward`).
     """
     d = roles.dist
-    counts = counts_of(rollout.select(index), spec)  # the whole minibatch's, all ranks
+    counts = counts_of(rollout, spec, index)  # the whole minibatch's, all ranks
     carrying = policy_mask(rollout, spec)
     device = rollout.input_ids.device
     mine = index[rank_slice(len(index), d)]

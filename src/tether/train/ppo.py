@@ -104,8 +104,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             metrics |= drawn_stats
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
-            log_batch(rundir, cfg, step, metrics, prompts[mine],
-                      decode_responses(setup.tokenizer, rollout.select(mine)), raw_scores[mine])
+            log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
+                      setup.tokenizer, raw_scores[mine])
             bar.update(1)
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
@@ -349,12 +349,13 @@ def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
-              prompts: list[str], responses: list[str], raw_scores: torch.Tensor) -> None:
-    """The metric line and sample table (rank 0 writes them; the table shows its own rows, the
-    first of the global batch)."""
+              prompts: list[str], rollout: Rollout, tokenizer, raw_scores: torch.Tensor) -> None:
+    """The metric line and sample table (rank 0 writes them; the table shows this rank's rows of
+    the batch, `rollout`, the first of the global batch)."""
     if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
         rundir.log(step, metrics)
     if cfg.sample_every and step % cfg.sample_every == 0:
+        responses = decode_responses(tokenizer, rollout)  # only when a table is due
         rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
 
 
