@@ -103,6 +103,7 @@ def test_collapse_is_warned_and_max_kl_stops_the_run(tiny_model_dir, tmp_path, c
     assert lines[-1]["objective/kl"] > 10.0 and lines[-1]["policy/collapsed"] == 1.0
     assert lines[0]["policy/collapsed"] == 0.0  # the SFT policy at batch 1 is healthy
     assert err.count("the policy is collapsing") == 1
+    assert err.count("the KL to the reference is growing fast") == 1  # and the blow-up, once
     assert not (tmp_path / "runs" / "boom" / "final").exists()
     # The checkpoints before the batch that crossed the ceiling are kept.
     assert (tmp_path / "runs" / "boom" / "checkpoints").exists()

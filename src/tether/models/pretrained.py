@@ -377,11 +377,34 @@ def embeddings_grew(peft: nn.Module, adapter: str = TRAINED) -> bool:
     return not isinstance(declared, int) or rows > declared
 
 
-def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None) -> None:
+def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None,
+                    temperature: float = 1.0) -> None:
     """The end of a stage: the model (or the LoRA adapter) to `final_dir`; with `merged_dir`, also
-    the adapter merged into its base as a plain model loadable with AutoModelForCausalLM."""
+    the adapter merged into its base as a plain model loadable with AutoModelForCausalLM. Both
+    carry `plain_sampling`'s generation_config at `temperature` (the online stages' --temperature;
+    1 after SFT and DPO)."""
+    set_plain_sampling(lm.model, tokenizer, temperature)
     save_model(lm.peft if lm.peft is not None else lm.model, tokenizer, final_dir)
     if lm.peft is not None and merged_dir is not None:
         merged = lm.peft.merge_and_unload(adapter_names=[TRAINED])  # last use: merges in place
+        set_plain_sampling(merged, tokenizer, temperature)
         save_model(merged, tokenizer, merged_dir)
 
+
+def set_plain_sampling(model: nn.Module, tokenizer, temperature: float = 1.0) -> None:
+    """Make `model.generation_config` the distribution tether samples and scores: softmax(z / T)
+    with no other logits processor, stopping at tether's EOS set, padding with its pad token.
+
+    A base model's saved sampling (Llama 3's temperature 0.6 and top-p 0.9; transformers' own
+    default top-k 50) would make a plain `model.generate(do_sample=True)` draw from another
+    distribution than the one the KL, the ratio and the reward were measured on. Other fields
+    (max_length, bos_token_id, ...) are kept."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    config.do_sample = True
+    config.temperature = float(temperature)
+    config.top_k, config.top_p, config.min_p, config.typical_p = 0, 1.0, None, 1.0
+    config.repetition_penalty, config.num_beams = 1.0, 1
+    config.eos_token_id = eos_token_ids(tokenizer, model.config, config)
+    config.pad_token_id = tokenizer.pad_token_id

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,7 +73,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
         rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
     metrics: dict[str, float] = {}
-    warned = False
+    watch = watch_for(cfg, quiet=not d.is_main)
     bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
     try:
         for batch in range(start, cfg.n_batches):
@@ -110,7 +111,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
                             beta=f"{beta:.3g}")
             # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
-            warned = warn_or_stop(metrics, cfg.max_kl, step, warned or not d.is_main)
+            watch.check(metrics, step)
             stopping = any_rank(interrupt.requested(), d)
             due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
             if due or stopping:
@@ -267,20 +268,57 @@ def collapsed(metrics: dict[str, float]) -> bool:
             and metrics["objective/kl"] > COLLAPSE_KL)
 
 
-def warn_or_stop(metrics: dict[str, float], max_kl: float, step: int, warned: bool) -> bool:
-    """Warn once, loudly, when the policy collapses; stop the run past `max_kl` (> 0). Returns
-    whether the warning has been given."""
-    kl, beta = metrics["objective/kl"], metrics["objective/beta"]
-    if metrics["policy/collapsed"] and not warned:
-        print(f"warning: batch {step}: the policy is collapsing (entropy "
-              f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta {beta:.3g}); "
-              "lower --lr, raise --beta, or stop it with --max-kl", file=sys.stderr, flush=True)
-        warned = True
-    if max_kl > 0 and kl > max_kl:
-        raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past --max-kl "
-                          f"{max_kl:g}, at beta {beta:.3g}; stopped, earlier checkpoints are kept. "
-                          "Lower --lr or raise --beta")
-    return warned
+# The other way a run goes wrong: the KL keeps growing fast while the entropy rises (GRPO with
+# LoRA at --lr 3e-3: 8.3 nats per batch, entropy 1.24 -> 1.89), which the collapse check, watching
+# for entropy near 0, never sees. Warned once: past DRIFT_KL nats (twice the target under the
+# adaptive controller, which aims there on purpose) and DRIFT_GROWTH times the KL of
+# DRIFT_BATCHES batches before. Not with --beta 0: a run without the leash drifts by design.
+DRIFT_KL, DRIFT_BATCHES, DRIFT_GROWTH = 4.0, 3, 2.0
+
+
+@dataclass
+class Watch:
+    """What the loop watches across batches: each warning is given once (on rank 0; every rank
+    stops past --max-kl alike, decided from global numbers)."""
+
+    max_kl: float = 0.0
+    drift_kl: float = DRIFT_KL
+    quiet: bool = False  # a rank other than 0
+    kls: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    warned: set[str] = field(default_factory=set)
+
+    def check(self, metrics: dict[str, float], step: int) -> None:
+        kl, beta = metrics["objective/kl"], metrics["objective/beta"]
+        self.kls.append(kl)
+        self.entropies.append(metrics["policy/entropy"])
+        if metrics["policy/collapsed"]:
+            self._warn("collapse", f"batch {step}: the policy is collapsing (entropy "
+                       f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta "
+                       f"{beta:.3g}); lower --lr, raise --beta, or stop it with --max-kl")
+        window = self.kls[-1 - DRIFT_BATCHES:]  # this batch and up to DRIFT_BATCHES before it
+        if beta > 0 and kl > self.drift_kl and kl > DRIFT_GROWTH * max(window[0], 0.0):
+            first, now = self.entropies[0], self.entropies[-1]
+            moving = "rising" if now > first else "falling" if now < first else "unchanged"
+            self._warn("drift", f"batch {step}: the KL to the reference is growing fast "
+                       f"({window[0]:.1f} -> {kl:.1f} nats in {len(window) - 1} batches at beta "
+                       f"{beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
+                       "nats/token); lower --lr, raise --beta, or cap it with --max-kl "
+                       "(docs/ppo.md, \"Choosing --max-kl\")")
+        if self.max_kl > 0 and kl > self.max_kl:
+            raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past "
+                              f"--max-kl {self.max_kl:g}, at beta {beta:.3g}; stopped, earlier "
+                              "checkpoints are kept. Lower --lr or raise --beta")
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self.warned and not self.quiet:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        self.warned.add(kind)
+
+
+def watch_for(cfg: PPOConfig, quiet: bool) -> Watch:
+    drift = max(DRIFT_KL, 2 * cfg.kl_target) if cfg.kl_ctl == "adaptive" else DRIFT_KL
+    return Watch(cfg.max_kl, drift, quiet)
 
 
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
@@ -335,7 +373,7 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
             lm.model.load_state_dict({k: v for k, v in state.items() if k in fresh})
     if setup.dist.is_main:
         save_trained_lm(lm, setup.tokenizer, rundir.final_dir,
-                        rundir.merged_dir if cfg.merge_lora else None)
+                        rundir.merged_dir if cfg.merge_lora else None, cfg.temperature)
         rundir.close()
     barrier(setup.dist)
 
