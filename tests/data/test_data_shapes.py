@@ -134,6 +134,19 @@ def test_completion_rows_are_response_rows(which, request):
         assert _one(tok, chat) == _one(tok, {"prompt": [USER], "completion": REPLY["content"]})
 
 
+def test_message_lists_in_a_response_column_train_as_chat_turns(llama_tok):
+    # Issue 24: a conversational row under tether's `response` name (what a TRL file becomes
+    # after a rename) trained the Python text of the message list: 261 loss tokens for 29. It
+    # is the {messages} row, or with a plain prompt a one-line refusal.
+    row = {"prompt": [USER], "response": [REPLY]}
+    assert _one(llama_tok, row) == _one(llama_tok, {"messages": [USER, REPLY]})
+    _, responses, _ = _one(llama_tok, row)
+    assert llama_tok.decode(responses[0]) == "was good.</s>" and "role" not in llama_tok.decode(
+        responses[0])
+    with pytest.raises(TetherError, match="mixes a plain-text prompt with a chat 'response'"):
+        _one(llama_tok, {"prompt": "the movie", "response": [REPLY]})
+
+
 def test_conversational_completion_trains_the_completion_only(llama_tok):
     tok = llama_tok
     earlier = {"role": "assistant", "content": "it was long."}
