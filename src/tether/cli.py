@@ -23,7 +23,7 @@ from typing import NoReturn
 
 from tether import version
 from tether.errors import AlreadyFinished, TetherError
-from tether.run import interrupt
+from tether.run import interrupt, parent
 from tether.run.interrupt import Interrupted
 
 STAGES = {
@@ -83,6 +83,8 @@ def usage() -> str:
 def entry() -> NoReturn:
     """The `tether` command (and `python -m tether`, as torchrun runs it): `main`, then exit with
     its code; a torchrun rank through `distributed.exit_process` (see there for why)."""
+    if parent.under_torchrun():
+        parent.follow_launcher()  # first thing: a rank dies with torchrun, even while it imports
     code = main()
     # distributed.launched()'s test, spelled out: importing tether.run.distributed imports torch,
     # which `tether --help` and the stage helps do not load

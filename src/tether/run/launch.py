@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tether.errors import TetherError
-from tether.run import distributed
+from tether.run import distributed, parent
 from tether.run.config import RunConfig
 
 
@@ -44,8 +44,11 @@ def join(cfg: RunConfig, global_batch: int) -> distributed.Dist:
 
     Checked before anything is written, identically on every rank: the world size divides the
     global batch (`--batch-size` keeps its one-process meaning, each rank takes its slice), and a
-    rank that cannot reach the others gives up after `TETHER_DIST_TIMEOUT_S` seconds.
+    rank that cannot reach the others gives up after `TETHER_DIST_TIMEOUT_S` seconds. A torchrun
+    rank first ties its life to torchrun's (`parent.follow_launcher`: killed with it).
     """
+    if parent.under_torchrun():
+        parent.follow_launcher()  # the `tether` command did it already; a Python script did not
     device = resolve_device(cfg.device)
     world = int(os.environ["WORLD_SIZE"]) if distributed.launched() else 1
     if global_batch % world:
