@@ -12,6 +12,11 @@ Layout::
 
 Under torchrun only rank 0 writes here (config, metrics, trackers, samples, progress lines); the
 other ranks run the same checks and calls, which do nothing on them.
+
+One writer per directory (tether.run.lock): the writing process holds `runs/<name>/.lock` from
+`save_config` (before anything in the directory is deleted or written) until `close` or its
+exit; a directory that already exists is probed as soon as the `RunDir` is made, so a second
+process stops before it loads a model. Under torchrun rank 0 takes it, once for the job.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +34,7 @@ from typing import Any
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
-from tether.run import distributed
+from tether.run import distributed, lock
 from tether.run.checkpoint import atomic_write_bytes, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.trackers import parse_report_to, start_trackers
@@ -49,6 +55,7 @@ class RunResult:
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
                       "report_to", "fsdp")
 NOT_COMPARED = ("resume", "resume_allow_changes")
+IN_USE_FIX = "wait for it to finish or choose another --run-name"
 
 
 class RunDir:
@@ -68,15 +75,21 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         self.samples_path = self.path / "samples.jsonl"
         self.config_path = self.path / "config.yaml"
-        has_results = any((self.path / name).exists() for name in RESULT_NAMES)
-        if has_results and not resume:
-            raise TetherError(f"run directory {self.path} already has results; "
-                              "pass --resume to continue it or choose another --run-name")
-        if resume and self.final_dir.exists():
-            raise AlreadyFinished(f"{self.path} already finished (final model in "
-                                  f"{self.final_dir}); nothing was run or rewritten")
+        self._lock: lock.DirLock | None = None
+        if _writer_process() and self.path.is_dir():  # in use? say so before a model is loaded
+            lock.probe(self.path, "run directory", IN_USE_FIX)
+        self._check_state()
         self._trackers: list | None = None
         self._config: dict[str, Any] = {}
+
+    def _check_state(self) -> None:
+        has_results = any((self.path / name).exists() for name in RESULT_NAMES)
+        if has_results and not self.resume:
+            raise TetherError(f"run directory {self.path} already has results; "
+                              "pass --resume to continue it or choose another --run-name")
+        if self.resume and self.final_dir.exists():
+            raise AlreadyFinished(f"{self.path} already finished (final model in "
+                                  f"{self.final_dir}); nothing was run or rewritten")
 
     @property
     def writes(self) -> bool:
@@ -92,25 +105,54 @@ class RunDir:
         """
         new = config_to_dict(cfg)
         self._config = new
-        if not self.writes:  # the other ranks refuse the same resumed configs, and write nothing
-            if self.resume and self.config_path.exists():
-                self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
+        allow = bool(new.get("resume_allow_changes"))
+        changes = None  # every rank refuses a resumed config that differs, before the lock is taken
+        if self.resume and self.config_path.exists():
+            changes = self._check_resumed_config(new, _defaults(cfg), allow)
+        self._claim()
+        if not self.writes:  # the other ranks write nothing
             return self.config_path
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TetherError(f"cannot create run directory {self.path}: {exc.strerror}") from None
         for directory in (self.path, self.checkpoint_dir):
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
         if self.resume and self.config_path.exists():
-            self._check_resumed_config(new, _defaults(cfg), bool(new.get("resume_allow_changes")))
+            if changes is None:  # written by another run since the check above
+                changes = self._check_resumed_config(new, _defaults(cfg), allow)
+            if changes:
+                with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"changes": changes}) + "\n")
             return self.config_path
         atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
         return self.config_path
 
+    def _claim(self) -> None:
+        """Rank 0 creates the directory and takes its lock, then checks again what `__init__`
+        checked (another process may have started or finished a run here since). Under torchrun
+        its refusal is every rank's: each raises the same error, none is left in a collective."""
+        refusal: tuple[str, str] | None = None
+        if self.writes:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                refusal = ("error", f"cannot create run directory {self.path}: {exc.strerror}")
+            try:
+                if refusal is None:
+                    self._lock = self._lock or lock.acquire(self.path, "run directory",
+                                                            IN_USE_FIX)
+                    self._check_state()
+            except TetherError as exc:
+                refusal = ("finished" if isinstance(exc, AlreadyFinished) else "error", str(exc))
+                self.release()
+        if distributed.current().active:
+            refusal = distributed.broadcast_object(refusal)
+        if refusal is not None:
+            kind, message = refusal
+            raise (AlreadyFinished if kind == "finished" else TetherError)(message)
+
     def _check_resumed_config(self, new: dict[str, Any], defaults: dict[str, Any],
-                              allow_harmless: bool) -> None:
+                              allow_harmless: bool) -> dict[str, Any]:
+        """Refuse a resumed config that differs from the saved one; returns the accepted harmless
+        changes (for `resumes.jsonl`), {} when there are none."""
         try:
             old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
@@ -132,10 +174,7 @@ class RunDir:
             raise TetherError(f"--resume with changed settings ({diff}); pass "
                               "--resume-allow-changes to accept them (they do not change what is "
                               "trained)")
-        if changed and self.writes:
-            record = {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
-            with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps({"changes": record}) + "\n")
+        return {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
 
     def announce_resume(self, step: int | None) -> None:
         """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
@@ -210,9 +249,23 @@ class RunDir:
         return records
 
     def close(self) -> None:
+        """Close the trackers and free the directory for the next process (`release`)."""
         for tracker in self._trackers or []:
             tracker.close()
         self._trackers = None
+        self.release()
+
+    def release(self) -> None:
+        """Free the lock (the process ending frees it too, however it ends)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _writer_process() -> bool:
+    """Whether this process will write the run directory, known before torchrun's group is
+    joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
+    return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
 
 
 def _defaults(cfg: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
+from tether.run import lock
 from tether.run.config import config_from_dict, parse_config
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, SweepConfig
@@ -136,14 +137,25 @@ def _run_workers(sweep: Sweep, todo: list[PlannedRun], jobs: int,
 
 
 def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
-    """Run every run not yet done; returns {run name: error} for those that failed."""
-    _save_plan(sweep)
-    todo = [run for run in sweep.runs if state(run) != "done"]
-    progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo))
-    progress.say(f"{len(todo)} to run, {jobs} at a time")
-    if jobs <= 1:
-        return _run_in_process(todo, progress)
-    return _run_workers(sweep, todo, jobs, progress)
+    """Run every run not yet done; returns {run name: error} for those that failed.
+
+    One sweep at a time per directory (tether.run.lock): a second one would truncate the first's
+    logs/<run>.log and plan files, and each of its runs would be refused by that run's own lock.
+    """
+    sweep.root.mkdir(parents=True, exist_ok=True)
+    held = lock.acquire(sweep.root, "sweep directory",
+                        "wait for it to finish or give this one another name or --output-dir")
+    try:
+        _save_plan(sweep)
+        todo = [run for run in sweep.runs if state(run) != "done"]
+        progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo))
+        progress.say(f"{len(todo)} to run, {jobs} at a time")
+        if jobs <= 1:
+            return _run_in_process(todo, progress)
+        return _run_workers(sweep, todo, jobs, progress)
+    finally:
+        if held is not None:
+            held.release()
 
 
 def cli(argv: list[str]) -> int:

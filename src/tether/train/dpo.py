@@ -20,6 +20,8 @@ the reference's: with LoRA it is the policy's own model with the adapter off.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, to_device
@@ -216,6 +218,8 @@ def run(cfg: DPOConfig) -> RunResult:
         raise TetherError(f"step {step}: {exc}") from None
     finally:
         bar.close()
+        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
+            run_dir.release()
     save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, metrics | data_stats)
 

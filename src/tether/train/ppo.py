@@ -122,8 +122,10 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
         bar.close()
-        if sys.exc_info()[0] is not None and setup.engine is not None:
-            setup.engine.close()  # a failed or stopped run leaves no engine behind
+        if sys.exc_info()[0] is not None:
+            rundir.release()  # stopped: free the directory, as an exiting process would
+            if setup.engine is not None:
+                setup.engine.close()  # a failed or stopped run leaves no engine behind
     return finish(rundir, setup, cfg, metrics)
 
 

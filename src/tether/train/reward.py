@@ -15,6 +15,8 @@ gradients), and the logged metrics and held-out accuracy come from every rank's 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
@@ -170,6 +172,8 @@ def run(cfg: RMConfig) -> RunResult:
         raise TetherError(f"step {step}: {exc}") from None
     finally:
         bar.close()
+        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
+            run_dir.release()
 
     final = stats.as_metrics()
     if held_out:

@@ -16,6 +16,8 @@ batch's `response_mask` says which tokens count. A `{text}` row is all response.
 
 from __future__ import annotations
 
+import sys
+
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
 from tether.data.rows import load_rows
@@ -106,6 +108,8 @@ def run(cfg: SFTConfig) -> RunResult:
         raise TetherError(f"step {step}: {exc}") from None
     finally:
         bar.close()
+        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
+            run_dir.release()
 
     save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, metrics | data_stats)
