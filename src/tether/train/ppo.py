@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +88,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)
             prompts, rollout, raw_scores = drawn.prompts, drawn.rollout, drawn.raw_scores
             mine = rank_slice(len(prompts), d)
-            scores = batch_scores(raw_scores, rollout, normalizer, cfg)
+            scores = batch_scores(drawn.scores, normalizer, cfg)
 
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
             #      the KL in the loss, beta moves there), estimate the advantages, PPO epochs.
@@ -210,11 +211,11 @@ def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, 
     return setup.roles.generate(sample_and_score)
 
 
-def batch_scores(raw_scores: torch.Tensor, rollout: Rollout, normalizer: ScoreNormalizer,
+def batch_scores(penalised: torch.Tensor, normalizer: ScoreNormalizer,
                  cfg: PPOConfig) -> torch.Tensor:
-    """The [B] scores the rewards are shaped with: the penalised scores (`penalised_scores`),
-    normalised (--score-norm), clipped to +-(--reward-clip)."""
-    scores = normalizer(penalised_scores(raw_scores, rollout, cfg))
+    """The [B] scores the rewards are shaped with: the penalised scores (`penalised_scores`, as
+    the batch's `Drawn` holds them), normalised (--score-norm), clipped to +-(--reward-clip)."""
+    scores = normalizer(penalised)
     return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
 
 
@@ -286,21 +287,22 @@ class Watch:
     max_kl: float = 0.0
     drift_kl: float = DRIFT_KL
     quiet: bool = False  # a rank other than 0
-    kls: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
+    # this batch's KL and up to DRIFT_BATCHES before it; the first batch's entropy
+    kls: deque = field(default_factory=lambda: deque(maxlen=DRIFT_BATCHES + 1))
+    first_entropy: float | None = None
     warned: set[str] = field(default_factory=set)
 
     def check(self, metrics: dict[str, float], step: int) -> None:
         kl, beta = metrics["objective/kl"], metrics["objective/beta"]
         self.kls.append(kl)
-        self.entropies.append(metrics["policy/entropy"])
+        now = metrics["policy/entropy"]
+        first = self.first_entropy = now if self.first_entropy is None else self.first_entropy
         if metrics["policy/collapsed"]:
             self._warn("collapse", f"batch {step}: the policy is collapsing (entropy "
                        f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta "
                        f"{beta:.3g}); lower --lr, raise --beta, or stop it with --max-kl")
-        window = self.kls[-1 - DRIFT_BATCHES:]  # this batch and up to DRIFT_BATCHES before it
+        window = self.kls
         if beta > 0 and kl > self.drift_kl and kl > DRIFT_GROWTH * max(window[0], 0.0):
-            first, now = self.entropies[0], self.entropies[-1]
             moving = "rising" if now > first else "falling" if now < first else "unchanged"
             self._warn("drift", f"batch {step}: the KL to the reference is growing fast "
                        f"({window[0]:.1f} -> {kl:.1f} nats in {len(window) - 1} batches at beta "
