@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_config(config, ["--help"], prog=f"tether {stage}")
         except SystemExit as exc:
             return int(exc.code or 0)
+        except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+            return 0
     # The stages' own progress lines tell the story; transformers' load and save bars only add
     # noise (and, off a terminal, lines of control characters).
     from transformers.utils import logging as hf_logging

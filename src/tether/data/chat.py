@@ -14,6 +14,11 @@ EOS or `<|im_end|>`, are part of the response and carry loss).
 A message's content is a string or a list of text parts (`{"type": "text", "text": ...}`, the
 OpenAI and Hugging Face form); the parts are joined into one string before rendering, so a
 template never writes the list's Python repr.
+
+A value that is not a chat (a string, one dict where a list belongs, [], a message without a
+string role or without content, content null) is one line naming the message (`message_problem`),
+never an error from inside the template; a role the template renders is the user's choice, one it
+refuses is its own line (`render_chat`). A reply to learn must not be empty (`check_reply`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,43 @@ import jinja2
 
 from tether.errors import TetherError
 
+MESSAGE_FORM = 'write each message as {"role": "user", "content": "..."}'
+
+
+def message_problem(value: Any) -> str | None:
+    """What keeps `value` from being a chat (a non-empty list of {role, content} dicts whose
+    roles are names), in words for an error line; None for a chat."""
+    if not isinstance(value, list):
+        return f"got a {type(value).__name__}"
+    if not value:
+        return "got an empty list"
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {j} is a {type(message).__name__}, not a {{role, content}} object"
+        if "role" not in message:
+            return f"message {j} has no 'role' (keys: {', '.join(map(str, message)) or 'none'})"
+        if not isinstance(message["role"], str) or not message["role"]:
+            return f"message {j} has role {message['role']!r}, not a name such as 'user'"
+        if "content" not in message:
+            return f"message {j} has no 'content'"
+    return None
+
 
 def is_messages(value: Any) -> bool:
-    """True for a non-empty list of {role, content} dicts (a chat)."""
-    return (isinstance(value, list) and len(value) > 0
-            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+    """True for a non-empty list of {role, content} dicts with named roles (a chat)."""
+    return message_problem(value) is None
+
+
+def chat_messages(value: Any, what: str, where: str) -> list[dict]:
+    """`value` (a row's `messages` or `prompt`) checked to be a chat, each content one string;
+    the first problem (a string, one dict, [], a message without a role or content) is one line
+    naming it, never an error from inside the template."""
+    problem = message_problem(value)
+    if problem is not None:
+        expected = "a string or a list" if what == "prompt" else "a list"
+        raise TetherError(f"{where} {what!r} must be {expected} of {{role, content}} messages "
+                          f"({problem}); {MESSAGE_FORM}")
+    return normalize_messages(value, f"{where} {what!r}")
 
 
 def content_text(content: Any, where: str) -> str:
@@ -37,6 +74,9 @@ def content_text(content: Any, where: str) -> str:
     Anything else (an image part, a number, a list of strings) is an error, never its repr."""
     if isinstance(content, str):
         return content
+    if content is None:  # JSON null: a turn without text would train or prompt an empty turn
+        raise TetherError(f"{where} content must be a string or a list of text parts (got "
+                          "null); give the message its text, or drop the message")
     if not isinstance(content, list):
         raise TetherError(f"{where} content must be a string or a list of text parts (got "
                           f"{type(content).__name__}); write it as a string")
@@ -127,20 +167,28 @@ def as_turns(value: Any, what: str, where: str) -> list[dict]:
     string is the assistant's content, a message is one turn."""
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
-    if isinstance(value, dict) and "role" in value and "content" in value:
-        return normalize_messages([value], f"{where} '{what}'")
-    if is_messages(value):
-        return normalize_messages(value, f"{where} '{what}'")
-    raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
-                      f"{{role, content}} messages (got {type(value).__name__})")
+    turns = [value] if isinstance(value, dict) else value  # one message is one turn
+    problem = message_problem(turns)
+    if problem is not None:
+        raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
+                          f"{{role, content}} messages ({problem}); {MESSAGE_FORM}")
+    return normalize_messages(turns, f"{where} '{what}'")
 
 
 def check_prompt(value: Any, where: str) -> None:
-    """A `prompt` is text or a chat; anything else (a list of strings, a dict) is an error, never
-    its Python repr."""
-    if isinstance(value, (list, dict)) and not is_messages(value):
-        raise TetherError(f"{where} 'prompt' must be a string or a list of {{role, content}} "
-                          f"messages (got a {type(value).__name__} of other things)")
+    """A `prompt` is text or a chat; anything else (a list of strings, a dict, []) is an error
+    naming what is wrong, never its Python repr."""
+    if isinstance(value, (list, dict)):
+        chat_messages(value, "prompt", where)
+
+
+def check_reply(text: str, what: str, where: str,
+                fix: str = "fill in the reply or drop the row") -> None:
+    """A reply to learn (an SFT response or assistant turn, a preference's chosen or rejected)
+    must say something: an empty one would teach the model to answer with nothing (in DPO: to
+    prefer, or avoid, the empty answer), which is a broken row far more often than a plan."""
+    if not text.strip():
+        raise TetherError(f"{where} {what} is empty (nothing to learn from); {fix}")
 
 
 def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
@@ -183,6 +231,7 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     texts = []
     for what, turns in (("chosen", chosen), ("rejected", rejected)):
         reply = _reply(turns, prompt_messages, what, where)
+        check_reply(reply["content"], f"'{what}'", where)
         prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where)
         texts.append(response_text)
     return prompt_text, texts

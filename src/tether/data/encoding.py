@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tether.data.chat import turn_spans
+from tether.data.chat import check_reply, turn_spans
 from tether.data.rows import require_columns
 from tether.data.shapes import (
     SFTRow,
@@ -183,6 +183,10 @@ def _encode_sft_row(tokenizer, row: SFTRow, loss_on: str, where: str, prefix: li
                if messages[i].get("role") == "assistant"]
     if loss_on == "last":
         trained = trained[-1:]
+    for i in trained:
+        check_reply(messages[i]["content"], f"assistant message {i} (a turn to learn)", where,
+                    "fill in the reply or drop the row" if i == trained[-1] else
+                    "fill in the reply, drop the row, or pass --loss-on last")
     text, spans = turn_spans(tokenizer, messages, trained, where)
     first = spans[0][0]
     prompt, responses = encode_pair(tokenizer, text[:first], [text[first:]], True, prefix)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tether.data.chat import (
+    chat_messages,
     check_prompt,
     is_messages,
     normalize_messages,
@@ -34,13 +35,15 @@ def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None
     string; None for a plain-text prompt."""
     check_prompt(row.get("prompt"), where)
     if row.get("messages") is not None:
-        if not is_messages(row["messages"]):
-            raise TetherError(f"{where} 'messages' must be a list of {{role, content}} messages "
-                              f"(got {type(row['messages']).__name__})")
-        return normalize_messages(row["messages"], f"{where} 'messages'")
-    if is_messages(row.get("prompt")):
-        return normalize_messages(row["prompt"], f"{where} 'prompt'")
-    return None
+        messages = chat_messages(row["messages"], "messages", where)
+    elif is_messages(row.get("prompt")):
+        messages = normalize_messages(row["prompt"], f"{where} 'prompt'")
+    else:
+        return None
+    if not any(m["content"].strip() for m in messages):  # the template's role markers alone
+        raise TetherError(f"{where} has an empty prompt (every message's content is empty); "
+                          "fill it in or remove the row")
+    return messages
 
 
 def _render_prompt(tokenizer, messages: list[dict], where: str) -> str:

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 from tether.data.chat import (
     as_turns,
+    chat_messages,
     chat_preference_texts,
     check_prompt,
+    check_reply,
     is_messages,
     normalize_messages,
 )
@@ -100,12 +102,11 @@ class SFTRow:
 def read_sft_row(row: dict, shape: tuple[str, ...], where: str) -> SFTRow:
     """The texts or messages of one SFT row of shape `shape` (`sft_shape`)."""
     if shape == ("text",):
-        return SFTRow(response=plain_text(row, "text", where))  # no prompt: every token trains
+        text = plain_text(row, "text", where)
+        check_reply(text, "'text'", where, "fill it in or drop the row")
+        return SFTRow(response=text)  # no prompt: every token trains
     if shape == ("messages",):
-        if not is_messages(row["messages"]):
-            raise TetherError(f"{where} 'messages' must be a list of {{role, content}} messages "
-                              f"(got {type(row['messages']).__name__})")
-        return SFTRow(messages=normalize_messages(row["messages"], f"{where} 'messages'"))
+        return SFTRow(messages=chat_messages(row["messages"], "messages", where))
     key = shape[1]
     check_prompt(row["prompt"], where)
     if is_messages(row["prompt"]):  # TRL's conversational prompt-completion
@@ -114,7 +115,9 @@ def read_sft_row(row: dict, shape: tuple[str, ...], where: str) -> SFTRow:
     if isinstance(row[key], (list, dict)):
         raise TetherError(f"{where} mixes a plain-text prompt with a chat {key!r}; give the prompt "
                           "as a list of messages too, or both as plain text")
-    return SFTRow(prompt=plain_text(row, "prompt", where), response=plain_text(row, key, where))
+    response = plain_text(row, key, where)
+    check_reply(response, repr(key), where)
+    return SFTRow(prompt=plain_text(row, "prompt", where), response=response)
 
 
 def implicit_prompt(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
@@ -148,6 +151,8 @@ def preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], 
     if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
         return (*chat_preference_texts(tokenizer, row, where), True)
     chosen, rejected = plain_text(row, "chosen", where), plain_text(row, "rejected", where)
+    for what, text in (("chosen", chosen), ("rejected", rejected)):
+        check_reply(text, repr(what), where)
     if not _has(row, "prompt"):
         prompt, chosen, rejected = implicit_prompt(chosen, rejected, where)
         return prompt, [chosen, rejected], False

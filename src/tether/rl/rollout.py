@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from tether.run.config import check_stop_strings
+
 
 @dataclass
 class Rollout:
@@ -99,6 +101,7 @@ def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
     """
     if not stop_strings:
         return rollout
+    check_stop_strings(stop_strings)  # a Python caller's config may never have been validated
     input_ids = rollout.input_ids.clone()
     response_mask = rollout.response_mask.clone()
     ended = rollout.ended.clone()

@@ -12,6 +12,8 @@ import contextlib
 import dataclasses
 import io
 import math
+import os
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -112,6 +114,16 @@ def check_device(device: str) -> None:
             or (device.startswith("cuda:") and device[5:].isdigit())):
         raise TetherError(f"config field 'device' must be one of: auto, cpu, cuda, cuda:N, mps "
                           f"(got {device!r})")
+
+
+def check_stop_strings(stop_strings: Any) -> None:
+    """An empty stop string is inside every text, so it would end each response after its first
+    token; no stop strings is the empty list (`--stop-strings` omitted, or given no values)."""
+    for k, stop in enumerate(stop_strings):
+        if stop == "":
+            raise TetherError(f"--stop-strings value {k} is the empty string, which every response "
+                              "contains, so each would end after one token; drop it (omit "
+                              "--stop-strings for none)")
 
 
 def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
@@ -308,6 +320,7 @@ def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: st
 def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
     yaml_path, rest = _split_config_flag(list(argv))
+    rest = _positional_flag(cls, rest)
     if "-h" in rest or "--help" in rest:
         from tether.run.config_help import help_text
 
@@ -329,10 +342,25 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     return cfg
 
 
+def _positional_flag(cls: type, argv: list[str]) -> list[str]:
+    """A config class may name one field `POSITIONAL`: leading bare arguments are its value
+    (`tether sweep grid.yaml` is `--grid grid.yaml`; `tether report A B` is `--runs A B`)."""
+    name = getattr(cls, "POSITIONAL", None)
+    bare = 0
+    while name and bare < len(argv) and not argv[bare].startswith("-"):
+        bare += 1
+    if not bare:
+        return argv
+    return ["--" + name.replace("_", "-"), *argv[:bare], *argv[bare:]]
+
+
 def _description(cls: type) -> str:
-    doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.__name__
-    return (f"{doc}\n\n--config FILE.yaml  read field values from a YAML file (keys are field names "
-            "with underscores); flags given here override it.")
+    """The docstring's first paragraph (all of it, not its first line), and the --config line."""
+    paragraph = (cls.__doc__ or cls.__name__).strip().split("\n\n")[0]
+    config = ("--config FILE.yaml  read field values from a YAML file (keys are field names with "
+              "underscores); flags given here override it.")
+    return "\n".join(textwrap.wrap(" ".join(paragraph.split()), 100)) + "\n\n" + "\n".join(
+        textwrap.wrap(config, 100, subsequent_indent=" " * 20))
 
 
 def _default_of(f: dataclasses.Field) -> Any:

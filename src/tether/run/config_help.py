@@ -76,18 +76,44 @@ def _flag(name: str, tp: Any) -> str:
     return f"{flag} {getattr(tp, '__name__', 'VALUE').upper()}"
 
 
+def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
+    """`required` for a field without a default (a default factory's value is a default, e.g.
+    `[]`: such a field is never required); a required field shows no default."""
+    if f.default is not dataclasses.MISSING:
+        shown = f"default: {f.default!r}"
+    elif f.default_factory is not dataclasses.MISSING:
+        shown = f"default: {f.default_factory()!r}"
+    else:
+        shown = "required"
+    if f.name == positional:
+        shown += "; or give it as the first argument(s), before any flag"
+    return shown
+
+
+def _list_note(name: str, tp: Any) -> str:
+    """How a list flag takes its values: several after one flag, each value one item."""
+    if typing.get_origin(tp) not in (list, tuple):
+        return ""
+    return f" Several values follow one flag (--{name.replace('_', '-')} A B), not comma-separated."
+
+
 def help_text(cls: type, prog: str, description: str) -> str:
-    """The whole help page of config `cls`."""
+    """The whole help page of config `cls`. A config whose class names a `POSITIONAL` field
+    takes that field's value as its first, bare argument too (`tether sweep grid.yaml`)."""
     hints = typing.get_type_hints(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    out = [f"usage: {prog} [--config FILE.yaml] [--field value ...]", "", description, "",
+    fields_by_name = {f.name: f for f in dataclasses.fields(cls)}
+    positional = getattr(cls, "POSITIONAL", None)
+    first = ""
+    if positional:
+        many = typing.get_origin(hints[positional]) in (list, tuple)
+        first = f" {positional.upper()}" + (" ..." if many else "")
+    out = [f"usage: {prog}{first} [--config FILE.yaml] [--field value ...]", "", description, "",
            "  -h, --help  show this help and exit"]
     for section, fields in field_sections(cls).items():
         out += ["", f"{section}:"]
         for name, doc in fields:
-            default = defaults[name]
-            shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+            shown = _default_shown(fields_by_name[name], positional)
             out.append("  " + _flag(name, hints[name]))
-            out += textwrap.wrap(f"{doc} ({shown})", WIDTH, initial_indent=" " * 6,
-                                 subsequent_indent=" " * 6)
+            out += textwrap.wrap(f"{doc}{_list_note(name, hints[name])} ({shown})", WIDTH,
+                                 initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(out)

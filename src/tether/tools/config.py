@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.run.config import check_device, require_positive
+from tether.run.config import check_device, check_stop_strings, require_positive
 
 
 @dataclass(kw_only=True)
@@ -64,6 +64,7 @@ class GenerateConfig(SamplingConfig):
     def validate(self) -> None:
         super().validate()
         require_positive(self, "samples_per_prompt")
+        check_stop_strings(self.stop_strings)
 
 
 @dataclass(kw_only=True)
@@ -89,6 +90,7 @@ class EvalConfig(SamplingConfig):
 class ReportConfig:
     """Run directories of any stage on one HTML page: metric curves side by side, configs diffed."""
 
+    POSITIONAL = "runs"  # `tether report A B` reads as `--runs A B` (not a field: no annotation)
     runs: list[str] = field(default_factory=list)
     """Run directories (given as the command's positional arguments: tether report RUN RUN ...)."""
     output: str = "report.html"
@@ -101,6 +103,7 @@ class ReportConfig:
 class SweepConfig:
     """Run a grid of PPO and DPO/IPO runs from one YAML file; write the frontier report."""
 
+    POSITIONAL = "grid"  # `tether sweep grid.yaml` reads as `--grid grid.yaml` (not a field)
     grid: str
     """The grid file (YAML: name, output_dir, seeds, and ppo / dpo / eval blocks; see docs/frontier.md)."""
     jobs: int = 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tether.errors import TetherError
-from tether.run.config import RunConfig, require_positive
+from tether.run.config import RunConfig, check_stop_strings, require_positive
 
 
 @dataclass(kw_only=True)
@@ -25,7 +25,7 @@ class PPOConfig(RunConfig):
     """PPO batches between checkpoints (0: only the final model)."""
 
     # ---- models and reward
-    policy: str = ""
+    policy: str
     """The SFT model to optimise (directory or hub name); also the reference unless --ref-model."""
     ref_model: str = ""
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
@@ -39,7 +39,7 @@ class PPOConfig(RunConfig):
     """Value model: separate (initialised from the reward model) or shared (a head on the policy)."""
 
     # ---- prompts and rollout
-    prompts: str = ""
+    prompts: str
     """Training prompts: rows with `prompt` or `messages` (JSONL, JSON, Parquet, CSV, dataset dir)."""
     eval_prompts: str = ""
     """Held-out prompts scored every --eval-every batches (empty: no evaluation)."""
@@ -200,6 +200,7 @@ class PPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
+        check_stop_strings(self.stop_strings)
         if self.kl_in == "loss" and self.resolved_estimator in ("k1", "abs"):
             raise TetherError(f"--kl-estimator {self.resolved_estimator} has no useful gradient as "
                               "a loss term; use k3_ratio (the default), k2, k3 or exact with "
