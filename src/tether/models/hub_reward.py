@@ -37,7 +37,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from tether.data.chat import is_messages, render_chat
 from tether.errors import TetherError
-from tether.models.lora import ADAPTER_CONFIG, adapter_base, is_adapter
+from tether.models.adapter_checks import check_adapter_files
+from tether.models.lora import ADAPTER_CONFIG, TRAINED, adapter_base, is_adapter, load_adapter
 from tether.models.pretrained import _check_exists, _from_pretrained
 from tether.models.reward_model import REWARD_JSON, position_limit
 
@@ -131,8 +132,7 @@ def load_hub_reward_model(name_or_path: str, dtype: str = "float32",
         model = _from_pretrained(AutoModelForSequenceClassification, "the reward model",
                                  name_or_path, dtype, trust_remote_code)
         return HubRewardModel(model, tokenizer, name_or_path)
-    from peft import PeftModel
-
+    check_adapter_files(name_or_path)  # before its base is read
     base = adapter_base(name_or_path)
     try:  # the adapter's own tokenizer (it may have added a pad token), else its base's
         tokenizer = _tokenizer(name_or_path, trust_remote_code)
@@ -143,7 +143,7 @@ def load_hub_reward_model(name_or_path: str, dtype: str = "float32",
                              trust_remote_code)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    merged = PeftModel.from_pretrained(model, name_or_path).merge_and_unload()
+    merged = load_adapter(model, name_or_path, TRAINED).merge_and_unload()
     return HubRewardModel(merged, tokenizer, name_or_path)
 
 

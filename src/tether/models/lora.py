@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
+from tether.models.adapter_checks import ADAPTER_CONFIG, adapter_load_error
 
-ADAPTER_CONFIG = "adapter_config.json"
 TRAINED = "default"  # the adapter a stage trains; peft saves "default" at the directory's root
 
 
@@ -132,13 +132,23 @@ def add_adapter(model: nn.Module, spec: LoraSpec, name: str = TRAINED):
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, name: str):
-    """Load a saved adapter as `name` into `model` (wrapping a plain model); returns the PeftModel."""
+    """Load a saved adapter as `name` into `model` (wrapping a plain model); returns the PeftModel.
+
+    Its files are the caller's to check first (`adapter_checks.check_adapter_files`); an adapter
+    that does not fit the model (another architecture, other shapes) is one TetherError line."""
     from peft import PeftModel
 
-    if isinstance(model, PeftModel):
-        model.load_adapter(str(adapter_dir), adapter_name=name)
-        return model
-    return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name)
+    try:
+        if isinstance(model, PeftModel):
+            model.load_adapter(str(adapter_dir), adapter_name=name)
+            return model
+        return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name)
+    except (RuntimeError, ValueError) as exc:
+        base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or "its base"
+        error = adapter_load_error(exc, adapter_dir, base_name)
+        if error is exc:
+            raise
+        raise error from None
 
 
 def set_trainable(model: nn.Module, adapters: Iterable[str]) -> None:

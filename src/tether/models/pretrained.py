@@ -18,6 +18,15 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.errors import TetherError
+from tether.models.adapter_checks import (
+    base_record,
+    check_adapter_files,
+    check_base,
+    check_embedding_rows,
+    remember_base,
+    remembered_base,
+    write_base_record,
+)
 from tether.models.lora import (
     TRAINED,
     LoraSpec,
@@ -220,11 +229,20 @@ def _resize_for(model: nn.Module, tokenizer) -> None:
 
 
 def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dtype: str,
-                        trust_remote_code: bool) -> nn.Module:
+                        trust_remote_code: bool, adapter_dir: str | None = None) -> nn.Module:
     """`auto_class.from_pretrained`, resized to the tokenizer, with `pad_token_id` set; a load
-    failure becomes one TetherError line naming `what` could not be loaded."""
+    failure becomes one TetherError line naming `what` could not be loaded.
+
+    The model keeps the record of itself as read, before any pad row is added (`base_record`:
+    an adapter trained on it saves it). As the base of the adapter at `adapter_dir` it is first
+    checked against that adapter's record (or, without one, its tokenizer's vocabulary)."""
     _check_exists(name_or_path)
     model = _from_pretrained(auto_class, what, name_or_path, dtype, trust_remote_code)
+    record = base_record(model, name_or_path)
+    if adapter_dir is not None:
+        check_base(adapter_dir, record, name_or_path)
+        check_embedding_rows(adapter_dir, model, tokenizer, name_or_path)
+    remember_base(model, record)
     _resize_for(model, tokenizer)
     _set_pad(model, tokenizer)
     return model
@@ -257,6 +275,17 @@ def _local(name_or_path: str) -> str:
     return str(path.resolve()) if path.exists() else name_or_path
 
 
+def load_adapter_base(adapter_dir: str, tokenizer, dtype: str, trust_remote_code: bool,
+                      what: str = "the adapter's base model") -> tuple[nn.Module, str]:
+    """(the base of the adapter at `adapter_dir`, its name), loaded for `tokenizer`, after the
+    adapter's own files are checked (nothing is read from the base before) and checked against
+    the adapter (`_load_for_tokenizer`); the adapter itself is not applied."""
+    check_adapter_files(adapter_dir)
+    base_name = adapter_base(adapter_dir)
+    return _load_for_tokenizer(AutoModelForCausalLM, what, base_name, tokenizer, dtype,
+                               trust_remote_code, adapter_dir=adapter_dir), base_name
+
+
 def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
     """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set.
 
@@ -264,8 +293,7 @@ def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_r
     plain model, for stages that train every weight or only score.
     """
     if is_adapter(name_or_path):
-        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model",
-                                   adapter_base(name_or_path), tokenizer, dtype, trust_remote_code)
+        base, _ = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code)
         merged = load_adapter(base, _local(name_or_path), TRAINED).merge_and_unload()
         return merged.requires_grad_(True)  # peft froze the base when it wrapped it
     return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", _local(name_or_path), tokenizer,
@@ -297,9 +325,7 @@ def load_trainable_lm(name_or_path: str, tokenizer, lora: LoraSpec | None, dtype
         return TrainableLM(load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code),
                            base=_local(name_or_path))
     if is_adapter(name_or_path):
-        base_name = adapter_base(name_or_path)
-        base = _load_for_tokenizer(AutoModelForCausalLM, "the adapter's base model", base_name,
-                                   tokenizer, dtype, trust_remote_code)
+        base, base_name = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code)
         peft = load_adapter(base, _local(name_or_path), TRAINED)
         load_adapter(peft, _local(name_or_path), "reference")
         reference = "reference"
@@ -357,9 +383,13 @@ def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED) -
     of them; on a grown base a standard loader needs the new row's values (the pad row enters
     the softmax normaliser): `AutoPeftModelForCausalLM` resizes the base to the adapter's
     tokenizer with random rows, which the saved layers then overwrite.
+
+    Beside it goes `tether_base.json`, the record of the base as loaded (`adapter_checks`): a
+    later load refuses another base with one line. peft's loaders ignore the file.
     """
     peft.save_pretrained(out_dir, selected_adapters=[adapter],
                          save_embedding_layers=embeddings_grew(peft, adapter))
+    write_base_record(out_dir, remembered_base(peft))
 
 
 def embeddings_grew(peft: nn.Module, adapter: str = TRAINED) -> bool:

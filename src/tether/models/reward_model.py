@@ -27,11 +27,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForSequenceClassification
 
 from tether.data.batches import collate_sft
 from tether.data.encoding import encode_sft
 from tether.errors import TetherError
+from tether.models.adapter_checks import (
+    check_adapter_files,
+    check_base,
+    remembered_base,
+    write_base_record,
+)
 from tether.models.lora import (
     ADAPTER_CONFIG,
     TRAINED,
@@ -49,6 +55,7 @@ from tether.models.pretrained import (
     _local,
     _temp_dir_beside,
     check_same_vocabulary,
+    load_adapter_base,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
@@ -121,9 +128,8 @@ class RewardModel(nn.Module):
                               "with `tether rm`")
         tokenizer = load_tokenizer(str(path), trust_remote_code=trust_remote_code)
         if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
-            base_name = adapter_base(path)
-            base = _load_for_tokenizer(AutoModelForCausalLM, "the reward adapter's base model",
-                                       base_name, tokenizer, dtype, trust_remote_code)
+            base, base_name = load_adapter_base(str(path), tokenizer, dtype, trust_remote_code,
+                                                "the reward adapter's base model")
             peft = load_adapter(base, _local(str(path)), TRAINED)
             set_trainable(peft, [])
             lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
@@ -175,6 +181,7 @@ class RewardModel(nn.Module):
                 self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
                                                save_embedding_layers=False)
                 _add_score_to_adapter(tmp, head["weight"])
+                write_base_record(tmp, remembered_base(self.lora.peft))
             elif classifier is not None:
                 classifier.save_pretrained(tmp)
             else:  # transformers has no sequence-classification model for it: the v1 layout
@@ -341,6 +348,10 @@ def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
     is not tether's (a peft adapter of another sequence-classification model)."""
     if not shares_base(lm, path) or not (Path(path).expanduser() / REWARD_JSON).is_file():
         return None
+    check_adapter_files(path)
+    record = remembered_base(lm.model)
+    if record is not None:  # the same path may hold another model than it did for the reward model
+        check_base(path, record, lm.base)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     check_same_vocabulary(policy_tokenizer, {"reward model": (tokenizer, None)})
     load_adapter(lm.peft, str(Path(path).expanduser().resolve()), REWARD)
