@@ -1,10 +1,17 @@
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 import pytest
 
 from tether.errors import TetherError
-from tether.run.config import RunConfig, config_from_dict, config_to_dict, parse_config
+from tether.run.config import (
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    parse_config,
+    resolve_paths,
+)
 
 
 @dataclass(kw_only=True)
@@ -27,7 +34,7 @@ def test_flags_override_yaml(tmp_path):
     assert cfg.lr == 2.0 and isinstance(cfg.lr, float)  # YAML int widened to float
     assert cfg.steps == 9  # flag wins over the file
     assert cfg.loss == "ipo"
-    assert cfg.output_dir == "runs"  # untouched default
+    assert cfg.output_dir == os.path.abspath("runs")  # the default, recorded absolute (issue 23)
 
 
 def test_unknown_yaml_field_names_field_and_allowed(tmp_path):
@@ -71,7 +78,7 @@ def test_dict_round_trip():
     cfg = DemoConfig(run_name="r", lr=0.5, loss="ipo")
     d = config_to_dict(cfg)
     assert d["lr"] == 0.5 and d["loss"] == "ipo" and d["run_name"] == "r"
-    assert config_from_dict(DemoConfig, d) == cfg
+    assert config_from_dict(DemoConfig, d) == resolve_paths(cfg)  # output_dir made absolute
     with pytest.raises(TetherError, match="missing required config field 'run_name'"):
         config_from_dict(DemoConfig, {"lr": 1.0})
 

@@ -138,14 +138,82 @@ def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
 # ----------------------------------------------------------------------------- dict round trip
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain JSON/YAML-safe values (tuples become lists)."""
+    """The config as plain JSON/YAML-safe values (tuples become lists), its paths resolved
+    (`resolved_paths`): what a run directory records means the same from any directory."""
     def plain(v: Any) -> Any:
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         if isinstance(v, Path):
             return str(v)
         return v
-    return {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    return resolved_paths({f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
+
+
+# ----------------------------------------------------------------------------- paths
+
+# The fields, of any stage or tool config, that name files and directories. They are resolved
+# when a config is parsed or recorded, so that a run's config.yaml names the same models and files
+# whatever directory `tether eval`, `report` or `--resume` later runs in (issue 23). Relative paths
+# are read against the current directory, as they always were; `~` is expanded in all of them.
+OUTPUT_PATH_FIELDS = frozenset({"output_dir", "output"})  # always local: made absolute
+INPUT_PATH_FIELDS = frozenset({"model", "policy", "ref_model", "reward_model", "reference", "data",
+                               "eval_data", "normalize_data", "prompts", "eval_prompts", "runs",
+                               "grid"})  # absolute when they exist here; else a hub name, kept
+FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn"})  # file.py:function; module:function kept
+
+
+def input_path(value: str) -> str:
+    """`~` expanded; absolute when it names a file or directory that exists here. Anything else
+    stays as given: a hub name (`gpt2`, `org/name`), which the loaders look up after local paths
+    as this does, or a missing path, whose error then names what the user typed."""
+    expanded = os.path.expanduser(value)
+    return os.path.abspath(expanded) if expanded and os.path.exists(expanded) else expanded
+
+
+def output_path(value: str) -> str:
+    """`~` expanded and made absolute (empty stays empty: the field's default place)."""
+    return os.path.abspath(os.path.expanduser(value)) if value else value
+
+
+def function_path(spec: str) -> str:
+    """`file.py:function` with its file resolved as `input_path` does. `module:function` for a
+    one-name module that is a file in the current directory (`task:gold`, ./task.py: the loader
+    looks there first) becomes that file's absolute `file.py:function`, so a later command from
+    another directory imports the same code, not its own ./task.py. Any other module stays as
+    written: it is found on the import path (an installed package), not at a path."""
+    file, sep, function = spec.rpartition(":")
+    if not sep:
+        return spec
+    if file.endswith(".py"):
+        return input_path(file) + sep + function
+    if file.isidentifier() and os.path.isfile(file + ".py"):
+        return os.path.abspath(file + ".py") + sep + function
+    return spec
+
+
+def resolved_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (config field -> value) with every path field resolved by the rules above;
+    idempotent, so a recorded config resolves to itself."""
+    def resolve(name: str, value: Any) -> Any:
+        if isinstance(value, list):
+            return [resolve(name, v) for v in value]
+        if not isinstance(value, str) or not value:
+            return value
+        if name in OUTPUT_PATH_FIELDS:
+            return output_path(value)
+        if name in INPUT_PATH_FIELDS:
+            return input_path(value)
+        return function_path(value) if name in FUNCTION_FIELDS else value
+    return {name: resolve(name, value) for name, value in values.items()}
+
+
+def resolve_paths(cfg: Any) -> Any:
+    """Resolve `cfg`'s path fields in place (`resolved_paths`); returns `cfg`."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for name, value in resolved_paths(values).items():
+        if value != values[name]:
+            setattr(cfg, name, value)
+    return cfg
 
 
 def _type_name(tp: Any) -> str:
@@ -238,7 +306,7 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
                and f.name not in values]
     if missing:
         raise TetherError(f"missing required config field '{missing[0]}'")
-    cfg = cls(**values)
+    cfg = resolve_paths(cls(**values))
     _validate(cfg)
     return cfg
 
@@ -338,6 +406,7 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
         if exc.code in (0, None):
             raise
         raise TetherError(_tyro_message(stderr.getvalue())) from None
+    resolve_paths(cfg)
     _validate(cfg)
     return cfg
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from tether.data.prompts import load_prompts
 from tether.errors import TetherError
+from tether.models.hub_reward import reward_model_kind
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
     check_same_vocabulary,
@@ -35,9 +37,10 @@ from tether.rl.rewards import (
     reward_from_function,
 )
 from tether.run.checkpoint import atomic_write_bytes
-from tether.run.config import config_to_dict
+from tether.run.config import config_to_dict, input_path
 from tether.run.launch import resolve_device
 from tether.tools.config import EvalConfig
+from tether.tools.outputs import check_output, function_file
 
 # The config fields that name a run's starting model, in the order that decides it: an explicit
 # reference first (ppo --ref-model, dpo --ref-model), then the policy a PPO run started from,
@@ -64,14 +67,28 @@ def default_reference(model_path: str) -> str:
         return ""
     for name in STARTING_MODEL_FIELDS:
         if isinstance(saved.get(name), str) and saved[name]:
-            return saved[name]
+            return input_path(saved[name])  # relative (an old run): to here, as then
     return ""
+
+
+def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Callable | None
+                      ) -> tuple[Callable | None, Callable | None]:
+    """The proxy and gold functions, imported (--reward-fn, --gold-fn) or as given; checked
+    before any model loads, with the reward model's kind (read from its config alone)."""
+    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
+        raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
+    if cfg.reward_model:
+        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
+    if reward_fn is None and cfg.reward_fn:
+        reward_fn = load_reward_function(cfg.reward_fn)
+    if gold_fn is None and cfg.gold_fn:
+        gold_fn = load_reward_function(cfg.gold_fn)
+    return reward_fn, gold_fn
 
 
 def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
              gold_fn: Callable | None) -> tuple[Reward | None, Reward | None]:
-    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
-        raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
+    """The proxy (the reward model, loaded now, or `reward_fn`) and the gold reward."""
     reward = None
     if cfg.reward_model:
         # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
@@ -80,20 +97,23 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
         reward = load_reward_model(cfg.reward_model, tokenizer,
                                    prompt_originals(tokenizer, cfg.prompts), cfg.batch_size,
                                    device, cfg.dtype, cfg.trust_remote_code).reward
-    elif cfg.reward_fn or reward_fn is not None:
-        reward = reward_from_function(reward_fn or load_reward_function(cfg.reward_fn),
-                                      "reward function")
-    gold_fn = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
+    elif reward_fn is not None:
+        reward = reward_from_function(reward_fn, "reward function")
     gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
     return reward, gold
 
 
 def output_path(cfg: EvalConfig) -> Path:
-    if cfg.output:
-        return Path(cfg.output)
-    if not Path(cfg.model).is_dir():
+    """Where the results go (--output, else eval.json beside --model), checked before any model
+    loads (tether.tools.outputs): not a directory, nor a file of the command's inputs."""
+    if not cfg.output and not Path(cfg.model).is_dir():
         raise TetherError(f"--model {cfg.model} is not a local directory; pass --output FILE.json")
-    return Path(cfg.model) / "eval.json"
+    inputs = [("--prompts", cfg.prompts), ("--reward-fn", function_file(cfg.reward_fn)),
+              ("--gold-fn", function_file(cfg.gold_fn)), ("--model", cfg.model),
+              ("--reference", cfg.reference or default_reference(cfg.model)),
+              ("--reward-model", cfg.reward_model)]
+    return check_output(cfg.output or Path(cfg.model) / "eval.json", inputs, "eval.json",
+                        own_default="eval.json")
 
 
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
@@ -102,7 +122,10 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     `write`). `reward_fn` / `gold_fn`: Python callables instead of --reward-fn / --gold-fn."""
     device = resolve_device(cfg.device)
     out = output_path(cfg) if write else None
+    # What needs no model first: a bad function, prompt file or reference fails in seconds.
+    reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
     reference_path = cfg.reference or default_reference(cfg.model) or cfg.model
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tether.data.prompts import left_pad
+from tether.data.prompts import left_pad, load_prompts
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.rl.engines import engine_sampler
@@ -22,6 +22,7 @@ from tether.rl.rollout import apply_stop_strings, decode_responses
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.launch import resolve_device
 from tether.tools.config import GenerateConfig
+from tether.tools.outputs import check_output
 
 
 @torch.no_grad()
@@ -30,6 +31,7 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     consecutive rows per prompt, in prompt order."""
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model), cfg)
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
@@ -70,6 +72,9 @@ def cli(argv: list[str]) -> int:
     from tether.run.config import parse_config
 
     cfg = parse_config(GenerateConfig, argv, prog="tether generate")
+    if cfg.output:  # before the model loads: never a directory, the prompts or a model file
+        check_output(cfg.output, [("--prompts", cfg.prompts), ("--model", cfg.model)],
+                     "generations.jsonl")
     rows = generate(cfg)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if cfg.output:

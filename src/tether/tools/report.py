@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tether.errors import TetherError  # noqa: E402
 from tether.run.checkpoint import atomic_write_bytes  # noqa: E402
+from tether.tools.outputs import check_output  # noqa: E402
 
 # Logged every step but about the machine, not the training: left out of the curves.
 SKIPPED_PREFIXES = ("perf/", "data/")
@@ -195,8 +196,9 @@ def write_report(run_dirs: list[str | Path], output: str | Path,
     """Read every run in `run_dirs` and write one page to `output`; returns its path."""
     if not run_dirs:
         raise TetherError("tether report needs at least one run directory: tether report RUN ...")
+    output = check_output(output, [("run directory", d) for d in run_dirs], "report.html",
+                          own_default="report.html")
     runs = [read_run(d) for d in run_dirs]
-    output = Path(output)
     names = ", ".join(run.name for run in runs)
     return write_page(output, page(title, f"<p>Runs: {html.escape(names)}.</p>"
                                           + runs_section(runs, output.parent)))
