@@ -22,6 +22,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
+from tether.run.atomic import follow_umask
+
 EOS = "<|endoftext|>"
 
 
@@ -63,6 +65,7 @@ def save_tiny(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512, 
     model = make_lm(len(tokenizer), **lm_kwargs)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
+    follow_umask(out)  # safetensors writes its files 0600
     return out
 BOS = "<s>"
 LLAMA_EOS = "</s>"
@@ -123,6 +126,7 @@ def save_tiny_llama(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
                           **lm_kwargs)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
+    follow_umask(out)  # safetensors writes its files 0600
     return out
 
 
@@ -186,6 +190,7 @@ def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int
     model = AutoModelForCausalLM.from_config(config)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
+    follow_umask(out)  # safetensors writes its files 0600
     return out
 
 
@@ -243,4 +248,5 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     model.generation_config.pad_token_id = endoftext
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
+    follow_umask(out)  # safetensors writes its files 0600
     return out

@@ -1,16 +1,15 @@
-"""Atomic writes and training checkpoints (weights, optimizer, scheduler, RNG, trainer state).
+"""Training checkpoints (weights, optimizer, scheduler, RNG, trainer state, the run's config).
 
-A crash mid-write must never leave a half-written file where a good one was: every file goes to a
-temp name in the same directory, is fsynced, then `os.replace`d; a checkpoint is a whole directory
-written under a temp name and renamed to `step_<N>` only once complete. Weights are safetensors;
-optimizer and scheduler state use `torch.save` and are read back with `weights_only=True`.
+A checkpoint is a whole directory written under a temp name and renamed to `step_<N>` only once
+complete (`tether.run.atomic`, which also holds the atomic file writes re-exported here). Weights
+are safetensors; optimizer and scheduler state use `torch.save` and are read back with
+`weights_only=True`.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import shutil
 import sys
@@ -25,69 +24,17 @@ from torch import nn
 
 from tether.errors import TetherError
 
+# atomic_save_file, atomic_write_bytes and atomic_write_json stay importable from here, as they
+# were before the atomic writes had a module of their own
+from tether.run.atomic import (  # noqa: F401
+    atomic_save_file,
+    atomic_write_bytes,
+    atomic_write_json,
+    replace_dir,
+)
+
 STEP_PREFIX = "step_"
 TEMP_PREFIX = ".tmp-"  # a checkpoint being written; one left behind was cut off by a kill
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same directory, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a fully written `tmp` directory to `out`: fsync its files, rename, fsync the parent.
-
-    An old `out` is moved aside first and deleted only once the new one is in place, so a crash
-    leaves either the old directory or the new one, never a half-written one.
-    """
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Save tensors as safetensors, atomically."""
-    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON, atomically."""
-    atomic_write_bytes(path, json.dumps(obj, indent=2).encode("utf-8"))
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -274,16 +221,21 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Module], optimizer,
-                    scheduler, state: dict[str, Any], keep: int = 2) -> Path:
+                    scheduler, state: dict[str, Any], keep: int = 2,
+                    config: dict[str, Any] | None = None) -> Path:
     """Write `ckpt_root/step_<step>/` atomically and keep only the newest `keep` checkpoints.
 
     Contents: `<name>.safetensors` per model (its trainable parameters, whole tensors, by their
     one-process names), `optimizer.pt` (state keyed by parameter name), `scheduler.pt`,
-    `rng.safetensors`, and `state.json` (the trainer's `state` plus the RNG metadata). Nothing in
-    it depends on the world size, so a run resumes on any number of ranks.
+    `rng.safetensors`, and `state.json` (the trainer's `state`, the RNG metadata, and `config`:
+    the run's recorded config, so a resume can be checked even without config.yaml). Nothing
+    but the RNG states depends on the world size, so a run resumes on any number of ranks.
 
     Under torchrun every rank calls this (FSDP2 gathers the shards); rank 0 alone writes, and
     every rank returns once the checkpoint is complete. `models` may be wrapped (DDP, FSDP2).
+    Each rank's RNG state is kept (rank r's as `rank<r>/...` tensors and `rng_ranks[r - 1]`):
+    dropout draws as many numbers as its tensor has elements, so ranks with rows of other
+    lengths end a step with other states, and only their own make a resume bit-exact.
     """
     from tether.run import distributed
 
@@ -292,15 +244,23 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     weights = {name: trainable_tensors(model, keep=d.is_main, what=f"the {name} at step {step}")
                for name, model in models.items()}
     optim = optimizer_state(models, optimizer) if optimizer is not None else None
+    rngs = distributed.gather_objects(rng_state(), d)  # [(meta, tensors)] by rank, on rank 0
     final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
     if d.is_main:
-        _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, state, keep)
+        rng_tensors = dict(rngs[0][1])
+        for rank, (_, tensors) in enumerate(rngs[1:], start=1):
+            rng_tensors |= {f"rank{rank}/{key}": value for key, value in tensors.items()}
+        payload = {"step": step, "state": state, "config": config, "world_size": d.world_size,
+                   "rng": rngs[0][0], "rng_ranks": [meta for meta, _ in rngs[1:]]}
+        _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, rng_tensors, payload,
+                          keep)
     distributed.barrier(d)
     return final
 
 
 def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
-                      scheduler, state: dict[str, Any], keep: int) -> None:
+                      scheduler, rng_tensors: dict[str, torch.Tensor], payload: dict[str, Any],
+                      keep: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-", dir=root))
     try:
@@ -310,9 +270,7 @@ def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.
             (tmp / "optimizer.pt").write_bytes(_torch_bytes(optim))
         if scheduler is not None:
             (tmp / "scheduler.pt").write_bytes(_torch_bytes(scheduler.state_dict()))
-        rng_meta, rng_tensors = rng_state()
         (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
-        payload = {"step": step, "state": state, "rng": rng_meta}
         (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
         replace_dir(tmp, root / f"{STEP_PREFIX}{step}")
     finally:
@@ -333,8 +291,9 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     Under torchrun every rank calls this and reads the same files (the run directory must be
     visible to every rank, e.g. a shared filesystem across machines); rank 0 chooses the
     checkpoint, every rank restores it (FSDP2: each its own shards), and every rank's RNGs take
-    the saved (rank 0's) state. Returns the trainer `state` saved with it (with `step` added), or
-    None when there is none.
+    its own saved state when the world size is the one that wrote it (`own_rng_state`), rank 0's
+    otherwise. Returns the trainer `state` saved with it (with `step` added), or None when there
+    is none.
     """
     from tether.run import distributed
 
@@ -372,10 +331,35 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         scheduler.load_state_dict(contents["scheduler"])
     payload = contents["payload"]
     if restore_rng:
-        set_rng_state(payload["rng"], contents["rng"])
+        set_rng_state(*own_rng_state(payload, contents["rng"], d.rank, d.world_size))
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])
     return state
+
+
+def own_rng_state(payload: dict[str, Any], tensors: dict[str, torch.Tensor], rank: int,
+                  world_size: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(meta, tensors) of `rank`'s RNG state in a checkpoint written at `world_size` ranks; at
+    another world size (or from a checkpoint that kept rank 0's alone) rank 0's, for every rank:
+    the ranks' rows, hence their dropout draws, differ from the uninterrupted run's anyway."""
+    ranks = payload.get("rng_ranks") or []
+    if rank == 0 or len(ranks) + 1 != world_size:
+        return payload["rng"], {k: v for k, v in tensors.items() if "/" not in k}
+    prefix = f"rank{rank}/"
+    return ranks[rank - 1], {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def recorded_config(ckpt_root: str | Path) -> dict[str, Any] | None:
+    """The config the newest checkpoint in `ckpt_root` whose `state.json` can be read records;
+    None when there is no checkpoint, {} when it records none (written before tether did)."""
+    for _, path in reversed(list_checkpoints(ckpt_root)):
+        try:
+            payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue  # damaged: the resume falls back past it too
+        config = payload.get("config") if isinstance(payload, dict) else None
+        return config if isinstance(config, dict) else {}
+    return None
 
 
 def _read_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, scheduler

@@ -291,7 +291,14 @@ def _check_dict(cls: type, d: dict[str, Any], source: str) -> dict[str, Any]:
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     out = {}
+    stage = getattr(cls, "STAGE", None)
     for key, value in d.items():
+        if key == "stage" and stage:  # a run's config.yaml records the command that made it
+            if value != stage:
+                raise TetherError(f"{source} is the config of a tether {value} run (stage: "
+                                  f"{value}), not {stage}; pass it to tether {value}, or delete its "
+                                  f"'stage:' line to start a {stage} run from its settings")
+            continue
         if key not in names:
             raise TetherError(f"unknown config field '{key}' in {source}; allowed fields: {', '.join(names)}")
         out[key] = _coerce(key, hints[key], value)

@@ -227,6 +227,16 @@ def broadcast_object(obj: Any, d: Dist | None = None) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any, d: Dist | None = None) -> list[Any] | None:
+    """Every rank's `obj` on rank 0, in rank order (None on the other ranks); `[obj]` alone."""
+    d = d or current()
+    if not d.active:
+        return [obj]
+    box: list[Any] | None = [None] * d.world_size if d.is_main else None
+    dist.gather_object(obj, box, dst=0)
+    return box
+
+
 def all_agree(flag: bool, d: Dist | None = None) -> bool:
     """True on every rank iff `flag` is true on every rank (e.g. "my step was finite")."""
     d = d or current()

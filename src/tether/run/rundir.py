@@ -3,12 +3,18 @@ final model; plus the progress bar.
 
 Layout::
 
-    runs/<name>/config.yaml       the resolved config (YAML file + flags + defaults)
+    runs/<name>/config.yaml       the resolved config (YAML file + flags + defaults), after
+                                  `stage:` (the command that made the run: sft, dpo, ...)
     runs/<name>/metrics.jsonl     one JSON object per logged step: {"step": N, "<metric>": value}
     runs/<name>/samples.jsonl     evaluation samples: {"step": N, "samples": [{prompt, response, ...}]}
     runs/<name>/tb/               TensorBoard events
     runs/<name>/checkpoints/      step_<N>/ (see tether.run.checkpoint)
     runs/<name>/final/            the trained model, Hugging Face format
+    runs/<name>/merged/           with --merge-lora: the LoRA adapter merged into its base
+
+A run is finished when everything it promised is there: `final/` and, with --merge-lora,
+`merged/` (`run_finished`). Each is renamed into place only once complete, so a final save
+cut off (a full disk, a kill) leaves the run unfinished, and --resume completes it.
 
 Under torchrun only rank 0 writes here (config, metrics, trackers, samples, progress lines); the
 other ranks run the same checks and calls, which do nothing on them.
@@ -21,12 +27,14 @@ process stops before it loads a model. Under torchrun rank 0 takes it, once for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +43,9 @@ import yaml
 
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
-from tether.run.checkpoint import atomic_write_bytes, remove_temp_dirs
-from tether.run.config import config_to_dict
+from tether.run.atomic import atomic_write_bytes, write_failure
+from tether.run.checkpoint import recorded_config, remove_temp_dirs
+from tether.run.config import config_to_dict, resolved_paths
 from tether.run.trackers import parse_report_to, start_trackers
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
@@ -54,7 +63,7 @@ class RunResult:
 # --resume-allow-changes); any other difference makes the resumed run a different run.
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
                       "report_to", "fsdp")
-NOT_COMPARED = ("resume", "resume_allow_changes")
+NOT_COMPARED = ("resume", "resume_allow_changes", "stage")  # the stage: `_check_stage`
 IN_USE_FIX = "wait for it to finish or choose another --run-name"
 
 
@@ -62,8 +71,8 @@ class RunDir:
     """One run directory: checked when made (nothing is created yet), created by `save_config`.
 
     Without `resume`, a directory that already holds results is refused. With `resume`, a
-    finished run (its final model exists) raises `AlreadyFinished`, and `save_config` checks the
-    config against the saved one instead of rewriting it.
+    finished run (`finished`) raises `AlreadyFinished`, and `save_config` checks the stage and
+    config against the saved ones instead of rewriting them.
     """
 
     def __init__(self, output_dir: str | Path, run_name: str, resume: bool = False):
@@ -81,15 +90,20 @@ class RunDir:
         self._check_state()
         self._trackers: list | None = None
         self._config: dict[str, Any] = {}
+        self.checkpoint_config: dict[str, Any] = {}  # what checkpoints carry: `save_config`
 
     def _check_state(self) -> None:
         has_results = any((self.path / name).exists() for name in RESULT_NAMES)
         if has_results and not self.resume:
             raise TetherError(f"run directory {self.path} already has results; "
                               "pass --resume to continue it or choose another --run-name")
-        if self.resume and self.final_dir.exists():
+        if self.resume and self.finished():
             raise AlreadyFinished(f"{self.path} already finished (final model in "
                                   f"{self.final_dir}); nothing was run or rewritten")
+
+    def finished(self) -> bool:
+        """`run_finished` of this directory."""
+        return run_finished(self.path)
 
     @property
     def writes(self) -> bool:
@@ -103,27 +117,94 @@ class RunDir:
         the result is an error listing the differences; a harmless one (logging, checkpoint
         cadence, device) needs `--resume-allow-changes` and is recorded in `resumes.jsonl`.
         """
-        new = config_to_dict(cfg)
-        self._config = new
+        new = recorded(cfg)
+        self._config = self.checkpoint_config = new
         allow = bool(new.get("resume_allow_changes"))
         changes = None  # every rank refuses a resumed config that differs, before the lock is taken
-        if self.resume and self.config_path.exists():
-            changes = self._check_resumed_config(new, _defaults(cfg), allow)
+        if self.resume:
+            changes = self._check_resumed(new, _defaults(cfg), allow)
         self._claim()
         if not self.writes:  # the other ranks write nothing
             return self.config_path
         for directory in (self.path, self.checkpoint_dir):
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
-        if self.resume and self.config_path.exists():
-            if changes is None:  # written by another run since the check above
-                changes = self._check_resumed_config(new, _defaults(cfg), allow)
+        if self.resume and changes is None:  # written by another run since the check above
+            changes = self._check_resumed(new, _defaults(cfg), allow)
+        if changes is not None:
             if changes:
                 with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps({"changes": changes}) + "\n")
-            return self.config_path
+            if self.config_path.exists():
+                return self.config_path
+            print(f"{self.config_path} was missing: written again from the config its last "
+                  "checkpoint records", file=sys.stderr)
+            new = self.checkpoint_config
         atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
         return self.config_path
+
+    def _saved_config(self) -> tuple[dict[str, Any], str] | None:
+        """What the run recorded it was started with, and where: its config.yaml, else (deleted)
+        the config its newest checkpoint carries; None when it has neither (nothing ran yet)."""
+        if self.config_path.exists():
+            try:
+                old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+                if not isinstance(old, dict):
+                    raise ValueError("not a mapping")
+            except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
+                raise TetherError(f"{self.config_path} cannot be read; the run cannot be resumed "
+                                  "safely: start a new run") from None
+            return old, str(self.config_path)
+        record = recorded_config(self.checkpoint_dir)
+        if record is None:
+            return None
+        if not record:
+            raise TetherError(f"{self.config_path} is missing and the checkpoints in "
+                              f"{self.checkpoint_dir} record no config (made before tether kept "
+                              "one there), so this resume cannot be checked against the run's "
+                              "settings; put config.yaml back, or start a new run under another "
+                              "--run-name")
+        return record, f"the config recorded in {self.checkpoint_dir} (config.yaml is missing)"
+
+    def _check_resumed(self, new: dict[str, Any], defaults: dict[str, Any],
+                       allow_harmless: bool) -> dict[str, Any] | None:
+        """The stage and config checks of a resume against what the run recorded (config.yaml;
+        without it, its newest checkpoint's record; with both, the checkpoint's too, so an edited
+        config.yaml cannot hide a change). None: nothing recorded yet, the resume starts fresh.
+        Sets `checkpoint_config`, what the next checkpoints carry (the run's config, as saved)."""
+        saved = self._saved_config()
+        if saved is None:
+            return None
+        old, source = saved
+        self._check_stage(old, new, source)
+        changes = self._check_resumed_config(new, defaults, allow_harmless, old, source)
+        if self.config_path.exists() and (record := recorded_config(self.checkpoint_dir)):
+            where = f"the config recorded in {self.checkpoint_dir}"
+            self._check_stage(record, new, where)
+            self._check_resumed_config(new, defaults, True, record, where)  # results only
+        self.checkpoint_config = {"stage": new["stage"]} | old if "stage" in new else old
+        return changes
+
+    def _check_stage(self, old: dict[str, Any], new: dict[str, Any], source: str) -> None:
+        """Refuse to go on with another stage's run (its weights, optimizer state, config).
+        A run from before the stage was recorded is told by its fields: each stage has fields
+        the others lack (ppo, rloo and grpo share theirs; their values are compared)."""
+        stage = new.get("stage")
+        if stage is None:
+            return
+        if "stage" in old:
+            if old["stage"] != stage:
+                raise TetherError(f"{self.path} is a tether {old['stage']} run ({source}); "
+                                  f"tether {stage} --resume would go on from its weights as "
+                                  f"{stage}: resume it with tether {old['stage']}, or choose "
+                                  "another --run-name")
+            return
+        foreign = sorted(k for k in old if k not in new)
+        if foreign:
+            raise TetherError(f"{self.path} was made by another stage than tether {stage} (its "
+                              f"config has {', '.join(foreign[:4])}, which {stage} has not; "
+                              f"{source}): resume it with the command that made it, or choose "
+                              "another --run-name")
 
     def _claim(self) -> None:
         """Rank 0 creates the directory and takes its lock, then checks again what `__init__`
@@ -150,14 +231,11 @@ class RunDir:
             raise (AlreadyFinished if kind == "finished" else TetherError)(message)
 
     def _check_resumed_config(self, new: dict[str, Any], defaults: dict[str, Any],
-                              allow_harmless: bool) -> dict[str, Any]:
-        """Refuse a resumed config that differs from the saved one; returns the accepted harmless
-        changes (for `resumes.jsonl`), {} when there are none."""
-        try:
-            old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            raise TetherError(f"{self.config_path} cannot be read; the run cannot be resumed "
-                              "safely: start a new run") from None
+                              allow_harmless: bool, old: dict[str, Any], source: str
+                              ) -> dict[str, Any]:
+        """Refuse a resumed config that differs from the saved one, `old` (read from `source`);
+        returns the accepted harmless changes (for `resumes.jsonl`), {} when there are none."""
+        old = resolved_paths(old)  # a run recorded before paths were: relative to here, as then
         changed = {k: (old.get(k), v) for k, v in new.items()
                    if k not in NOT_COMPARED and k in old and old[k] != v}
         # A field tether gained after the run started is no change while it keeps its default.
@@ -167,8 +245,8 @@ class RunDir:
         if harmful:
             diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(harmful.items()))
             raise TetherError(f"--resume with a different config would mix two runs ({diff}); "
-                              f"resume with the settings in {self.config_path}, or start a new "
-                              "run under another --run-name")
+                              f"resume with the settings in {source}, or start a new run under "
+                              "another --run-name")
         if changed and not allow_harmless:
             diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
             raise TetherError(f"--resume with changed settings ({diff}); pass "
@@ -176,10 +254,33 @@ class RunDir:
                               "trained)")
         return {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
 
+    @contextlib.contextmanager
+    def writing_final(self) -> Iterator[None]:
+        """Around the final save (rank 0): a write that fails for want of space, quota or
+        permission (an OSError, or safetensors' SafetensorError around one) becomes one line
+        saying how to complete the run; any failure frees the directory, as an exit would.
+        Nothing half-written is left: each output is renamed into place only once complete."""
+        try:
+            yield
+        except BaseException as exc:
+            self.release()
+            reason = write_failure(exc)
+            if reason is None:
+                raise
+            raise TetherError(f"cannot write the final model of {self.path}: {reason}; free "
+                              "space (or make it writable), then run the same command with "
+                              "--resume: it goes on from the last checkpoint and writes "
+                              "final/" + (" and merged/" if self._config.get("merge_lora")
+                                          else "")) from None
+
     def announce_resume(self, step: int | None) -> None:
         """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
         if not self.resume or not self.writes:
             return
+        if self.final_dir.is_dir():  # and no merged/: `finished` said the run is not
+            print(f"{self.path} has final/ but not the merged/ it promised (the final save "
+                  "failed): the steps after the last checkpoint run again and write both",
+                  file=sys.stderr)
         if step is not None:
             print(f"resuming {self.path} from step {step}", file=sys.stderr)
         elif self.metrics_path.exists() or self.checkpoint_dir.exists():
@@ -266,6 +367,31 @@ def _writer_process() -> bool:
     """Whether this process will write the run directory, known before torchrun's group is
     joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
     return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
+
+
+def run_finished(path: str | Path) -> bool:
+    """True when everything the run in `path` promised is on disk: `final/`, and `merged/` when
+    its config.yaml (deleted: its newest checkpoint's record) asked for --merge-lora. With
+    neither readable, `final/` alone finishes it, as it did before merged/ was checked."""
+    path = Path(path)
+    if not (path / "final").is_dir():
+        return False
+    if (path / "merged").is_dir():
+        return True
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        saved = recorded_config(path / "checkpoints")
+    except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
+        saved = None
+    return not (isinstance(saved, dict) and saved.get("merge_lora"))
+
+
+def recorded(cfg: Any) -> dict[str, Any]:
+    """A config as a run directory records it: `stage` (the config class's STAGE, the command
+    that runs it; none for a config without one) first, then every field."""
+    stage = getattr(type(cfg), "STAGE", None)
+    return ({"stage": stage} if stage else {}) | config_to_dict(cfg)
 
 
 def _defaults(cfg: Any) -> dict[str, Any]:

@@ -26,9 +26,10 @@ def count_steps(n_rows: int, cfg: TrainConfig) -> int:
     return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
 
 
-def save_final(wrapped: nn.Module, d: distributed.Dist, owner: Any,
+def save_final(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, owner: Any,
                rebuild: Callable[[], tuple[Any, nn.Module]], save: Callable[[Any], None]) -> None:
-    """Rank 0 writes the final model with `save(owner)` while the other ranks wait.
+    """Rank 0 writes the final model with `save(owner)` while the other ranks wait; a full disk
+    there is one line saying how to complete the run (`RunDir.writing_final`).
 
     Under FSDP2 the trained model is sharded, so every rank gathers its full state dict and rank
     0 loads it into `rebuild()` = (a fresh unsharded owner, its module) before saving (one more
@@ -40,7 +41,8 @@ def save_final(wrapped: nn.Module, d: distributed.Dist, owner: Any,
             owner, module = rebuild()
             module.load_state_dict(state)
     if d.is_main:
-        save(owner)
+        with run_dir.writing_final():
+            save(owner)
     distributed.barrier(d)
 
 
@@ -82,7 +84,8 @@ def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
     if d.active:  # a signal may reach the ranks at different steps: all stop at the same one
         asked = not distributed.all_agree(not asked, d)
     if due or asked:
-        save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state)
+        save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state,
+                        config=run.checkpoint_config)
     if asked:
         raise interrupt.stop(step, str(run.checkpoint_dir))
 
@@ -98,6 +101,6 @@ def save_final_lm(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, lm: 
         fresh = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
         return fresh, fresh.model
 
-    save_final(wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
+    save_final(run_dir, wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
         owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
     run_dir.close()

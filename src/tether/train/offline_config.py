@@ -7,7 +7,7 @@ They live apart from the training loops, and import no torch, so that `--help` c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from tether.errors import TetherError
 from tether.run.config import RunConfig, require_positive
@@ -64,6 +64,8 @@ class TrainConfig(RunConfig):
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on {prompt, response}, {prompt, completion}, {messages} or {text} rows."""
 
+    STAGE: ClassVar[str] = "sft"  # the command; recorded in the run directory
+
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
     loss_on: Literal["all", "last"] = "all"
@@ -73,6 +75,8 @@ class SFTConfig(TrainConfig):
 @dataclass(kw_only=True)
 class RMConfig(TrainConfig):
     """Reward model on {prompt, chosen, rejected} rows (start from the SFT model)."""
+
+    STAGE: ClassVar[str] = "rm"  # the command; recorded in the run directory
 
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
@@ -104,6 +108,8 @@ class RMConfig(TrainConfig):
 @dataclass(kw_only=True)
 class DPOConfig(TrainConfig):
     """DPO / IPO on {prompt, chosen, rejected} rows (start from the SFT model)."""
+
+    STAGE: ClassVar[str] = "dpo"  # the command; recorded in the run directory
 
     lr: float = 5e-7
     """Peak learning rate (AdamW); DPO wants a small one (Rafailov et al. 2023 use 5e-7)."""

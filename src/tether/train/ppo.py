@@ -376,8 +376,9 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
             fresh = lm.model.state_dict()
             lm.model.load_state_dict({k: v for k, v in state.items() if k in fresh})
     if setup.dist.is_main:
-        save_trained_lm(lm, setup.tokenizer, rundir.final_dir,
-                        rundir.merged_dir if cfg.merge_lora else None, cfg.temperature)
+        with rundir.writing_final():  # a full disk: one line saying how to complete the run
+            save_trained_lm(lm, setup.tokenizer, rundir.final_dir,
+                            rundir.merged_dir if cfg.merge_lora else None, cfg.temperature)
         rundir.close()
     barrier(setup.dist)
 
@@ -387,7 +388,7 @@ def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
     """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
-                     "score_norm": normalizer.state_dict()})
+                     "score_norm": normalizer.state_dict()}, config=rundir.checkpoint_config)
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],

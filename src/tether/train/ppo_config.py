@@ -7,7 +7,7 @@ Units: a *batch* is one rollout of `batch_size` prompts followed by its PPO epoc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from tether.errors import TetherError
 from tether.run.config import RunConfig, check_stop_strings, require_positive
@@ -16,6 +16,8 @@ from tether.run.config import RunConfig, check_stop_strings, require_positive
 @dataclass(kw_only=True)
 class PPOConfig(RunConfig):
     """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
+
+    STAGE: ClassVar[str] = "ppo"  # the command; recorded in the run directory
 
     run_name: str = "ppo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
@@ -269,6 +271,8 @@ class RLOOConfig(PPOConfig):
     """RLOO (Ahmadian et al. 2024): k responses per prompt, each baselined by the mean reward of
     the other k - 1; no critic; the KL in the reward (k1), as in PPO."""
 
+    STAGE: ClassVar[str] = "rloo"  # the command; recorded in the run directory
+
     run_name: str = "rloo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
     advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "rloo"
@@ -284,6 +288,8 @@ class GRPOConfig(PPOConfig):
     """GRPO (Shao et al. 2024): k responses per prompt, advantages centred on the group mean and
     scaled by its std (--scale-rewards none: Dr. GRPO, Liu et al. 2025); no critic; the KL in the
     loss as a per-token mean, with k3 x ratio (whose gradient is KL(pi || pi_ref)'s) by default."""
+
+    STAGE: ClassVar[str] = "grpo"  # the command; recorded in the run directory
 
     run_name: str = "grpo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""

@@ -193,7 +193,7 @@ def run(cfg: RMConfig) -> RunResult:
         if cfg.merge_lora:
             owner.save_merged(run_dir.merged_dir, tokenizer)
 
-    save_final(wrapped, d, model, rebuild, save)
+    save_final(run_dir, wrapped, d, model, rebuild, save)
     run_dir.close()
     return RunResult(run_dir.final_dir, metrics | final)
 

@@ -1,0 +1,147 @@
+"""Atomic writes: a crash mid-write never leaves a half-written file where a good one was.
+
+Every file goes to a temp name in the same directory, is fsynced, then `os.replace`d; a directory
+(a checkpoint, a final model) is written whole under a temp name and renamed once complete.
+
+Modes: a temp name is created owner-only (mkstemp 0600, mkdtemp 0700, and safetensors writes its
+files 0600 too), so every file and directory is given the mode a plain `open` or `mkdir` would
+give it under the process umask before it is renamed into place (`created_mode`): on a shared
+machine the group reads a run's models as it reads its metrics.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it: Linux says it in /proc/self/status; elsewhere
+    it is set and put back, once (the only way there), and remembered."""
+    global _UMASK_FALLBACK
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    if _UMASK_FALLBACK is None:
+        _UMASK_FALLBACK = os.umask(0o077)
+        os.umask(_UMASK_FALLBACK)
+    return _UMASK_FALLBACK
+
+
+_UMASK_FALLBACK: int | None = None
+
+
+def created_mode(directory: bool = False) -> int:
+    """The mode `open` (0o666) or `mkdir` (0o777) gives a new file or directory under the umask."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same directory, fsync, then rename. The file
+    keeps the mode of the one it replaces, else gets `created_mode` (not mkstemp's 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mode = created_mode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+# What a user fixes on their side (space, quota, permissions), not a bug: one line, not a traceback.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG)
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """Why a write failed when it is the disk's fault ("No space left on device"), else None.
+    safetensors raises its own SafetensorError, not an OSError, for the same failure
+    ("Error while serializing: I/O error: No space left on device (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.strerror if exc.errno in WRITE_ERRNOS else None
+    found = re.search(r"os error (\d+)", str(exc)) if isinstance(exc, SafetensorError) else None
+    code = int(found.group(1)) if found else None
+    return os.strerror(code) if code in WRITE_ERRNOS else None
+
+
+def follow_umask(root: str | Path) -> None:
+    """Give `root` and every file and directory under it the modes of `created_mode` (a tree
+    written under a temp name, or by a library that writes owner-only, like safetensors).
+    Symbolic links are left alone (chmod would follow them out of the tree)."""
+    root = Path(root)
+    file_mode, dir_mode = created_mode(), created_mode(directory=True)
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            continue
+        os.chmod(path, dir_mode if path.is_dir() else file_mode)
+    os.chmod(root, dir_mode)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written `tmp` directory to `out`: fsync its files, give them and `tmp` the
+    modes of `created_mode` (mkdtemp made it 0700), rename, fsync the parent.
+
+    An old `out` is moved aside first and deleted only once the new one is in place, so a crash
+    leaves either the old directory or the new one, never a half-written one.
+    """
+    for path in tmp.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    follow_umask(tmp)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Save tensors as safetensors, atomically."""
+    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON, atomically."""
+    atomic_write_bytes(path, json.dumps(obj, indent=2).encode("utf-8"))
