@@ -74,6 +74,9 @@ PPO_VARIANTS = {  # run name -> controller settings; the leash is the only diffe
 # The PPO runs' sampling settings, which every offline evaluation reuses (tether.rl.evaluation): the
 # SFT model scored offline then gives exactly the numbers each PPO run logs at step 0.
 PPO_BATCH, MAX_NEW_TOKENS = 32, 20
+# The gold reward, named (not passed as a Python object) so each run's config.yaml records it and
+# a run re-made from that file is scored on gold too.
+GOLD_FN = "tether.demo.task:gold_reward"
 
 
 def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
@@ -86,9 +89,9 @@ def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rew
         reward_model=reward_model, prompts=paths["prompts"], eval_prompts=paths["eval_prompts"],
         batch_size=PPO_BATCH, total_episodes=PPO_BATCH * cfg.ppo_batches,
         max_new_tokens=MAX_NEW_TOKENS, lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4,
-        eval_every=max(1, cfg.ppo_batches // 20), save_every=0, sample_every=0,
-        **PPO_VARIANTS[name](cfg))
-    ppo.run(ppo_cfg, gold_fn=task.gold_reward)
+        gold_fn=GOLD_FN, eval_every=max(1, cfg.ppo_batches // 20), save_every=0,
+        sample_every=0, **PPO_VARIANTS[name](cfg))
+    ppo.run(ppo_cfg)
     return read_curve(root / run_name, name, seed)
 
 
@@ -136,9 +139,9 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     from tether.tools.config import EvalConfig
 
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
-                          reward_model=reward_model, batch_size=PPO_BATCH,
+                          reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device)
-    result = evaluate.run(eval_cfg, gold_fn=task.gold_reward, write=False)
+    result = evaluate.run(eval_cfg, write=False)
     return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
                  {0: result.samples})
 
@@ -163,7 +166,7 @@ def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
 
     grid = {"name": "sweep", "output_dir": str(root), "seeds": [cfg.seed], "ppo": {
         "policy": policy, "reward_model": reward_model, "prompts": paths["prompts"],
-        "eval_prompts": paths["eval_prompts"], "gold_fn": "tether.demo.task:gold_reward",
+        "eval_prompts": paths["eval_prompts"], "gold_fn": GOLD_FN,
         "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * cfg.sweep_batches,
         "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
         "ppo_epochs": 4, "save_every": 0,

@@ -37,3 +37,11 @@ def reference_model(lm: TrainableLM, ref_model: str, tokenizer, dtype: str = "fl
     if lm.peft is not None:
         return freeze(AdapterView(lm.peft, lm.reference_adapter))
     return frozen_copy(lm.model)
+
+
+def check_reference(ref_model: str, tokenizer, trust_remote_code: bool = False) -> None:
+    """`--ref-model`'s path and vocabulary, from its tokenizer alone: a stage calls this before
+    any weights load, so a missing path or another vocabulary fails in seconds."""
+    if ref_model:
+        ref_tokenizer = load_tokenizer(ref_model, trust_remote_code=trust_remote_code)
+        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})

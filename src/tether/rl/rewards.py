@@ -7,9 +7,13 @@ decoded response and the prompt as its row gave it (plain text, or the chat mess
 reward model renders with its own template), tokenised by its own tokenizer.
 
 A reward function is any callable `(prompts: list[str], responses: list[str]) -> list[float]`,
-named on the command line as `module:function` or `path/to/file.py:function`. Whatever it does
-wrong (raises, returns NaN, the wrong count, not numbers) stops the run with one line that names
-the function and the fix, before anything of the batch reaches the optimiser.
+named on the command line as `module:function` or `path/to/file.py:function`; loading it runs
+the named file's code, as `python` would (the current directory first on the import path, as
+`python -m` puts it, so `--gold-fn task:gold` finds ./task.py from the `tether` command too).
+Whatever it does wrong (raises, calls `sys.exit`, returns NaN, the wrong count, an unordered set
+or anything but numbers in order) stops the run with one line that names the function, where it
+failed and the fix, before anything of the batch reaches the optimiser. Ctrl-C inside it is the
+user's, not the function's: it stops the run as anywhere else.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
+import os
+import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +50,16 @@ Prompt = str | list[dict]
 
 
 def load_reward_function(spec: str) -> RewardFn:
-    """Import `module:function` (or `file.py:function`) and return the callable."""
+    """Import `module:function` (or `file.py:function`) and return the callable.
+
+    This runs the module's code. A module name is found as `python -m` finds one: the current
+    directory first on the import path (the `tether` script's own path does not hold it), so
+    ./task.py is `task:gold` from any launcher, and a file's own imports find its neighbours."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise TetherError(f"reward function {spec!r} must look like module:function or "
                           "path/to/file.py:function")
+    _current_directory_first()
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
@@ -59,14 +72,40 @@ def load_reward_function(spec: str) -> RewardFn:
             module = importlib.import_module(module_name)
     except TetherError:
         raise
-    except Exception as exc:  # an import error of the user's module, whatever its type
+    except (Exception, SystemExit) as exc:  # the user's module, whatever it raised (not Ctrl-C)
+        own = str(Path(module_name).resolve()) if module_name.endswith(".py") else None
         raise TetherError(f"cannot import {module_name} for reward function {spec!r}: "
-                          f"{type(exc).__name__}: {exc}; check the module is on PYTHONPATH") from None
+                          f"{_raised(exc, own)}; fix the module (and check it is on the import "
+                          "path: the current directory or PYTHONPATH)") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise TetherError(f"{module_name} has no callable named {attr!r}; fix the function name "
                           f"in {spec!r}")
     return fn
+
+
+def _current_directory_first() -> None:
+    """Put the current directory first on sys.path, as `python -m` does (the `tether` console
+    script starts with its own bin directory there instead); kept, so that imports the function
+    makes when called resolve as they did when it was loaded."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def _raised(exc: BaseException, own_file: str | None = None) -> str:
+    """`ValueError: message (at task.py:12)`: what the user's code raised and where, the one
+    line of its traceback worth reading: the innermost in `own_file` (the function's own file),
+    else the innermost of all. The whole traceback stays on the TetherError's __cause__."""
+    what = (f"SystemExit({exc.code!r}): it called sys.exit" if isinstance(exc, SystemExit)
+            else f"{type(exc).__name__}: {exc}")
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if own_file and f.filename == own_file]
+    if own or frames:
+        frame = (own or frames)[-1]
+        where = os.path.relpath(frame.filename)
+        what += f" (at {frame.filename if where.startswith('..') else where}:{frame.lineno})"
+    return what
 
 
 def function_name(fn: Callable) -> str:
@@ -75,26 +114,23 @@ def function_name(fn: Callable) -> str:
 
 def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
                          what: str = "reward function") -> torch.Tensor:
-    """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message."""
+    """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message.
+
+    It must return scores in the responses' order: a list or tuple, or a 1-D tensor or array,
+    of finite real numbers (bools count as 0 and 1), one per response. A set, a dict, a
+    generator or a string is refused: their order, or their items, are not the responses'."""
     name = function_name(fn)
-    fix = "it must return one finite float per response"
+    fix = "it must return a list of one finite float per response, in their order"
     try:
         scores = fn(list(prompts), list(responses))
-    except Exception as exc:  # the user's code: report it as an input problem, on one line
-        raise TetherError(f"{what} {name} raised {type(exc).__name__}: {exc}; fix the function "
-                          f"({fix}); checkpoints written so far are intact") from exc
-    returned = f"{type(scores).__name__} {str(scores)[:60]}"
-    try:
-        # float() would take a dict's keys, or the string "1.5": both score the wrong thing
-        if isinstance(scores, (dict, str, bytes)):
-            raise TypeError
-        scores = list(scores)
-        if any(isinstance(s, (str, bytes)) for s in scores):
-            raise TypeError
-        values = [float(s) for s in scores]
-    except (TypeError, ValueError):
-        raise TetherError(f"{what} {name} returned {returned}, not a list of numbers; "
-                          f"{fix}") from None
+    except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
+        own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+        raise TetherError(f"{what} {name} raised {_raised(exc, own)}; fix the function ({fix}); "
+                          "checkpoints written so far are intact") from exc
+    values = _ordered_numbers(scores)
+    if values is None:
+        raise TetherError(f"{what} {name} returned {_shown(scores)}, not a list of numbers in "
+                          f"the responses' order; {fix}")
     if len(values) != len(responses):
         raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
                           f"responses; {fix}")
@@ -103,6 +139,35 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
         raise TetherError(f"{what} {name} returned a non-finite score ({values[bad[0]]}) for "
                           f"response {bad[0]}; {fix}")
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _ordered_numbers(scores: Any) -> list[float] | None:
+    """The scores as floats, or None unless they are real numbers in a defined order: a list or
+    tuple (not a str, whose characters float() would read), or a 1-D tensor or array."""
+    if isinstance(scores, (list, tuple)):
+        items = list(scores)
+    elif getattr(scores, "ndim", None) == 1 and hasattr(scores, "tolist"):  # tensor, ndarray
+        items = scores.tolist()
+    else:  # a set or dict (no order of the responses'), a generator, a string, a scalar, None
+        return None
+    if not all(_is_real(s) for s in items):
+        return None
+    return [float(s) for s in items]
+
+
+def _is_real(value: Any) -> bool:
+    """A real number: int, float, bool, a numpy scalar, or a 0-d tensor or array of one."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return isinstance(value, numbers.Real)
+
+
+def _shown(value: Any) -> str:
+    """What a function returned, in a few words (and why a set cannot do)."""
+    text = f"{type(value).__name__} {str(value)[:60]}"
+    if isinstance(value, (set, frozenset)):
+        text += " (a set has no order: its scores would go to the wrong responses)"
+    return text
 
 
 def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_model: str) -> None:

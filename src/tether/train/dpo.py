@@ -38,7 +38,7 @@ from tether.models.pretrained import (
     load_tokenizer,
     load_trainable_lm,
 )
-from tether.models.reference import reference_model
+from tether.models.reference import check_reference, reference_model
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.config import parse_config
@@ -161,6 +161,7 @@ def run(cfg: DPOConfig) -> RunResult:
     rows = load_rows(cfg.data, cfg.split)
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
                                          cfg.data)
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)  # before any weights load
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded

@@ -30,7 +30,7 @@ from tether.models.prepare import (
     fuse_gelu,
 )
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
-from tether.models.reference import reference_model
+from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines.mismatch import Correction
@@ -134,22 +134,24 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     for name in ("policy", "prompts"):
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
+    # What needs no model first, cheapest first: a bad flag, function, file or path fails in
+    # seconds, before anything large loads (the reward and gold functions need no tokenizer).
+    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+    if reward_fn is None and cfg.reward_fn:
+        reward_fn = load_reward_function(cfg.reward_fn)
+    if gold_fn is None and cfg.gold_fn:
+        gold_fn = load_reward_function(cfg.gold_fn)
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
     check_world(cfg, d)
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
-    # What needs no model first: a bad file or flag fails before anything large loads.
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     if cfg.eval_prompts:  # checked now; encoded for use once the EOS set is known (below)
         load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
-    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
     if cfg.reward_model:  # what kind of reward model it is, from its config alone
         reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
-    if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_function(cfg.reward_fn)
-    if gold_fn is None and cfg.gold_fn:
-        gold_fn = load_reward_function(cfg.gold_fn)
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.policy, lora, cfg.trust_remote_code)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
