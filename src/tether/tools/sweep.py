@@ -6,27 +6,32 @@
                                      DPO/IPO policy then scored by `tether eval` as PPO scores its
                                      own; --jobs N: N worker processes, each calling `execute_run`
     resume                           finished runs are kept, broken ones --resume from their
-                                     checkpoint
+                                     checkpoint; a run whose recorded config is not what the grid
+                                     gives it now is refused first (check_recorded)
     sweep_report.write()             results.csv and report.html: frontier, Gao fit, which beta
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
+from tether.rl.rewards import load_reward_function
 from tether.run import lock
-from tether.run.config import config_from_dict, parse_config
+from tether.run.config import config_from_dict, config_to_dict, parse_config
+from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, SweepConfig
-from tether.tools.sweep_plan import PlannedRun, Sweep, config_class, plan, state
+from tether.tools.sweep_plan import PlannedRun, Sweep, config_class, plan, state, unplanned
 from tether.tools.sweep_report import write
 from tether.train import dpo, ppo
 
@@ -46,6 +51,91 @@ def execute_run(run: PlannedRun) -> None:
     except AlreadyFinished:  # trained before; only its evaluation was missing
         pass
     evaluate.run(config_from_dict(EvalConfig, run.eval_fields))
+
+
+# What locates a run rather than shapes it; with rundir's harmless fields, never a "change".
+NOT_A_CHANGE = {"run_name", "output_dir", *HARMLESS_ON_RESUME, *NOT_COMPARED}
+
+
+def _as_path(value: str) -> str:
+    """A path (or a `file.py:function`) made absolute: a run may record a path absolute where
+    the grid gives it relative to the directory the sweep is started from."""
+    file, colon, function = value.rpartition(":") if value.count(":") == 1 else ("", "", value)
+    return str(Path(file or function).expanduser().resolve()) + (colon + function if file else "")
+
+
+def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
+                 record: str, locating: tuple[str, ...] = ()) -> list[str]:
+    """`field: saved -> planned` for each field that changes the result; a field tether gained
+    after the run was made is no change while it keeps its default (rundir's resume rule)."""
+    if not isinstance(saved, dict):
+        return [f"its {record} cannot be read"]
+    out = []
+    for key, value in planned.items():
+        old = saved.get(key, defaults.get(key, value))
+        same = old == value or (isinstance(old, str) and isinstance(value, str) and old and value
+                                and _as_path(old) == _as_path(value))
+        if key not in NOT_A_CHANGE and key not in locating and not same:
+            out.append(f"{key}: {old!r} -> {value!r}")
+    return out
+
+
+def _read(path: Path, loads) -> Any:
+    try:
+        return loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+
+
+def _recorded_changes(run: PlannedRun) -> list[str]:
+    """How the run's directory differs from what the grid gives it now: its config.yaml against
+    the planned config, and a DPO/IPO evaluation's eval.json against the planned eval settings."""
+    path = Path(run.fields["output_dir"]) / run.name
+    out = []
+    if (path / "config.yaml").is_file():
+        cfg = config_from_dict(config_class(run.stage), run.fields)
+        out += _differences(_read(path / "config.yaml", yaml.safe_load), config_to_dict(cfg),
+                            _defaults(cfg), "config.yaml")
+    if run.stage == "dpo" and (path / "eval.json").is_file():
+        record = _read(path / "eval.json", json.loads)
+        cfg = config_from_dict(EvalConfig, run.eval_fields)
+        diff = _differences(record.get("config") if isinstance(record, dict) else None,
+                            config_to_dict(cfg), _defaults(cfg), "eval.json",
+                            locating=("model", "output"))  # the run's own final/ and eval.json
+        out += [d if d.startswith("its ") else f"evaluation {d}" for d in diff]
+    return out
+
+
+def _defaults(cfg: Any) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cfg)
+            if f.default is not dataclasses.MISSING}
+
+
+def _in_use(run: PlannedRun) -> bool:
+    """Whether another process holds the run's directory: what it records is in flux, and the
+    run's own lock refuses that run alone when its turn comes (docs/frontier.md)."""
+    try:
+        lock.probe(Path(run.fields["output_dir"]) / run.name, "run directory", "")
+    except TetherError:
+        return True
+    return False
+
+
+def check_recorded(sweep: Sweep) -> None:
+    """Refuse a grid changed under runs already in the sweep directory (finished or broken):
+    their results would be reported as the new grid's. Reads only; new runs are no change."""
+    changed = {run.name: diff for run in sweep.runs
+               if (diff := _recorded_changes(run)) and not _in_use(run)}
+    if not changed:
+        return
+    shown = [f"{name} ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''})"
+             for name, diff in list(changed.items())[:3]]
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    raise TetherError(
+        f"the grid changed under {len(changed)} run(s) already in {sweep.root}: "
+        f"{', '.join(shown)}{more}; to keep them, give the new grid another 'name:' or "
+        "--output-dir; to redo them under this grid, delete those run directories (for an "
+        "evaluation alone, its eval.json); or restore the grid's old values")
 
 
 def _save_plan(sweep: Sweep) -> None:
@@ -129,7 +219,9 @@ def _run_workers(sweep: Sweep, todo: list[PlannedRun], jobs: int,
                 progress.done += 1
                 progress.say(f"{name} finished")
             else:
-                lines = (sweep.root / "logs" / f"{name}.log").read_text().strip().splitlines()
+                log_text = (sweep.root / "logs" / f"{name}.log").read_text(encoding="utf-8",
+                                                                          errors="replace")
+                lines = log_text.strip().splitlines()
                 failures[name] = lines[-1] if lines else f"exit code {proc.returncode}"
                 progress.failed += 1
                 progress.say(f"{name} failed: {failures[name]} (logs/{name}.log)")
@@ -141,7 +233,13 @@ def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
 
     One sweep at a time per directory (tether.run.lock): a second one would truncate the first's
     logs/<run>.log and plan files, and each of its runs would be refused by that run's own lock.
+    A grid changed under runs already there is refused before anything is written.
     """
+    check_recorded(sweep)
+    left_out = unplanned(sweep)
+    if left_out:
+        print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
+              f"are, left out of the report: {', '.join(left_out)}", flush=True)
     sweep.root.mkdir(parents=True, exist_ok=True)
     held = lock.acquire(sweep.root, "sweep directory",
                         "wait for it to finish or give this one another name or --output-dir")
@@ -158,12 +256,25 @@ def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
             held.release()
 
 
+def check_functions(sweep: Sweep) -> None:
+    """Import every reward and gold function the grid names, before any run starts: a DPO/IPO
+    run's evaluation would otherwise meet a bad `gold_fn` only after its training."""
+    specs = {fields.get(name) for run in sweep.runs for fields in (run.fields, run.eval_fields)
+             for name in ("reward_fn", "gold_fn")}
+    for spec in sorted(spec for spec in specs if spec):
+        try:
+            load_reward_function(spec)
+        except TetherError as exc:
+            raise TetherError(f"grid: {exc}") from None
+
+
 def cli(argv: list[str]) -> int:
     """`tether sweep GRID.yaml [--jobs N] [--output-dir DIR]`."""
     if argv and not argv[0].startswith("--"):
         argv = ["--grid", *argv]
     cfg = parse_config(SweepConfig, argv, prog="tether sweep")
     sweep = plan(cfg.grid, cfg.output_dir or None)
+    check_functions(sweep)  # before anything is written
     failures = execute(sweep, cfg.jobs)
     path, summary = write(sweep, failures)
     print(summary)

@@ -20,12 +20,15 @@ The grid file::
     eval: {}                    # EvalConfig fields for the DPO/IPO evaluations (default: PPO's)
 
 A field whose own type is a list (e.g. stop_strings) is an axis only when given a list of lists.
-Every bad field fails here, before any run starts. The configs are imported by name, so planning
-imports no torch.
+Every bad field fails here, before any run starts, and so does a grid point given twice (`beta:
+[0.1, 0.1]`, `[1, 1.0]`, `seeds: [0, 0]`: one run trained twice and counted as two seeds). Run
+names are distinct by construction (`_axis_slugs`), so no two runs, and no two `--jobs` workers,
+share a directory. The configs are imported by name, so planning imports no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
 import re
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.errors import TetherError
-from tether.run.config import check_run_name, config_from_dict, load_yaml
+from tether.run.config import check_run_name, config_from_dict, config_to_dict, load_yaml
 from tether.tools.config import EvalConfig
 
 STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
@@ -80,6 +83,20 @@ def _slug(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9.+]", "_", f"{value:g}" if isinstance(value, float) else str(value))
 
 
+def _axis_slugs(values: list) -> list[str]:
+    """Each axis value's part of the run names, distinct by construction. Where two values would
+    read alike (0.1234567 and 0.1234568 are both 0.123457 under :g; 'a/b' and 'a_b'; 'A' and 'a'
+    on a case-insensitive disk), a float is written in full (repr), then anything still alike
+    gets 6 hex digits of its value's hash. Values that read apart keep their plain names."""
+    slugs = [_slug(v) for v in values]
+    for precise in (lambda v, s: _slug(repr(v)) if isinstance(v, float) else s,
+                    lambda v, s: f"{s}_{hashlib.sha256(repr(v).encode()).hexdigest()[:6]}"):
+        lowered = [s.lower() for s in slugs]
+        slugs = [precise(v, s) if lowered.count(s.lower()) > 1 else s
+                 for v, s in zip(values, slugs)]
+    return slugs  # still alike only for equal values: _stage_runs refuses those as a repeat
+
+
 def _split_axes(stage: str, block: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list]]:
     """(fixed fields, axes) of a stage block; a list is an axis unless the field is list-typed."""
     if not isinstance(block, dict):
@@ -94,7 +111,8 @@ def _split_axes(stage: str, block: dict[str, Any]) -> tuple[dict[str, Any], dict
             raise TetherError(f"grid: '{key}' is set by the sweep for each run; remove it from "
                               f"the '{stage}' block")
         list_typed = typing.get_origin(hints[key]) in (list, tuple)
-        is_axis = isinstance(value, list) and (not list_typed or
+        # `stop_strings: []` is the field's value (no stop strings), not an axis without values
+        is_axis = isinstance(value, list) and (not list_typed or bool(value) and
                                                all(isinstance(v, list) for v in value))
         if is_axis and not value:
             raise TetherError(f"grid: {stage} axis '{key}' is an empty list; give it values")
@@ -103,17 +121,44 @@ def _split_axes(stage: str, block: dict[str, Any]) -> tuple[dict[str, Any], dict
 
 
 def _stage_runs(stage: str, block: dict, seeds: list[int], root: Path) -> list[PlannedRun]:
+    """One run per grid point and seed, each config checked; a point given twice is refused."""
     fixed, axes = _split_axes(stage, block)
-    runs = []
-    for values in itertools.product(*axes.values()):
-        point = dict(zip(axes, values))
-        label = "-".join(f"{k}{_slug(v)}" for k, v in point.items())
+    slugs = {key: _axis_slugs(values) for key, values in axes.items()}
+    runs, seen = [], {}  # seen: the config (run name aside) -> the grid point that gave it
+    for index in itertools.product(*(range(len(values)) for values in axes.values())):
+        point = {key: axes[key][i] for key, i in zip(axes, index)}
+        label = "-".join(f"{key}{slugs[key][i]}" for key, i in zip(axes, index))
         for seed in seeds:
             name = f"{stage}-{label}-seed{seed}" if label else f"{stage}-seed{seed}"
             check_run_name(name)
             fields = {**fixed, **point, "seed": seed, "run_name": name, "output_dir": str(root)}
+            same = _config_key(stage, name, fields)
+            if same in seen:
+                raise TetherError(_repeat_message(stage, axes, seen[same], index))
+            seen[same] = index
             runs.append(PlannedRun(name, stage, seed, point, fields))
     return runs
+
+
+def _config_key(stage: str, name: str, fields: dict[str, Any]) -> str:
+    """The run's checked config as the stage will see it (1 and 1.0 alike), its name aside."""
+    try:
+        cfg = config_to_dict(config_from_dict(config_class(stage), fields))
+    except TetherError as exc:
+        raise TetherError(f"grid: {name}: {exc}") from None
+    return repr(sorted((k, v) for k, v in cfg.items() if k != "run_name"))
+
+
+def _repeat_message(stage: str, axes: dict[str, list], first: tuple, again: tuple) -> str:
+    differ = [(key, axes[key][i], axes[key][j]) for key, i, j in zip(axes, first, again) if i != j]
+    names = ", ".join(f"'{key}'" for key, _, _ in differ)
+    if len(differ) == 1:
+        said = f"axis {names} lists one setting twice ({differ[0][1]!r} and {differ[0][2]!r})"
+    else:
+        said = f"axes {names} list one setting twice (" + "; ".join(
+            f"{key}: {a!r} and {b!r}" for key, a, b in differ) + ")"
+    return (f"grid: {stage} {said}, so two runs would train the same thing (and the report "
+            "count it as two seeds); remove the repeat")
 
 
 def _ppo_defaults(runs: list[PlannedRun]) -> None:
@@ -147,10 +192,13 @@ def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None
                                   " (in the ppo block or in eval)")
 
 
-def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
-    """Read and check the grid file; every bad field fails here, before any run starts."""
+def _read_grid(grid_path: str) -> dict[str, Any]:
+    """The grid file's top level, its shape checked: a mapping of known keys, each of its type."""
     grid = load_yaml(grid_path)
-    unknown = sorted(set(grid) - set(TOP_KEYS))
+    if not isinstance(grid, dict):
+        raise TetherError(f"grid {grid_path} must be a YAML mapping of {', '.join(TOP_KEYS)} "
+                          f"(got {type(grid).__name__}); see docs/frontier.md for its format")
+    unknown = sorted(set(grid) - set(TOP_KEYS), key=str)
     if unknown:
         raise TetherError(f"grid {grid_path}: unknown key '{unknown[0]}'; allowed: "
                           f"{', '.join(TOP_KEYS)}")
@@ -160,24 +208,57 @@ def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
     if not isinstance(seeds, list) or not seeds or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise TetherError(f"grid {grid_path}: 'seeds' must be a non-empty list of integers")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, so two runs would "
+                          "train the same thing (and the report count it as two seeds); remove "
+                          "the repeat")
+    for key, kinds, what in (("name", (str, int), "a plain name"), ("output_dir", (str,), "a path"),
+                             ("eval", (dict, type(None)), "a mapping of eval fields")):
+        value = grid.get(key)
+        if key in grid and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise TetherError(f"grid {grid_path}: '{key}' must be {what}, got {value!r}")
+    return grid
+
+
+def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
+    """Read and check the grid file; every bad field fails here, before any run starts."""
+    grid = _read_grid(grid_path)
+    seeds = grid.get("seeds", [0])
     name = str(grid.get("name", Path(grid_path).stem))
     check_run_name(name)
-    root = Path(output_dir or grid.get("output_dir", "runs")) / name
+    # `~` as a shell would: YAML and a quoted --output-dir pass it through as a literal folder
+    root = Path(output_dir or grid.get("output_dir", "runs")).expanduser() / name
     runs, axes = [], {}
     for stage in ("ppo", "dpo"):
         if grid.get(stage):
             stage_runs = _stage_runs(stage, grid[stage], seeds, root)
             axes[stage] = list(stage_runs[0].point) if stage_runs else []
             runs += stage_runs
+    names = {run.name.lower() for run in runs}  # distinct by construction (_axis_slugs), and
+    assert len(names) == len(runs), "two planned runs share a directory"  # checked: one dir each
     _ppo_defaults(runs)
     _dpo_eval(runs, grid.get("ppo") or {}, grid.get("eval") or {})
     return Sweep(root, runs, axes)
 
 
+def unplanned(sweep: Sweep) -> list[str]:
+    """Run directories in the sweep directory that the grid no longer plans (points or seeds
+    taken out of it): kept on disk as they are, left out of the report."""
+    planned = {run.name for run in sweep.runs}
+    if not sweep.root.is_dir():
+        return []
+    return sorted(p.name for p in sweep.root.iterdir()
+                  if p.name not in planned and (p / "config.yaml").is_file())
+
+
 def state(run: PlannedRun) -> str:
-    """done (final model, and for DPO/IPO its evaluation), broken (started, unfinished) or new."""
+    """done (final model, merged/ too with merge_lora, and for DPO/IPO its evaluation), broken
+    (started, unfinished: --resume completes it) or new. As RunDir.finished, read off the plan."""
     path = Path(run.fields["output_dir"]) / run.name
-    finished = (path / "final").exists() and (run.stage != "dpo" or (path / "eval.json").exists())
+    finished = ((path / "final").exists()
+                and (not run.fields.get("merge_lora") or (path / "merged").exists())
+                and (run.stage != "dpo" or (path / "eval.json").exists()))
     return "done" if finished else "broken" if path.exists() else "new"
 
 

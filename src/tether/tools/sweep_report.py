@@ -35,7 +35,7 @@ from tether.tools.report import (
     relative_link,
     write_page,
 )
-from tether.tools.sweep_plan import PlannedRun, Sweep, state
+from tether.tools.sweep_plan import PlannedRun, Sweep, state, unplanned
 
 METRICS = {"kl": "eval/kl", "kl_exact": "eval/kl_exact", "proxy": "eval/score",
            "gold": "eval/gold_score"}
@@ -301,6 +301,11 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         summary += f"\nrecommended beta {rec.beta:g} ({rec.label}): {rec.evidence}"
     body = [f"<p>{len(points)} of {len(sweep.runs)} runs finished; every point is in "
             f"<a href='{relative_link(sweep.root / 'results.csv', page_dir)}'>results.csv</a>.</p>"]
+    left_out = unplanned(sweep)
+    if left_out:  # points or seeds taken out of the grid: the report is the grid's, as it is now
+        body.append(f"<p id='left-out' class='note'>{len(left_out)} run(s) in the sweep directory "
+                    "are not in this grid and are left out: "
+                    f"{html.escape(', '.join(left_out))}.</p>")
     if failures:
         body.append("<ul id='failures'>" + "".join(
             f"<li class='fails'><b>{html.escape(n)}</b>: {html.escape(e)}</li>"
