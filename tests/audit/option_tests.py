@@ -55,6 +55,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "sft:save_every": [OFFLINE + "test_where_when_and_what_a_run_writes[sft]"],
     "sft:report_to": [OFFLINE + "test_where_when_and_what_a_run_writes[sft]"],
     "sft:device": [STAGES_T + "test_device_is_used[sft]"],
+    "sft:threads": [STAGES_T + "test_threads_is_used[sft]", "tests/run/test_threads.py"],
     "sft:trust_remote_code": [STAGES_T + "test_trust_remote_code_reaches_the_loaders[sft]"],
     "sft:dtype": [STAGES_T + "test_mixed_precision_and_dtype[sft]"],
     "sft:lora_r": [
@@ -126,6 +127,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "rm:save_every": [OFFLINE + "test_where_when_and_what_a_run_writes[rm]"],
     "rm:report_to": [OFFLINE + "test_where_when_and_what_a_run_writes[rm]"],
     "rm:device": [STAGES_T + "test_device_is_used[rm]"],
+    "rm:threads": [STAGES_T + "test_threads_is_used[rm]", "tests/run/test_threads.py"],
     "rm:trust_remote_code": [STAGES_T + "test_trust_remote_code_reaches_the_loaders[rm]"],
     "rm:dtype": [STAGES_T + "test_mixed_precision_and_dtype[rm]"],
     "rm:lora_r": [
@@ -203,6 +205,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "dpo:report_to": [OFFLINE + "test_where_when_and_what_a_run_writes[dpo]"],
     "dpo:device": [STAGES_T + "test_device_is_used[dpo]"],
+    "dpo:threads": [STAGES_T + "test_threads_is_used[dpo]", "tests/run/test_threads.py"],
     "dpo:trust_remote_code": [STAGES_T + "test_trust_remote_code_reaches_the_loaders[dpo]"],
     "dpo:dtype": [STAGES_T + "test_mixed_precision_and_dtype[dpo]"],
     "dpo:lora_r": [
@@ -277,6 +280,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "online:report_to": [ONLINE + "test_where_when_and_what_the_online_loop_writes"],
     "online:device": [STAGES_T + "test_device_is_used[online]"],
+    "online:threads": [STAGES_T + "test_threads_is_used[online]", "tests/run/test_threads.py"],
     "online:trust_remote_code": [STAGES_T + "test_trust_remote_code_reaches_the_loaders[online]"],
     "online:dtype": [STAGES_T + "test_mixed_precision_and_dtype[online]"],
     "online:lora_r": [
@@ -465,7 +469,8 @@ def _tools_map() -> dict[str, list[str]]:
                 f"{tool}:seed": [TOOLS + seeded.format(tool)],
                 f"{tool}:device": [TOOLS + loaders.format(tool)],
                 f"{tool}:dtype": [TOOLS + loaders.format(tool)],
-                f"{tool}:trust_remote_code": [TOOLS + loaders.format(tool)]}
+                f"{tool}:trust_remote_code": [TOOLS + loaders.format(tool)],
+                f"{tool}:threads": [TOOLS + f"test_threads_is_used[{tool}]"]}
     out["generate:temperature"].append(TOOLS + "test_cold_generate_lengths_equal_greedy_decoding_by_hand")
     k_and_stop = [TOOLS + "test_generate_writes_k_samples_per_prompt_and_cuts_at_stop_strings[tiny_model_dir]",
                   TOOLS + "test_generate_writes_k_samples_per_prompt_and_cuts_at_stop_strings[tiny_llama_dir]"]

@@ -221,3 +221,16 @@ def test_dpo_ref_model_other_than_the_policy_moves_the_first_loss_off_ln2(tiny_m
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
     result, _ = offline_run("dpo", tiny_model_dir, tmp_path, ref_model=str(other))
     assert abs(result.metrics["train/loss"] - math.log(2)) > 1e-3
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_threads_is_used(stage, tiny_model_dir, tmp_path):
+    """--threads N sets torch's count; auto (0) gives the tiny model one thread (run/threads.py)."""
+    before = torch.get_num_threads()
+    try:
+        any_run(stage, tiny_model_dir, tmp_path, name="two", threads=2)
+        assert torch.get_num_threads() == 2
+        any_run(stage, tiny_model_dir, tmp_path, name="auto", threads=0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -309,3 +309,16 @@ def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, c
     assert len(started) == 4
     running = [int(x.split(" running")[0].split(", ")[-1]) for x in lines if " running" in x]
     assert max(running) == 3 and any("4 to run, 3 at a time" in x for x in lines)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_threads_is_used(tool, models, prompts, tmp_path):
+    """--threads N sets torch's count; auto (0) gives the tiny model one thread (run/threads.py)."""
+    before = torch.get_num_threads()
+    try:
+        run_tool(tool, models["tiny_model_dir"], prompts, tmp_path, "--threads", "2", name="two")
+        assert torch.get_num_threads() == 2
+        run_tool(tool, models["tiny_model_dir"], prompts, tmp_path, name="auto")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

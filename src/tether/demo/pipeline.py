@@ -234,7 +234,8 @@ def run(cfg: DemoConfig) -> Path:
                           "delete it to run again")
     started = time.perf_counter()
     if cfg.device == "cpu":
-        # Tiny models: intra-op threads cost more in hand-offs than they save (~10x slower here).
+        # Tiny models: one thread is never slower, and much faster on a busy machine
+        # (docs/benchmarks.md, "CPU threads"); every stage's --threads 0 agrees.
         torch.set_num_threads(1)
     # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
     from transformers.utils import logging as hf_logging

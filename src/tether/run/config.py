@@ -54,6 +54,8 @@ class RunConfig:
     # ---- model and device
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    threads: int = 0
+    """CPU threads per operation; 0 (auto): 1 for a model under 10M parameters on the CPU (more are slower there), else torch's default (one per core, or OMP_NUM_THREADS)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off unless you trust the source)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -88,7 +90,7 @@ class RunConfig:
         for name in ("log_every",):
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
-        require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
+        require_positive(self, "lora_r", "lora_dropout", "threads", allow_zero=True)
         require_positive(self, "lora_alpha")
         if self.lora_dropout >= 1:
             raise TetherError(f"config field 'lora_dropout' must be in [0, 1), got {self.lora_dropout}")

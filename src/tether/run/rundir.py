@@ -62,7 +62,7 @@ class RunResult:
 # Config fields whose change on --resume does not change what is trained (with
 # --resume-allow-changes); any other difference makes the resumed run a different run.
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
-                      "report_to", "fsdp")
+                      "threads", "report_to", "fsdp")
 NOT_COMPARED = ("resume", "resume_allow_changes", "stage")  # the stage: `_check_stage`
 IN_USE_FIX = "wait for it to finish or choose another --run-name"
 

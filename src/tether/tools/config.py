@@ -35,6 +35,8 @@ class SamplingConfig:
     """Seed of the sampling stream (a PPO run's --seed gives its evaluation's stream)."""
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    threads: int = 0
+    """CPU threads per operation; 0 (auto): 1 for a model under 10M parameters on the CPU (more are slower there), else torch's default (one per core, or OMP_NUM_THREADS)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the model weights are loaded in."""
     trust_remote_code: bool = False
@@ -47,6 +49,7 @@ class SamplingConfig:
     def validate(self) -> None:
         require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size",
                          "engine_kv_cache_mb")
+        require_positive(self, "threads", allow_zero=True)
         check_device(self.device)
 
 

@@ -39,6 +39,7 @@ from tether.rl.rewards import (
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
 from tether.run.launch import resolve_device
+from tether.run.threads import use_threads
 from tether.tools.config import EvalConfig
 from tether.tools.outputs import check_output, function_file
 
@@ -131,6 +132,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    use_threads(cfg.threads, policy, device)
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
                                device)
     reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)

@@ -21,6 +21,7 @@ from tether.rl.evaluation import eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.launch import resolve_device
+from tether.run.threads import use_threads
 from tether.tools.config import GenerateConfig
 from tether.tools.outputs import check_output
 
@@ -33,6 +34,7 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    use_threads(cfg.threads, policy, device)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model), cfg)
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
     # `tether eval` scores with the same settings.

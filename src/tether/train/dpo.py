@@ -47,6 +47,7 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
 from tether.train.offline_config import DPOConfig
 
@@ -171,6 +172,7 @@ def run(cfg: DPOConfig) -> RunResult:
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     disable_dropout(policy).to(d.device).train()  # DPO compares log-probs of fixed sequences
+    use_threads(cfg.threads, policy, d.device)
     ref_layout, make_ref_fn = _reference(cfg, lm, tokenizer, d)
     if cfg.gradient_checkpointing:  # after the reference copy: only the trained model recomputes
         enable_gradient_checkpointing(policy)

@@ -51,6 +51,7 @@ from tether.run.distributed import Dist
 from tether.run.launch import join
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.slicing import micro_rows
+from tether.run.threads import use_threads
 from tether.train.ppo_config import PPOConfig
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     disable_dropout(policy)
     fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
     policy.eval().to(device)
+    use_threads(cfg.threads, policy, device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
     reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, reward_fn, device)

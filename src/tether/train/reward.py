@@ -35,6 +35,7 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final, start_training
 from tether.train.offline_config import RMConfig
 
@@ -137,6 +138,7 @@ def run(cfg: RMConfig) -> RunResult:
     seed_everything(cfg.seed)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
+    use_threads(cfg.threads, model, d.device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)

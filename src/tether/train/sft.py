@@ -33,6 +33,7 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_micro_batches
+from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
 from tether.train.offline_config import SFTConfig
 
@@ -68,6 +69,7 @@ def run(cfg: SFTConfig) -> RunResult:
     seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     model = lm.model.to(d.device)  # with LoRA: the base with the adapter's layers injected
+    use_threads(cfg.threads, model, d.device)
     model.train()
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
