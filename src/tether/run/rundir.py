@@ -122,7 +122,7 @@ class RunDir:
         allow = bool(new.get("resume_allow_changes"))
         changes = None  # every rank refuses a resumed config that differs, before the lock is taken
         if self.resume:
-            changes = self._check_resumed(new, _defaults(cfg), allow)
+            changes = self._check_resumed(new, field_defaults(cfg), allow)
         self._claim()
         if not self.writes:  # the other ranks write nothing
             return self.config_path
@@ -130,7 +130,7 @@ class RunDir:
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
         if self.resume and changes is None:  # written by another run since the check above
-            changes = self._check_resumed(new, _defaults(cfg), allow)
+            changes = self._check_resumed(new, field_defaults(cfg), allow)
         if changes is not None:
             if changes:
                 with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
@@ -394,8 +394,15 @@ def recorded(cfg: Any) -> dict[str, Any]:
     return ({"stage": stage} if stage else {}) | config_to_dict(cfg)
 
 
-def _defaults(cfg: Any) -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+def field_defaults(cfg: Any) -> dict[str, Any]:
+    """Each field's default (a default factory's value too); fields without one are left out."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def progress(total: int, desc: str, initial: int = 0):

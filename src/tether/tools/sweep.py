@@ -27,8 +27,8 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.rewards import load_reward_function
 from tether.run import lock
-from tether.run.config import config_from_dict, config_to_dict, parse_config
-from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED
+from tether.run.config import config_from_dict, config_to_dict, parse_config, resolved_paths
+from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, SweepConfig
 from tether.tools.sweep_plan import PlannedRun, Sweep, config_class, plan, state, unplanned
@@ -57,24 +57,17 @@ def execute_run(run: PlannedRun) -> None:
 NOT_A_CHANGE = {"run_name", "output_dir", *HARMLESS_ON_RESUME, *NOT_COMPARED}
 
 
-def _as_path(value: str) -> str:
-    """A path (or a `file.py:function`) made absolute: a run may record a path absolute where
-    the grid gives it relative to the directory the sweep is started from."""
-    file, colon, function = value.rpartition(":") if value.count(":") == 1 else ("", "", value)
-    return str(Path(file or function).expanduser().resolve()) + (colon + function if file else "")
-
-
 def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
                  record: str, locating: tuple[str, ...] = ()) -> list[str]:
     """`field: saved -> planned` for each field that changes the result; a field tether gained
     after the run was made is no change while it keeps its default (rundir's resume rule)."""
     if not isinstance(saved, dict):
         return [f"its {record} cannot be read"]
+    resolved = resolved_paths(saved)  # a path recorded relative to here is the same path
     out = []
     for key, value in planned.items():
-        old = saved.get(key, defaults.get(key, value))
-        same = old == value or (isinstance(old, str) and isinstance(value, str) and old and value
-                                and _as_path(old) == _as_path(value))
+        old = saved.get(key, defaults.get(key, value))  # shown as recorded
+        same = resolved.get(key, defaults.get(key, value)) == value
         if key not in NOT_A_CHANGE and key not in locating and not same:
             out.append(f"{key}: {old!r} -> {value!r}")
     return out
@@ -95,20 +88,15 @@ def _recorded_changes(run: PlannedRun) -> list[str]:
     if (path / "config.yaml").is_file():
         cfg = config_from_dict(config_class(run.stage), run.fields)
         out += _differences(_read(path / "config.yaml", yaml.safe_load), config_to_dict(cfg),
-                            _defaults(cfg), "config.yaml")
+                            field_defaults(cfg), "config.yaml")
     if run.stage == "dpo" and (path / "eval.json").is_file():
         record = _read(path / "eval.json", json.loads)
         cfg = config_from_dict(EvalConfig, run.eval_fields)
         diff = _differences(record.get("config") if isinstance(record, dict) else None,
-                            config_to_dict(cfg), _defaults(cfg), "eval.json",
+                            config_to_dict(cfg), field_defaults(cfg), "eval.json",
                             locating=("model", "output"))  # the run's own final/ and eval.json
         out += [d if d.startswith("its ") else f"evaluation {d}" for d in diff]
     return out
-
-
-def _defaults(cfg: Any) -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(cfg)
-            if f.default is not dataclasses.MISSING}
 
 
 def _in_use(run: PlannedRun) -> bool:
