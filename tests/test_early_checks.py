@@ -12,13 +12,11 @@ the stages make.
 
 from __future__ import annotations
 
-import hashlib
-import re
-
 import pytest
 import transformers
 import yaml
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
+from refusals import refused
 
 from tether.cli import main
 
@@ -40,11 +38,6 @@ def root(tmp_path_factory):
         (base / name).write_text(text, encoding="utf-8")
     (base / "runs").mkdir()
     return base
-
-
-def _snapshot(base):
-    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(base.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -119,16 +112,8 @@ MODELS = [("tiny_model_dir", "tiny_llama_dir"), ("tiny_llama_dir", "tiny_model_d
 
 def _run_refused(root, argv, pattern, capsys, monkeypatch, no_loads):
     monkeypatch.chdir(root)
-    before = _snapshot(root)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert re.search(pattern, lines[0]), lines[0]
+    refused(root, argv, pattern, capsys)
     assert no_loads == [], f"models loaded before the error: {no_loads}"
-    assert _snapshot(root) == before
 
 
 IDS = ["ppo-gold-missing", "ppo-module-missing", "ppo-exit-on-import", "ppo-bad-eval-prompts",

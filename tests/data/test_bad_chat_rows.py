@@ -16,13 +16,12 @@ an empty system message) is accepted. Each runs on a Llama-style and a GPT-2-sty
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
+from refusals import refused
 from safetensors.torch import load_file
 
 from tether.cli import main
@@ -156,24 +155,6 @@ PROMPT_CASES = [
 ]
 
 
-def _snapshot(base: Path) -> dict[str, str]:
-    """Every file's hash and every directory: a bad call may create neither."""
-    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file()
-            else "dir" for p in sorted(base.rglob("*"))}
-
-
-def _check(base: Path, argv: list[str], pattern: str, capsys) -> None:
-    before = _snapshot(base)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert re.search(pattern, lines[0]), lines[0]
-    assert _snapshot(base) == before
-
-
 def _write(path: Path, row: dict) -> Path:
     path.write_text((json.dumps(row) + "\n") * 2, encoding="utf-8")
     return path
@@ -226,7 +207,7 @@ def test_bad_sft_chat_rows_are_one_line(k, family, root, request, capsys):
     argv = ["sft", "--model", str(request.getfixturevalue(family)), "--data",
             str(root / f"sft{k}.jsonl"), "--run-name", "bad", "--output-dir", str(root / "runs"),
             "--max-steps", "1", "--batch-size", "2", "--device", "cpu"]
-    _check(root, argv, pattern, capsys)
+    refused(root, argv, pattern, capsys)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -237,7 +218,7 @@ def test_bad_preference_chat_rows_are_one_line(k, stage, family, root, request, 
     argv = [stage, "--model", str(request.getfixturevalue(family)), "--data",
             str(root / f"pref{k}.jsonl"), "--run-name", "bad", "--output-dir", str(root / "runs"),
             "--max-steps", "1", "--batch-size", "2", "--device", "cpu"]
-    _check(root, argv, pattern, capsys)
+    refused(root, argv, pattern, capsys)
 
 
 def _prompt_argv(stage: str, model: Path, prompts: Path, root: Path) -> list[str]:
@@ -255,15 +236,15 @@ def _prompt_argv(stage: str, model: Path, prompts: Path, root: Path) -> list[str
 @pytest.mark.parametrize("k", range(len(PROMPT_CASES)), ids=[c[0] for c in PROMPT_CASES])
 def test_bad_prompt_chat_rows_are_one_line(k, stage, root, tiny_llama_dir, capsys):
     _, _, pattern = PROMPT_CASES[k]
-    _check(root, _prompt_argv(stage, tiny_llama_dir, root / f"prompt{k}.jsonl", root),
-           pattern, capsys)
+    refused(root, _prompt_argv(stage, tiny_llama_dir, root / f"prompt{k}.jsonl", root),
+            pattern, capsys)
 
 
 @pytest.mark.parametrize("k", range(len(PROMPT_CASES)), ids=[c[0] for c in PROMPT_CASES])
 def test_bad_prompt_chat_rows_on_gpt2(k, root, gpt2_chat_dir, capsys):
     _, _, pattern = PROMPT_CASES[k]
-    _check(root, _prompt_argv("ppo", gpt2_chat_dir, root / f"prompt{k}.jsonl", root), pattern,
-           capsys)
+    refused(root, _prompt_argv("ppo", gpt2_chat_dir, root / f"prompt{k}.jsonl", root), pattern,
+            capsys)
 
 
 # ----------------------------------------------------------------------------- legitimate rows
@@ -365,13 +346,13 @@ def test_a_role_the_template_refuses_is_its_one_line(strict_dir, tmp_path, capsy
     robot = {"role": "robot", "content": "the movie"}
     (tmp_path / "rewards.py").write_text("def score(p, r):\n    return [0.0] * len(r)\n")
     line = r"row 0: the chat template refuses these messages \(Unknown role: robot\); fix the roles"
-    _check(tmp_path, ["sft", "--model", str(strict_dir), "--data",
-                      str(_write(tmp_path / "sft.jsonl", {"messages": [robot, A]})),
-                      "--run-name", "r", "--output-dir", str(tmp_path / "runs"), "--device", "cpu"],
-           line, capsys)
-    _check(tmp_path, _prompt_argv("ppo", strict_dir, _write(tmp_path / "p.jsonl",
-                                                            {"messages": [robot]}), tmp_path),
-           line, capsys)
+    refused(tmp_path, ["sft", "--model", str(strict_dir), "--data",
+                       str(_write(tmp_path / "sft.jsonl", {"messages": [robot, A]})),
+                       "--run-name", "r", "--output-dir", str(tmp_path / "runs"),
+                       "--device", "cpu"], line, capsys)
+    refused(tmp_path, _prompt_argv("ppo", strict_dir, _write(tmp_path / "p.jsonl",
+                                                             {"messages": [robot]}), tmp_path),
+            line, capsys)
     # the roles it knows, tool included, train
     tool = {"role": "tool", "content": "it was long"}
     _train("sft", strict_dir, [{"messages": [U, tool, A]}] * 2, tmp_path, "known")

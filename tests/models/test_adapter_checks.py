@@ -16,9 +16,7 @@ load), the same base loaded in bfloat16 or float16 is accepted, and an adapter w
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 
 import pytest
@@ -26,6 +24,7 @@ import torch
 from conftest import sample_texts
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+from refusals import refused
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -181,25 +180,6 @@ COMMANDS = ["eval", "eval--reference", "generate", "sft--model", "rm--model-lora
             "ppo--ref-model"]
 
 
-def _snapshot(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _refused(root, argv, pattern, capsys):
-    """Exit 2, one `error:` line matching `pattern`, no traceback, nothing created or changed."""
-    before = _snapshot(root)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert re.search(pattern, lines[0]), lines[0]
-    assert _snapshot(root) == before
-    return lines[0]
-
-
 # ----------------------------------------------------------------------------- bad adapters
 
 
@@ -209,7 +189,7 @@ def _refused(root, argv, pattern, capsys):
 def test_a_bad_adapter_is_one_line_everywhere(case, fam, command, root, request, capsys):
     base = str(request.getfixturevalue(FAMILIES[fam]))
     adapter = str(root / "variants" / f"{fam}_{case}")
-    _refused(root, _commands(root, adapter, base)[command], CASES[case][1], capsys)
+    refused(root, _commands(root, adapter, base)[command], CASES[case][1], capsys)
 
 
 @pytest.mark.parametrize("command", ["eval", "dpo--model-lora", "ppo--ref-model"])
@@ -219,7 +199,7 @@ def test_an_unrecorded_adapter_on_a_base_it_does_not_fit_is_one_line(case, fam, 
                                                                      request, capsys):
     base = str(request.getfixturevalue(FAMILIES[fam]))
     adapter = str(root / "variants" / f"{fam}_unrecorded_{case}")
-    _refused(root, _commands(root, adapter, base)[command], UNRECORDED[case][1], capsys)
+    refused(root, _commands(root, adapter, base)[command], UNRECORDED[case][1], capsys)
 
 
 def test_a_lora_reward_model_whose_base_path_now_holds_another_model(root, tiny_model_dir,
@@ -239,8 +219,8 @@ def test_a_lora_reward_model_whose_base_path_now_holds_another_model(root, tiny_
            "--output-dir", str(work / "out"), "--run-name", "p", "--total-episodes", "4",
            "--batch-size", "4", "--max-new-tokens", "4", *CPU]
     pattern = ANOTHER + "the same shapes but other weights"
-    _refused(work, [*ppo, "--policy", str(moving), "--lora-r", "4"], pattern, capsys)  # shared
-    _refused(work, [*ppo, "--policy", str(tiny_model_dir)], pattern, capsys)  # loaded on its own
+    refused(work, [*ppo, "--policy", str(moving), "--lora-r", "4"], pattern, capsys)  # shared
+    refused(work, [*ppo, "--policy", str(tiny_model_dir)], pattern, capsys)  # loaded on its own
     shutil.copy(tiny_model_dir / "model.safetensors", moving / "model.safetensors")
     assert main([*ppo, "--policy", str(moving), "--lora-r", "4"]) == 0  # its own base: it runs
 
@@ -254,10 +234,10 @@ def test_a_reward_adapter_of_the_hub_kind_without_weights(root, tiny_model_dir, 
                    ).save_pretrained(adapter)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
     (adapter / "adapter_model.safetensors").unlink()
-    _refused(root, ["ppo", "--policy", str(tiny_model_dir), "--reward-model", str(adapter),
-                    "--prompts", str(root / "prompts.jsonl"), "--output-dir", str(root / "out"),
-                    "--run-name", "p", *CPU], "has adapter_config.json but no "
-             "adapter_model.safetensors", capsys)
+    refused(root, ["ppo", "--policy", str(tiny_model_dir), "--reward-model", str(adapter),
+                   "--prompts", str(root / "prompts.jsonl"), "--output-dir", str(root / "out"),
+                   "--run-name", "p", *CPU], "has adapter_config.json but no "
+            "adapter_model.safetensors", capsys)
 
 
 # ----------------------------------------------------------------------------- the record
@@ -352,9 +332,9 @@ def test_a_light_fine_tune_of_the_base_is_another_base(root, tiny_llama_dir, tmp
     adapter = tmp_path / "adapter"
     shutil.copytree(root / "runs" / "lora_llama" / "final", adapter)
     _set_base_to(adapter, tuned)
-    _refused(tmp_path, ["generate", "--model", str(adapter), "--prompts",
-                        str(root / "prompts.jsonl"), "--output", str(tmp_path / "s.jsonl"), *CPU],
-             ANOTHER + r"the same shapes but other weights \(model.embed_tokens.weight", capsys)
+    refused(tmp_path, ["generate", "--model", str(adapter), "--prompts",
+                       str(root / "prompts.jsonl"), "--output", str(tmp_path / "s.jsonl"), *CPU],
+            ANOTHER + r"the same shapes but other weights \(model.embed_tokens.weight", capsys)
 
 
 def _set_base_to(adapter, base):

@@ -10,14 +10,13 @@ report.html). The rules are tether.tools.outputs'; docs/errors.md lists the mess
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 
 import pytest
 from pages import fake_run
+from refusals import refused, snapshot
 
 from tether.cli import main
 from tether.tools import evaluate, generate, outputs
@@ -44,11 +43,6 @@ def root(tmp_path_factory, tiny_model_dir, tiny_llama_dir):
     (base / "run" / "final").mkdir()
     (base / "run" / "final" / "model.safetensors").write_bytes(b"weights")
     return base
-
-
-def _snapshot(base):
-    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(base.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -106,16 +100,7 @@ BAD = [  # (argv, pattern the one line must match); paths relative to `root`
 def test_bad_output_is_one_line_and_nothing_changes(argv, pattern, root, monkeypatch, capsys,
                                                     no_model_loads):
     monkeypatch.chdir(root)
-    before = _snapshot(root)
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    assert re.search(pattern, lines[0]), lines[0]
-    assert _snapshot(root) == before
+    refused(root, argv, pattern, capsys)
 
 
 def test_an_unwritable_directory_is_refused_before_the_model(root, tmp_path, monkeypatch, capsys,
@@ -179,13 +164,13 @@ def test_the_default_file_inside_an_input_directory_may_be_replaced(model, root,
     # eval.json beside the model is eval's default place: a second eval replaces it, while the
     # model's own files are refused above. Likewise report.html inside a run directory.
     monkeypatch.chdir(root)
-    before = {k: v for k, v in _snapshot(root).items() if k.startswith(f"{model}/")}
+    before = {k: v for k, v in snapshot(root).items() if k.startswith(f"{model}/")}
     for seed in ("1", "2"):
         assert main(["eval", "--model", model, "--prompts", "prompts.jsonl", *SAMPLING,
                      "--seed", seed]) == 0
     assert json.loads((root / model / "eval.json").read_text())["config"]["seed"] == 2
     (root / model / "eval.json").unlink()
-    assert {k: v for k, v in _snapshot(root).items() if k.startswith(f"{model}/")} == before
+    assert {k: v for k, v in snapshot(root).items() if k.startswith(f"{model}/")} == before
     for _ in range(2):
         assert main(_report("run/report.html")) == 0
     assert "train/ metrics" in (root / "run" / "report.html").read_text()

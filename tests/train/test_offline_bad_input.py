@@ -1,17 +1,10 @@
 """Bad input: one clear line on stderr, exit code 2, and earlier results left exactly as they were."""
 
-import hashlib
-import re
-
 import pytest
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
+from refusals import refused, snapshot
 
 from tether.cli import main
-
-
-def _snapshot(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -80,30 +73,23 @@ def test_bad_input_one_line_exit_2_nothing_touched(case, earlier_run, tiny_model
     root, out = earlier_run
     stage, name, content, extra, pattern = CASES[case]
     path = _write(root, name, content)
-    before = _snapshot(root / "runs")
     good_data = write_jsonl(root / "pairs.jsonl", preference_rows(4))
     data = str(good_data if name.endswith(".yaml") else path)
     extra = [*extra, str(path)] if extra == ["--config"] else extra
     # --resume on the earlier run's name: only input checking stands between it and its files
     argv = [stage, "--model", str(tiny_model_dir), "--data", data, "--run-name", "good",
             "--output-dir", str(out), "--resume", "--device", "cpu", *extra]
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert re.search(pattern, lines[0]), lines[0]
-    assert _snapshot(root / "runs") == before
+    refused(out, argv, pattern, capsys)
 
 
 def test_existing_run_without_resume_is_refused(earlier_run, tiny_model_dir, capsys):
     root, out = earlier_run
-    before = _snapshot(out)
+    before = snapshot(out)
     data = write_jsonl(root / "good2.jsonl", sft_rows(4))
     assert main(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "good",
                  "--output-dir", str(out), "--device", "cpu"]) == 2
     assert "already has results" in capsys.readouterr().err
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 def test_unknown_flag_exit_2(tiny_model_dir, capsys):
