@@ -44,6 +44,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_RECORD = "tether_base.json"
 RECORD_FORMAT = "tether-base-v1"
 SAMPLES = 8  # values read per weight; see the module docstring
+RESUME_KEY = "lora_base"  # in a LoRA run's checkpoint state: the record of its base
 _ATTRIBUTE = "tether_base_record"  # where a loaded base keeps its record until an adapter is saved
 RETARGET = ("point base_model_name_or_path in its adapter_config.json at the model it was "
             "trained on")
@@ -181,16 +182,24 @@ def check_base(adapter_dir: str | Path, record: dict, base_name: str) -> None:
         return
     what = (f"{base_name} is not the model the adapter {Path(adapter_dir).expanduser()} was "
             f"trained on ({saved.get('base')})")
+    compare_records(saved, record, what, f"{RETARGET} (or delete {BASE_RECORD} to apply it "
+                                         "anyway)")
+
+
+def compare_records(saved: dict, record: dict, what: str, fix: str) -> None:
+    """Refuse `record` (a base as loaded now) where `saved` (the record an adapter or checkpoint
+    was made with) says another model: other shapes, or the same shapes with other values
+    beyond the two dtypes' rounding. `what` opens the error line, `fix` ends it."""
     shapes = [shape for _, shape, _ in saved.get("tensors", [])]
     if shapes != [shape for _, shape, _ in record["tensors"]]:
         raise TetherError(f"{what}: that was a {_describe(saved)}, this is a {_describe(record)}; "
-                          f"{RETARGET}")
+                          f"{fix}")
     tolerance = _tolerance(saved.get("dtype"), record["dtype"])
     for (name, _, before), (_, _, now) in zip(saved["tensors"], record["tensors"], strict=True):
         if not _close(before, now, *tolerance):
             raise TetherError(f"{what}: the same shapes but other weights ({name} differs), so "
                               "another model (a fine-tune, another seed, or one saved over that "
-                              f"path); {RETARGET} (or delete {BASE_RECORD} to apply it anyway)")
+                              f"path); {fix}")
 
 
 def _describe(record: dict) -> str:
@@ -245,3 +254,35 @@ def adapter_load_error(exc: Exception, adapter_dir: str | Path, base_name: str) 
         return TetherError(f"{where}: {mismatch[0][:200]}; it was trained on another model "
                            f"(or its files were mixed up): {RETARGET}")
     return exc
+
+
+# ----------------------------------------------------------------------------- on resume
+
+
+def adapter_base_record(model: nn.Module) -> dict | None:
+    """The record of the base under the LoRA adapters in `model` (a PeftModel, or a module
+    holding one, such as a reward model), or None when it trains no adapters: a checkpoint of
+    adapters holds no base weights, so a resume must load the same base again."""
+    peft = next((m for m in model.modules() if hasattr(m, "peft_config")), None)
+    return remembered_base(peft) if peft is not None else None
+
+
+def with_base_record(state: dict, model: nn.Module) -> dict:
+    """A checkpoint's trainer `state` with, when `model` (or a wrapper of it: DDP, FSDP2) trains
+    LoRA adapters, the record of their base under RESUME_KEY, for `check_resumed_base`."""
+    record = adapter_base_record(model)
+    return state if record is None else {**state, RESUME_KEY: record}
+
+
+def check_resumed_base(state: dict, model: nn.Module, checkpoints: str | Path) -> None:
+    """Refuse to resume adapters (`model`) on a base other than the one the checkpoints in
+    `checkpoints` were trained on (the record in their `state`; none in checkpoints made before
+    tether kept one): the base's path may hold another model since, or a hub name a new
+    revision."""
+    saved, now = state.get(RESUME_KEY), adapter_base_record(model)
+    if saved is None or now is None:
+        return
+    compare_records(saved, now, f"the base model {now.get('base')} is not the one the LoRA "
+                                f"checkpoints in {checkpoints} were trained on ({saved.get('base')})",
+                    "put that base back at its path (or pin the hub revision) and resume, or "
+                    "start a new run under another --run-name")

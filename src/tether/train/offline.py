@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import TrainableLM, load_trainable_lm, save_trained_lm
 from tether.run import distributed, interrupt
@@ -68,6 +69,8 @@ def resume_or_start(run: RunDir, cfg: RunConfig, models: dict[str, nn.Module], o
     state = None
     if cfg.resume:
         state = load_latest_checkpoint(run.checkpoint_dir, models, optimizer, scheduler)
+        if state is not None:  # adapters' checkpoints hold no base: it must be the same one
+            check_resumed_base(state, next(iter(models.values())), run.checkpoint_dir)
     run.announce_resume(state["step"] if state else None)
     run.truncate_metrics(after_step=state["step"] if state else -1)
     return state or {"step": 0}
@@ -84,7 +87,8 @@ def maybe_checkpoint(run: RunDir, cfg: RunConfig, step: int, total_steps: int,
     if d.active:  # a signal may reach the ranks at different steps: all stop at the same one
         asked = not distributed.all_agree(not asked, d)
     if due or asked:
-        save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler, state,
+        save_checkpoint(run.checkpoint_dir, step, models, optimizer, scheduler,
+                        with_base_record(state, next(iter(models.values()))),
                         config=run.checkpoint_config)
     if asked:
         raise interrupt.stop(step, str(run.checkpoint_dir))

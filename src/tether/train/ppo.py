@@ -32,6 +32,7 @@ import torch
 
 from tether.advantages import ScoreNormalizer, overlong_penalty
 from tether.errors import TetherError
+from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
@@ -356,6 +357,7 @@ def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormali
     state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
                                    setup.scheduler)
     if state is not None:
+        check_resumed_base(state, models["policy"], rundir.checkpoint_dir)
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
     # Lines logged after the checkpoint will be logged again.
@@ -386,9 +388,10 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
 def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
                normalizer: ScoreNormalizer) -> None:
     """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
+    state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
+             "score_norm": normalizer.state_dict()}
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
-                    {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
-                     "score_norm": normalizer.state_dict()}, config=rundir.checkpoint_config)
+                    with_base_record(state, models["policy"]), config=rundir.checkpoint_config)
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
