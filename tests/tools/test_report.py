@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from pages import check_report_page, fake_run
+from pages import check_figures_and_layout, check_report_page, fake_run, fake_sweep
 
 from tether.cli import main
-from tether.tools.report import config_diff, metric_names, read_run, write_report
+from tether.tools import report as report_module
+from tether.tools import sweep_report
+from tether.tools.report import (
+    GUIDE,
+    Palette,
+    config_diff,
+    legend_colours,
+    metric_names,
+    plot_metrics,
+    plt,
+    read_run,
+    write_report,
+)
 
 
 @pytest.fixture
@@ -60,3 +72,111 @@ def test_report_refuses_what_is_not_a_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "not a tether run directory" in err and "\n" not in err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_palette_gives_each_label_one_colour_and_keeps_the_demo_runs_apart():
+    palette = Palette()
+    # The demo's runs keep their colours (matplotlib's tab:red, tab:blue and black in hex).
+    assert palette("ppo-no-kl") == "#d62728" and palette("ppo-fixed") == "#1f77b4"
+    assert palette("sft") == "#000000"
+    # Any other label takes the free colours in order: tab:brown, then tab:pink; asked again, the
+    # same colour; none of them is a demo run's colour (red meant "no KL" and beta 0.3 before).
+    assert palette("PPO beta 0.3") == "#8c564b" and palette("DPO beta 0.1") == "#e377c2"
+    assert palette("PPO beta 0.3") == "#8c564b"
+    many = [palette(f"setting {i}") for i in range(30)]
+    assert len(set(many)) == 30 and not set(many) & set(Palette().named.values())
+
+
+def test_legend_colours_reads_what_was_drawn():
+    fig, (left, right) = plt.subplots(1, 2)
+    left.plot([0, 1], [0, 1], color="tab:red", label="a")
+    right.errorbar([0], [1], yerr=[0.1], fmt="s", color="#00ff00", label="b")
+    right.scatter([0], [1], color="#0000ff", label="c")
+    right.plot([0, 1], [1, 1], color="grey", label="seed 0", gid=GUIDE)  # a style, no run
+    right.plot([0, 1], [0, 2], color="tab:red", label="a: fit R² 0.9", gid="a")  # keyed by gid
+    assert legend_colours(fig) == {"a": "#d62728", "b": "#00ff00", "c": "#0000ff"}
+    right.plot([0, 1], [2, 2], color="tab:blue", label="a")  # one run, two colours: a bug
+    with pytest.raises(ValueError, match="a is drawn in #d62728 and #1f77b4"):
+        legend_colours(fig)
+    plt.close(fig)
+
+
+def test_step_axes_get_whole_number_ticks(runs, monkeypatch):
+    # Steps 1, 2, 3: matplotlib's default ticks would be 1.00, 1.25, ..., 3.00.
+    drawn = []
+    monkeypatch.setattr(report_module, "png_data", lambda fig: drawn.append(fig) or "")
+    figures = plot_metrics([read_run(r) for r in runs], ["train/loss", "train/lr"])
+    assert [title for title, _, _ in figures] == ["train/ metrics"]
+    ax = drawn[0].axes[0]
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert len(ticks) >= 2 and all(t == int(t) for t in ticks), ticks
+    # Each run in one colour in every panel, and different runs in different colours.
+    assert figures[0][2] == {"sft": "#000000", "ppo": "#8c564b"}
+
+
+def test_report_page_figures_captions_and_wide_config_table(tmp_path):
+    # Six runs: a seven-column config table, with long values that ran off the page at 1400 px.
+    runs = [fake_run(tmp_path, f"run-{i}", {"policy": f"/a/very/long/path/to/a/checkpoint/{i}/"
+                                            f"{'x' * 60}/final", "lr": 10.0 ** -i, "seed": i},
+                     [{"step": s, "train/loss": 1.0 / (s + i), "eval/score": s * i}
+                      for s in (1, 2, 3)]) for i in range(6)]
+    out = write_report(runs, tmp_path / "report.html")
+    colours = check_figures_and_layout(out, min_figures=2)
+    assert set(colours) == {f"run-{i}" for i in range(6)}
+
+
+def test_layout_check_catches_a_caption_outside_its_figure_and_clashing_colours(runs, tmp_path):
+    out = write_report(runs, tmp_path / "r.html")
+    text = out.read_text()
+    # The caption moved out of its figure, where it reads as the next figure's heading.
+    moved = text.replace("<figcaption>", "</figure><figcaption>", 1)
+    (tmp_path / "moved.html").write_text(moved)
+    with pytest.raises(AssertionError):
+        check_figures_and_layout(tmp_path / "moved.html", min_figures=2)
+    # Two figures that draw the same run in different colours.
+    first = text.index("data-colours=")
+    clash = text[:first] + 'data-colours="{&quot;sft&quot;: &quot;#123456&quot;}" x' + text[
+        text.index(" ", first):]
+    (tmp_path / "clash.html").write_text(clash)
+    with pytest.raises(AssertionError, match="sft"):
+        check_figures_and_layout(tmp_path / "clash.html", min_figures=2)
+
+
+def test_gao_fit_is_drawn_only_over_the_measured_kl(monkeypatch):
+    # Gains 0, 0.3, 0.2 at KL 0, 1, 4 (d = 0, 1, 2). R = d (alpha - beta_RL log d) passes through
+    # all three: d = 1 gives alpha = 0.3; d = 2 gives 2 (0.3 - beta_RL ln 2) = 0.2, beta_RL =
+    # 0.2 / ln 2 = 0.28854. Its peak, d* = exp(alpha / beta_RL - 1) = exp(1.5 ln 2 - 1) = 1.0405,
+    # lies inside the data: a star there. Two parameters through 3 points: "only 3 points".
+    groups, points = fake_sweep()
+    drawn = []
+    monkeypatch.setattr(sweep_report, "png_data", lambda fig: drawn.append(fig) or "")
+    titled = {title: (caption, colours)
+              for title, _, caption, colours in sweep_report.figures(groups, points)}
+    ax = drawn[-1].axes[0]
+    fit_line = next(line for line in ax.get_lines() if line.get_label().startswith("PPO beta 0.1"))
+    assert min(fit_line.get_xdata()) == 0.0 and max(fit_line.get_xdata()) == pytest.approx(2.0)
+    assert fit_line.get_label() == "PPO beta 0.1: fit of only 3 points, R² 1.00"
+    star = next(line for line in ax.get_lines() if line.get_marker() == "*")
+    assert star.get_xdata()[0] == pytest.approx(1.0405, abs=1e-4)
+    assert star.get_ydata()[0] == pytest.approx(0.28854 * 1.0405, abs=1e-4)  # beta_RL d*
+    assert "no extrapolation" in titled["Gao et al.'s fit per beta"][0]
+    # One colour per setting in every figure: the DPO marker too (it took the cycle's default).
+    maps = [colours for _, colours in titled.values()]
+    # Settings take the free colours in order: brown, pink, then tab:olive for the third, DPO.
+    assert maps[0]["DPO beta 0.1"] == maps[1]["DPO beta 0.1"] == "#bcbd22"
+    assert maps[0]["PPO beta 0.1"] == maps[1]["PPO beta 0.1"] == maps[2]["PPO beta 0.1"]
+    assert "DPO marked" in titled["The frontier"][0]
+
+
+def test_a_fitted_peak_past_the_data_is_named_not_drawn(monkeypatch):
+    # Gains 0, 0.3, 0.5 at d = 0, 1, 2: alpha = 0.3, beta_RL = 0.05 / ln 2 = 0.072135, d* =
+    # exp(0.3 / 0.072135 - 1) = exp(3.1589) = 23.544, KL 554.3: far past the data (KL 4).
+    groups, points = fake_sweep(((0.0, 0.0), (1.0, 0.3), (4.0, 0.5)))
+    drawn = []
+    monkeypatch.setattr(sweep_report, "png_data", lambda fig: drawn.append(fig) or "")
+    titled = {t: c for t, _, c, _ in sweep_report.figures(groups[:2], points[:2])}
+    labels = [line.get_label() for line in drawn[-1].axes[0].get_lines()]
+    assert "PPO beta 0.1: fit of only 3 points, peak beyond the data (KL 554), R² 1.00" in labels
+    assert max(max(line.get_xdata()) for line in drawn[-1].axes[0].get_lines()) <= 2.0
+    assert "DPO" not in titled["The frontier"]  # no DPO run, no promise of its marker

@@ -1,5 +1,6 @@
 """The demo's figures: every run as the mean over its seeds with a band of one standard error,
-each seed a thin line of its own style; single evaluations (SFT, DPO, IPO) as large markers."""
+each seed a thin line of its own style; single evaluations (SFT, DPO, IPO) as large markers.
+Each run has one colour on the whole page (tether.tools.report.Palette, RUN_COLOURS)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
 from tether.tools.frontier import mean_and_stderr  # noqa: E402
+from tether.tools.report import GUIDE, Palette, integer_axis, legend_colours  # noqa: E402
 
-COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
-           "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}
 MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 SEED_STYLES = ("-", "--", ":", "-.")
 
 
-def _points(ax, run: str, group: list[Curve], x_name: str | None, y_name: str) -> None:
+def _points(ax, run: str, group: list[Curve], x_name: str | None, y_name: str,
+            palette: Palette) -> None:
     """A run evaluated once: one marker at the mean over seeds, error bars when seeds differ."""
     ys = [c.series(y_name)[0] for c in group if c.series(y_name)]
     if not ys:
         return
     xs = [0.0 if x_name is None else c.series(x_name)[0] for c in group]
     (x, x_se), (y, y_se) = mean_and_stderr(xs), mean_and_stderr(ys)
-    ax.errorbar([x], [y], xerr=[x_se], yerr=[y_se], fmt=MARKERS.get(run, "o"), markersize=10,
-                color=COLOURS.get(run, "grey"), markeredgecolor="black", zorder=5, label=run,
-                capsize=3)
+    drawn = ax.errorbar([x], [y], xerr=[x_se], yerr=[y_se], fmt=MARKERS.get(run, "o"),
+                        markersize=10, color=palette(run), markeredgecolor="black", zorder=5,
+                        label=run, capsize=3)
+    drawn.lines[0].set_gid(run)
 
 
 def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
@@ -37,16 +39,21 @@ def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
             for s in steps]
 
 
-def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str) -> None:
-    """Against the step (`x_name` None) or another metric (its mean over seeds per step)."""
+def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
+              palette: Palette | None = None) -> None:
+    """Against the step (`x_name` None: whole-number ticks) or another metric (its mean over
+    seeds per step); each run in its palette colour."""
+    palette = palette or Palette()
+    if x_name is None:
+        integer_axis(ax.xaxis)
     for run, group in by_run(curves).items():
         if all(len(c.steps) == 1 for c in group):
-            _points(ax, run, group, x_name, y_name)
+            _points(ax, run, group, x_name, y_name, palette)
             continue
         steps = common_steps(group)
         if not steps or not group[0].series(y_name):
             continue
-        colour = COLOURS.get(run, "grey")
+        colour = palette(run)
 
         if len(group) > 1:
             for i, curve in enumerate(group):
@@ -56,7 +63,7 @@ def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str) -> None:
         stats = [mean_and_stderr(v) for v in zip(*(_at(c, steps, y_name) for c in group))]
         ys = [m for m, _ in stats]
         ax.plot(xs, ys, "-", color=colour, linewidth=2.2, label=f"{run} (mean of {len(group)})"
-                if len(group) > 1 else run)
+                if len(group) > 1 else run, gid=run)
         if len(group) > 1:
             ax.fill_between(xs, [m - e for m, e in stats], [m + e for m, e in stats],
                             color=colour, alpha=0.18)
@@ -66,46 +73,51 @@ def _seed_legend(ax, curves: list[Curve]) -> None:
     seeds = sorted({c.seed for c in curves if c.run in PPO_RUNS})
     if len(seeds) > 1:  # thin lines: one style per seed, named once
         for i, seed in enumerate(seeds):
-            ax.plot([], [], SEED_STYLES[i % len(SEED_STYLES)], color="grey", label=f"seed {seed}")
+            ax.plot([], [], SEED_STYLES[i % len(SEED_STYLES)], color="grey", label=f"seed {seed}",
+                    gid=GUIDE)
     ax.legend(fontsize=8)
 
 
-def plot_all(curves: list[Curve], out_dir: Path, kl_target: float) -> dict[str, str]:
-    """Draw every figure; returns {title: file name}."""
+def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
+             palette: Palette | None = None) -> dict[str, tuple[str, dict[str, str]]]:
+    """Draw every figure; returns {title: (file name, legend colours)}."""
     ppo = [c for c in curves if c.run in PPO_RUNS]
+    palette = palette or Palette()
     figures = {}
 
     def save(fig, name: str, title: str):
         fig.tight_layout()
+        colours = legend_colours(fig)
         fig.savefig(out_dir / name, dpi=90)
         plt.close(fig)
-        figures[title] = name
+        figures[title] = (name, colours)
 
     for x_name, name, title in ((None, "reward_vs_step.png", "Proxy and gold reward against step"),
                                 ("eval/kl", "reward_vs_kl.png", "Proxy and gold reward against KL")):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, metric, label in zip(axes, ("eval/score", "eval/gold_score"),
                                      ("proxy reward", "gold reward")):
-            plot_runs(ax, ppo, x_name, metric)
+            plot_runs(ax, ppo, x_name, metric, palette)
             ax.set(xlabel="PPO batch" if x_name is None else "KL(pi || ref), nats per response",
                    ylabel=label, title=f"{label} against {'step' if x_name is None else 'KL'}")
         _seed_legend(axes[0], ppo)
         save(fig, name, title)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    plot_runs(axes[0], ppo, None, "objective/beta")
+    plot_runs(axes[0], ppo, None, "objective/beta", palette)
     axes[0].set(xlabel="PPO batch", ylabel="beta", title="beta's trajectory")
-    plot_runs(axes[1], ppo, None, "eval/kl")
-    axes[1].axhline(kl_target, color="tab:green", linestyle=":", label="adaptive target")
+    plot_runs(axes[1], ppo, None, "eval/kl", palette)
+    axes[1].axhline(kl_target, color=palette("ppo-adaptive"), linestyle=":",
+                    label="adaptive target", gid=GUIDE)
     axes[1].set(xlabel="PPO batch", ylabel="KL, nats", title="KL against step")
-    plot_runs(axes[2], ppo, None, "eval/distinct_2")
+    plot_runs(axes[2], ppo, None, "eval/distinct_2", palette)
     axes[2].set(xlabel="PPO batch", ylabel="distinct-2", title="diversity (distinct-2)")
     for ax in axes:
         _seed_legend(ax, ppo)
     save(fig, "beta_kl_diversity.png", "beta, KL and diversity against step")
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    plot_runs(ax, curves, "eval/kl", "eval/gold_score")
+    plot_runs(ax, curves, "eval/kl", "eval/gold_score", palette)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The frontier: gold reward against KL, every run")
     _seed_legend(ax, curves)

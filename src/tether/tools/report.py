@@ -25,6 +25,10 @@ import yaml
 
 matplotlib.use("Agg")  # no screen needed: reports are written on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.container import ErrorbarContainer  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tether.errors import TetherError  # noqa: E402
 from tether.run.checkpoint import atomic_write_bytes  # noqa: E402
@@ -89,6 +93,62 @@ def metric_names(runs: list[RunRecord]) -> list[str]:
     return sorted(names)
 
 
+# One colour per run or setting on a page (issue 22): the demo's runs keep theirs on every page;
+# any other label (a sweep setting, a run of `tether report`) takes the next colour none of them
+# uses, so a colour never means two things on the demo page, which embeds the sweep's figures.
+RUN_COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
+               "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}
+FREE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "#393b79", "#e7ba52",
+                "#7b4173", "#637939", "#5254a3", "#ad494a")
+GUIDE = "guide"  # gid of drawn lines that are no run or setting (seed styles, targets, frontier)
+
+
+class Palette:
+    """label -> colour, fixed for a whole page: pass one to every plot of the page.
+
+    Named labels (RUN_COLOURS) keep their colour; any other takes the first free colour in the
+    order it is first asked for; past FREE_COLOURS, hues spaced by the golden ratio."""
+
+    def __init__(self, named: dict[str, str] | None = None):
+        self.named = {k: to_hex(v) for k, v in (RUN_COLOURS if named is None else named).items()}
+        self.assigned: dict[str, str] = {}
+
+    def __call__(self, label: str) -> str:
+        if label in self.named:
+            return self.named[label]
+        if label not in self.assigned:
+            used = set(self.named.values()) | set(self.assigned.values())
+            free = [c for c in map(to_hex, FREE_COLOURS) if c not in used]
+            k = len(self.assigned)
+            self.assigned[label] = free[0] if free else to_hex(
+                matplotlib.colormaps["hsv"]((k * 0.618034) % 1.0))
+        return self.assigned[label]
+
+
+def legend_colours(fig) -> dict[str, str]:
+    """{run or setting: colour} of every labelled artist in the figure, read back from what was
+    drawn; keyed by the artist's gid where the plot set one (the run, when the legend text adds
+    more, e.g. a fit's R²), else by its label. Guides (gid GUIDE) are left out. A run drawn in
+    two colours within one figure is a plotting bug: ValueError."""
+    out: dict[str, str] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            artist = handle.lines[0] if isinstance(handle, ErrorbarContainer) else handle
+            if artist.get_gid() == GUIDE:
+                continue
+            colour = to_hex(artist.get_color() if isinstance(artist, Line2D)
+                            else artist.get_facecolor()[0])
+            key = artist.get_gid() or label
+            if out.setdefault(key, colour) != colour:
+                raise ValueError(f"{key} is drawn in {out[key]} and {colour} in one figure")
+    return out
+
+
+def integer_axis(axis) -> None:
+    """Ticks at whole numbers only, for steps and batches (never 1.2)."""
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def png_data(fig) -> str:
     """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
     buffer = io.BytesIO()
@@ -98,14 +158,27 @@ def png_data(fig) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def figure_html(data: str, title: str, caption: str = "") -> str:
-    return (f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(title)}'>"
-            f"<figcaption><b>{html.escape(title)}</b> {html.escape(caption)}</figcaption></figure>")
+def figure_tag(src: str, title: str, caption: str = "",
+               colours: dict[str, str] | None = None) -> str:
+    """<figure> with its image and, inside it, its caption; `colours` (legend_colours) goes in
+    data-colours as JSON, so a test can check one colour per run across the page."""
+    data = html.escape(json.dumps(colours or {}, sort_keys=True), quote=True)
+    return (f"<figure data-colours=\"{data}\"><img src='{html.escape(src)}' "
+            f"alt='{html.escape(title)}'><figcaption><b>{html.escape(title)}</b> "
+            f"{html.escape(caption)}</figcaption></figure>")
 
 
-def plot_metrics(runs: list[RunRecord], names: list[str]) -> list[tuple[str, str]]:
-    """One figure per metric namespace, a panel per metric, a line per run: [(title, png)]."""
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+def figure_html(data: str, title: str, caption: str = "",
+                colours: dict[str, str] | None = None) -> str:
+    """figure_tag for an inline base64 PNG (png_data)."""
+    return figure_tag(f"data:image/png;base64,{data}", title, caption, colours)
+
+
+def plot_metrics(runs: list[RunRecord], names: list[str]
+                 ) -> list[tuple[str, str, dict[str, str]]]:
+    """One figure per metric namespace, a panel per metric, a line per run:
+    [(title, png, legend colours)]; each run has one colour in every figure."""
+    palette = Palette()
     figures = []
     namespaces: dict[str, list[str]] = {}
     for name in names:
@@ -114,16 +187,18 @@ def plot_metrics(runs: list[RunRecord], names: list[str]) -> list[tuple[str, str
         rows = (len(group) + PANELS_PER_ROW - 1) // PANELS_PER_ROW
         fig, axes = plt.subplots(rows, PANELS_PER_ROW, figsize=(13, 3.2 * rows), squeeze=False)
         for ax, name in zip(axes.flat, group):
-            for i, run in enumerate(runs):
+            for run in runs:
                 steps, values = run.series(name)
                 if steps:
                     ax.plot(steps, values, "-o" if len(steps) < 3 else "-", markersize=4,
-                            color=colours[i % len(colours)], label=run.name)
+                            color=palette(run.name), label=run.name)
             ax.set(title=name, xlabel="step")
+            integer_axis(ax.xaxis)
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
-        figures.append((f"{namespace}/ metrics", png_data(fig)))
+        colours = legend_colours(fig)
+        figures.append((f"{namespace}/ metrics", png_data(fig), colours))
     return figures
 
 
@@ -165,11 +240,22 @@ def relative_link(target: Path, start: Path) -> str:
     return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
 
 
-STYLE = """body { font-family: sans-serif; max-width: 1150px; margin: 2em auto; line-height: 1.45; }
-table { border-collapse: collapse; margin: 1em 0; }
-td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 0.9em; }
-img { max-width: 100%; } figure { margin: 1.5em 0; }
-li.holds b { color: #1a7f37; } li.fails b { color: #b42318; } .note { color: #555; }"""
+# Figures and tables, shared by every page (the demo's too). A figure is a framed block with its
+# caption tight under its image and space before the next, so a caption never reads as the next
+# figure's heading; a table wider than the page scrolls inside itself (display: block) and long
+# cells wrap, so the page itself never scrolls sideways.
+FIGURE_TABLE_STYLE = """table { border-collapse: collapse; margin: 1em 0; display: block;
+  max-width: 100%; overflow-x: auto; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 0.9em;
+  overflow-wrap: anywhere; min-width: 4em; }
+img { max-width: 100%; display: block; }
+figure { margin: 0 0 2.5em 0; padding: 0.6em; border: 1px solid #ddd; border-radius: 4px; }
+figcaption { margin-top: 0.3em; color: #333; font-size: 0.92em; }"""
+
+STYLE = ("""body { font-family: sans-serif; max-width: 1150px; margin: 2em auto; padding: 0 1em;
+  line-height: 1.45; }
+li.holds b { color: #1a7f37; } li.fails b { color: #b42318; } .note { color: #555; }
+""" + FIGURE_TABLE_STYLE)
 
 
 def page(title: str, body: str) -> str:
@@ -185,8 +271,9 @@ def write_page(path: Path, text: str) -> Path:
 
 def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
     """The metric curves side by side and the configs diffed: the body `tether report` writes."""
-    figures = "".join(figure_html(data, title) for title, data in
-                      plot_metrics(runs, metric_names(runs)))
+    figures = "".join(figure_html(data, title, "a line per run, one colour per run in every "
+                                  "panel", colours)
+                      for title, data, colours in plot_metrics(runs, metric_names(runs)))
     return (f"<h2 id='curves'>Metrics</h2>{figures or '<p>No metrics logged.</p>'}"
             f"<h2 id='configs'>Configs</h2>{config_html(runs, page_dir)}")
 
