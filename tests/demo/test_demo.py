@@ -49,6 +49,16 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     page = (root / "report.html").read_text()
     assert "Which beta? A sweep" in page and "Recommended beta" in page
     assert (root / "sweep" / "report.html").is_file() and (root / "sweep" / "results.csv").is_file()
+    # The page says the sweep's beta 0 is the first batches of ppo-no-kl seed 0 (same seed,
+    # settings and constant lr; evaluation sampled apart from training): the same numbers.
+    def gold_by_step(run_dir):
+        return {x["step"]: x["eval/gold_score"] for x in map(json.loads, (
+            run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/gold_score" in x}
+    sweep_gold = gold_by_step(root / "sweep" / "ppo-beta0-seed0")
+    main_gold = gold_by_step(root / "ppo-no-kl-seed0")
+    assert sorted(sweep_gold) == [0, 2, 4]
+    assert all(sweep_gold[s] == main_gold[s] for s in sweep_gold), (sweep_gold, main_gold)
+    assert "beta 0 is the first 4 batches of ppo-no-kl seed 0" in page
 
     # A second run must not write over the first one's results.
     before = (root / "report.html").read_bytes()

@@ -164,3 +164,142 @@ def test_browser_check_catches_incomplete_settings(tmp_path):
     path, _ = write_report([HACKED, LEASHED], tmp_path, 2.0, incomplete)
     with pytest.raises(AssertionError, match="tether version"):
         check_rendered(path, n_verdicts=3)
+
+
+def _jitters(scale: float, n: int) -> list[tuple]:
+    """Per-prompt noise growing with the step, so no paired error is exactly zero."""
+    return [(scale * k, -scale * k, 2 * scale * k, -0.5 * scale * k) for k in range(n)]
+
+
+def test_step_zero_note_names_the_runs_it_holds_for_and_seeds_are_judged_one_by_one():
+    # Seed 0 starts at the SFT model's 0.1 prompt by prompt; seed 1 samples its own stream and
+    # reads 0.12 at step 0. Seed 0 rises 0.1 -> 0.5 then falls; seed 1 only falls.
+    seed0 = ppo_curve("ppo-no-kl", 0, [0.0, 1.0, 2.0], [0.1, 0.5, -0.4], [0, 3, 9],
+                      [0.8, 0.5, 0.2])
+    seed1 = ppo_curve("ppo-no-kl", 1, [0.0, 1.0, 2.0], [0.12, 0.0, -0.5], [0, 3, 9],
+                      [0.8, 0.5, 0.2])
+    from tether.demo.report import step0_note
+
+    note = step0_note([seed0, seed1, SFT])
+    assert "equals the step 0 of ppo-no-kl seed 0, prompt by prompt" in note
+    assert "Seed(s) 1 start from the same SFT model" in note and "gold +0.120 against +0.100" in note
+    peaked = verdicts([seed0, seed1], kl_target=2.0)[1]
+    assert "2 seeds pooled" in peaked.evidence
+    assert ("seed 0 peaks then falls (best at step 4, gold +0.500); seed 1 no rise beyond noise "
+            "(best at step 0, gold +0.120)") in peaked.note
+
+
+def _fake_sweep(root):
+    """Three betas, one seed, evaluations at steps 0-40; per prompt the end gold (mean of steps
+    20, 30, 40) is beta 0: -0.5 + (0.05, -0.05, 0.05, -0.05); beta 0.3: 0.3 + (0.1, -0.1, 0.1, -0.1) (its last evaluation a
+    dip to 0.1); beta 1: 0.25 + (-0.1, 0.1, -0.1, 0.1). By hand (tests/tools/test_recommendation):
+    beta 0.3 measures best, beta 1 is within noise of it (0.050 ± 0.115), beta 0 is not."""
+    import json
+
+    import yaml
+
+    from tether.tools.sweep_plan import PlannedRun, Sweep
+
+    # Each prompt's noise, scaled at step i by FACTOR[i]: the last three average to 1, and no
+    # two evaluations share it, so no paired error in the sweep's verdicts is exactly zero.
+    factor = [0.0, 1.0, 0.5, 1.0, 1.5]
+    noise = {0.0: (0.05, -0.05, 0.05, -0.05), 0.3: (0.1, -0.1, 0.1, -0.1), 1.0: (-0.1, 0.1, -0.1, 0.1)}
+    means = {0.0: [0.0, 0.2, -0.5, -0.5, -0.5], 0.3: [0.0, 0.2, 0.4, 0.4, 0.1],
+             1.0: [0.0, 0.1, 0.2, 0.25, 0.3]}
+    runs = []
+    for beta, gold in means.items():
+        name = f"ppo-beta{beta:g}-seed0"
+        path = root / name
+        (path / "final").mkdir(parents=True)
+        (path / "config.yaml").write_text(yaml.safe_dump({"beta": beta}))
+        rows = [{"step": 10 * i, "eval/kl": 0.5 * i / (1 + beta), "eval/kl_exact": 0.5 * i,
+                 "eval/score": 0.3 * i, "eval/gold_score": g} for i, g in enumerate(gold)]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path / "samples.jsonl").write_text("".join(json.dumps({"step": 10 * i, "samples": [
+            {"gold_score": g + n * factor[i]} for n in noise[beta]]}) + "\n"
+            for i, g in enumerate(gold)))
+        runs.append(PlannedRun(name, "ppo", 0, {"beta": beta},
+                               {"beta": beta, "output_dir": str(root)}))
+    return Sweep(root, runs, {"ppo": ["beta"]})
+
+
+def test_page_recommends_a_beta_among_the_best_measured_and_never_prints_a_zero_error(tmp_path):
+    from tether.tools import sweep_report
+
+    sweep = _fake_sweep(tmp_path / "sweep")
+    sweep_html, _ = sweep_report.section(sweep, {}, page_dir=tmp_path, configs=False)
+    free = ppo_curve("ppo-no-kl", 0, [0.0, 0.5, 1.0, 1.5, 2.0], [0.1, 0.3, 0.5, 0.1, -0.4],
+                     [0, 3, 8, 15, 30], [0.8, 0.7, 0.5, 0.3, 0.2], [0.0] * 5, _jitters(0.01, 5))
+    leashed = ppo_curve("ppo-adaptive", 0, [0.0, 0.3, 0.5, 0.6, 0.6], [0.1, 0.3, 0.4, 0.45, 0.45],
+                        [0, 1.0, 1.8, 2.1, 2.0], [0.8, 0.75, 0.7, 0.7, 0.7], [0.1] * 5,
+                        _jitters(-0.02, 5))
+    path, _ = write_report([free, leashed, SFT], tmp_path, 2.0, SETTINGS, sweep_html=sweep_html)
+    driver = open_in_chromium(path)
+    try:
+        text = driver.find_element("tag name", "body").text
+        recommended = driver.find_element("id", "recommended").text
+        rule = driver.find_element("id", "rule").text
+        rows = [[td.text for td in tr.find_elements("tag name", "td")]
+                for tr in driver.find_elements("css selector", "#sweep-table tr")[1:]]
+    finally:
+        driver.quit()
+    assert "± 0.000" not in text and "+- 0.000" not in text
+    # The hand-worked answer: beta 0.3 measured best, beta 1 within noise, so beta 1, said first.
+    assert recommended.startswith("Recommended beta: 1 (PPO beta 1). No clear winner: PPO beta "
+                                  "0.3 measured best (end gold +0.300)")
+    assert "steps 20, 30, 40" in rule and "largest beta is recommended" in rule
+    # The table shows the rule's measure and verdict, and agrees with the recommendation.
+    versus = {row[0]: row[6] for row in rows}
+    end_gold = {row[0]: row[5] for row in rows}
+    assert end_gold == {"PPO beta 0": "-0.500", "PPO beta 0.3": "+0.300", "PPO beta 1": "+0.250"}
+    assert versus["PPO beta 0.3"] == "measured best"
+    assert versus["PPO beta 1"] == "-0.050 ± 0.115: within noise; recommended"
+    assert versus["PPO beta 0"].endswith("below, beyond noise")
+    recommended_row = next(row for row in rows if "recommended" in row[6])
+    assert recommended_row[6].startswith(("measured best", "-0.050 ± 0.115: within noise"))
+    # One seed: the final gold has no error bar, said in words.
+    assert all(row[4].endswith("(one seed, no error bar)") for row in rows)
+    # Beta 1's best evaluation is its last (gold 0.3 at step 40): rising, with no fall to judge
+    # (not "a fall of +0.000 ± 0.000"); each fit says how many points it has (5: steps 0-40).
+    assert versus and rows[2][10].startswith("gold still rising at its last evaluation")
+    assert rows[2][10].endswith("the peak is the last evaluation: no fall to judge")
+    assert all(" from 5 points; " in row[9] for row in rows)
+
+
+def test_demo_page_one_colour_per_run_captions_and_width(tmp_path):
+    # The demo page with the sweep's figures embedded, as the demo writes it: each run or
+    # setting one colour across all seven figures, no colour for two of them (red was "no KL"
+    # above and beta 0.3 in the sweep), captions in their figures, no sideways scroll.
+    from pages import check_figures_and_layout, fake_sweep
+
+    from tether.tools.report import figure_html
+    from tether.tools.sweep_report import figures
+
+    sweep_html = "".join(figure_html(data, title, caption, colours)
+                         for title, data, caption, colours in figures(*fake_sweep()))
+    path, _ = write_report([HACKED, LEASHED, SFT, DPO, IPO], tmp_path, 2.0, SETTINGS,
+                           sweep_html=sweep_html)
+    colours = check_figures_and_layout(path, min_figures=7)
+    assert colours["ppo-no-kl"] == "#d62728" and colours["sft"] == "#000000"
+    assert {"PPO beta 0.1", "PPO beta 1", "DPO beta 0.1", "dpo", "ipo"} <= set(colours)
+
+
+def test_plotted_colours_are_the_legend_colours(tmp_path):
+    # The map each <figure> carries is what the PNG shows: every run's colour covers pixels of
+    # the frontier plot (thick mean lines and filled markers are drawn in the exact colour).
+    import json
+    import re
+
+    from PIL import Image
+
+    path, _ = write_report([HACKED, LEASHED, SFT, DPO, IPO], tmp_path, 2.0, SETTINGS)
+    page = path.read_text(encoding="utf-8")
+    found = re.search(r"<figure data-colours=\"([^\"]*)\"><img src='frontier.png'", page)
+    colours = json.loads(found.group(1).replace("&quot;", '"'))
+    assert set(colours) == {"ppo-no-kl", "ppo-adaptive", "sft", "dpo", "ipo"}
+    image = Image.open(tmp_path / "frontier.png").convert("RGB")
+    counts = {rgb: n for n, rgb in image.getcolors(maxcolors=image.width * image.height)}
+    # (sft's black is also the text's: a weak check for it alone; the other four are not.)
+    for run, colour in colours.items():
+        rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+        assert counts.get(rgb, 0) >= 20, (run, colour, counts.get(rgb, 0))

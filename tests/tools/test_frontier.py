@@ -12,7 +12,6 @@ from tether.tools.frontier import (
     gao_fit,
     mean_and_stderr,
     peak_then_fall,
-    recommend_beta,
 )
 
 KLS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
@@ -62,35 +61,6 @@ def test_mean_and_stderr_by_hand():
     # mean 2, sample variance ((1 + 0 + 1) / 2) = 1, stderr 1 / sqrt(3)
     assert mean_and_stderr([1.0, 2.0, 3.0]) == pytest.approx((2.0, 1 / math.sqrt(3)))
     assert mean_and_stderr([0.7]) == (0.7, 0.0)
-
-
-def test_recommendation_says_when_the_gap_is_noise():
-    def rec(golds):
-        return recommend_beta({f"b{b:g}": g for b, g in golds.items()},
-                              {f"b{b:g}": b for b in golds})
-    # beta 0.1: mean 0.5, se 0.01; beta 0.05: mean 0.3, se 0.01: gap 0.2 > 2 * sqrt(2) * 0.01
-    clear = rec({0.1: [0.49, 0.51], 0.05: [0.29, 0.31], 0.0: [-0.5, -0.4]})
-    assert clear.beta == 0.1 and clear.label == "b0.1" and clear.clear
-    assert "more than twice" in clear.evidence
-    # beta 0.02 leads by 0.01 with errors of 0.1: indistinguishable, the larger beta is chosen.
-    close = rec({0.02: [0.4, 0.6], 0.1: [0.39, 0.59]})
-    assert close.beta == 0.1 and not close.clear and "within twice" in close.evidence
-    single = rec({0.02: [0.6], 0.1: [0.5]})
-    assert single.beta == 0.1 and "one seed" in single.evidence
-
-
-def test_recommendation_pairs_per_prompt_scores_even_with_one_seed():
-    golds, betas = {"b0.3": [0.24], "b1": [0.12]}, {"b0.3": 0.3, "b1": 1.0}
-    # Per prompt, beta 0.3 beats beta 1 by 0.12 +- 0.02 on every prompt: a clear gap, by hand:
-    # differences 0.10, 0.14, 0.12, 0.12 -> mean 0.12, sd 0.01633, se 0.008165.
-    better = {"b0.3": [0.5, 0.3, 0.1, 0.06], "b1": [0.4, 0.16, -0.02, -0.06]}
-    clear = recommend_beta(golds, betas, better)
-    assert clear.beta == 0.3 and clear.clear
-    assert "+0.120 ± 0.008" in clear.evidence and "paired over 4 prompt" in clear.evidence
-    # Same means, but the per-prompt differences swing by +-0.5: noise, so the larger beta.
-    noisy = {"b0.3": [0.5, 0.3, 0.1, 0.06], "b1": [0.0, 0.8, -0.4, 0.56]}
-    close = recommend_beta(golds, betas, noisy)
-    assert close.beta == 1.0 and not close.clear and "within twice" in close.evidence
 
 
 def test_peak_needs_a_rise_and_a_fall_beyond_twice_their_error():

@@ -91,7 +91,7 @@ def test_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
     assert float(rows[0]["kl"]) == 0.0 and rows[0]["beta"] == "0.0" and rows[6]["loss"] == "sigmoid"
     # The page: three figures decode, the recommendation and both stages' rows are there.
     check_report_page(root / "report.html", 3, {
-        "recommended": ["Recommended beta"], "best-gold": ["best mean gold"], "sweep-table": ["PPO beta 0.5", "DPO beta 0.1",
+        "recommended": ["Recommended beta"], "best-gold": ["best single evaluation"], "sweep-table": ["PPO beta 0.5", "DPO beta 0.1",
                                                              "IPO beta 0.1", "R²"]})
 
     # Resume: a finished run is kept as it is; a broken one (final model gone, checkpoint at

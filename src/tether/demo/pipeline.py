@@ -12,6 +12,7 @@ Each stage is called through its Python API with a typed config, exactly as a us
 
 from __future__ import annotations
 
+import html
 import json
 import time
 from pathlib import Path
@@ -182,10 +183,25 @@ def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
     print(summary)
     return ("<h2 id='sweep'>Which beta? A sweep</h2><p>PPO with a fixed beta at each of "
             f"{', '.join(f'{b:g}' for b in cfg.sweep_betas)}, one seed, "
-            f"{cfg.sweep_batches} batches each (shorter than the runs above); the sweep's own "
+            f"{cfg.sweep_batches} batches each. " + html.escape(sweep_scope(cfg)) + " The sweep's own "
             "page is <a href='sweep/report.html'>sweep/report.html</a>, its grid "
             "<a href='data/sweep.yaml'>data/sweep.yaml</a> (run it yourself with "
             "<code>tether sweep</code>).</p>" + body)
+
+
+def sweep_scope(cfg: DemoConfig) -> str:
+    """What the sweep's runs are next to the main runs: shorter, one seed, and (same seed, same
+    settings, constant learning rate, an evaluation stream seeded apart from training) an exact
+    replay of the first batches of the main run with the same beta."""
+    same = [f"beta {b:g} is the first {cfg.sweep_batches} batches of {name} seed {cfg.seed}"
+            for b in cfg.sweep_betas
+            for name, beta in (("ppo-no-kl", 0.0), ("ppo-fixed", cfg.fixed_beta)) if b == beta]
+    return (f"These runs are shorter than the {cfg.ppo_batches} batches above and use seed "
+            f"{cfg.seed} only, so they answer a different question: which beta is best after "
+            f"{cfg.sweep_batches} batches" + (f" ({'; '.join(same)}, the same numbers at the "
+                                               "same steps)" if same else "") +
+            ". A beta that trails here may still be climbing; the runs above show where a longer "
+            "run goes.")
 
 
 def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]:

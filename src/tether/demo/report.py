@@ -44,11 +44,28 @@ def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
         f"distinct-2 {dist[0]:.2f} -> {dist[-1]:.2f}; {len(free)} seed(s)")
     peak = gold.index(max(gold))
     found = peak_then_fall(start, pooled_golds(free, steps[peak]), final, kl[peak])
+    pooled = f"{len(free)} seeds pooled: " if len(free) > 1 else ""
     peaked = Verdict("no KL penalty: gold first peaks above its start, then falls",
                      peak > 0 and found.holds,
-                     f"{found.evidence}, best at step {steps[peak]}; a peak must beat the start "
-                     "by twice its error")
+                     f"{pooled}{found.evidence}, best at step {steps[peak]}; a peak must beat the "
+                     "start by twice its error", _per_seed_peaks(free) if len(free) > 1 else "")
     return [hacked, peaked]
+
+
+def _per_seed_peaks(free: list[Curve]) -> str:
+    """The same test seed by seed (each at its own best evaluation), so a seed that peaks is
+    named even when the pooled verdict, or another section's seed-0 run, says otherwise."""
+    parts = []
+    for curve in free:
+        gold, steps = curve.series("eval/gold_score"), curve.steps
+        peak = gold.index(max(gold))
+        found = peak_then_fall(pooled_golds([curve], steps[0]), pooled_golds([curve], steps[peak]),
+                               pooled_golds([curve], steps[-1]), curve.series("eval/kl")[peak])
+        word = ("peaks then falls" if peak > 0 and found.holds else
+                "no rise beyond noise" if not found.rose or peak == 0 else "no fall beyond noise")
+        parts.append(f"seed {curve.seed} {word} (best at step {steps[peak]}, gold "
+                     f"{gold[peak]:+.3f})")
+    return "Seed by seed, same test: " + "; ".join(parts) + "."
 
 
 def _adaptive_verdict(adaptive: list[Curve], free: list[Curve], kl_target: float) -> Verdict:
@@ -146,6 +163,31 @@ OFFLINE_LABELS = {"sft": "the SFT model (every run's start)", "dpo": "the DPO po
                   "ipo": "the IPO policy, trained"}
 
 
+def step0_note(curves: list[Curve]) -> str:
+    """Which PPO runs' step 0 the SFT row equals, checked prompt by prompt, and why the others
+    differ: every run starts from the SFT model, but each samples its evaluation with its own
+    seed (tether.rl.evaluation: run seed + offset), and the SFT model is scored with seed 0's."""
+    runs = by_run(curves)
+    if not runs.get("sft"):
+        return ""
+    sft = runs["sft"][0]
+    sft_golds = pooled_golds([sft], 0)
+    ppo = [c for c in curves if c.run in PPO_RUNS and c.steps and c.steps[0] == 0]
+    same = [c for c in ppo if pooled_golds([c], 0) == sft_golds]
+    other = sorted({c.seed for c in ppo if c not in same})
+    named = ", ".join(f"{c.run} seed {c.seed}" for c in same) or "no PPO run"
+    text = (f"The SFT row (sampled with seed {sft.seed}) equals the step 0 of {named}, prompt by "
+            "prompt.")
+    if other:
+        starts = ", ".join(f"{c.series('eval/gold_score')[0]:+.3f}" for c in ppo
+                           if c.seed in other and c.run == ppo[0].run)
+        text += (f" Seed(s) {', '.join(map(str, other))} start from the same SFT model but sample "
+                 f"their evaluations with their own seed, so their step 0 reads differently "
+                 f"(gold {starts} against {sft.series('eval/gold_score')[0]:+.3f}): that spread is "
+                 "sampling noise, not a different start.")
+    return text
+
+
 def _sample_points(curve: Curve) -> list[tuple[str, int]]:
     if not curve.steps:
         return []
@@ -196,7 +238,7 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     `run_dirs`: the runs whose configs the settings section diffs and links (tether.tools.report);
     `sweep_html`: the demo's beta sweep section, already rendered.
     """
-    from tether.tools.report import config_html, read_run
+    from tether.tools.report import FIGURE_TABLE_STYLE, config_html, figure_tag, read_run
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,17 +246,17 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     found = verdicts(curves, kl_target)
     table = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                     for row in summary_rows(curves))
-    images = "".join(f"<figure><img src='{name}' alt='{html.escape(title)}'>"
-                     f"<figcaption>{html.escape(title)}</figcaption></figure>"
-                     for title, name in figures.items())
+    images = "".join(figure_tag(name, title, "", colours)
+                     for title, (name, colours) in figures.items())
     settings_items = "".join(f"<li>{html.escape(k)}: {html.escape(v)}</li>"
                              for k, v in settings.items())
     configs = config_html([read_run(d) for d in run_dirs], out) if run_dirs else ""
+    step0 = html.escape(step0_note(curves))
     page = _PAGE.format(
         header="".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS), table=table,
         verdicts=_verdicts_html(found) or "<li>No PPO runs to judge.</li>", images=images,
         samples=_samples_html(curves), settings=settings_items, configs=configs,
-        sweep=sweep_html)
+        sweep=sweep_html, figure_table_style=FIGURE_TABLE_STYLE, step0=step0)
     path = out / "report.html"
     tmp = path.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")
@@ -225,11 +267,10 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>tether demo: the KL leash at work</title>
 <style>
-body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; line-height: 1.45; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 0.92em; }}
-li.holds b {{ color: #1a7f37; }} li.fails b {{ color: #b42318; }}
-img {{ max-width: 100%; }} figure {{ margin: 1.5em 0; }} .note {{ color: #444; }}
+body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
+  line-height: 1.45; }}
+li.holds b {{ color: #1a7f37; }} li.fails b {{ color: #b42318; }} .note {{ color: #444; }}
+{figure_table_style}
 </style></head><body>
 <h1>The KL leash at work</h1>
 <p>A small language model learned to write short movie reviews (SFT). A reward model learned
@@ -246,8 +287,7 @@ computed on the per-prompt scores of the same held-out prompts (paired), pooled 
 <p>Proxy and gold are means over held-out prompts; KL is the mean over those prompts of the summed
 per-token log-ratio log pi(y) - log pi_SFT(y) of the sampled response; distinct-2 is the share of
 unique word pairs among all generated word pairs. The SFT model, DPO and IPO are evaluated once,
-exactly as PPO evaluates itself (same prompts, same seeded sampling): the SFT row equals every
-PPO run's step 0.</p>
+exactly as PPO evaluates itself (same prompts, same seeded sampling). {step0}</p>
 <h2>Plots</h2>
 <p class="note">Thick lines are the mean over seeds with a band of one standard error; thin
 lines are the seeds (one line style each). SFT, DPO and IPO are single points (circle, square,

@@ -16,7 +16,7 @@ coefficient, not the KL penalty beta.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,6 +41,24 @@ class GaoFit:
             return None
         d_star = math.exp(exponent)
         return d_star * d_star, self.beta_rl * d_star
+
+    def describe(self, max_kl: float) -> str:
+        """The fit in words, honest about its reach: R² with its number of points (with 3 or
+        fewer, two coefficients fit them almost exactly, so R² says nothing), and the fitted
+        peak only as an extrapolation when it lies beyond `max_kl`, the largest KL measured."""
+        r2 = (f"R² {self.r2:.2f} from {self.n} points" if math.isfinite(self.r2)
+              else f"R² undefined ({self.n} points)")
+        if self.n <= 3:
+            r2 += ": too few to test the curve (two coefficients fit 3 points almost exactly)"
+        peak = self.peak()
+        if peak is None:
+            where = "no fitted peak (still rising)"
+        elif peak[0] > max_kl:
+            where = (f"fitted peak beyond the data, an extrapolation (at KL {peak[0]:.3g}; the "
+                     f"runs reached {max_kl:.2f})")
+        else:
+            where = f"fitted peak gold {peak[1]:+.3f} at KL {peak[0]:.2f}"
+        return f"{r2}; {where}"
 
 
 def gao_fit(kls: list[float], gains: list[float]) -> GaoFit | None:
@@ -96,54 +114,90 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+def error_text(mean: float, stderr: float, n: int, fmt: str = "+.3f") -> str:
+    """`mean ± stderr`, or, with one value, the mean and "one seed, no error bar" (never ± 0.000,
+    which would claim a certainty one seed cannot give)."""
+    if n < 2:
+        return f"{mean:{fmt}} (one seed, no error bar)"
+    return f"{mean:{fmt}} ± {stderr:.3f}"
+
+
+def end_of_training(per_eval: list[list[float]], last: int = 3) -> list[float]:
+    """Per prompt, the mean gold over the last `last` evaluations (all of them if fewer).
+
+    `per_eval`: each evaluation's per-prompt scores, in step order, the same prompts in each.
+    One evaluation can be a dip (a policy that oscillates); the mean of the last few is the end
+    of training a practitioner would trust, and stays paired prompt by prompt."""
+    tail = per_eval[-last:]
+    return [sum(scores) / len(tail) for scores in zip(*tail, strict=True)]
+
+
 @dataclass
 class Recommendation:
     label: str  # the setting recommended (a sweep group)
     beta: float
     evidence: str
-    clear: bool  # the winner beats the runner-up by more than twice the gap's standard error
+    clear: bool  # the best measured beats every other setting by more than twice the gap's error
+    best: str = ""  # the setting that measured best
+    tied: list[str] = field(default_factory=list)  # within noise of the best (the best included)
+    gaps: dict[str, tuple[float, float]] = field(default_factory=dict)  # label -> best - it, error
 
 
-def recommend_beta(final_gold: dict[str, list[float]], betas: dict[str, float],
-                   per_prompt: dict[str, list[float]] | None = None) -> Recommendation | None:
-    """The setting whose runs end with the best mean gold (over seeds), and the evidence.
+def _gap(best: list[float], other: list[float]) -> tuple[float, float]:
+    """best - other, paired per prompt when both hold the same (seed, prompt) units."""
+    if len(best) == len(other):
+        return paired_difference(other, best)
+    (m1, e1), (m2, e2) = mean_and_stderr(best), mean_and_stderr(other)
+    return m1 - m2, math.sqrt(e1 ** 2 + e2 ** 2)
 
-    `final_gold`: setting label -> each seed's final gold; `betas`: label -> its KL coefficient.
-    `per_prompt` (optional): label -> the final per-prompt gold scores, seeds concatenated in
-    the same order for every label (the same held-out prompts). When the two best settings have
-    them, the gap's error is the standard error of the paired per-prompt differences (pairing
-    removes the prompts' own spread; it exists with one seed); otherwise it comes from the seed
-    means. When the gap is within twice its standard error, the two cannot be told apart and the
-    one with the larger beta is recommended (closer to the reference for the gold measured).
+
+def recommend_beta(end_gold: dict[str, list[float]], betas: dict[str, float],
+                   seeds: dict[str, int]) -> Recommendation | None:
+    """The rule: the best end-of-training gold, or, when the evidence cannot separate the best
+    from others, the largest beta among them, said so first.
+
+    `end_gold`: label -> each (seed, prompt)'s end-of-training gold (end_of_training), seeds
+    concatenated in the same order for every label: the same held-out prompts, so each gap to
+    the best is paired (mean and standard error of the per-unit differences). A setting is
+    within noise of the best when its gap is at most twice its error. Among those, the largest
+    beta is recommended: a stronger KL penalty keeps the policy nearer the SFT model, where the
+    gold was measured to hold (it acts as early stopping against over-optimisation).
     """
-    if not final_gold:
+    if not end_gold:
         return None
-    stats = {label: mean_and_stderr(golds) for label, golds in final_gold.items()}
-    ranked = sorted(stats, key=lambda label: stats[label][0], reverse=True)
-    best = ranked[0]
-    if len(ranked) == 1:
-        return Recommendation(best, betas[best], f"only {best} was run", False)
-    second = ranked[1]
-    (m1, e1), (m2, e2) = stats[best], stats[second]
-    a, b = (per_prompt or {}).get(best), (per_prompt or {}).get(second)
-    paired = bool(a) and bool(b) and len(a) == len(b) and len(a) > 1
-    if paired:
-        gap, gap_error = paired_difference(b, a)
-        how = f"paired over {len(a)} prompt evaluations"
+    means = {label: sum(v) / len(v) for label, v in end_gold.items()}
+    best = max(means, key=lambda label: means[label])
+    if len(means) == 1:
+        return Recommendation(best, betas[best], f"only {best} was run", False, best, [best])
+    gaps = {label: _gap(end_gold[best], end_gold[label]) for label in means if label != best}
+    tied = [best] + [label for label, (gap, err) in gaps.items() if gap <= 2 * err]
+    pick = max(tied, key=lambda label: betas[label])
+    n_seeds = seeds[best]
+    caveat = ("" if n_seeds > 1 else " With one seed the error bars cover the prompts and the "
+              "sampling, not the training's own randomness.")
+    if len(tied) == 1:
+        runner = max(gaps, key=lambda label: means[label])
+        gap, err = gaps[runner]
+        return Recommendation(best, betas[best], (
+            f"{best} measured best, end gold {means[best]:+.3f}, and beats every other beta "
+            f"beyond noise: the closest, {runner} ({means[runner]:+.3f}), by {gap:+.3f} ± "
+            f"{err:.3f}, more than twice its error.{caveat}"), True, best, tied, gaps)
+    others = [label for label in tied if label != best]
+    named = ", ".join(f"{label} ({means[label]:+.3f}, {gaps[label][0]:+.3f} ± "
+                      f"{gaps[label][1]:.3f} behind)" for label in others)
+    text = (f"No clear winner: {best} measured best (end gold {means[best]:+.3f}), but {named} "
+            "cannot be told apart from it (a gap within twice its error).")
+    if pick != best:
+        gap, err = gaps[pick]
+        need = (f"about {math.ceil(n_seeds * (2 * err / gap) ** 2)} seeds instead of {n_seeds}"
+                f" would separate {best} from {pick} if the gap held (the error falls as "
+                "1/sqrt(n))" if gap > 0 else f"{best} and {pick} measured the same")
+        text += (f" The rule then takes the largest beta, beta {betas[pick]:g}: a stronger KL "
+                 "penalty keeps the policy nearer the SFT model (it acts as early stopping). "
+                 f"{need[0].upper() + need[1:]}.")
     else:
-        gap, gap_error = m1 - m2, math.sqrt(e1 ** 2 + e2 ** 2)
-        how = f"{len(final_gold[best])} and {len(final_gold[second])} seeds"
-    clear = gap_error > 0 and gap > 2 * gap_error
-    summary = (f"final gold {m1:+.3f} for {best} (beta {betas[best]:g}) vs {m2:+.3f} for "
-               f"{second} (beta {betas[second]:g}): a gap of {gap:+.3f} ± {gap_error:.3f} ({how})")
-    if clear:
-        return Recommendation(best, betas[best], summary + ", more than twice its standard "
-                              "error", True)
-    pick = best if betas[best] >= betas[second] else second
-    why = ("one seed and no per-prompt scores give no error bar" if gap_error == 0 else
-           "the gap is within twice its standard error")
-    return Recommendation(pick, betas[pick], summary + f"; {why}, so the larger beta of the two "
-                          "(closer to the reference for the gold measured)", False)
+        text += f" {best} also has the largest beta of them, so the rule takes it."
+    return Recommendation(pick, betas[pick], text + caveat, False, best, tied, gaps)
 
 
 @dataclass
@@ -169,9 +223,11 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
     rose = len(start) >= 2 and rise > 2 * rise_se
     fell = len(start) >= 2 and fall > 2 * fall_se
     m = [sum(x) / len(x) for x in (start, peak, final)]
+    # The best evaluation may be the last: then there is no fall to measure (not a zero error).
+    after = ("the peak is the last evaluation: no fall to judge" if list(peak) == list(final)
+             else f"final {m[2]:+.3f} (fall {fall:+.3f} ± {fall_se:.3f})")
     return PeakVerdict(rose and fell, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
-                              f"(rise {rise:+.3f} ± {rise_se:.3f}), final {m[2]:+.3f} "
-                              f"(fall {fall:+.3f} ± {fall_se:.3f})", rose, fell)
+                              f"(rise {rise:+.3f} ± {rise_se:.3f}), {after}", rose, fell)
 
 
 def paired_difference(before: list[float], after: list[float]) -> tuple[float, float]:

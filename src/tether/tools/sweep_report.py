@@ -19,6 +19,9 @@ from pathlib import Path
 
 from tether.tools.frontier import (
     GaoFit,
+    Recommendation,
+    end_of_training,
+    error_text,
     frontier,
     gao_fit,
     mean_and_stderr,
@@ -26,8 +29,11 @@ from tether.tools.frontier import (
     recommend_beta,
 )
 from tether.tools.report import (
+    GUIDE,
+    Palette,
     config_html,
     figure_html,
+    legend_colours,
     page,
     plt,
     png_data,
@@ -96,7 +102,8 @@ class Group:
     mean: dict[str, list[float]]
     stderr: dict[str, list[float]]
     final_gold: list[float]  # each seed's last gold
-    final_gold_by_prompt: list[float] = field(default_factory=list)  # seeds in order, per prompt
+    end_steps: list[int] = field(default_factory=list)  # the evaluations END_EVALS averages
+    end_gold: list[float] = field(default_factory=list)  # per (seed, prompt), seeds in order
     fit: GaoFit | None = None
     gains: list[tuple[float, float]] = field(default_factory=list)  # (KL, gold - start gold)
     verdict: str = ""  # gold peaks then falls, or not, with its evidence (PPO)
@@ -108,6 +115,11 @@ def _label(run: PlannedRun) -> str:
         return f"{name} beta {run.fields.get('beta', 0.1):g}"
     extra = ", ".join(f"{k} {v}" for k, v in run.point.items() if k != "beta")
     return f"PPO beta {run.fields.get('beta', 0.05):g}" + (f" ({extra})" if extra else "")
+
+
+# The recommendation's measure of the end of training: per prompt, the mean gold of the last
+# END_EVALS evaluations after step 0 (one evaluation can be a dip; frontier.end_of_training).
+END_EVALS = 3
 
 
 def summarise(points: list[RunPoints]) -> list[Group]:
@@ -126,9 +138,11 @@ def summarise(points: list[RunPoints]) -> list[Group]:
         group = Group(name, first.stage, float(first.fields.get("beta", 0.05)), _label(first),
                       [m.run.seed for m in members], steps, mean, stderr,
                       [m.values["gold"][-1] for m in members])
-        last = [m.gold_by_prompt.get(m.steps[-1]) for m in sorted(members, key=lambda m: m.run.seed)]
-        if all(last):
-            group.final_gold_by_prompt = [g for scores in last for g in scores]
+        group.end_steps = [s for s in steps if s > 0][-END_EVALS:] or steps[-1:]
+        ordered = sorted(members, key=lambda m: m.run.seed)
+        if all(s in m.gold_by_prompt for m in ordered for s in group.end_steps):
+            group.end_gold = [g for m in ordered for g in end_of_training(
+                [m.gold_by_prompt[s] for s in group.end_steps], END_EVALS)]
         if first.stage == "ppo" and steps and steps[0] == 0:
             for m in members:  # gold gain over that seed's own start (step 0, the SFT policy)
                 start = m.values["gold"][m.steps.index(0)]
@@ -153,66 +167,121 @@ def write_csv(path: Path, points: list[RunPoints], axes: list[str]) -> None:
 MARKERS = {"DPO": "s", "IPO": "D"}
 
 
-def _plot_groups(ax, groups: list[Group], metric: str) -> None:
+def _palette(groups: list[Group]) -> Palette:
+    """One colour per setting for the sweep's figures, handed out in the groups' order, so the
+    sweep page and the demo page (which embeds these figures) colour each setting alike, and no
+    setting takes a colour of the demo's own runs (RUN_COLOURS)."""
+    palette = Palette()
+    for g in groups:
+        palette(g.label)
+    return palette
+
+
+def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
     """Each PPO group: mean over seeds against mean KL, a band of one standard error; each
     DPO/IPO group: one marker with error bars."""
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, g in enumerate(groups):
-        colour = colours[i % len(colours)]
+    for g in groups:
+        colour = palette(g.label)
         xs, ys, es = g.mean["kl"], g.mean[metric], g.stderr[metric]
         if g.stage == "dpo":
             ax.errorbar(xs, ys, yerr=es, xerr=g.stderr["kl"], fmt=MARKERS[g.label[:3]],
-                        markersize=9, color=colour, label=g.label, capsize=3)
+                        markersize=9, color=colour, markeredgecolor="black", label=g.label,
+                        capsize=3)
             continue
         ax.plot(xs, ys, "-o", markersize=3, color=colour, label=g.label)
         ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)],
                         color=colour, alpha=0.2)
 
 
-def figures(groups: list[Group], points: list[RunPoints]) -> list[tuple[str, str, str]]:
-    """[(title, png, caption)]."""
-    out = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, metric, title in zip(axes, ("gold", "proxy"), ("gold reward", "proxy reward")):
-        _plot_groups(ax, groups, metric)
-        ax.set(xlabel="KL(pi || ref), nats per response", ylabel=title, title=f"{title} against KL")
-    axes[0].legend(fontsize=8)
-    out.append(("Gold and proxy reward against KL", png_data(fig),
-                "mean over seeds at each evaluation; the band is one standard error."))
-
+def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Palette):
+    """Every evaluation in its setting's colour, the frontier over all of them, DPO/IPO marked;
+    returns (figure, caption)."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    everything = [(k, g) for p in points for k, g in zip(p.values["kl"], p.values["gold"])]
-    ax.scatter(*zip(*everything), s=8, color="lightgrey", label="every evaluation")
-    edge = frontier(everything)
-    edge.append((max(k for k, _ in everything), edge[-1][1]))  # the best holds to the last KL
-    ax.step(*zip(*edge), where="post", color="black", label="frontier: best gold within the KL")
     for g in groups:
         if g.stage == "dpo":
-            ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3]], markersize=11,
-                    markeredgecolor="black", label=g.label)
+            continue
+        mine = [(k, y) for p in points if p.run.group == g.name
+                for k, y in zip(p.values["kl"], p.values["gold"])]
+        if mine:
+            ax.scatter(*zip(*mine), s=10, alpha=0.55, color=palette(g.label), label=g.label)
+    everything = [(k, g) for p in points for k, g in zip(p.values["kl"], p.values["gold"])]
+    edge = frontier(everything)
+    edge.append((max(k for k, _ in everything), edge[-1][1]))  # the best holds to the last KL
+    ax.step(*zip(*edge), where="post", color="black", label="frontier: best gold within the KL",
+            gid=GUIDE)
+    offline = [g for g in groups if g.stage == "dpo"]
+    for g in offline:
+        ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3]], markersize=11,
+                color=palette(g.label), markeredgecolor="black", label=g.label)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The reward-KL frontier")
     ax.legend(fontsize=8)
-    out.append(("The frontier", png_data(fig), "every evaluation of every run in grey; DPO/IPO "
-                "marked (evaluated once, at the end)."))
+    caption = ("every evaluation of every run, in its setting's colour; the black steps are the "
+               "best gold reached within each KL.")
+    if offline:
+        caption += (" " + "/".join(sorted({g.label[:3] for g in offline}))
+                    + " marked (evaluated once, at the end).")
+    return fig, caption
 
+
+def _fit_label(g: Group, top: float) -> str:
+    """The legend of one fit: how many points it rests on and where its peak lies."""
+    # Two parameters through three points: an R² near 1 says little, so the legend says "only".
+    label = f"{g.label}: fit of {'only ' if g.fit.n <= 3 else ''}{g.fit.n} points"
+    peak = g.fit.peak()
+    if peak is None:
+        label += ", no peak"
+    elif peak[0] ** 0.5 > top:
+        label += f", peak beyond the data (KL {peak[0]:.3g})"
+    return label + f", R² {g.fit.r2:.2f}"
+
+
+def _fit_figure(fitted: list[Group], palette: Palette):
+    """Gao et al.'s fit per setting, each drawn only over the d its evaluations reached."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for g in fitted:
+        colour = palette(g.label)
+        ds = [max(k, 0) ** 0.5 for k, _ in g.gains]
+        ax.scatter(ds, [y for _, y in g.gains], s=10, color=colour, alpha=0.6)
+        low, top = min(ds), max(ds)
+        grid = [low + (top - low) * j / 60 for j in range(61)]
+        ax.plot(grid, [g.fit.predict(d * d) for d in grid], color=colour,
+                label=_fit_label(g, top), gid=g.label)
+        peak = g.fit.peak()
+        if peak is not None and low <= peak[0] ** 0.5 <= top:
+            ax.plot([peak[0] ** 0.5], [peak[1]], "*", markersize=12, color=colour,
+                    markeredgecolor="black", gid=g.label)
+    ax.set(xlabel="d = sqrt(KL)", ylabel="gold gain over the start",
+           title="Gao et al. 2022: gold = d (alpha - beta_RL log d)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def figures(groups: list[Group], points: list[RunPoints]
+            ) -> list[tuple[str, str, str, dict[str, str]]]:
+    """[(title, png, caption, legend colours)]; one colour per setting in every figure."""
+    palette = _palette(groups)
+    out = []
+
+    def add(fig, title: str, caption: str) -> None:
+        colours = legend_colours(fig)  # read before png_data closes the figure
+        out.append((title, png_data(fig), caption, colours))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, metric, title in zip(axes, ("gold", "proxy"), ("gold reward", "proxy reward")):
+        _plot_groups(ax, groups, metric, palette)
+        ax.set(xlabel="KL(pi || ref), nats per response", ylabel=title, title=f"{title} against KL")
+    axes[0].legend(fontsize=8)
+    add(fig, "Gold and proxy reward against KL",
+        "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
+    fig, caption = _frontier_figure(groups, points, palette)
+    add(fig, "The frontier", caption)
     fitted = [g for g in groups if g.fit is not None]
     if fitted:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for i, g in enumerate(fitted):
-            colour = colours[i % len(colours)]
-            ds = [max(k, 0) ** 0.5 for k, _ in g.gains]
-            ax.scatter(ds, [y for _, y in g.gains], s=10, color=colour, alpha=0.6)
-            top = max(ds) if ds else 1.0
-            grid = [top * j / 60 for j in range(61)]
-            ax.plot(grid, [g.fit.predict(d * d) for d in grid], color=colour,
-                    label=f"{g.label}: R² {g.fit.r2:.2f}")
-        ax.set(xlabel="d = sqrt(KL)", ylabel="gold gain over the start",
-               title="Gao et al. 2022: gold = d (alpha - beta_RL log d)")
-        ax.legend(fontsize=8)
-        out.append(("Gao et al.'s fit per beta", png_data(fig), "points: every evaluation of "
-                    "every seed; lines: the least-squares fit."))
+        add(_fit_figure(fitted, palette), "Gao et al.'s fit per beta",
+            "points: every evaluation of every seed; lines: the least-squares fit, drawn only "
+            "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
+            "inside the data.")
     return out
 
 
@@ -228,6 +297,8 @@ def _verdict(group: Group, members: list[RunPoints]) -> str:
     found = peak_then_fall(pooled["start"], pooled["peak"], pooled["final"],
                            group.mean["kl"][peak_index])
     label = ("gold peaks then falls" if found.holds else
+             "gold still rising at its last evaluation" if peak_index == len(group.steps) - 1
+             and found.rose else
              "gold rises, no fall beyond noise" if found.rose else "no rise beyond noise")
     return f"{label}: {found.evidence}"
 
@@ -236,24 +307,37 @@ def _number(value: float | None, fmt: str) -> str:
     return "-" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
-TABLE_COLUMNS = ("setting", "seeds", "start gold", "final KL", "final gold", "final proxy",
-                 "alpha", "beta_RL", "R²", "fitted peak KL", "fitted peak gold", "verdict")
+TABLE_COLUMNS = ("setting", "seeds", "start gold", "final KL", "final gold", "end gold",
+                 "vs the best end gold", "final proxy", "Gao fit: alpha, beta_RL", "fit quality",
+                 "verdict")
 
 
-def table_rows(groups: list[Group]) -> list[list[str]]:
+def _versus(g: Group, rec: Recommendation | None) -> str:
+    """The rule's comparison, as the table shows it: this setting's end gold against the best."""
+    if rec is None or g.label not in rec.tied + list(rec.gaps):
+        return "-"
+    if g.label == rec.best:
+        text = "measured best"
+    else:
+        gap, err = rec.gaps[g.label]
+        text = f"{-gap:+.3f} ± {err:.3f}: " + ("within noise" if g.label in rec.tied else
+                                                 "below, beyond noise")
+    return text + ("; recommended" if g.label == rec.label else "")
+
+
+def table_rows(groups: list[Group], rec: Recommendation | None = None) -> list[list[str]]:
     rows = []
     for g in groups:
         final_gold, final_se = mean_and_stderr(g.final_gold)
-        peak = g.fit.peak() if g.fit else None
+        end = sum(g.end_gold) / len(g.end_gold) if g.end_gold else None
         rows.append([g.label, str(len(g.seeds)),
                      _number(g.mean["gold"][0], "+.3f") if g.stage == "ppo" else "-",
-                     _number(g.mean["kl"][-1], ".2f"), f"{final_gold:+.3f} ± {final_se:.3f}",
+                     _number(g.mean["kl"][-1], ".2f"),
+                     error_text(final_gold, final_se, len(g.final_gold)),
+                     _number(end, "+.3f"), _versus(g, rec),
                      _number(g.mean["proxy"][-1], "+.3f"),
-                     _number(g.fit.alpha if g.fit else None, ".3f"),
-                     _number(g.fit.beta_rl if g.fit else None, ".3f"),
-                     _number(g.fit.r2 if g.fit else None, ".2f"),
-                     _number(peak[0] if peak else None, ".2f"),
-                     _number(peak[1] if peak else None, "+.3f"), g.verdict or "-"])
+                     f"{g.fit.alpha:.3f}, {g.fit.beta_rl:.3f}" if g.fit else "-",
+                     g.fit.describe(max(g.mean["kl"])) if g.fit else "-", g.verdict or "-"])
     return rows
 
 
@@ -262,24 +346,40 @@ def best_observed(groups: list[Group]) -> str:
     g, i = max(((g, i) for g in groups for i in range(len(g.steps))),
                key=lambda gi: gi[0].mean["gold"][gi[1]])
     where = f"step {g.steps[i]}" if g.stage == "ppo" else "its end"
-    return (f"The best mean gold of the sweep, {g.mean['gold'][i]:+.3f} ± {g.stderr['gold'][i]:.3f},"
-            f" was reached by {g.label} (beta {g.beta:g}) at {where}, KL {g.mean['kl'][i]:.2f}.")
+    gold = error_text(g.mean["gold"][i], g.stderr["gold"][i], len(g.seeds))
+    return (f"The best single evaluation of the sweep (mean gold over seeds), {gold}, was "
+            f"{g.label} (beta {g.beta:g}) at {where}, KL {g.mean['kl'][i]:.2f}; one evaluation "
+            "is not the end of training, which the recommendation judges.")
 
 
-def recommendation(groups: list[Group]):
-    ppo = [g for g in groups if g.stage == "ppo"]
-    return recommend_beta({g.label: g.final_gold for g in ppo}, {g.label: g.beta for g in ppo},
-                          {g.label: g.final_gold_by_prompt for g in ppo if g.final_gold_by_prompt})
+def recommendation(groups: list[Group]) -> Recommendation | None:
+    """frontier.recommend_beta over the PPO groups' end-of-training gold (END_EVALS)."""
+    ppo = [g for g in groups if g.stage == "ppo" and g.end_gold]
+    return recommend_beta({g.label: g.end_gold for g in ppo}, {g.label: g.beta for g in ppo},
+                          {g.label: len(g.seeds) for g in ppo})
+
+
+def rule_sentence(groups: list[Group]) -> str:
+    """The rule in one sentence, naming the evaluations it averages."""
+    ppo = [g for g in groups if g.stage == "ppo" and g.end_steps]
+    steps = ", ".join(str(s) for s in ppo[0].end_steps) if ppo else "-"
+    seeds = sorted({s for g in ppo for s in g.seeds})
+    return (f"The rule: each beta is judged on its end gold, the mean gold of its last "
+            f"{len(ppo[0].end_steps) if ppo else END_EVALS} evaluations (steps {steps}), per "
+            f"held-out prompt, over seed(s) {', '.join(map(str, seeds))}; a beta whose gap to the "
+            "best, paired prompt by prompt, is within twice its standard error cannot be told "
+            "apart from the best, and among those the largest beta is recommended.")
 
 
 EXPLAIN = """<p class='note'>Each point is one held-out evaluation: KL is the mean over prompts
 of the summed log-ratio log pi(y) - log ref(y) of the sampled response (nats); gold and proxy are
-mean scores. The <b>frontier</b> is the best gold any run reached within each KL budget. The
-<b>proxy keeps rising while gold falls</b> when the policy exploits the reward model's errors:
-past some KL, more proxy buys less true reward (Gao et al. 2022). Their fit, gold gain =
-d (alpha - beta_RL log d) with d = sqrt(KL), rises then peaks at d = exp(alpha / beta_RL - 1);
-a negative beta_RL means no peak was reached. The recommended beta is the one whose runs end with
-the most gold; when two betas are within twice the error of their gap, the larger is chosen.</p>"""
+mean scores. <b>Final gold</b> is the last evaluation alone; <b>end gold</b>, which the
+recommendation uses, averages the last few. The <b>frontier</b> is the best gold any run reached
+within each KL budget. The <b>proxy keeps rising while gold falls</b> when the policy exploits
+the reward model's errors: past some KL, more proxy buys less true reward (Gao et al. 2022).
+Their fit, gold gain = d (alpha - beta_RL log d) with d = sqrt(KL), rises then peaks at
+d = exp(alpha / beta_RL - 1); a negative beta_RL means no peak was reached, and a peak beyond
+the KL the runs reached is an extrapolation, not a measurement.</p>"""
 
 
 def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None,
@@ -293,12 +393,13 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     write_csv(sweep.root / "results.csv", points, axes)
     groups = summarise(points)
     rec = recommendation(groups)
-    rows = table_rows(groups)
-    summary = "\n".join("  ".join(row[:6]) for row in [list(TABLE_COLUMNS[:6]), *rows])
+    rows = table_rows(groups, rec)
+    summary = "\n".join("  ".join(row[:7]) for row in [list(TABLE_COLUMNS[:7]), *rows])
     if groups:
         summary += "\n" + best_observed(groups)
     if rec is not None:
-        summary += f"\nrecommended beta {rec.beta:g} ({rec.label}): {rec.evidence}"
+        summary += (f"\nrecommended beta {rec.beta:g} ({rec.label}): {rec.evidence}\n"
+                    + rule_sentence(groups))
     body = [f"<p>{len(points)} of {len(sweep.runs)} runs finished; every point is in "
             f"<a href='{relative_link(sweep.root / 'results.csv', page_dir)}'>results.csv</a>.</p>"]
     left_out = unplanned(sweep)
@@ -312,7 +413,9 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
             for n, e in failures.items()) + "</ul>")
     body.append("<p id='recommended'>" + (
         f"<b>Recommended beta: {rec.beta:g}</b> ({html.escape(rec.label)}). "
-        f"{html.escape(rec.evidence)}." if rec else "No PPO run finished.") + "</p>")
+        f"{html.escape(rec.evidence)}" if rec else "No PPO run finished.") + "</p>")
+    if rec is not None:
+        body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
     header = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
@@ -320,8 +423,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
                     for row in rows)
     body.append(f"<table id='sweep-table'><tr>{header}</tr>{cells}</table>{EXPLAIN}")
     if points:
-        body += [figure_html(data, title, caption)
-                 for title, data, caption in figures(groups, points)]
+        body += [figure_html(data, title, caption, colours)
+                 for title, data, caption, colours in figures(groups, points)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
