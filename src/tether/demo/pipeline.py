@@ -250,7 +250,7 @@ def run(cfg: DemoConfig) -> Path:
                           "delete it to run again")
     started = time.perf_counter()
     if cfg.device == "cpu":
-        # Tiny models: one thread is never slower, and much faster on a busy machine
+        # Tiny models: one thread is as fast on a quiet machine, and faster on a busy one
         # (docs/benchmarks.md, "CPU threads"); every stage's --threads 0 agrees.
         torch.set_num_threads(1)
     # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
