@@ -1,6 +1,6 @@
 """How many CPU threads torch uses for one operation (`--threads`).
 
-torch's default is one thread per core. For small models that is never a gain and often a loss:
+torch's default is one thread per core. For small models that gains nothing and often loses:
 each matrix is too small to split, the hand-offs cost more than they save, and on a machine
 shared with other work the idle threads spin and compete for the cores. Measured side by side
 with bench/threads.py (docs/benchmarks.md, "CPU threads"), on 2 cores: a 3M-parameter GPT-2
