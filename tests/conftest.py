@@ -60,3 +60,29 @@ def tiny_qwen2_dir(tmp_path_factory):
 
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), sample_texts(), vocab_size=300,
                            use_sliding_window=True, sliding_window=8, max_window_layers=1)
+
+
+# A chat template for the GPT-2 model (which has none): role markers, EOS after every turn.
+GPT2_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                      "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                      "{% endif %}")
+
+
+def with_chat_template(model_dir, template: str, out_dir):
+    """A copy of the saved model at `model_dir` under `out_dir`, its tokenizer given `template`."""
+    import shutil
+
+    from tether.models.pretrained import load_tokenizer
+
+    shutil.copytree(model_dir, out_dir)
+    tok = load_tokenizer(str(out_dir))
+    tok.chat_template = template
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def gpt2_chat_dir(tiny_model_dir, tmp_path_factory):
+    """The GPT-2 model with GPT2_CHAT_TEMPLATE: chat rows on a model without a template of its own."""
+    return with_chat_template(tiny_model_dir, GPT2_CHAT_TEMPLATE,
+                              tmp_path_factory.mktemp("gpt2_chat") / "model")

@@ -17,10 +17,10 @@ an empty system message) is accepted. Each runs on a Llama-style and a GPT-2-sty
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from conftest import with_chat_template
 from refusals import refused
 from safetensors.torch import load_file
 
@@ -29,9 +29,7 @@ from tether.data.encoding import encode_sft
 from tether.data.prompts import load_prompts
 from tether.models.pretrained import load_tokenizer
 
-# The tiny GPT-2 has no chat template; this one (as in test_data_shapes.py) makes it a chat model.
-GPT2_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# The tiny GPT-2 has no chat template: conftest's gpt2_chat_dir gives it one.
 # A template that knows four roles and raises on any other, as many hub templates do.
 STRICT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -161,24 +159,10 @@ def _write(path: Path, row: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt2_chat_dir(tiny_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt2_chat") / "model"
-    shutil.copytree(tiny_model_dir, path)
-    tok = load_tokenizer(str(path))
-    tok.chat_template = GPT2_TEMPLATE
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def strict_dir(tiny_llama_dir, tmp_path_factory):
     """The Llama model with a template that raises on a role it does not know."""
-    path = tmp_path_factory.mktemp("strict") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    tok = load_tokenizer(str(path))
-    tok.chat_template = STRICT_TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    return with_chat_template(tiny_llama_dir, STRICT_TEMPLATE,
+                              tmp_path_factory.mktemp("strict") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ one-line errors."""
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,8 @@ from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-# GPT-2's tokenizer has no chat template; the tiny GPT-2 model gets this one for the chat shapes
-GPT2_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# GPT-2's tokenizer has no chat template: conftest's gpt2_chat_dir gives the tiny one a template
+# for the chat shapes.
 
 
 def table_rows() -> list[tuple[str, str, dict]]:
@@ -49,16 +47,6 @@ def test_the_table_has_every_shape():
     assert [len([r for r in TABLE if r[0] == s]) for s in
             ("sft", "rm, dpo", "ppo, rloo, grpo, eval, generate", "every chat shape")] == [6, 6, 5, 1]
     assert len(TRAINED) == 6 + 1 + 2 * 6
-
-
-@pytest.fixture(scope="module")
-def gpt2_chat_dir(tiny_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt2_chat") / "model"
-    shutil.copytree(tiny_model_dir, path)
-    tok = load_tokenizer(str(path))
-    tok.chat_template = GPT2_TEMPLATE
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("family", ["gpt2_chat_dir", "tiny_llama_dir"])
