@@ -36,3 +36,15 @@ def test_use_threads_counts_the_models_parameters(restore_threads):
     assert use_threads(0, small, "cpu") == 1 == torch.get_num_threads()
     assert use_threads(0, large, "cpu") == 3 == torch.get_num_threads()  # back to the process's
     assert use_threads(2, small, torch.device("cpu")) == 2 == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("argv", [
+    ["sft", "--model", "m", "--data", "d.jsonl", "--run-name", "r", "--threads", "-1"],
+    ["generate", "--model", "m", "--prompts", "p.jsonl", "--threads", "-2"],
+    ["sft", "--model", "m", "--data", "d.jsonl", "--run-name", "r", "--threads", "two"],
+])
+def test_a_bad_thread_count_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    from refusals import refused
+
+    monkeypatch.chdir(tmp_path)
+    refused(tmp_path, argv, r"threads", capsys)
