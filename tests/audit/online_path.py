@@ -10,7 +10,7 @@ critic, 2 epochs: the two-pass path) and `grpo` (one step per batch: the one-pas
 profile hook records every tether file with a function entered between the first call of the
 loop's `rollout_batch` and the first call of the KL controller's `update` (step 5, after the
 step); model loading and setup before it are not counted. Prints the files of each run and of
-both together. The trees it compares need only share `tether.train.ppo.run` and
+both together, with their lines. The trees it compares need only share `tether.train.ppo.run` and
 `rollout_batch`, which every layout since the online loop was written has.
 """
 
@@ -81,10 +81,14 @@ def main() -> None:
         model = tiny_model(root)
         runs = {stage: files_of_one_batch(src / "tether", root / stage, stage, model)
                 for stage in ("ppo", "grpo")}
+    package = src / "tether"
+
+    def lines(files: set[str]) -> int:
+        return sum(len((package / f).read_text(encoding="utf-8").splitlines()) for f in files)
     for stage, files in runs.items():
-        print(f"{stage}: {len(files)} files: {', '.join(sorted(files))}")
+        print(f"{stage}: {len(files)} files, {lines(files)} lines: {', '.join(sorted(files))}")
     both = set().union(*runs.values())
-    print(f"both: {len(both)} files")
+    print(f"both: {len(both)} files, {lines(both)} lines")
 
 
 if __name__ == "__main__":
