@@ -45,7 +45,7 @@ def closed_form_gradient(theta, ref_logits, which):
     return torch.autograd.grad(divergence, theta)[0]
 
 
-def expected_loss_gradient(estimator, theta, ref_logits, old_theta=None, per_token_mean=False):
+def expected_loss_gradient(estimator, theta, ref_logits, old_theta=None, aggregation="sum"):
     """sum_y pi_old(y) d/dtheta penalty(y): the KL-in-the-loss term, one token per sequence."""
     theta = theta.clone().requires_grad_(True)
     old_theta = theta.detach() if old_theta is None else old_theta
@@ -56,10 +56,10 @@ def expected_loss_gradient(estimator, theta, ref_logits, old_theta=None, per_tok
         if estimator == "exact":
             # the whole vocabulary at the (one) sampled prefix; the same for every y
             exact = kl_lib.exact(theta.view(1, 1, V), ref_logits.view(1, 1, V))
-            penalty, _ = exact_kl_penalty(exact, ONE, per_token_mean)
+            penalty, _ = exact_kl_penalty(exact, ONE, aggregation)
         else:
             penalty, _ = kl_penalty(log_pi[y].view(1, 1), log_old[y].view(1, 1),
-                                    log_ref[y].view(1, 1), ONE, estimator, per_token_mean)
+                                    log_ref[y].view(1, 1), ONE, estimator, aggregation)
         expected = expected + log_old[y].exp() * penalty
     return torch.autograd.grad(expected, theta)[0]
 
@@ -91,14 +91,14 @@ def test_k1_in_the_reward_follows_the_reverse_kl():
                                rtol=FP32_RTOL, atol=1e-7)
 
 
-@pytest.mark.parametrize("per_token_mean", [False, True])
+@pytest.mark.parametrize("aggregation", ["sum", "token"])
 @pytest.mark.parametrize("estimator, divergence, rtol", [
     ("k2", "reverse", 1e-10), ("k3_ratio", "reverse", 1e-10), ("exact", "reverse", FP32_RTOL),
     ("k3", "forward", 1e-10)])
-def test_loss_terms_follow_the_kl_the_docs_name(estimator, divergence, rtol, per_token_mean):
+def test_loss_terms_follow_the_kl_the_docs_name(estimator, divergence, rtol, aggregation):
     theta, ref_logits = categorical(seed=1)
     torch.testing.assert_close(
-        expected_loss_gradient(estimator, theta, ref_logits, per_token_mean=per_token_mean),
+        expected_loss_gradient(estimator, theta, ref_logits, aggregation=aggregation),
         closed_form_gradient(theta, ref_logits, divergence), rtol=rtol, atol=1e-7)
 
 
@@ -178,10 +178,10 @@ def bandit_gradient(probs, placement, pg_token_mean, kl_token_mean=False, estima
         rewards, _ = kl_shaped_rewards(scores, old, ref_logprobs, BANDIT_MASK, beta_in_reward)
         advantages = rloo(rewards, BANDIT_MASK, k=2).double()
         loss, _ = ppo_policy_loss(logprobs, old, advantages, BANDIT_MASK,
-                                  per_token_mean=pg_token_mean)
+                                  aggregation="token" if pg_token_mean else "sum")
         if placement == "loss":
             penalty, _ = kl_penalty(logprobs, old, ref_logprobs, BANDIT_MASK, estimator,
-                                    per_token_mean=kl_token_mean)
+                                    aggregation="token" if kl_token_mean else "sum")
             loss = loss + BETA * penalty
         probability = old[BANDIT_MASK].exp().prod()
         expected = expected + probability * loss
@@ -260,8 +260,7 @@ def expected_two_token_gradient(theta, ref, log_probs, placement):
         if placement == "reward":  # k1 in the reward, advantage = the return-to-go
             rewards, _ = kl_shaped_rewards(torch.zeros(1), old, ref_logprobs, mask, 1.0)
             returns, _ = gae(rewards, torch.zeros(1, 2), mask, gamma=1.0, lam=1.0)
-            loss, _ = ppo_policy_loss(logprobs, old, returns.double(), mask,
-                                      per_token_mean=False)
+            loss, _ = ppo_policy_loss(logprobs, old, returns.double(), mask, aggregation="sum")
         else:
             loss, _ = kl_penalty(logprobs, old, ref_logprobs, mask, "k3_ratio")
         expected = expected + old.sum().exp() * loss

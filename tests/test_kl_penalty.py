@@ -24,7 +24,7 @@ def test_k2_reductions_hand_computed():
     assert float(penalty) == pytest.approx(2.25)
     assert float(stats["kl_per_sequence"]) == pytest.approx(2.25)
     assert float(stats["kl_per_token"]) == pytest.approx(1.5)
-    token_mean, _ = kl_penalty(logprobs, logprobs, ref_logprobs, MASK, "k2", per_token_mean=True)
+    token_mean, _ = kl_penalty(logprobs, logprobs, ref_logprobs, MASK, "k2", aggregation="token")
     assert float(token_mean) == pytest.approx(1.5)
     # the two reductions differ by the mean length L = 3 / 2
     assert float(penalty) == pytest.approx(1.5 * float(token_mean))
@@ -91,7 +91,7 @@ def test_exact_kl_penalty_sums_tether_kl_exact():
     penalty, stats = exact_kl_penalty(per_position, MASK)
     by_hand = (float(per_position[0, 0] + per_position[0, 1]) + float(per_position[1, 0])) / 2
     assert float(penalty) == pytest.approx(by_hand, rel=1e-6)
-    token_mean, _ = exact_kl_penalty(per_position, MASK, per_token_mean=True)
+    token_mean, _ = exact_kl_penalty(per_position, MASK, aggregation="token")
     assert float(token_mean) == pytest.approx(2 * by_hand / 3, rel=1e-6)
 
 
@@ -100,11 +100,11 @@ def test_policy_loss_per_sequence_reduction_hand_computed():
     # loss 0.25. The default token mean stays -(1 - 2 + 0.5) / 3 = 0.5 / 3.
     logprobs = torch.tensor([[-1.0, -2.0], [-0.3, -5.0]])
     advantages = torch.tensor([[1.0, -2.0], [0.5, 100.0]])
-    per_sequence, _ = ppo_policy_loss(logprobs, logprobs, advantages, MASK, per_token_mean=False)
+    per_sequence, _ = ppo_policy_loss(logprobs, logprobs, advantages, MASK, aggregation="sum")
     token_mean, _ = ppo_policy_loss(logprobs, logprobs, advantages, MASK)
     assert float(per_sequence) == pytest.approx(0.25)
     assert float(token_mean) == pytest.approx(0.5 / 3)
-    assert float(reduce_tokens(advantages, MASK, per_token_mean=True)) == pytest.approx(-0.5 / 3)
+    assert float(reduce_tokens(advantages, MASK, "token")) == pytest.approx(-0.5 / 3)
 
 
 def test_kl_penalty_rejects_bad_input():

@@ -256,7 +256,7 @@ def test_token_count_replaces_the_masked_mean_denominator():
     with pytest.raises(ValueError, match="denominator must be >= 0"):
         reduce_tokens(torch.ones(1, 2), mask, denominator=-1)
     # Per-sequence sums: one row whose real tokens sum to 4, divided by a minibatch of 2 rows.
-    assert float(reduce_tokens(torch.tensor([[4.0, 9.0]]), mask, False, denominator=2)) == 2.0
+    assert float(reduce_tokens(torch.tensor([[4.0, 9.0]]), mask, "sum", denominator=2)) == 2.0
 
 
 def test_micro_batch_losses_add_up_to_the_minibatch_loss_and_gradient():
@@ -429,9 +429,8 @@ def test_loss_aggregations_hand_computed():
     assert float(reduce_tokens(x, mask, aggregation="token")) == pytest.approx(10 / 3)
     assert float(reduce_tokens(x, mask, aggregation="sum")) == pytest.approx((4 + 6) / 2)
     assert float(reduce_tokens(x, mask, aggregation="sequence")) == pytest.approx((2 + 6) / 2)
-    # the per_token_mean spellings are "token" and "sum"
-    assert float(reduce_tokens(x, mask, True)) == float(reduce_tokens(x, mask, aggregation="token"))
-    assert float(reduce_tokens(x, mask, False)) == float(reduce_tokens(x, mask, aggregation="sum"))
+    # "token" is the default reduction
+    assert float(reduce_tokens(x, mask)) == float(reduce_tokens(x, mask, aggregation="token"))
     # a micro-batch of the first row in a minibatch of 2 rows: (4 / 2) / 2
     assert float(reduce_tokens(x[:1], mask[:1], aggregation="sequence", denominator=2)) == 1.0
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):

@@ -1,16 +1,22 @@
-"""Losses: PPO's clipped surrogate, the KL loss term, the value loss, Bradley-Terry, DPO and IPO.
+"""Losses: PPO's clipped surrogate and its variants, the KL loss term, the value loss,
+Bradley-Terry, DPO and IPO.
 
-Notation: B batch, T response positions; `mask` [B, T] is true on real response tokens. Token
-means are masked means over the whole batch (every real token weighs the same). Each loss returns
-the loss plus detached statistics and never logs.
+Notation: B batch, T response positions; `mask` [B, T] is true on the tokens that carry the loss
+(the policy's own sampled tokens). Each loss returns the loss plus detached statistics and never
+logs.
 
-Three reductions over tokens (`reduce_tokens`, `--loss-aggregation`): "token", the masked token
-mean over the batch, sum_{i,t} m x / sum_{i,t} m; "sum", per-sequence sums averaged over
-sequences, 1/B sum_i sum_t m x; "sequence", each response's token mean averaged over responses.
-"token" and "sum" differ by the factor L = sum m / B, the batch's mean response length; "sequence"
-weighs a short response's tokens more than a long one's. When the KL is a loss term beside the
-policy loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
+Three reductions over tokens (`reduce_tokens`, `--loss-aggregation`), chosen by one parameter,
+`aggregation`, in every loss here: "token", the masked token mean over the batch,
+sum_{i,t} m x / sum_{i,t} m; "sum", per-sequence sums averaged over sequences,
+1/B sum_i sum_t m x; "sequence", each response's token mean averaged over responses. "token" and
+"sum" differ by the factor L = sum m / B, the batch's mean response length; "sequence" weighs a
+short response's tokens more than a long one's. When the KL is a loss term beside the policy
+loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
 reward placement.
+
+Policy losses are a table of same-signature functions (`POLICY_OBJECTIVES`) over a table of
+importance ratios (`IMPORTANCE_RATIOS`), read by `policy_loss` with a `PolicyLoss` spec; a new
+objective is one function and one entry.
 
 Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
 or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
@@ -21,6 +27,8 @@ carry no loss at all (--mask-truncated) are left out of the count of sequences t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -30,18 +38,17 @@ from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
 AGGREGATIONS = ("token", "sequence", "sum")
 
 
-def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = True,
-                  denominator: float | None = None,
-                  aggregation: str | None = None) -> torch.Tensor:
-    """Scalar reduction of a [B, T] per-token quantity over the real tokens of `mask`.
+def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token",
+                  denominator: float | None = None) -> torch.Tensor:
+    """Scalar reduction of a [B, T] per-token quantity over the true tokens of `mask`.
 
-    aggregation (when given, it replaces `per_token_mean`):
+    aggregation:
         "token":    sum_{i,t} m x / sum_{i,t} m            masked token mean over the batch
-                    (per_token_mean=True; DAPO, Yu et al. 2025, eq. 12; TRL's "dapo"/"bnpo")
+                    (DAPO, Yu et al. 2025, eq. 12; TRL's "dapo"/"bnpo")
         "sequence": 1/B sum_i (sum_t m x / sum_t m)         each response's token mean, then the
                     mean over responses (GRPO as written, Shao et al. 2024, eq. 3; TRL's "grpo")
         "sum":      1/B sum_i sum_t m x                     per-sequence sums, mean over sequences
-                    (per_token_mean=False; the units of the per-sequence KL)
+                    (the units of the per-sequence KL)
 
     Args:
         x: [B, T] values. mask: [B, T] bool or 0/1.
@@ -49,8 +56,6 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = Tr
             minibatch's count when this batch is one of its micro-batches (see the module
             docstring), or the rows that carry loss when some rows are masked out whole.
     """
-    if aggregation is None:
-        aggregation = "token" if per_token_mean else "sum"
     choice("loss aggregation", aggregation, AGGREGATIONS)
     m = mask.to(x.dtype)
     if aggregation == "sequence":  # each response's mean first; a row with no tokens adds 0
@@ -64,77 +69,93 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = Tr
     return summed / max(float(denominator), 1.0)
 
 
-IMPORTANCE_LEVELS = ("token", "sequence")
-POLICY_LOSSES = ("ppo", "cispo")
+# ----------------------------------------------------------------------------- policy losses
+# An objective maps (ratio, log pi, A, eps_low, eps_high), all [B, T] but the epsilons, to the
+# per-token loss and where the clip (or cap) acted; `policy_loss` reduces it.
+
+def clipped_surrogate(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor,
+                      clip: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO (Schulman et al. 2017, eq. 7), negated: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)).
+    Clipped where the clipped branch is the larger loss. `logprobs` is unused: the ratio carries
+    the gradient."""
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip_high)
+    return torch.maximum(pg_loss1, pg_loss2), pg_loss2 > pg_loss1
 
 
-def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip: float = 0.2,
-                    per_token_mean: bool = True,
-                    denominator: float | None = None,
-                    clip_high: float | None = None, level: str = "token",
-                    kind: str = "ppo",
-                    aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
-    Algorithms", eq. 7), negated to a loss, and the variants of the GRPO family.
+def cispo(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip: float,
+          clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025, eq. 4-5): -sg(min(r, 1 + eps_high)) A log pi, REINFORCE on log pi
+    with a capped, detached importance weight, so no token's gradient is dropped, only bounded.
+    Capped where r > 1 + eps_high. `clip` (the lower bound) is unused."""
+    weight = ratio.clamp(max=1.0 + clip_high).detach()
+    return -weight * advantages * logprobs, ratio > 1.0 + clip_high
 
-    ratio_t = exp(log pi(y_t) - log pi_old(y_t))
-    ppo:   L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high))
-    cispo: L = mean_t -sg(min(ratio_t, 1 + eps_high)) * A_t * log pi(y_t)
 
-    eps_high = eps unless `clip_high` is given: DAPO's "clip-higher" (Yu et al. 2025, eq. 10,
-    eps 0.2 and eps_high 0.28) lets a token with A > 0 rise further before its gradient stops,
-    so low-probability tokens can gain mass and the entropy does not collapse.
+POLICY_OBJECTIVES = {"ppo": clipped_surrogate, "cispo": cispo}
 
-    `level="sequence"` (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7):
-    every token of response i takes the response's ratio s_i = exp(mean_t log ratio_t) (a
-    length-normalised sequence ratio, differentiable through the mean), so a response is clipped
-    or kept whole; its clip range is ~1e-3, not 0.2.
 
-    `kind="cispo"` (MiniMax-M1, 2025, eq. 4-5): REINFORCE on log pi weighted by the ratio, the
-    weight capped at 1 + eps_high and detached, so no token's gradient is dropped, only bounded
-    (TRL's loss_type="cispo" caps at `epsilon_high` itself: its 5.0 is eps_high = 4 here).
+def token_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each token's own log-ratio [B, T] (PPO)."""
+    return log_ratio
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each response's mean log-ratio over its true tokens [B, 1], shared by its tokens (GSPO,
+    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7: s_i = exp(mean_t log r_t), a
+    length-normalised sequence ratio, differentiable through the mean, so a response is clipped or
+    kept whole; its clip range is ~1e-3, not 0.2)."""
+    m = mask.to(log_ratio.dtype)
+    return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
+
+
+IMPORTANCE_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """Which policy loss, named as the run's config names its fields (--policy-loss, ...)."""
+
+    policy_loss: str = "ppo"  # a key of POLICY_OBJECTIVES
+    importance_level: str = "token"  # a key of IMPORTANCE_RATIOS
+    clip_range: float = 0.2  # eps, the ratio's lower clip (and upper, without clip_high)
+    # eps_high: DAPO's clip-higher (Yu et al. 2025, eq. 10, eps 0.2 and eps_high 0.28) lets a token
+    # with A > 0 rise further before its gradient stops; CISPO's cap. 0: the same as clip_range.
+    clip_high: float = 0.0
+    loss_aggregation: str = "token"  # reduce_tokens's aggregation
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, spec: PolicyLoss = PolicyLoss(),
+                denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The policy loss `spec` names, on tokens sampled from pi_old:
+
+        ratio_t = exp(IMPORTANCE_RATIOS[level](log pi(y_t) - log pi_old(y_t)))  (clamped +-20)
+        L = reduce(POLICY_OBJECTIVES[policy_loss](ratio, log pi, A, eps, eps_high))
 
     Args:
         logprobs: [B, T] log-probs under the policy being updated (differentiable).
-        old_logprobs: [B, T] log-probs at rollout time.
-        advantages: [B, T] advantages (usually whitened).
-        mask: [B, T] bool.
-        clip: eps > 0 (the lower bound, and the upper one without `clip_high`).
-        per_token_mean: True (default): the masked token mean over the batch; False:
-            per-sequence sums averaged over sequences, the units of `kl_penalty`'s default
-            (see the module docstring: pass the same value to both).
+        old_logprobs: [B, T] log-probs at rollout time. advantages: [B, T].
+        mask: [B, T] bool, the tokens that carry the loss.
         denominator: the whole minibatch's token (or sequence) count when this is one of its
             micro-batches; default: this batch's own.
-        clip_high: eps_high >= 0, the upper bound's epsilon (default: `clip`).
-        level: "token" or "sequence" (GSPO). kind: "ppo" or "cispo".
-        aggregation: "token", "sequence" or "sum" (`reduce_tokens`); replaces `per_token_mean`.
 
     Returns:
-        (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clipped branch
-        is taken, or for cispo where the weight is capped), `approx_kl` (mean of k3 for
-        KL(pi_old || pi) per token, Schulman 2020), `ratio_mean` (of the ratio the loss used);
-        the stats are always means over `mask`, whatever `denominator`.
+        (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clip or cap
+        acted), `approx_kl` (mean of k3 for KL(pi_old || pi) per token, Schulman 2020),
+        `ratio_mean` (of the ratio the loss used); the stats are means over `mask`, whatever
+        `denominator`.
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    non_negative("clip", clip)
-    choice("importance level", level, IMPORTANCE_LEVELS)
-    choice("policy loss", kind, POLICY_LOSSES)
-    high = clip if clip_high is None else clip_high
+    objective = _entry(POLICY_OBJECTIVES, "policy loss", spec.policy_loss)
+    level = _entry(IMPORTANCE_RATIOS, "importance level", spec.importance_level)
+    non_negative("clip", spec.clip_range)
+    high = spec.clip_high or spec.clip_range
     non_negative("clip_high", high)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(_level_log_ratio(log_ratio, mask, level))  # [B, T] or [B, 1]
-    ratio = ratio.expand_as(log_ratio)
-    if kind == "cispo":
-        weight = ratio.clamp(max=1.0 + high).detach()
-        per_token = -weight * advantages * logprobs
-        clipped = ratio > 1.0 + high
-    else:
-        pg_loss1 = -advantages * ratio
-        pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
-        per_token = torch.maximum(pg_loss1, pg_loss2)
-        clipped = pg_loss2 > pg_loss1
-    loss = reduce_tokens(per_token, mask, per_token_mean, denominator, aggregation)
+    ratio = torch.exp(level(log_ratio, mask)).expand_as(log_ratio)  # [B, T]
+    per_token, clipped = objective(ratio, logprobs, advantages, spec.clip_range, high)
+    loss = reduce_tokens(per_token, mask, spec.loss_aggregation, denominator)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean(clipped.float(), mask),
@@ -144,19 +165,39 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     return loss, stats
 
 
-def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The token log-ratios [B, T], or each response's mean over its real tokens [B, 1]."""
-    if level == "token":
-        return log_ratio
-    m = mask.to(log_ratio.dtype)
-    return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
+def _entry(table: dict, name: str, key: str):
+    choice(name, key, tuple(table))
+    return table[key]
+
+
+def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip: float = 0.2, *, clip_high: float | None = None,
+                    level: str = "token", kind: str = "ppo", aggregation: str = "token",
+                    denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate objective (Schulman et al. 2017, "Proximal Policy Optimization
+    Algorithms", eq. 7), negated to a loss, as a masked token mean: the public form of
+    `policy_loss`, whose `PolicyLoss` fields these arguments name.
+
+    ratio_t = exp(log pi(y_t) - log pi_old(y_t))
+    L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high))
+
+    Args:
+        logprobs: [B, T] under the policy being updated (differentiable). old_logprobs: [B, T] at
+            rollout time. advantages: [B, T]. mask: [B, T] bool.
+        clip: eps > 0. clip_high: eps_high (None or 0: `clip`).
+        level: "token" or "sequence" (GSPO). kind: "ppo" or "cispo". aggregation: "token" (the
+            default), "sequence" or "sum". denominator: as in `reduce_tokens`.
+
+    Returns:
+        (loss, stats) as `policy_loss`: `clip_frac`, `approx_kl`, `ratio_mean`.
+    """
+    spec = PolicyLoss(kind, level, clip, clip_high or 0.0, aggregation)
+    return policy_loss(logprobs, old_logprobs, advantages, mask, spec, denominator)
 
 
 def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-               mask: torch.Tensor, estimator: str = "k3_ratio",
-               per_token_mean: bool = False,
-               denominator: float | None = None,
-               aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
+               mask: torch.Tensor, estimator: str = "k3_ratio", aggregation: str = "sum",
+               denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
 
     On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
@@ -166,8 +207,8 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         k3:        c_t = exp(-d_t) - 1 + d_t                 (GRPO's term, Shao et al. 2024)
         k3_ratio:  c_t = rho_t * (exp(-d_t) - 1 + d_t)       (both factors carry the gradient)
 
-        penalty = 1/B sum_i sum_t m_{i,t} c_{i,t}            (per_token_mean=False)
-                = sum_{i,t} m c / sum_{i,t} m                 (per_token_mean=True)
+        penalty = 1/B sum_i sum_t m_{i,t} c_{i,t}            (aggregation "sum", the default)
+                = sum_{i,t} m c / sum_{i,t} m                 ("token")
 
     Expected gradient at one position, y ~ pi_old (Schulman 2020's estimators; the sums are
     checked over a whole vocabulary in tests/test_kl_gradients.py):
@@ -177,23 +218,17 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
                   = KL(pi || ref) exactly; hence the default.
     With several tokens, each position's KL is differentiated at its sampled prefix: the effect
     of a token on the KL of later tokens is not in the gradient, as it is with the KL in the
-    return. For the exact per-position KL use `exact_kl_penalty`.
-
-    Units: the default, per-sequence sums averaged over sequences, is the per-sequence KL that
-    the controller and the reward placement use; it matches `ppo_policy_loss(...,
-    per_token_mean=False)`. Beside the default (token-mean) `ppo_policy_loss`, pass
-    per_token_mean=True here, or beta acts L = (real tokens / B) times stronger.
+    return. For the exact per-position KL use `exact_kl_penalty`. Beside a policy loss, pass its
+    aggregation, or beta acts L = (real tokens / B) times stronger or weaker.
 
     Args:
         logprobs: [B, T] log pi(y_t) under the policy being updated (differentiable).
         old_logprobs: [B, T] log pi_old(y_t) at rollout time (detached here).
         ref_logprobs: [B, T] log ref(y_t).
-        mask: [B, T] bool, true on real response tokens; padding may hold anything.
+        mask: [B, T] bool, true on the tokens that carry the loss; the rest may hold anything.
         estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
-        per_token_mean: the reduction, see above.
-        denominator: the whole minibatch's token (or sequence) count for a micro-batch, as in
-            `reduce_tokens`.
-        aggregation: "token", "sequence" or "sum" (`reduce_tokens`); replaces `per_token_mean`.
+        aggregation, denominator: the reduction, as in `reduce_tokens` ("sum", the default, is
+            the per-sequence KL the controller and the reward placement use).
 
     Returns:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
@@ -213,19 +248,15 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
     logprobs = torch.where(real, logprobs, 0.0)
     old_logprobs = torch.where(real, old_logprobs.detach(), 0.0)
     ref_logprobs = torch.where(real, ref_logprobs.detach(), 0.0)
-    if estimator == "k2":
-        per_token = estimate(logprobs, ref_logprobs, "k2")
-    else:
-        per_token = estimate(logprobs, ref_logprobs, "k3")
-        if estimator == "k3_ratio":
-            log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            per_token = torch.exp(log_ratio) * per_token
-    return _reduced_penalty(per_token, mask, per_token_mean, denominator, aggregation)
+    per_token = estimate(logprobs, ref_logprobs, "k2" if estimator == "k2" else "k3")
+    if estimator == "k3_ratio":
+        log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        per_token = torch.exp(log_ratio) * per_token
+    return _reduced_penalty(per_token, mask, aggregation, denominator)
 
 
-def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, per_token_mean: bool = False,
-                     denominator: float | None = None,
-                     aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
+def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, aggregation: str = "sum",
+                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """The exact KL as a loss term: KL(pi(.|prefix) || ref(.|prefix)) summed over the whole
     vocabulary at every sampled prefix, reduced as in `kl_penalty`.
 
@@ -235,24 +266,23 @@ def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, per_token_mean:
     Args:
         exact_kl: [B, T] per-position exact KL, differentiable, e.g. `tether.kl.exact(logits,
             ref_logits, temperature)` at the response positions.
-        mask: [B, T] bool, true on real response tokens.
-        per_token_mean, aggregation: the reduction, as in `kl_penalty`.
+        mask: [B, T] bool, true on the tokens that carry the loss.
+        aggregation, denominator: the reduction, as in `kl_penalty`.
 
     Returns:
         (penalty, stats), as `kl_penalty`.
     """
     same_shape(exact_kl=exact_kl, mask=mask)
-    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, per_token_mean,
-                            denominator, aggregation)
+    return _reduced_penalty(torch.where(mask.bool(), exact_kl, 0.0), mask, aggregation,
+                            denominator)
 
 
-def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor, per_token_mean: bool,
-                     denominator: float | None = None,
-                     aggregation: str | None = None) -> tuple[torch.Tensor, dict]:
-    penalty = reduce_tokens(per_token, mask, per_token_mean, denominator, aggregation)
+def _reduced_penalty(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
+                     denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    penalty = reduce_tokens(per_token, mask, aggregation, denominator)
     with torch.no_grad():
-        stats = {"kl_per_sequence": reduce_tokens(per_token, mask, per_token_mean=False),
-                 "kl_per_token": reduce_tokens(per_token, mask, per_token_mean=True)}
+        stats = {"kl_per_sequence": reduce_tokens(per_token, mask, "sum"),
+                 "kl_per_token": reduce_tokens(per_token, mask, "token")}
     return penalty, stats
 
 
@@ -280,7 +310,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     vf_loss1 = (values - returns).square()
     vf_loss2 = (values_clipped - returns).square()
-    loss = 0.5 * reduce_tokens(torch.maximum(vf_loss1, vf_loss2), mask, True, denominator)
+    loss = 0.5 * reduce_tokens(torch.maximum(vf_loss1, vf_loss2), mask, "token", denominator)
     with torch.no_grad():
         stats = {"clip_frac": masked_mean((vf_loss2 > vf_loss1).float(), mask),
                  "value_mean": masked_mean(values, mask)}
