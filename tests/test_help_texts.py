@@ -23,7 +23,7 @@ import pytest
 
 from tether.cli import CONFIGS, main
 from tether.errors import TetherError
-from tether.run.config import parse_config
+from tether.run.parse import parse_config
 from tether.tools.config import ReportConfig, SweepConfig
 
 

@@ -20,7 +20,7 @@ from tether.cli import main
 from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 from tether.rl.rollout import Rollout, apply_stop_strings
-from tether.run.config import config_from_dict, parse_config
+from tether.run.parse import config_from_dict, parse_config
 from tether.tools.config import GenerateConfig
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
-        from tether.run.config import parse_config
+        from tether.run.parse import parse_config
 
         module_name, class_name = CONFIGS[stage]
         config = getattr(importlib.import_module(module_name), class_name)

@@ -5,13 +5,8 @@ from typing import Literal
 import pytest
 
 from tether.errors import TetherError
-from tether.run.config import (
-    RunConfig,
-    config_from_dict,
-    config_to_dict,
-    parse_config,
-    resolve_paths,
-)
+from tether.run.config import RunConfig, config_to_dict, resolve_paths
+from tether.run.parse import config_from_dict, parse_config
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,7 @@ from tether.models.tiny import save_tiny
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.rl.update import minibatch_loss, ppo_update
-from tether.run.config import parse_config
+from tether.run.parse import parse_config
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
 

@@ -7,7 +7,7 @@ def cli(argv: list[str]) -> int:
     """`tether demo [--quick] [--field value ...]`."""
     from tether.demo.config import DemoConfig
     from tether.demo.pipeline import run
-    from tether.run.config import parse_config
+    from tether.run.parse import parse_config
 
     run(parse_config(DemoConfig, argv, prog="tether demo"))
     return 0

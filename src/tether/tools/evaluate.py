@@ -158,7 +158,7 @@ def metrics_table(metrics: dict[str, float]) -> str:
 
 def cli(argv: list[str]) -> int:
     """`tether eval --model M --prompts P [--reference R] [--reward-model RM] [--gold-fn mod:f]`."""
-    from tether.run.config import parse_config
+    from tether.run.parse import parse_config
 
     cfg = parse_config(EvalConfig, argv, prog="tether eval")
     result = run(cfg)

@@ -71,7 +71,7 @@ def _sample_all(cfg: GenerateConfig, tokenizer, policy, inputs, gen: torch.Gener
 
 def cli(argv: list[str]) -> int:
     """`tether generate --model M --prompts P [--output FILE.jsonl] [--samples-per-prompt K]`."""
-    from tether.run.config import parse_config
+    from tether.run.parse import parse_config
 
     cfg = parse_config(GenerateConfig, argv, prog="tether generate")
     if cfg.output:  # before the model loads: never a directory, the prompts or a model file

@@ -293,7 +293,7 @@ def write_report(run_dirs: list[str | Path], output: str | Path,
 
 def cli(argv: list[str]) -> int:
     """`tether report RUN [RUN ...] [--output report.html] [--title T]`."""
-    from tether.run.config import parse_config
+    from tether.run.parse import parse_config
     from tether.tools.config import ReportConfig
 
     # Leading plain arguments are the runs: `tether report A B` reads as `--runs A B`.

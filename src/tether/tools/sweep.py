@@ -27,7 +27,8 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.rewards import load_reward_function
 from tether.run import lock
-from tether.run.config import config_from_dict, config_to_dict, parse_config, resolved_paths
+from tether.run.config import config_to_dict, resolved_paths
+from tether.run.parse import config_from_dict, parse_config
 from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, SweepConfig

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from tether.errors import TetherError
-from tether.run.config import check_run_name, config_from_dict, config_to_dict, load_yaml
+from tether.run.config import check_run_name, config_to_dict
+from tether.run.parse import config_from_dict, load_yaml
 from tether.tools.config import EvalConfig
 
 STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),

@@ -41,10 +41,10 @@ from tether.models.pretrained import (
 from tether.models.reference import check_reference, reference_model
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
-from tether.run.config import parse_config
 from tether.run.distributed import wrap_frozen
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
+from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
 from tether.run.threads import use_threads

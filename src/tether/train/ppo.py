@@ -45,9 +45,9 @@ from tether.rl.scoring import explained_variance, kl_sums
 from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
-from tether.run.config import parse_config
 from tether.run.distributed import all_gather_rows, barrier
 from tether.run.optim import NonFiniteStep
+from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.train.ppo_config import PPOConfig

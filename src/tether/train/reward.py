@@ -30,9 +30,9 @@ from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run import distributed
-from tether.run.config import parse_config
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
+from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
 from tether.run.threads import use_threads

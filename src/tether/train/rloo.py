@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tether.run.config import parse_config
+from tether.run.parse import parse_config
 from tether.run.rundir import print_result
 from tether.train.ppo import run
 from tether.train.ppo_config import RLOOConfig

@@ -28,9 +28,9 @@ from tether.models.prepare import enable_gradient_checkpointing
 from tether.models.pretrained import load_tokenizer, load_trainable_lm
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
-from tether.run.config import parse_config
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
+from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_micro_batches
 from tether.run.threads import use_threads

@@ -1,0 +1,268 @@
+"""Reading a stage's config: a YAML file and/or command-line flags, validated into its dataclass
+(`tether.run.config`).
+
+`parse_config` reads `--config file.yaml` first, then lets flags override it, then checks types,
+allowed values and the config's own `validate()`. Every problem becomes a one-line `TetherError`
+naming the field and what it accepts. `config_from_dict` does the same for a dict (a sweep grid's
+block, a recorded config.yaml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+import yaml
+
+from tether.errors import TetherError
+from tether.run.config import C, resolve_paths
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widen to float). TetherError if not."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            allowed = ", ".join(str(c) for c in choices)
+            raise TetherError(f"config field '{name}' must be one of: {allowed} (got {value!r})")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            with contextlib.suppress(TetherError):
+                return _coerce(name, arg, value)
+        raise TetherError(f"config field '{name}' must be {_type_name(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TetherError(f"config field '{name}' must be a list, got {value!r}")
+        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        items = [_coerce(name, item_tp, v) for v in value]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TetherError(f"config field '{name}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TetherError(f"config field '{name}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TetherError(f"config field '{name}' must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise TetherError(f"config field '{name}' must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _float_spelling(text: str) -> float | str:
+    """A string that spells a finite float as people write it in YAML (`1e-4`, `3E5`, `+2.5`,
+    `1_000.0`), as that float; anything else unchanged, for the type error to name."""
+    try:
+        value = float(text.strip().replace("_", ""))
+    except ValueError:
+        return text
+    return value if math.isfinite(value) else text
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_dict(cls: type, d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Reject unknown fields and wrongly typed values; return the coerced values."""
+    if not isinstance(d, dict):
+        raise TetherError(f"{source} must be a mapping of config fields, got {type(d).__name__}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    stage = getattr(cls, "STAGE", None)
+    for key, value in d.items():
+        if key == "stage" and stage:  # a run's config.yaml records the command that made it
+            if value != stage:
+                raise TetherError(f"{source} is the config of a tether {value} run (stage: "
+                                  f"{value}), not {stage}; pass it to tether {value}, or delete its "
+                                  f"'stage:' line to start a {stage} run from its settings")
+            continue
+        if key not in names:
+            raise TetherError(f"unknown config field '{key}' in {source}; allowed fields: {', '.join(names)}")
+        out[key] = _coerce(key, hints[key], value)
+    return out
+
+
+def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
+    """Build `cls` from a dict (e.g. a saved config), checking names, types and `validate()`."""
+    values = _check_dict(cls, d, f"{cls.__name__} dict")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in values]
+    if missing:
+        raise TetherError(f"missing required config field '{missing[0]}'")
+    cfg = resolve_paths(cls(**values))
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Any) -> None:
+    hints = _field_types(type(cfg))
+    for f in dataclasses.fields(cfg):  # flags were typed by tyro; re-check choices in one place
+        _coerce(f.name, hints[f.name], getattr(cfg, f.name))
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise TetherError("--config needs a path to a YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping; TetherError when the file is missing, unreadable or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise TetherError(f"config file {path} not found; pass an existing YAML file to --config")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TetherError(f"config file {path} is not valid UTF-8 YAML ({first})") from None
+    return {} if data is None else data
+
+
+def _check_flags(cls: type, argv: list[str]) -> None:
+    """Catch unknown flags and values outside a field's choices ourselves, so the user gets one
+    line in the same words as for a YAML file, not a usage box."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    hints = _field_types(cls)
+    for i, arg in enumerate(argv):
+        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
+        if typing.get_origin(hints.get(name)) is not Literal:
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+        if value is not None:
+            _coerce(name, hints[name], value)
+    for arg in argv:
+        if not arg.startswith("--") or arg in ("--help",):
+            continue
+        flag = arg[2:].split("=", 1)[0].replace("-", "_")
+        base = flag[3:] if flag.startswith("no_") else flag
+        if flag not in names and base not in names:
+            allowed = ", ".join("--" + n.replace("_", "-") for n in sorted(names))
+            raise TetherError(f"unknown option {arg.split('=', 1)[0]}; allowed options: {allowed}")
+
+
+def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: str) -> None:
+    """Name every required field that neither the YAML file nor a flag gives, on one line."""
+    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in values and f.name not in given]
+    if missing:
+        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+        raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "
+                          f"(give them as flags or in --config FILE.yaml; see {prog} --help)")
+
+
+def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
+    """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
+    yaml_path, rest = _split_config_flag(list(argv))
+    rest = _positional_flag(cls, rest)
+    if "-h" in rest or "--help" in rest:
+        from tether.run.config_help import help_text
+
+        print(help_text(cls, prog or cls.__name__, _description(cls)))
+        raise SystemExit(0)
+    _check_flags(cls, rest)
+    values = _check_dict(cls, load_yaml(yaml_path), yaml_path) if yaml_path else {}
+    _check_required(cls, values, rest, prog or cls.__name__)
+    default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            cfg = tyro.cli(cls, args=rest, default=default, prog=prog, description=_description(cls))
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        raise TetherError(_tyro_message(stderr.getvalue())) from None
+    resolve_paths(cfg)
+    _validate(cfg)
+    return cfg
+
+
+def _positional_flag(cls: type, argv: list[str]) -> list[str]:
+    """A config class may name one field `POSITIONAL`: leading bare arguments are its value
+    (`tether sweep grid.yaml` is `--grid grid.yaml`; `tether report A B` is `--runs A B`)."""
+    name = getattr(cls, "POSITIONAL", None)
+    bare = 0
+    while name and bare < len(argv) and not argv[bare].startswith("-"):
+        bare += 1
+    if not bare:
+        return argv
+    return ["--" + name.replace("_", "-"), *argv[:bare], *argv[bare:]]
+
+
+def _description(cls: type) -> str:
+    """The docstring's first paragraph (all of it, not its first line), and the --config line."""
+    paragraph = (cls.__doc__ or cls.__name__).strip().split("\n\n")[0]
+    config = ("--config FILE.yaml  read field values from a YAML file (keys are field names with "
+              "underscores); flags given here override it.")
+    return "\n".join(textwrap.wrap(" ".join(paragraph.split()), 100)) + "\n\n" + "\n".join(
+        textwrap.wrap(config, 100, subsequent_indent=" " * 20))
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return tyro.MISSING  # tyro then requires the flag
+
+
+def _tyro_message(text: str) -> str:
+    """Boil tyro's framed usage error down to its informative lines."""
+    keep = []
+    for line in text.splitlines():
+        line = line.strip(" │╭╮╰╯─|")  # noqa: B005 - a set of frame characters, on purpose
+        if line and not line.startswith(("usage:", "For full helptext", "─")):
+            keep.append(line)
+    msg = " ".join(keep) or "invalid command-line arguments"
+    return f"{msg} (see --help)"
