@@ -2,8 +2,8 @@
 
 vLLM is tether's `--engine vllm` (tether.rl.engines.vllm_engine); both see the same prompts.
 
-1. Rollouts. Batches of responses sampled by `tether.rl.engines.native.sample_responses` and by
-   `VLLMEngine.sample` (the same signature; the same prompts, noise, temperature 1, stop at EOS)
+1. Rollouts. Batches of responses sampled by the native engine and by `VLLMEngine.sample` (one
+   `RolloutEngine` interface; the same prompts, noise, temperature 1, stop at EOS)
    on two models:
    - the GRPO benchmark's workload (bench/peers/grpo.py; model and prompts from
      bench/peers/ppo.py): a GPT-2-style policy of 4 layers, width 256, 513-token vocabulary, in
@@ -149,7 +149,7 @@ def timed_rollout(sample, work: Workload, index: int, device: str) -> tuple[floa
     """(seconds, generated tokens) of one rollout of batch `index` by `sample`."""
     prompt_ids, prompt_mask, uniforms = rollout_batch(work, index, device)
     start = time.perf_counter()
-    rollout = sample(work.model, prompt_ids, prompt_mask, max_new_tokens=work.max_new_tokens,
+    rollout = sample(prompt_ids, prompt_mask, max_new_tokens=work.max_new_tokens,
                      temperature=1.0, eos_token_ids=work.eos_token_ids,
                      pad_token_id=work.pad_token_id, uniforms=uniforms)
     tokens = int(rollout.response_mask.sum())  # .sum() -> int waits for the device
@@ -163,13 +163,13 @@ def wait(device: str) -> None:
 
 def bench_rollouts(work: Workload, engines: list[str], args) -> RolloutTimes:
     """Warm-up, then `args.repeats` interleaved rollouts per engine, batch r for repeat r."""
-    from tether.rl.engines.native import sample_responses
+    from tether.rl.engines import native
+    from tether.run.distributed import Dist
 
     times = RolloutTimes(seconds={e: [] for e in engines}, tokens={e: [] for e in engines})
-    samplers, engine = {"native": sample_responses}, None
+    samplers, engine = {"native": native.start(work.model, Dist()).sample}, None
     if "vllm" in engines:
         from tether.rl.engines.vllm_engine import start_engine
-        from tether.run.distributed import Dist
 
         start = time.perf_counter()
         # every prompt the bench samples from: the longest sets the engine's max_model_len

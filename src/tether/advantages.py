@@ -20,6 +20,7 @@ rewards are `kl_shaped_rewards` with beta = 0: the score alone, on the last real
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -260,6 +261,48 @@ def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
     returns_to_go, _ = gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask,
                            gamma=gamma, lam=1.0)
     return whiten(returns_to_go, mask, shift_mean=True, eps=eps)
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """Which estimator, and its settings, named as the run's config names them (--advantage,
+    --gamma, --lam, --whiten-advantages resolved, --samples-per-prompt, --scale-rewards)."""
+
+    advantage: str = "gae"  # a key of ESTIMATORS
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True  # gae only: standardise over the batch's sampled tokens
+    samples_per_prompt: int = 1  # k: the group rloo and grpo compare
+    scale_rewards: str = "group"  # grpo: "group", "batch" or "none"
+
+
+def _gae_whitened(spec: AdvantageSpec, rewards, values, mask):
+    advantages, returns = gae(rewards, values, mask, spec.gamma, spec.lam)
+    return (whiten(advantages, mask) if spec.whiten_advantages else advantages), returns
+
+
+# name -> (spec, rewards, values, mask) -> (advantages, returns), all [B, T]. The critic-free
+# estimators compare the spec.samples_per_prompt responses to each prompt and give a critic no
+# targets (zeros). A new estimator: its function above, one entry here, one literal in the
+# config's --advantage (and its `uses_critic` when it reads values).
+ESTIMATORS = {
+    "gae": _gae_whitened,  # Schulman et al. 2015, with the critic's values
+    # Ahmadian et al. 2024
+    "rloo": lambda spec, r, v, m: (rloo(r, m, spec.samples_per_prompt), torch.zeros_like(r)),
+    # Shao et al. 2024; Liu et al. 2025 (scale_rewards "none": Dr. GRPO)
+    "grpo": lambda spec, r, v, m: (grpo(r, m, spec.samples_per_prompt, spec.scale_rewards),
+                                   torch.zeros_like(r)),
+    # Hu 2025
+    "reinforce++": lambda spec, r, v, m: (reinforce_pp(r, m, spec.gamma), torch.zeros_like(r)),
+}
+
+
+def estimate_advantages(spec: AdvantageSpec, rewards: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] from the per-token rewards [B, T] by `spec.advantage`
+    (`ESTIMATORS`); `values` [B, T] are read by gae only, `mask` [B, T] is the sampled tokens."""
+    choice("advantage estimator", spec.advantage, tuple(ESTIMATORS))
+    return ESTIMATORS[spec.advantage](spec, rewards, values, mask)
 
 
 class ScoreNormalizer:

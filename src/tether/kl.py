@@ -27,6 +27,7 @@ controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Pre
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -99,6 +100,27 @@ def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1
         return (log_p.exp() * (log_p - log_q)).sum(-1)
 
     return map_row_chunks(chunk_kl, logits, ref_logits)
+
+
+@dataclass(frozen=True)
+class KLPlacement:
+    """Where the KL penalty acts (--kl-in, --kl-estimator resolved): per token in the reward,
+    -beta * kl_t (PPO), or as a loss term beside the policy loss (GRPO), never both. As a loss
+    term it takes the policy loss's reduction, so beta means what it means in the reward when
+    both are per-sequence sums (DESIGN.md)."""
+
+    kl_in: str = "reward"  # "reward" or "loss"
+    kl_estimator: str = "k1"  # one of ESTIMATORS in the reward, of LOSS_ESTIMATORS in the loss
+
+    def betas(self, beta: float) -> tuple[float, float]:
+        """(beta in the reward, beta on the loss term)."""
+        return (beta, 0.0) if self.kl_in == "reward" else (0.0, beta)
+
+    @property
+    def reward_estimator(self) -> str:
+        # With the KL in the loss the reward is the score alone and the controller is fed the
+        # rollout's k1, unbiased for the per-sequence KL.
+        return self.kl_estimator if self.kl_in == "reward" else "k1"
 
 
 def _as_float(kl: float | torch.Tensor) -> float:

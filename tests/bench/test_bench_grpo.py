@@ -62,9 +62,9 @@ def test_methods_keep_their_conventional_tether_settings(tmp_path):
     for cfg in (rloo, grpo_cfg):
         assert (cfg.samples_per_prompt, cfg.ppo_epochs, cfg.num_minibatches) == (4, 1, 1)
         assert cfg.prompts_per_batch == 8 and cfg.n_batches == 8
-    assert (rloo.advantage, rloo.kl_in, rloo.resolved_estimator, rloo.beta) == (
+    assert (rloo.advantage, rloo.kl_in, rloo.resolved_kl_estimator, rloo.beta) == (
         "rloo", "reward", "k1", 0.05)
-    assert (grpo_cfg.advantage, grpo_cfg.kl_in, grpo_cfg.resolved_estimator, grpo_cfg.beta) == (
+    assert (grpo_cfg.advantage, grpo_cfg.kl_in, grpo_cfg.resolved_kl_estimator, grpo_cfg.beta) == (
         "grpo", "loss", "k3_ratio", 0.04)
     assert grpo_cfg.kl_per_token_mean and grpo_cfg.scale_rewards == "group"
 

@@ -12,6 +12,7 @@ import torch
 import transformers
 from offline_fixtures import preference_rows, sft_rows
 from torch.utils._python_dispatch import TorchDispatchMode
+from update_helpers import loss_on
 
 from tether import lm_head
 from tether.data.batches import collate_pairs, collate_sft
@@ -28,7 +29,6 @@ from tether.models.trunk_head import (
 )
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
-from tether.rl.update import minibatch_loss
 from tether.train.dpo import pair_logprobs
 from tether.train.ppo import PPOConfig
 from tether.train.ppo_setup import build, prompt_batch
@@ -186,8 +186,7 @@ def test_ppo_scoring_and_update_never_hold_full_logits(model_dir, tmp_path, monk
     adv = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     with spy_for(setup.policy, monkeypatch) as spy:
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 0.7, 4, chunked)
-        loss, stats = minibatch_loss(setup.policy, setup.critic, rollout, old, adv, adv, setup.spec,
-                                     0.0)
+        loss, stats = loss_on(setup, rollout, old, adv, adv, 0.0)
         loss.backward()
     assert stats["policy/ratio_mean"] == 1.0  # the invariant holds on either path
     if chunked:

@@ -334,9 +334,11 @@ def test_ppo_lora_resume_is_bit_identical(lora_runs, data, tmp_path):
 def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_context: bool = True):
     """Gradients of every trainable tensor after one PPO minibatch loss on the first batch
     (LoRA policy and critic adapters on one base, shared LoRA reward model)."""
+    from update_helpers import loss_on
+
     import tether.train.ppo_setup as ppo_setup
     from tether.advantages import gae, kl_shaped_rewards
-    from tether.rl.update import minibatch_loss, update_mode
+    from tether.rl.update import update_mode
 
     cfg = _ppo_cfg(data, lora_runs["base"], tmp_path, f"g{checkpointing}{recompute_context}",
                    reward_model=str(lora_runs["rm"]), gradient_checkpointing=checkpointing)
@@ -357,8 +359,7 @@ def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_contex
     rewards, _ = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, rollout.response_mask, 0.1)
     advantages, returns = gae(rewards, old.values, rollout.response_mask)
     with update_mode(cfg.gradient_checkpointing, setup.policy, setup.critic):
-        loss, _ = minibatch_loss(setup.policy, setup.critic, rollout, old, advantages, returns,
-                                 setup.spec, kl_loss_beta=0.0)
+        loss, _ = loss_on(setup, rollout, old, advantages, returns, 0.0)
         loss.backward()
     params = [*setup.lm.peft.named_parameters(), *setup.critic.head.named_parameters()]
     return {n: p.grad.clone() for n, p in params if p.requires_grad}

@@ -199,15 +199,14 @@ def test_gamma_lam_and_whitening_reach_the_advantages(tiny_model_dir, tmp_path, 
 
 def test_clip_ranges_and_vf_coef_reach_the_losses(tiny_model_dir, tmp_path, monkeypatch):
     policy_calls, value_calls, losses = [], [], []
-    _spy(monkeypatch, update, "ppo_policy_loss", policy_calls)
+    _spy(monkeypatch, update, "policy_loss", policy_calls)
     _spy(monkeypatch, update, "value_loss", value_calls)
-    _spy(monkeypatch, update, "minibatch_loss", losses)
+    _spy(monkeypatch, update, "update_loss", losses)
     online_run(tiny_model_dir, tmp_path, clip_range=0.05, value_clip_range=0.3, vf_coef=0.7,
                clip_high=0.4, importance_level="sequence", policy_loss="cispo")
-    assert {args[4] for args, _, _ in policy_calls} == {0.05}
-    # clip-higher, GSPO's sequence-level ratio, CISPO
-    assert {(kw["clip_high"], kw["level"], kw["kind"]) for _, kw, _ in policy_calls} == {
-        (0.4, "sequence", "cispo")}
+    # the clip, clip-higher, GSPO's sequence-level ratio, CISPO
+    assert {(s.clip_range, s.clip_high, s.importance_level, s.policy_loss)
+            for (*_, s), _, _ in policy_calls} == {(0.05, 0.4, "sequence", "cispo")}
     assert {args[4] for args, _, _ in value_calls} == {0.3}
     for _, _, (loss, stats) in losses:  # loss = surrogate + vf_coef * value loss (KL in reward)
         assert loss.item() == pytest.approx(stats["policy/loss"] + 0.7 * stats["value/loss"], rel=1e-5)
@@ -235,11 +234,11 @@ def test_loss_aggregation_and_mask_truncated_reach_the_update(tiny_model_dir, tm
                                                                monkeypatch):
     # The surrogate is reduced as asked, over the tokens of the responses that ended only.
     calls = []
-    _spy(monkeypatch, update, "ppo_policy_loss", calls)
+    _spy(monkeypatch, update, "policy_loss", calls)
     online_run(tiny_model_dir, tmp_path, name="masked", loss_aggregation="sequence",
                mask_truncated=True, max_new_tokens=3)
-    (logprobs, _, _, mask, *_), kwargs, _ = calls[0]
-    assert kwargs["aggregation"] == "sequence"
+    (logprobs, _, _, mask, spec), _, _ = calls[0]
+    assert spec.loss_aggregation == "sequence"
     update_calls = []
     monkeypatch.undo()
     _spy(monkeypatch, ppo, "update_batch", update_calls)

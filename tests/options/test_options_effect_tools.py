@@ -78,7 +78,7 @@ class Sampler:
                                "temperature": kwargs["temperature"],
                                "longest": int(out.response_mask.sum(1).max())})
             return out
-        # both tools take the native engine's sampler through tether.rl.engines.engine_sampler
+        # both tools sample with the native engine (tether.rl.engines.make_engine), which calls it
         monkeypatch.setattr(native, "sample_responses", spy)
 
 

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from update_helpers import loss_on, update_on
 
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.engines.native import sample_responses
 from tether.rl.rollout import Rollout, concat_rollouts
 from tether.rl.scoring import score_rollout
-from tether.rl.update import minibatch_loss, ppo_update
 from tether.train import ppo
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import build, prompt_batch
@@ -65,8 +65,7 @@ def scored_batch(setup, cfg):
 
 def loss_and_grads(setup, rollout, old, advantages, spec):
     setup.policy.zero_grad(set_to_none=True)
-    loss, stats = minibatch_loss(setup.policy, setup.critic, rollout, old, advantages, advantages,
-                                 spec, 0.5)
+    loss, stats = loss_on(setup, rollout, old, advantages, advantages, 0.5, spec)
     loss.backward()
     grads = [p.grad.clone() for p in setup.policy.parameters() if p.grad is not None]
     return loss.detach(), stats, grads
@@ -102,9 +101,9 @@ def test_mask_truncated_keeps_the_value_loss_on_every_row(tiny_model_dir, prompt
     setup = build(cfg, reward_fn=length_reward)
     rollout, old, advantages = scored_batch(setup, cfg)
     returns = torch.randn(advantages.shape, generator=torch.Generator().manual_seed(3))
-    args = (setup.policy, setup.critic, rollout, old, advantages, returns)
-    _, masked = minibatch_loss(*args, replace(setup.spec, mask_truncated=True), 0.0)
-    _, plain = minibatch_loss(*args, setup.spec, 0.0)
+    args = (setup, rollout, old, advantages, returns, 0.0)
+    _, masked = loss_on(*args, replace(setup.spec, mask_truncated=True))
+    _, plain = loss_on(*args, setup.spec)
     assert masked["value/loss"] == pytest.approx(plain["value/loss"], rel=1e-6)
     assert masked["policy/loss"] != pytest.approx(plain["policy/loss"], rel=1e-3)
 
@@ -118,15 +117,15 @@ def test_a_minibatch_of_only_truncated_rows_takes_no_step(tiny_model_dir, prompt
     spec = replace(setup.spec, mask_truncated=True)
     before = [p.detach().clone() for p in setup.policy.parameters()]
     # a step on the second minibatch alone moves the weights; the first is skipped
-    stats = ppo_update(setup.roles, setup.optimizer, rollout, old, advantages, advantages, spec,
-                       0.5, torch.Generator().manual_seed(0))
+    stats = update_on(setup, rollout, old, advantages, advantages, 0.5,
+                      torch.Generator().manual_seed(0), spec)
     assert stats["policy/updates"] == 1.0 and stats["policy/skipped_minibatches"] == 1.0
     moved = [not a.equal(b) for a, b in zip(before, setup.policy.parameters(), strict=True)]
     assert any(moved)
     everything_cut = replace(rollout, ended=torch.zeros(8, dtype=torch.bool))
     before = [p.detach().clone() for p in setup.policy.parameters()]
-    stats = ppo_update(setup.roles, setup.optimizer, everything_cut, old, advantages, advantages,
-                       spec, 0.5, torch.Generator().manual_seed(0))
+    stats = update_on(setup, everything_cut, old, advantages, advantages, 0.5,
+                      torch.Generator().manual_seed(0), spec)
     assert stats["policy/updates"] == 0.0 and stats["policy/skipped_minibatches"] == 2.0
     assert all(a.equal(b) for a, b in zip(before, setup.policy.parameters(), strict=True))
 
@@ -233,7 +232,7 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     #   a truncated row adds 0 but still counts; tether leaves it out of the count, so TRL's loss
     #   is tether's times (kept rows / rows) (docs/from_trl.md).
     from tether.losses import ppo_policy_loss
-    from tether.rl.update import counts_of, policy_mask
+    from tether.rl.update import LossBatch, counts_of
 
     gen = torch.Generator().manual_seed(5)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -243,8 +242,10 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     logprobs = (-torch.rand(4, 4, generator=gen, dtype=torch.float64)).requires_grad_()
     old = logprobs.detach() + 0.2 * torch.randn(4, 4, generator=gen, dtype=torch.float64)
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 4)
-    spec = SimpleNamespace(mask_truncated=True)  # the one field policy_mask and counts_of read
-    carrying, counts = policy_mask(rollout, spec), counts_of(rollout, spec)
+    zeros = torch.zeros(4, 4)
+    batch = LossBatch.of(rollout, SimpleNamespace(logprobs=zeros, ref_logprobs=zeros,
+                                                  values=zeros), zeros, zeros, mask_truncated=True)
+    carrying, counts = batch.loss_mask, counts_of(batch, mask_truncated=True)
     assert counts.tokens == 3 + 2 and counts.rows == 2 and counts.value_tokens == 3 + 4 + 2 + 4
     ours, _ = ppo_policy_loss(logprobs, old, adv, carrying, 0.2, aggregation=aggregation,
                               denominator=counts.tokens if aggregation == "token" else counts.rows)

@@ -1,5 +1,5 @@
 """tether.rl.update.update_batch: one optimizer step per batch on a single policy forward (pi_old
-scored by the update's own forward) gives what the two-pass path gives (score_rollout, then
+scored by the update's own forward) gives what the two-pass path gives (score_batch, then
 kl_shaped_rewards, estimate_advantages, ppo_update): the same old-policy scores, KL, advantages,
 loss, and parameters after the step."""
 
@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tether.rl import update
 from tether.rl.engines.native import sample_responses
 from tether.rl.update import one_pass, update_batch
 from tether.run.distributed import Dist
@@ -63,7 +64,7 @@ CASES = {  # name: (family fixture, config overrides)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
+def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request, monkeypatch):
     family, overrides = CASES[case]
     cfg = config(request.getfixturevalue(family), prompts_file, **overrides)
     assert one_pass(update_spec(cfg, Dist()), cfg.batch_size, Dist())
@@ -76,11 +77,14 @@ def test_one_forward_step_equals_the_two_pass_step(case, prompts_file, request):
     scores = torch.randn(len(rollout), generator=torch.Generator().manual_seed(2))
 
     def steps_2_to_4(setup, fuse: bool):
+        # the batch allows both paths; one_pass decides which update_batch takes
+        monkeypatch.setattr(update, "one_pass", lambda spec, rows, d: fuse)
         done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores,
-                            cfg.beta, setup.spec, torch.Generator().manual_seed(0), fuse=fuse)
+                            cfg.beta, setup.spec, torch.Generator().manual_seed(0))
         return done.old, done.kl, done.advantages, done.returns, done.stats
     old, kl, advantages, returns, stats = steps_2_to_4(two_pass, fuse=False)
     old_f, kl_f, advantages_f, returns_f, stats_f = steps_2_to_4(fused, fuse=True)
+    monkeypatch.undo()
 
     assert kl.abs().sum() > 0.01  # the policy really differs from its reference
     for name in ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl"):

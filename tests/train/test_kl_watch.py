@@ -1,4 +1,4 @@
-"""The loop's warnings across batches (tether.train.ppo.Watch): a collapse (entropy near 0 far
+"""The loop's warnings across batches (tether.train.ppo_watch.Watch): a collapse (entropy near 0 far
 from the reference) and a KL blow-up with the entropy rising or falling, each said once; --max-kl
 stops the run. Hand-made metric lines; tests/test_hardening.py runs a real blow-up."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tether.errors import TetherError
-from tether.train.ppo import Watch, watch_for
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_watch import Watch, watch_for
 
 
 def lines(kls, entropies, beta=0.05):

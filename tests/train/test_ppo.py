@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from update_helpers import loss_on, update_on
 
 from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.cli import main
@@ -21,7 +22,6 @@ from tether.models.reward_model import RewardModel
 from tether.models.tiny import save_tiny
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
-from tether.rl.update import minibatch_loss, ppo_update
 from tether.run.parse import parse_config
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
@@ -84,15 +84,13 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
     assert kl.abs().max() == 0.0
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     for rows in (slice(0, 4), slice(4, 8)):  # each first-epoch minibatch, before any step
-        _, stats = minibatch_loss(setup.policy, setup.critic, rollout.select(rows),
-                                  old.select(rows), advantages[rows], advantages[rows], setup.spec,
-                                  0.0)
+        _, stats = loss_on(setup, rollout.select(rows), old.select(rows), advantages[rows],
+                           advantages[rows], 0.0)
         assert stats["policy/ratio_mean"] == 1.0  # exactly, not approximately
         assert stats["policy/approx_kl"] == 0.0
         assert stats["policy/clip_frac"] == 0.0
     ref_before = [p.clone() for p in setup.reference.parameters()]
-    ppo_update(setup.roles, setup.optimizer, rollout, old, advantages, advantages,
-               setup.spec, 0.0, torch.Generator().manual_seed(0))
+    update_on(setup, rollout, old, advantages, advantages, 0.0, torch.Generator().manual_seed(0))
     assert all(a.equal(b) for a, b in zip(ref_before, setup.reference.parameters(), strict=True))
     assert not all(a.equal(b) for a, b in zip(ref_before, setup.policy.parameters(), strict=True))
 
@@ -101,7 +99,7 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
 def test_kl_as_loss_adds_beta_times_the_kl_term(env, tiny_model_dir, estimator, per_token_mean):
     cfg = config(env, tiny_model_dir, f"kl_loss_{estimator}", kl_in="loss",
                  kl_estimator=estimator, kl_per_token_mean=per_token_mean)
-    assert cfg.resolved_estimator == ("k3" if estimator == "k3" else "k3_ratio")
+    assert cfg.resolved_kl_estimator == ("k3" if estimator == "k3" else "k3_ratio")
     setup = build(cfg, reward_fn=length_reward)
     rollout = fresh_rollout(setup, cfg)
     old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, cfg.temperature, 8)
@@ -110,9 +108,9 @@ def test_kl_as_loss_adds_beta_times_the_kl_term(env, tiny_model_dir, estimator, 
     # exactly 1, so k3 x ratio is the same number.
     old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
-    args = (setup.policy, setup.critic, rollout, old, advantages, advantages, setup.spec)
-    loss_without, _ = minibatch_loss(*args, 0.0)
-    loss_with, stats = minibatch_loss(*args, 2.0)
+    args = (setup, rollout, old, advantages, advantages)
+    loss_without, _ = loss_on(*args, 0.0)
+    loss_with, stats = loss_on(*args, 2.0)
     k3 = math.exp(-0.3) - 1 + 0.3
     # Token mean: k3 itself. Per-sequence sums averaged over sequences: k3 times the mean length.
     length = float(rollout.response_mask.sum()) / len(rollout)
@@ -130,8 +128,7 @@ def test_trust_region_guard_stops_epochs(env, tiny_model_dir):
         rollout = fresh_rollout(setup, cfg)
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, 8)
         adv = torch.randn(rollout.response_mask.shape) * rollout.response_mask
-        stats = ppo_update(setup.roles, setup.optimizer, rollout, old, adv, adv,
-                           setup.spec, 0.0, torch.Generator().manual_seed(0))
+        stats = update_on(setup, rollout, old, adv, adv, 0.0, torch.Generator().manual_seed(0))
         results[target] = (stats["policy/updates"], stats["policy/early_stopped"])
     # One minibatch per epoch. Epoch 1 is on-policy (approx KL exactly 0), so its step is taken;
     # at epoch 2 the KL to the rollout policy is positive, past 1e-12: no further step.

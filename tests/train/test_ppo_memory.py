@@ -19,6 +19,7 @@ from scale_helpers import (
     max_change,
     weights,
 )
+from update_helpers import update_on
 
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
@@ -30,7 +31,6 @@ from tether.models.trunk_head import trunk_and_head
 from tether.rl import scoring
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
-from tether.rl.update import ppo_update
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build, prompt_batch
 
@@ -137,8 +137,8 @@ def score_and_update(cfg, setup, rollout):
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, cfg.beta)
     advantages, returns = gae(rewards, old.values, mask, cfg.gamma, cfg.lam)
     advantages = whiten(advantages, mask)
-    stats = ppo_update(setup.roles, setup.optimizer, rollout, old, advantages,
-                       returns, setup.spec, 0.0, torch.Generator().manual_seed(0))
+    stats = update_on(setup, rollout, old, advantages, returns, 0.0,
+                      torch.Generator().manual_seed(0))
     return old, kl, advantages, stats
 
 

@@ -38,7 +38,7 @@ from tether.models.lora import (
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import TrainableLM
 from tether.models.reward_model import REWARD
-from tether.models.trunk_head import response_hidden, score_responses
+from tether.models.trunk_head import response_hidden
 
 CRITIC = "critic"  # the trainable adapter of a LoRA critic on the policy's shared base
 
@@ -148,27 +148,3 @@ def make_critic(kind: str | None, lm: TrainableLM, lora: LoraSpec | None,
         critic = ValueModel.from_causal_lm(policy)
     disable_dropout(critic)
     return critic.eval()
-
-
-def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, context_length: int, temperature: float, *,
-                      chunked: bool = True, entropy: bool = False, hidden: bool = False):
-    """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
-    of the critic, in one call.
-
-    `critic` None (the critic-free estimators) gives zero values. The rollout scoring and the
-    PPO update both go through this function, so the "old" log-probs
-    and values are computed by the very code that computes the new ones, and the first epoch's
-    probability ratio is exactly 1. `chunked`: log-probs through the LM head in chunks
-    (tether.lm_head, no [B, R, V] logits); the shared critic reads the same hidden states.
-    """
-    shared = isinstance(critic, ValueHead)
-    scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
-                             chunked=chunked, entropy=entropy, hidden=shared or hidden)
-    if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
-        values = torch.zeros_like(scores.logprobs)
-    elif shared:
-        values = critic(scores.hidden)
-    else:
-        values = critic(input_ids, attention_mask, context_length)
-    return scores, values

@@ -20,7 +20,7 @@ from torch import nn
 
 from tether.data.prompts import left_pad, load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
-from tether.rl.engines.native import sample_responses
+from tether.rl.engines import RolloutEngine
 from tether.rl.rollout import Rollout, decode_responses, sampling_uniforms
 
 # reward(prompts, responses, rollout) -> scores [B]
@@ -73,29 +73,34 @@ def distinct_n(texts: list[str], n: int) -> float:
 
 
 @torch.no_grad()
-def _measure_chunk(policy, reference, rollout: Rollout, chunked_lm_head: bool
-                   ) -> dict[str, torch.Tensor]:
-    """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk: each [B]."""
+def measure_responses(policy: nn.Module, reference: nn.Module, rollout: Rollout,
+                      chunked_lm_head: bool = True) -> dict[str, torch.Tensor]:
+    """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk, each [B],
+    over the tokens the policy sampled (`action_mask`). `chunked_lm_head`: log-probs and
+    entropies through the LM head in chunks (tether.lm_head)."""
     args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
             rollout.temperature)  # the log-probs of what was sampled, at its temperature
     scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True)
     ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True)
-    response_mask = rollout.response_mask.float()  # [B, R]
-    out = {"kl": ((scores.logprobs - ref.logprobs) * response_mask).sum(1),
-           "ent": (scores.entropy * response_mask).sum(1) / response_mask.sum(1).clamp(min=1),
-           "len": response_mask.sum(1), "eos": rollout.ended.float()}
+    action_mask = rollout.action_mask.float()  # [B, R]
+    out = {"kl": ((scores.logprobs - ref.logprobs) * action_mask).sum(1),
+           "ent": (scores.entropy * action_mask).sum(1) / action_mask.sum(1).clamp(min=1),
+           "len": action_mask.sum(1), "eos": rollout.ended.float()}
     exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
     if exact is not None:
-        out["kl_exact"] = (exact * response_mask).sum(1)
+        out["kl_exact"] = (exact * action_mask).sum(1)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
+# measure(rollout) -> `measure_responses`'s dict, run where the models may be called
+Measure = Callable[[Rollout], dict[str, torch.Tensor]]
+
+
 @torch.no_grad()
-def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: EvalInputs,
-                    reward: Reward | None, gold: Reward | None, *,
-                    chunked_lm_head: bool = True, sample: Callable = sample_responses
+def evaluate_policy(engine: RolloutEngine, measure: Measure, tokenizer, inputs: EvalInputs,
+                    reward: Reward | None, gold: Reward | None, device: torch.device
                     ) -> tuple[dict[str, float], list[dict]]:
-    """Sample one response per prompt (seeded) and measure it.
+    """Sample one response per prompt (seeded) with `engine` and measure it.
 
     Metrics: `eval/score` (proxy, if `reward`), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
     sum_t log pi(y_t) - log ref(y_t), the k1 sequence KL), `eval/kl_exact` (mean over prompts of
@@ -104,13 +109,12 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
     `eval/eos_rate`, `eval/distinct_2` (diversity of the responses). The seed is fixed, so
     successive evaluations differ only through the policy; a proxy score that rises while the
     gold score falls is over-optimisation (Gao et al. 2022).
-    `chunked_lm_head`: log-probs and entropies through the LM head in chunks (tether.lm_head).
-    `sample`: the engine (`sample_responses`'s signature; a vLLM engine's `sample`).
+    `measure`: `measure_responses` on the policy and its reference, called where they may run
+    (inside the training wrapper, or directly on frozen models). `device`: the prompts' device.
 
     Returns:
         (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
     """
-    device = next(policy.parameters()).device
     # one row of noise per prompt: the samples do not depend on the chunking or the world size
     uniforms = sampling_uniforms(inputs.seed, len(inputs.prompts), inputs.max_new_tokens)
     pad = tokenizer.pad_token_id
@@ -119,12 +123,13 @@ def evaluate_policy(policy: nn.Module, reference: nn.Module, tokenizer, inputs: 
     for start in range(0, len(inputs.prompts), inputs.batch_size):
         chunk = inputs.prompts[start:start + inputs.batch_size]
         ids, mask = left_pad(inputs.prompt_ids[start:start + inputs.batch_size], pad, device)
-        rollout = sample(policy, ids, mask, max_new_tokens=inputs.max_new_tokens,
-                         temperature=inputs.temperature, eos_token_ids=inputs.eos_token_ids,
-                         pad_token_id=pad, uniforms=uniforms[start:start + inputs.batch_size])
+        rollout = engine.sample(ids, mask, max_new_tokens=inputs.max_new_tokens,
+                                temperature=inputs.temperature,
+                                eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
+                                uniforms=uniforms[start:start + inputs.batch_size])
         responses = decode_responses(tokenizer, rollout)
         texts += responses
-        measured = _measure_chunk(policy, reference, rollout, chunked_lm_head)
+        measured = measure(rollout)
         if reward is not None:
             measured["score"] = reward(chunk, responses, rollout).float().cpu()
         if gold is not None:

@@ -30,7 +30,6 @@ wrapper's forward for gradients, and always under FSDP2). The gathered rollout i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -90,6 +89,15 @@ class Roles:
             root.set_reshard_after_forward(True, recurse=True)
             root.set_reshard_after_forward(False, recurse=False)  # the root's default
 
+    def run_policy(self, fn: Callable[[nn.Module], Any]) -> Any:
+        """`fn(policy)` for sampling (`generate`): how the native engine reaches the policy."""
+        return self.generate(lambda policy, _critic: fn(policy))
+
+    def scorer(self, reward: Callable) -> Callable:
+        """`reward(*args)` called inside the wrapper without gradients (`peek`): a reward model is
+        sharded with the roles under FSDP2, and every rank must call it alike."""
+        return lambda *args: self.peek(lambda _policy, _critic: reward(*args))
+
     def no_sync(self, skip: bool):
         return distributed.no_sync(self.wrapped, skip)
 
@@ -100,31 +108,17 @@ class Roles:
         return {k[len("policy."):]: v for k, v in full.items() if k.startswith("policy.")}
 
 
-def all_done(d: Dist) -> Callable[[torch.Tensor], bool] | None:
-    """Sampling's stop rule: under several processes, when no row of ANY rank is alive, so every
-    rank runs the same decoding steps (FSDP2's gathers must match) and the response width R is
-    the one-process width."""
-    if not d.active:
-        return None
-    return lambda alive: distributed.global_sum(int(alive.sum()), d) == 0
-
-
-def _gather_bool(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    return distributed.all_gather_rows(t.to(torch.uint8), d).bool()  # gloo has no bool
-
-
 def gather_rollout(rollout: Rollout, d: Dist) -> Rollout:
     """Every rank's rows of the rollout, in rank order (the global batch). The widths agree: the
     prompts are padded to the global batch's width and sampling stops globally."""
     if not d.active:
         return rollout
-    gather = distributed.all_gather_rows
-    return replace(rollout, input_ids=gather(rollout.input_ids, d),
-                   attention_mask=gather(rollout.attention_mask, d),
-                   response_mask=_gather_bool(rollout.response_mask, d),
-                   ended=_gather_bool(rollout.ended, d),
-                   engine_logprobs=(None if rollout.engine_logprobs is None
-                                    else gather(rollout.engine_logprobs, d)))
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bool:  # gloo has no bool
+            return distributed.all_gather_rows(t.to(torch.uint8), d).bool()
+        return distributed.all_gather_rows(t, d)
+    return rollout.map_rows(gather)
 
 
 def gather_in_order(part: torch.Tensor, batch: int, minibatch: int, d: Dist) -> torch.Tensor:

@@ -7,12 +7,20 @@ Layout of a rollout batch (one row per prompt)::
 
     [pad pad p1 p2 p3 | r1 r2 EOS pad]      input_ids       [B, P + R]
     [ 0   0  1  1  1  |  1  1  1   0 ]      attention_mask  [B, P + R]
-                        [1  1  1   0 ]      response_mask   [B, R]
+                        [1  1  1   0 ]      response_mask   [B, R]  real tokens after the prompt
+                        [1  1  1   0 ]      action_mask     [B, R]  the tokens the policy sampled
 
 Prompts are left-padded so every response starts at column P; what follows a response's end
 (EOS, stop string, or max_new_tokens) is padding. Masks come from the sampling itself, never from
 comparing tokens to the pad id, so a sampled EOS (or even a sampled pad id) is never mistaken for
 padding (pitfall: "pad is not EOS").
+
+Two masks, two meanings. `response_mask` is the layout's: which columns after the prompt hold a
+real token (the attention mask's response part). `action_mask` is the policy's: which of those
+tokens it sampled. The loss, every KL estimate, the entropy, the engine-mismatch corrections, the
+score's position and every token count read `action_mask`; tokens the policy did not sample (an
+environment's observation between two turns, tether.rl.env) are context only. In a single-turn
+rollout the two are equal, and `action_mask` defaults to `response_mask`.
 
 The engines that sample a rollout live in `tether.rl.engines` (`native`: tether's own KV-cached
 sampler; `vllm_engine`: vLLM, which also reports its own log-probs of the sampled tokens).
@@ -20,7 +28,7 @@ sampler; `vllm_engine`: vLLM, which also reports its own log-probs of the sample
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,9 +49,15 @@ class Rollout:
     # The temperature the responses were sampled at: every log-prob of them (policy, old
     # policy, reference) must be taken at it, or the KL and the ratio are wrong (DESIGN.md).
     temperature: float = 1.0
-    # [B, R] the engine's own log-prob of each sampled token, log_softmax(z / T), 0 on padding;
-    # None from the native engine, which is the trainer's model (rl.engines.mismatch).
+    # [B, R] the engine's own log-prob of each sampled token, log_softmax(z / T), 0 elsewhere;
+    # None from an engine that samples the trainer's model itself (rl.engines.mismatch).
     engine_logprobs: torch.Tensor | None = None
+    # [B, R] bool, True on the tokens the policy sampled; None: every real response token.
+    action_mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.action_mask is None:
+            self.action_mask = self.response_mask
 
     @property
     def responses(self) -> torch.Tensor:  # [B, R]
@@ -52,36 +66,44 @@ class Rollout:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollout:
+        """`fn` applied to every per-row tensor (`ROW_FIELDS`; absent ones stay None)."""
+        return replace(self, **{name: fn(getattr(self, name)) for name in ROW_FIELDS
+                                if getattr(self, name) is not None})
+
     def select(self, index: torch.Tensor | slice) -> Rollout:
         """The rows `index` (a minibatch), same widths."""
-        return replace(self, input_ids=self.input_ids[index],
-                       attention_mask=self.attention_mask[index],
-                       response_mask=self.response_mask[index], ended=self.ended[index],
-                       engine_logprobs=(None if self.engine_logprobs is None
-                                        else self.engine_logprobs[index]))
+        return self.map_rows(lambda t: t[index])
+
+
+# The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
+ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "action_mask", "ended",
+              "engine_logprobs")
 
 
 def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
     """The rows of several rollouts as one, in order, in the layout above: every prompt
     left-padded to the widest context, every response right-padded to the widest response. The
-    extra padding is masked out, so each row scores as it did alone."""
+    extra padding is masked out, so each row scores as it did alone. A field some rollouts lack
+    (the engine's log-probs) is dropped."""
     if len({r.temperature for r in rollouts}) != 1:
         raise ValueError("rollouts sampled at different temperatures cannot be one batch")
     context = max(r.context_length for r in rollouts)
     width = max(r.responses.shape[1] for r in rollouts)
-    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention": [], "response": [],
-                                            "engine": []}
-    for r in rollouts:
+
+    def padded(r: Rollout, name: str) -> torch.Tensor:
         left, right = context - r.context_length, width - r.responses.shape[1]
-        parts["ids"].append(F.pad(r.input_ids, (left, right), value=pad_token_id))
-        parts["attention"].append(F.pad(r.attention_mask, (left, right), value=0))
-        parts["response"].append(F.pad(r.response_mask, (0, right), value=False))
-        if r.engine_logprobs is not None:
-            parts["engine"].append(F.pad(r.engine_logprobs, (0, right), value=0.0))
-    engine = torch.cat(parts["engine"]) if len(parts["engine"]) == len(rollouts) else None
-    return Rollout(torch.cat(parts["ids"]), torch.cat(parts["attention"]),
-                   torch.cat(parts["response"]), torch.cat([r.ended for r in rollouts]), context,
-                   rollouts[0].temperature, engine)
+        value = getattr(r, name)
+        if name == "ended":
+            return value
+        if name in ("input_ids", "attention_mask"):  # [B, P + R]: both sides
+            return F.pad(value, (left, right), value=pad_token_id if name == "input_ids" else 0)
+        return F.pad(value, (0, right), value=0)  # [B, R]: False or 0.0 after the response
+    present = [name for name in ROW_FIELDS
+               if all(getattr(r, name) is not None for r in rollouts)]
+    joined = {name: torch.cat([padded(r, name) for r in rollouts]) for name in present}
+    return Rollout(context_length=context, temperature=rollouts[0].temperature,
+                   **{name: joined.get(name) for name in ROW_FIELDS})
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
@@ -121,7 +143,8 @@ def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs * response_mask
     return replace(rollout, input_ids=input_ids, attention_mask=attention_mask,
-                   response_mask=response_mask, ended=ended, engine_logprobs=engine_logprobs)
+                   response_mask=response_mask, action_mask=rollout.action_mask & response_mask,
+                   ended=ended, engine_logprobs=engine_logprobs)
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

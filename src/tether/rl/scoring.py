@@ -1,23 +1,33 @@
-"""What the rollout-time models say about the sampled tokens: pi_old's log-probs and entropy,
-the reference's log-probs, the critic's values and the exact KL, all [B, R] and zero on padding.
+"""Every forward of the online loop's models on a rollout's tokens, and the tensors it returns.
 
-Notation: B rollout batch, R response width, V vocabulary.
+Notation: B rollout batch, b a micro-batch's rows, R response width, d hidden size, V vocabulary.
 
-Every log-prob is taken at the rollout's own sampling temperature, and pi_old is scored by
-`tether.models.critic.policy_and_values`, the forward the update runs, in the rows of the first
-epoch's micro-batches: same rows, same code, so the first epoch's ratio is exactly 1.
+    policy_and_values    the policy's log-probs (entropies, hidden states) and the critic's values:
+                         the one forward both passes below run, so the first epoch's ratio is 1
+    score_batch          no gradient: pi_old, the reference, V_old, the entropy and the exact KL of
+                         the global batch (`Scored`), each rank its first-epoch rows
+    update_forward       with gradients: what the loss reads of the current policy and critic on a
+                         micro-batch (`Forward`), run inside the DDP/FSDP2 wrapper by the update
+    scored_from_forward  pi_old read off the update's own forward, when one forward is both
+                         (tether.rl.update.one_pass)
+
+Every log-prob is taken at the rollout's own sampling temperature; everything the tokens the
+policy did not sample could hold is zeroed (`action_mask`). The loss itself is computed from these
+tensors, outside any model call (tether.rl.update.update_loss).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from tether import kl as kl_lib
+from tether.errors import TetherError
 from tether.lm_head import head_entropy
-from tether.models.critic import policy_and_values
+from tether.models.critic import ValueHead
 from tether.models.trunk_head import ResponseScores, exact_kl_at, score_responses, trunk_and_head
 from tether.rl.roles import Roles, gather_in_order
 from tether.rl.rollout import Rollout
@@ -28,7 +38,8 @@ SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
 @dataclass
 class Scored:
-    """What the rollout-time models say about the sampled tokens; all [B, R], zero on padding."""
+    """What the rollout-time models say about the sampled tokens; all [B, R], zero on the tokens
+    the policy did not sample."""
 
     logprobs: torch.Tensor  # log pi_old(y_t), at the sampling temperature
     ref_logprobs: torch.Tensor  # log ref(y_t), same temperature
@@ -38,6 +49,40 @@ class Scored:
 
     def select(self, index) -> Scored:
         return Scored(*(getattr(self, name)[index] for name in SCORED))
+
+
+class Forward(NamedTuple):
+    """What the update's forward says about a micro-batch, with gradients; all [b, R]. A named
+    tuple, so the wrappers see its tensors (FSDP2 hooks its backward on them)."""
+
+    logprobs: torch.Tensor  # log pi(y_t) at the sampling temperature
+    values: torch.Tensor  # V(s_t) (zeros without a critic)
+    exact_kl: torch.Tensor | None  # KL(pi(. | s_t) || ref(. | s_t)), when the KL term is exact
+    hidden: torch.Tensor | None  # [b, R, d] the policy's final hidden states, when kept
+
+
+def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, context_length: int, temperature: float, *,
+                      chunked: bool = True, entropy: bool = False, hidden: bool = False):
+    """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
+    of the critic, in one call.
+
+    `critic` None (the critic-free estimators) gives zero values. The rollout scoring and the
+    PPO update both go through this function, so the "old" log-probs and values are computed by
+    the very code that computes the new ones, and the first epoch's probability ratio is exactly
+    1. `chunked`: log-probs through the LM head in chunks (tether.lm_head, no [B, R, V] logits);
+    the shared critic reads the same hidden states.
+    """
+    shared = isinstance(critic, ValueHead)
+    scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
+                             chunked=chunked, entropy=entropy, hidden=shared or hidden)
+    if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
+        values = torch.zeros_like(scores.logprobs)
+    elif shared:
+        values = critic(scores.hidden)
+    else:
+        values = critic(input_ids, attention_mask, context_length)
+    return scores, values
 
 
 def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> float:
@@ -70,44 +115,12 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
                               chunked=chunked, hidden=True)
         exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature)
-        mask = sub.response_mask.float()
+        mask = sub.action_mask.float()
         parts.append(Scored(logprobs=scores.logprobs * mask, ref_logprobs=ref.logprobs * mask,
                             values=values.float() * mask, entropy=scores.entropy * mask,
                             exact_kl=(exact.float() * mask if exact is not None
                                       else torch.full_like(mask, float("nan")))))
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
-
-
-def kl_sums(old: Scored, mask: torch.Tensor) -> dict[str, float]:
-    """The batch mean of per-sequence summed KL(pi_old || ref) by each estimator (k1, k2, k3)
-    and exactly (over the whole vocabulary at each sampled prefix): their bias and spread side by
-    side. `objective/kl_exact` is missing when the exact KL could not be computed."""
-    real = mask.bool()
-    out = {f"objective/kl_{name}": float(torch.where(real, kl_lib.estimate(
-        old.logprobs, old.ref_logprobs, name), 0.0).sum(1).mean()) for name in ("k1", "k2", "k3")}
-    exact = torch.where(real, old.exact_kl, 0.0).sum(1).mean()
-    if torch.isfinite(exact):
-        out["objective/kl_exact"] = float(exact)
-    return out
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, 0 one that
-    predicts the mean, negative one that is worse than the mean."""
-    mask = mask.bool()
-    returns, values = returns[mask].float(), values[mask].float()
-    var = returns.var(unbiased=False)
-    if var <= 0:
-        return float("nan")
-    return float(1 - (returns - values).var(unbiased=False) / var)
-
-
-@torch.no_grad()
-def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> ResponseScores:
-    """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""
-    return score_responses(reference, rollout.input_ids, rollout.attention_mask,
-                           rollout.context_length, rollout.temperature, chunked=chunked,
-                           hidden=True)
 
 
 def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_size: int,
@@ -123,21 +136,54 @@ def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_
                     for name in SCORED))
 
 
+def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,
+                   sub: Rollout, chunked: bool, exact: bool, keep_hidden: bool) -> Forward:
+    """The current policy and critic on the micro-batch `sub`, with gradients (`Forward`).
+    `exact`: also KL(pi || ref) over the vocabulary at each position, differentiable in the
+    policy (the reference scored here, without a gradient). `keep_hidden`: return the policy's
+    hidden states, to read pi_old's entropy and exact KL off this forward."""
+    scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
+                                       sub.context_length, sub.temperature, chunked=chunked,
+                                       hidden=exact or keep_hidden)
+    exact_kl = _exact_kl(policy, reference, sub, scores.hidden, chunked) if exact else None
+    return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
+
+
+def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: torch.Tensor,
+              chunked: bool) -> torch.Tensor:
+    """KL(pi || ref) over the vocabulary at each response position [b, R], differentiable in the
+    policy's `hidden` states; the reference is scored here, without a gradient."""
+    with torch.no_grad():
+        ref = score_responses(reference, sub.input_ids, sub.attention_mask, sub.context_length,
+                              sub.temperature, chunked=chunked, hidden=True)
+    per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature)
+    if per_position is None:
+        raise TetherError("--kl-estimator exact needs the models' logits to be head(hidden); use "
+                          "k3_ratio for this model")
+    return per_position
+
+
+@torch.no_grad()
+def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> ResponseScores:
+    """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""
+    return score_responses(reference, rollout.input_ids, rollout.attention_mask,
+                           rollout.context_length, rollout.temperature, chunked=chunked,
+                           hidden=True)
+
+
 @torch.no_grad()
 def scored_from_forward(policy: nn.Module, reference: nn.Module, rollout: Rollout,
-                        forward: tuple[ResponseScores, torch.Tensor], ref: ResponseScores,
-                        chunked: bool) -> Scored:
-    """pi_old's scores read off the update's own forward on the whole batch (`forward`, from
-    `policy_and_values` with its hidden states; `tether.rl.update.one_pass`), detached: its
-    log-probs and values, the entropy and the exact KL from its hidden states through the LM
-    head; `ref`: `score_reference` of the batch."""
-    current, values = forward
-    real = rollout.response_mask.float()
-    exact = exact_kl_at(policy, reference, current.hidden.detach(), ref.hidden,
+                        forward: Forward, ref: ResponseScores, chunked: bool) -> Scored:
+    """pi_old's scores read off the update's own forward on the whole batch (`forward`, with its
+    hidden states kept; `tether.rl.update.one_pass`), detached: its log-probs and values, the
+    entropy and the exact KL from its hidden states through the LM head; `ref`:
+    `score_reference` of the batch."""
+    real = rollout.action_mask.float()
+    exact = exact_kl_at(policy, reference, forward.hidden.detach(), ref.hidden,
                         rollout.temperature)
-    return Scored(logprobs=current.logprobs.detach() * real, ref_logprobs=ref.logprobs * real,
-                  values=values.detach().float() * real,
-                  entropy=_entropy(policy, rollout, current.hidden, chunked) * real,
+    return Scored(logprobs=forward.logprobs.detach() * real, ref_logprobs=ref.logprobs * real,
+                  values=forward.values.detach().float() * real,
+                  entropy=_entropy(policy, rollout, forward.hidden, chunked) * real,
                   exact_kl=(exact.float() * real if exact is not None
                             else torch.full_like(real, float("nan"))))
 
@@ -152,3 +198,28 @@ def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked:
                                rollout.context_length, rollout.temperature, chunked=chunked,
                                entropy=True).entropy
     return head_entropy(hidden.detach(), head, rollout.temperature)
+
+
+def kl_sums(old: Scored, mask: torch.Tensor) -> dict[str, float]:
+    """The batch mean of per-sequence summed KL(pi_old || ref) by each estimator (k1, k2, k3)
+    and exactly (over the whole vocabulary at each sampled prefix): their bias and spread side by
+    side. `objective/kl_exact` is missing when the exact KL could not be computed. `mask`: the
+    tokens the policy sampled."""
+    real = mask.bool()
+    out = {f"objective/kl_{name}": float(torch.where(real, kl_lib.estimate(
+        old.logprobs, old.ref_logprobs, name), 0.0).sum(1).mean()) for name in ("k1", "k2", "k3")}
+    exact = torch.where(real, old.exact_kl, 0.0).sum(1).mean()
+    if torch.isfinite(exact):
+        out["objective/kl_exact"] = float(exact)
+    return out
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the tokens of `mask`: 1 is a perfect critic,
+    0 one that predicts the mean, negative one that is worse than the mean."""
+    mask = mask.bool()
+    returns, values = returns[mask].float(), values[mask].float()
+    var = returns.var(unbiased=False)
+    if var <= 0:
+        return float("nan")
+    return float(1 - (returns - values).var(unbiased=False) / var)

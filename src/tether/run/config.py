@@ -1,5 +1,6 @@
 """Typed stage configs: what every stage shares (`RunConfig`), the checks their `validate()`
-calls, how a config is recorded (`config_to_dict`) and what its paths mean.
+calls, how a config is recorded (`config_to_dict`) and what its paths mean, and how its values
+reach the settings of the code that reads them (`section`).
 
 Every stage config is a dataclass that inherits `RunConfig`; each field has a type, a default and a
 docstring, which tyro turns into `--help`. Reading one from flags and YAML is `tether.run.parse`.
@@ -152,6 +153,26 @@ INPUT_PATH_FIELDS = frozenset({"model", "policy", "ref_model", "reward_model", "
                                "eval_data", "normalize_data", "prompts", "eval_prompts", "runs",
                                "grid"})  # absolute when they exist here; else a hub name, kept
 FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn"})  # file.py:function; module:function kept
+
+
+def section(cls: type[C], cfg: Any, **derived: Any) -> C:
+    """The dataclass `cls` filled from the run's config by field name: each field takes
+    `cfg.resolved_<name>` where the config derives one (an "auto" resolved), else `cfg.<name>`; a
+    field whose default is itself such a dataclass is filled the same way. `derived` gives the
+    fields the config cannot know alone (this process's share of a batch). A setting thus reaches
+    the code that reads it in one hop, and a new one is a field here and in the config, nothing
+    copied by hand between them."""
+    values = {}
+    for spec_field in dataclasses.fields(cls):
+        name, default = spec_field.name, spec_field.default
+        if name in derived:
+            values[name] = derived[name]
+        elif dataclasses.is_dataclass(default):
+            values[name] = section(type(default), cfg)
+        else:
+            resolved = f"resolved_{name}"
+            values[name] = getattr(cfg, resolved if hasattr(type(cfg), resolved) else name)
+    return cls(**values)
 
 
 def input_path(value: str) -> str:

@@ -34,7 +34,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import torch
@@ -158,6 +158,11 @@ def current() -> Dist:
     if dist.is_available() and dist.is_initialized():
         return Dist(rank=dist.get_rank(), world_size=dist.get_world_size())
     return Dist()
+
+
+def on_device(device: torch.device) -> Dist:
+    """`current()` on `device`: a tool that runs frozen models where it was started."""
+    return replace(current(), device=device)
 
 
 # ----------------------------------------------------------------------------- data

@@ -28,8 +28,8 @@ from tether.models.pretrained import (
     load_tokenizer,
     policy_eos_ids,
 )
-from tether.rl.engines import engine_sampler
-from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy
+from tether.rl.engines import make_engine
+from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy, measure_responses
 from tether.rl.rewards import (
     load_reward_function,
     load_reward_model,
@@ -38,6 +38,7 @@ from tether.rl.rewards import (
 )
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
+from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
 from tether.tools.config import EvalConfig
@@ -138,11 +139,14 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model),
                          cfg)
-    with engine_sampler(cfg.engine, policy, inputs.prompt_ids, cfg.max_new_tokens,
-                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=cfg.dtype, seed=cfg.seed,
-                        device=device) as sample:
-        metrics, samples = evaluate_policy(policy, reference, tokenizer, inputs, reward, gold,
-                                           chunked_lm_head=cfg.chunked_lm_head, sample=sample)
+    engine = make_engine(cfg, policy, prompt_ids=inputs.prompt_ids, d=on_device(device))
+    try:
+        metrics, samples = evaluate_policy(
+            engine, lambda rollout: measure_responses(policy, reference, rollout,
+                                                      cfg.chunked_lm_head),
+            tokenizer, inputs, reward, gold, device)
+    finally:
+        engine.close()
     if out is not None:
         record = {"metrics": metrics, "reference": reference_path,
                   "config": config_to_dict(cfg), "samples": samples}

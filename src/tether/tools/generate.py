@@ -16,10 +16,11 @@ import torch
 from tether.data.prompts import left_pad, load_prompts
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
-from tether.rl.engines import engine_sampler
+from tether.rl.engines import RolloutEngine, make_engine
 from tether.rl.evaluation import eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
 from tether.run.checkpoint import atomic_write_bytes
+from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
 from tether.tools.config import GenerateConfig
@@ -39,28 +40,29 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
     # `tether eval` scores with the same settings.
     gen = torch.Generator(device).manual_seed(inputs.seed)
-    with engine_sampler(cfg.engine, policy, inputs.prompt_ids, cfg.max_new_tokens,
-                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=cfg.dtype, seed=cfg.seed,
-                        device=device) as sample_responses:
-        by_prompt = _sample_all(cfg, tokenizer, policy, inputs, gen, sample_responses, device)
+    engine = make_engine(cfg, policy, prompt_ids=inputs.prompt_ids, d=on_device(device))
+    try:
+        by_prompt = _sample_all(cfg, tokenizer, engine, inputs, gen, device)
+    finally:
+        engine.close()
     return [row for group in by_prompt for row in group]
 
 
-def _sample_all(cfg: GenerateConfig, tokenizer, policy, inputs, gen: torch.Generator,
-                sample_responses, device) -> list[list[dict]]:
+def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
+                gen: torch.Generator, device) -> list[list[dict]]:
     """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts."""
     pad = tokenizer.pad_token_id
     by_prompt: list[list[dict]] = [[] for _ in inputs.prompts]
     for sample in range(cfg.samples_per_prompt):
         for start in range(0, len(inputs.prompts), cfg.batch_size):
             ids, mask = left_pad(inputs.prompt_ids[start:start + cfg.batch_size], pad, device)
-            rollout = sample_responses(policy, ids, mask, max_new_tokens=cfg.max_new_tokens,
-                                       temperature=cfg.temperature,
-                                       eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
-                                       generator=gen)
+            rollout = engine.sample(ids, mask, max_new_tokens=cfg.max_new_tokens,
+                                    temperature=cfg.temperature,
+                                    eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
+                                    generator=gen)
             rollout = apply_stop_strings(rollout, tokenizer, cfg.stop_strings, pad)
             texts = decode_responses(tokenizer, rollout)
-            lengths = rollout.response_mask.sum(1).tolist()
+            lengths = rollout.action_mask.sum(1).tolist()
             for offset, text in enumerate(texts):
                 i = start + offset
                 by_prompt[i].append({"prompt": inputs.prompts[i], "response": text,

@@ -4,29 +4,29 @@ The loop in `run` is the algorithm, top to bottom (Ziegler et al. 2019; Stiennon
 Ouyang et al. 2022):
 
     for each batch of prompts x:
-        y ~ pi_old(. | x)                          sample (tether.rl.engines: native or vLLM)
+        y ~ pi_old(. | x)                          engine.sample (tether.rl.engines)
         s = R(x, y)                                 reward model or Python function
         log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (tether.rl.scoring)
         r_t = -beta * kl_t (+ s at the last token)  advantages.kl_shaped_rewards
         A, G = GAE(r, V_old)                        or rloo, grpo, reinforce++ without a critic
         PPO epochs on the clipped losses            tether.rl.update.ppo_update
+        engine.sync()                               the engine takes the new weights
         beta <- controller(mean_seq KL, batch)      kl.AdaptiveKL / FixedKL / AnnealedKL
 
 The middle four lines are one call, `tether.rl.update.update_batch`, the one update path (it
-alone decides whether the update's forward also scores pi_old). With --engine vllm the engine
-samples and gets the new weights after each update (`engine.update`); the trainer still scores
-every token itself. Setup (loading, checks, the settings each piece takes) lives in
-`ppo_setup.py`; under torchrun every rank runs this loop on its rows of each global batch
-(`tether.rl.roles`) and rank 0 writes. `tether rloo` and `tether grpo` are this loop with other
-defaults (`ppo_config.RLOOConfig`, `GRPOConfig`).
+alone decides whether the update's forward also scores pi_old). The engine is whichever
+--engine names (`tether.rl.engines.RolloutEngine`: the native sampler on the trainer's model, or
+vLLM fed the weights in memory); the loop never asks which, and the trainer scores every token
+itself. Setup (loading, checks, the settings each piece takes) lives in `ppo_setup.py`; under
+torchrun every rank runs this loop on its rows of each global batch (`tether.rl.roles`) and rank
+0 writes. `tether rloo` and `tether grpo` are this loop with other defaults
+(`ppo_config.RLOOConfig`, `GRPOConfig`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -37,9 +37,8 @@ from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import Drawn, collect
-from tether.rl.engines.mismatch import mismatch_metrics
-from tether.rl.evaluation import evaluate_policy
-from tether.rl.roles import all_done, any_rank, check_same_beta, gather_rollout
+from tether.rl.evaluation import evaluate_policy, measure_responses
+from tether.rl.roles import any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
 from tether.rl.scoring import explained_variance, kl_sums
 from tether.rl.update import BatchUpdate, update_batch
@@ -52,6 +51,7 @@ from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import Setup, build, prompt_batch
+from tether.train.ppo_watch import collapsed, watch_for
 
 __all__ = ["PPOConfig", "run", "cli"]
 
@@ -64,26 +64,15 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
     """
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
-    d = setup.dist
-    rundir.save_config(cfg)  # rank 0 writes it; every rank checks a resumed one
-    models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
-    normalizer = ScoreNormalizer(cfg.score_norm)
-    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
-    if setup.engine is not None and start > 0:
-        setup.engine.sync()  # the resumed weights
-    if cfg.eval_prompts and cfg.eval_every and start == 0:
-        # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
-        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
-    metrics: dict[str, float] = {}
+    d, metrics = setup.dist, {}
+    models, normalizer, start = begin(rundir, setup, cfg)
     watch = watch_for(cfg, quiet=not d.is_main)
     bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
     try:
         for batch in range(start, cfg.n_batches):
             step = batch + 1
             started = time.perf_counter()
-            # Seeded per batch and row, so a resumed run samples what the uninterrupted one would
-            # have, at any world size.
-            seed = cfg.seed * 1_000_003 + batch
+            seed = cfg.seed * 1_000_003 + batch  # per batch: a resumed run draws the same noise
             # 1. Rollout and reward (each rank samples its rows; every rank then holds the global
             #    batch); with --dynamic-sampling, groups of equal scores are replaced.
             drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)
@@ -92,8 +81,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             scores = batch_scores(drawn.scores, normalizer, cfg)
 
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
-            #      the KL in the loss, beta moves there), estimate the advantages, PPO epochs.
-            #      With --engine vllm the engine then gets the new weights.
+            #      the KL in the loss, beta moves there), advantages, PPO epochs; engine sync.
             beta = setup.kl_ctl.beta
             done, lr = update(setup, rollout, scores, beta, seed)
 
@@ -104,7 +92,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
 
             metrics = batch_metrics(rollout, raw_scores, scores, done, beta, seq_kl, lr,
                                     time.perf_counter() - started, setup.critic is not None)
-            metrics |= drawn_stats
+            metrics |= drawn_stats  # --dynamic-sampling's
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
             log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
@@ -126,16 +114,31 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         bar.close()
         if sys.exc_info()[0] is not None:
             rundir.release()  # stopped: free the directory, as an exiting process would
-            if setup.engine is not None:
-                setup.engine.close()  # a failed or stopped run leaves no engine behind
+            setup.engine.close()  # a failed or stopped run leaves no engine behind
     return finish(rundir, setup, cfg, metrics)
+
+
+def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig
+          ) -> tuple[dict[str, torch.nn.Module], ScoreNormalizer, int]:
+    """Before the first batch: the config recorded (rank 0 writes it; every rank checks a resumed
+    one), a resumed run's state restored and pushed to the engine, step 0 evaluated. Returns the
+    checkpointed models, the score normaliser and the batch to start from."""
+    rundir.save_config(cfg)
+    models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
+    normalizer = ScoreNormalizer(cfg.score_norm)
+    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
+    if start > 0:
+        setup.engine.sync()  # the resumed weights
+    if cfg.eval_prompts and cfg.eval_every and start == 0:
+        # Step 0, the SFT policy: the point every proxy/gold and reward/KL curve starts from.
+        rundir.log(0, log_evaluation(rundir, setup, cfg, 0) | {"objective/beta": setup.kl_ctl.beta})
+    return models, normalizer, start
 
 
 def finish(rundir: RunDir, setup: Setup, cfg: PPOConfig, metrics: dict[str, float]) -> RunResult:
     """After the last batch: the final evaluation, the engine stopped, the policy saved."""
     metrics |= final_evaluation(rundir, setup, cfg)
-    if setup.engine is not None:
-        setup.engine.close()
+    setup.engine.close()
     save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
@@ -143,18 +146,17 @@ def finish(rundir: RunDir, setup: Setup, cfg: PPOConfig, metrics: dict[str, floa
 
 def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float,
            seed: int) -> tuple[BatchUpdate, float]:
-    """Steps 2-4 and the schedule's step; (what they did, the learning rate they used). A vLLM
-    engine sleeps through them (on a GPU) and is synced after, for the next rollout."""
-    if setup.engine is not None:
-        setup.engine.sleep()  # a GPU engine frees its KV cache for the update
+    """Steps 2-4 and the schedule's step; (what they did, the learning rate they used). The
+    engine sleeps through them (a GPU engine frees its KV cache) and takes the new weights after,
+    for the next rollout."""
+    setup.engine.sleep()
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
                         setup.spec, torch.Generator().manual_seed(seed))
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
     setup.scheduler.step()
-    if setup.engine is not None:
-        synced = time.perf_counter()
-        setup.engine.update()  # the next rollout samples the policy just updated
-        done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
+    synced = time.perf_counter()
+    setup.engine.sync()  # the next rollout samples the policy just updated
+    done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
     return done, lr
 
 
@@ -174,8 +176,8 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
         # With --mixed-precision bf16 every model forward runs under autocast; log-probs, values
         # and scores come out in fp32.
         with autocast(cfg.mixed_precision, setup.device):
-            rollout, _, raw_scores = rollout_batch(setup, cfg, prompts[mine], prompt_ids[mine],
-                                                   prompt_mask[mine], uniforms[mine])
+            rollout, raw_scores = rollout_batch(setup, cfg, prompts[mine], prompt_ids[mine],
+                                                prompt_mask[mine], uniforms[mine])
         rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
         return Drawn(prompts, rollout, raw_scores, penalised_scores(raw_scores, rollout, cfg))
     if not cfg.dynamic_sampling:
@@ -185,31 +187,17 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
 
 
 def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
-                  uniforms: torch.Tensor):
-    """Sample responses to this rank's rows of a batch of prompts (`uniforms`: the rows' noise)
-    and score them with the reward."""
-    def sample(policy):
-        rollout = setup.sample(policy, prompt_ids, prompt_mask,
-                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                               eos_token_ids=setup.eos_token_ids,
-                               pad_token_id=setup.tokenizer.pad_token_id, uniforms=uniforms,
-                               all_done=all_done(setup.dist))
-        rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings,
-                                     setup.tokenizer.pad_token_id)
-        return rollout, decode_responses(setup.tokenizer, rollout)
-
-    def score(_policy, _critic, rollout, responses):
-        return setup.reward(prompts, responses, rollout).to(setup.device)
-
-    def sample_and_score(policy, critic):
-        rollout, responses = sample(policy)
-        return rollout, responses, score(policy, critic, rollout, responses)
-    if setup.engine is not None:
-        # The engine holds its own weights: no need to gather the policy's FSDP2 shards for it
-        # (`Roles.generate`); a reward model is still called inside the wrapper (`peek`).
-        rollout, responses = sample(None)
-        return rollout, responses, setup.roles.peek(score, rollout, responses)
-    return setup.roles.generate(sample_and_score)
+                  uniforms: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
+    """This rank's rows of a batch of prompts: the responses the engine samples (`uniforms`: the
+    rows' noise), cut at the stop strings, and their [B] scores by the reward."""
+    pad = setup.tokenizer.pad_token_id
+    rollout = setup.engine.sample(prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature,
+                                  eos_token_ids=setup.eos_token_ids, pad_token_id=pad,
+                                  uniforms=uniforms)
+    rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings, pad)
+    responses = decode_responses(setup.tokenizer, rollout)
+    return rollout, setup.reward(prompts, responses, rollout).to(setup.device)
 
 
 def batch_scores(penalised: torch.Tensor, normalizer: ScoreNormalizer,
@@ -225,7 +213,7 @@ def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig)
     --overlong-penalty for long ones."""
     scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
     if cfg.overlong_penalty:
-        lengths = rollout.response_mask.sum(dim=1)
+        lengths = rollout.action_mask.sum(dim=1)  # the policy's own tokens
         scores = scores + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
     return scores
 
@@ -233,8 +221,9 @@ def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig)
 def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tensor,
                   done: BatchUpdate, beta: float, seq_kl: float, lr: float, elapsed: float,
                   has_critic: bool) -> dict[str, float]:
-    """The batch's metric line (docs/ppo.md defines each), the same on every rank."""
-    mask, old = rollout.response_mask, done.old
+    """The batch's metric line (docs/ppo.md defines each), the same on every rank. Every count
+    and mean is over the tokens the policy sampled."""
+    mask, old = rollout.action_mask, done.old
     n_tokens = int(mask.sum())
     metrics = {
         "objective/score": raw_scores.mean().item(),
@@ -245,9 +234,6 @@ def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tens
         "rollout/response_len": mask.sum(1).float().mean().item(),
         "rollout/eos_rate": rollout.ended.float().mean().item(),
         **kl_sums(old, mask),
-        # the engine's log-probs against the trainer's pi_old of the same tokens (vLLM only)
-        **(mismatch_metrics(old.logprobs, rollout.engine_logprobs, mask)
-           if rollout.engine_logprobs is not None else {}),
         "perf/tokens_per_s": n_tokens / elapsed,
         "perf/episodes_per_s": len(rollout) / elapsed,
         "perf/rollout_s": elapsed - done.update_s,
@@ -261,71 +247,6 @@ def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tens
     return metrics
 
 
-# A policy whose entropy is near 0 nats per token while it sits far (in KL) from the reference has
-# collapsed onto a few sequences (seen with --lr 1.0: entropy 0, KL ~40 nats). --target-kl cannot
-# catch it: each batch's first update starts on-policy, with ratio 1.
-COLLAPSE_ENTROPY, COLLAPSE_KL = 0.1, 10.0
-
-
-def collapsed(metrics: dict[str, float]) -> bool:
-    return (metrics["policy/entropy"] < COLLAPSE_ENTROPY
-            and metrics["objective/kl"] > COLLAPSE_KL)
-
-
-# The other way a run goes wrong: the KL keeps growing fast while the entropy rises (GRPO with
-# LoRA at --lr 3e-3: 8.3 nats per batch, entropy 1.24 -> 1.89), which the collapse check, watching
-# for entropy near 0, never sees. Warned once: past DRIFT_KL nats (twice the target under the
-# adaptive controller, which aims there on purpose) and DRIFT_GROWTH times the KL of
-# DRIFT_BATCHES batches before. Not with --beta 0: a run without the leash drifts by design.
-DRIFT_KL, DRIFT_BATCHES, DRIFT_GROWTH = 4.0, 3, 2.0
-
-
-@dataclass
-class Watch:
-    """What the loop watches across batches: each warning is given once (on rank 0; every rank
-    stops past --max-kl alike, decided from global numbers)."""
-
-    max_kl: float = 0.0
-    drift_kl: float = DRIFT_KL
-    quiet: bool = False  # a rank other than 0
-    # this batch's KL and up to DRIFT_BATCHES before it; the first batch's entropy
-    kls: deque = field(default_factory=lambda: deque(maxlen=DRIFT_BATCHES + 1))
-    first_entropy: float | None = None
-    warned: set[str] = field(default_factory=set)
-
-    def check(self, metrics: dict[str, float], step: int) -> None:
-        kl, beta = metrics["objective/kl"], metrics["objective/beta"]
-        self.kls.append(kl)
-        now = metrics["policy/entropy"]
-        first = self.first_entropy = now if self.first_entropy is None else self.first_entropy
-        if metrics["policy/collapsed"]:
-            self._warn("collapse", f"batch {step}: the policy is collapsing (entropy "
-                       f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta "
-                       f"{beta:.3g}); lower --lr, raise --beta, or stop it with --max-kl")
-        window = self.kls
-        if beta > 0 and kl > self.drift_kl and kl > DRIFT_GROWTH * max(window[0], 0.0):
-            moving = "rising" if now > first else "falling" if now < first else "unchanged"
-            self._warn("drift", f"batch {step}: the KL to the reference is growing fast "
-                       f"({window[0]:.1f} -> {kl:.1f} nats in {len(window) - 1} batches at beta "
-                       f"{beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
-                       "nats/token); lower --lr, raise --beta, or cap it with --max-kl "
-                       "(docs/ppo.md, \"Choosing --max-kl\")")
-        if self.max_kl > 0 and kl > self.max_kl:
-            raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past "
-                              f"--max-kl {self.max_kl:g}, at beta {beta:.3g}; stopped, earlier "
-                              "checkpoints are kept. Lower --lr or raise --beta")
-
-    def _warn(self, kind: str, message: str) -> None:
-        if kind not in self.warned and not self.quiet:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-        self.warned.add(kind)
-
-
-def watch_for(cfg: PPOConfig, quiet: bool) -> Watch:
-    drift = max(DRIFT_KL, 2 * cfg.kl_target) if cfg.kl_ctl == "adaptive" else DRIFT_KL
-    return Watch(cfg.max_kl, drift, quiet)
-
-
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
     """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics.
 
@@ -334,9 +255,10 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
     with autocast(cfg.mixed_precision, setup.device):
         # Sampled with the same seed each time: successive evaluations differ only through the
         # policy (tether.rl.evaluation.evaluate_policy).
-        metrics, samples = setup.roles.generate(lambda policy, _critic: evaluate_policy(
-            policy, setup.reference, setup.tokenizer, setup.eval, setup.reward, setup.gold,
-            chunked_lm_head=cfg.chunked_lm_head, sample=setup.sample))
+        metrics, samples = evaluate_policy(
+            setup.engine, lambda rollout: setup.roles.peek(lambda policy, _critic: (
+                measure_responses(policy, setup.reference, rollout, cfg.chunked_lm_head))),
+            setup.tokenizer, setup.eval, setup.reward, setup.gold, setup.device)
     rundir.log_samples(step, samples)
     return metrics
 

@@ -173,7 +173,7 @@ class PPOConfig(RunConfig):
         return self.advantage == "gae"
 
     @property
-    def whitens(self) -> bool:  # derived from whiten_advantages (auto: only with the KL in the reward)
+    def resolved_whiten_advantages(self) -> bool:  # derived: auto -> only with the KL in the reward
         if self.whiten_advantages == "auto":
             return self.kl_in == "reward"
         return self.whiten_advantages == "on"
@@ -187,7 +187,7 @@ class PPOConfig(RunConfig):
         return self.micro_batch_size or self.minibatch_size
 
     @property
-    def resolved_aggregation(self) -> str:  # derived: auto follows the KL placement (DESIGN.md)
+    def resolved_loss_aggregation(self) -> str:  # derived: auto follows the KL placement (DESIGN.md)
         if self.loss_aggregation != "auto":
             return self.loss_aggregation
         if self.kl_in == "loss" and not self.kl_per_token_mean:
@@ -195,7 +195,7 @@ class PPOConfig(RunConfig):
         return "token"
 
     @property
-    def resolved_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
+    def resolved_kl_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
         if self.kl_estimator != "auto":
             return self.kl_estimator
         return "k1" if self.kl_in == "reward" else "k3_ratio"
@@ -203,12 +203,12 @@ class PPOConfig(RunConfig):
     def validate(self) -> None:
         super().validate()
         check_stop_strings(self.stop_strings)
-        if self.kl_in == "loss" and self.resolved_estimator in ("k1", "abs"):
-            raise TetherError(f"--kl-estimator {self.resolved_estimator} has no useful gradient as "
+        if self.kl_in == "loss" and self.resolved_kl_estimator in ("k1", "abs"):
+            raise TetherError(f"--kl-estimator {self.resolved_kl_estimator} has no useful gradient as "
                               "a loss term; use k3_ratio (the default), k2, k3 or exact with "
                               "--kl-in loss")
-        if self.kl_in == "reward" and self.resolved_estimator in ("k3_ratio", "exact"):
-            raise TetherError(f"--kl-estimator {self.resolved_estimator} is a loss term; use it "
+        if self.kl_in == "reward" and self.resolved_kl_estimator in ("k3_ratio", "exact"):
+            raise TetherError(f"--kl-estimator {self.resolved_kl_estimator} is a loss term; use it "
                               "with --kl-in loss, or k1 (or k2, k3, abs) in the reward")
         if self.samples_per_prompt < 1 or self.batch_size % self.samples_per_prompt:
             raise TetherError(f"--samples-per-prompt {self.samples_per_prompt} must be >= 1 and "

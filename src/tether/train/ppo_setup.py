@@ -1,18 +1,18 @@
 """Everything `tether ppo` builds before its first batch (`build`): models, reward, critic,
-optimiser, prompts, and the settings each online piece takes (`update_spec`), plus the prompt
-batch of each step.
+optimiser, prompts, the rollout engine, and the settings of the update (`update_spec`), plus the
+prompt batch of each step.
 
 The choices live in one place each: the reference in `tether.models.reference`, the critic in
 `tether.models.critic.make_critic` (none for the critic-free estimators), the reward source in
-`tether.rl.rewards`, where the KL acts in `tether.rl.update.KLPlacement`. Every bad input fails
-here, before the first batch and before anything is written.
+`tether.rl.rewards`, the engine in `tether.rl.engines.make_engine`, where the KL acts in
+`tether.kl.KLPlacement`. Every bad input fails here, before the first batch and before
+anything is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,8 +33,7 @@ from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
-from tether.rl.engines.mismatch import Correction
-from tether.rl.engines.native import sample_responses
+from tether.rl.engines import RolloutEngine, make_engine
 from tether.rl.evaluation import EvalInputs, eval_inputs
 from tether.rl.rewards import (
     Reward,
@@ -46,16 +45,14 @@ from tether.rl.rewards import (
     reward_from_model,
 )
 from tether.rl.roles import Roles
-from tether.rl.update import AdvantageSpec, KLPlacement, UpdateSpec
+from tether.rl.update import UpdateSpec
+from tether.run.config import section
 from tether.run.distributed import Dist
 from tether.run.launch import join
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.slicing import micro_rows
 from tether.run.threads import use_threads
 from tether.train.ppo_config import PPOConfig
-
-if TYPE_CHECKING:
-    from tether.rl.engines.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -79,27 +76,14 @@ class Setup:
     prompt_ids: list[list[int]]
     eval: EvalInputs | None  # the held-out evaluation's inputs (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
-    # `sample_responses`'s signature: the native sampler, or the vLLM engine's `sample`
-    sample: Callable
-    engine: VLLMEngine | None = None  # --engine vllm: the engine, synced after every update
+    engine: RolloutEngine  # who samples (--engine), synced after every update
 
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
-    """The settings of steps 2-4 (tether.rl.update), derived once from the config."""
-    kl = KLPlacement(in_reward=cfg.kl_in == "reward", estimator=cfg.resolved_estimator)
-    advantage = AdvantageSpec(cfg.advantage, cfg.gamma, cfg.lam, cfg.whitens,
-                              cfg.samples_per_prompt, cfg.scale_rewards)
-    return UpdateSpec(epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
-                      micro_rows=micro_rows(cfg.micro_batch_size, cfg.minibatch_size, d),
-                      clip_range=cfg.clip_range, clip_high=cfg.clip_high,
-                      importance_level=cfg.importance_level, policy_loss=cfg.policy_loss,
-                      value_clip_range=cfg.value_clip_range,
-                      vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
-                      target_kl=cfg.target_kl, kl=kl, advantage=advantage,
-                      mixed_precision=cfg.mixed_precision, chunked_lm_head=cfg.chunked_lm_head,
-                      gradient_checkpointing=cfg.gradient_checkpointing,
-                      correction=Correction(cfg.engine_is_cap, cfg.engine_mask_kl),
-                      aggregation=cfg.resolved_aggregation, mask_truncated=cfg.mask_truncated)
+    """The settings of steps 2-4 (tether.rl.update): the config's fields by name, and this
+    rank's rows per forward (derived: --micro-batch-size, or its share of a minibatch)."""
+    return section(UpdateSpec, cfg, micro_rows=micro_rows(cfg.micro_batch_size,
+                                                          cfg.minibatch_size, d))
 
 
 def kl_controller(cfg: PPOConfig) -> kl_lib.KLController:
@@ -132,16 +116,7 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
 
 def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     """Load and check everything; any bad input fails here, before the first batch."""
-    for name in ("policy", "prompts"):
-        if not getattr(cfg, name):
-            raise TetherError(f"--{name} is required")
-    # What needs no model first, cheapest first: a bad flag, function, file or path fails in
-    # seconds, before anything large loads (the reward and gold functions need no tokenizer).
-    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
-    if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_function(cfg.reward_fn)
-    if gold_fn is None and cfg.gold_fn:
-        gold_fn = load_reward_function(cfg.gold_fn)
+    reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
     check_world(cfg, d)
@@ -186,27 +161,31 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     eos = policy_eos_ids(tokenizer, policy, cfg.policy)
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
-    engine = _engine(cfg, lm, prompt_ids + (evaluation.prompt_ids if evaluation else []), d)
+    # The engine starts from the policy as prepared (after the wrapper: FSDP2 shards are
+    # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
+    engine = make_engine(cfg, lm.model, peft=lm.peft, d=d, run_model=roles.run_policy,
+                         prompt_ids=prompt_ids + (evaluation.prompt_ids if evaluation else []))
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
-                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
+                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=roles.scorer(reward),
                  reward_model=reward_model, gold=gold, eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d),
-                 sample=engine.sample if engine else sample_responses, engine=engine)
+                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d), engine=engine)
 
 
-def _engine(cfg: PPOConfig, lm: TrainableLM, prompt_ids: list[list[int]], d: Dist):
-    """--engine vllm: vLLM on this rank, started from the policy as prepared (after the
-    wrapper, so FSDP2 shards are gathered at each sync); None for the native engine."""
-    if cfg.engine != "vllm":
-        return None
-    from tether.rl.engines.vllm_engine import start_engine
-
-    # What the trainer computes in: bf16 under --mixed-precision bf16, else the weights' dtype.
-    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else cfg.dtype
-    return start_engine(lm.model, lm.peft, prompt_ids, cfg.max_new_tokens,
-                        kv_cache_mb=cfg.engine_kv_cache_mb, dtype=dtype, seed=cfg.seed, d=d,
-                        device=d.device)
+def _reward_functions(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | None
+                      ) -> tuple[Callable | None, Callable | None]:
+    """The reward and gold functions, imported when named. What needs no model comes first,
+    cheapest first: a bad flag, function, file or path fails in seconds, before anything large
+    loads (the reward and gold functions need no tokenizer)."""
+    for name in ("policy", "prompts"):
+        if not getattr(cfg, name):
+            raise TetherError(f"--{name} is required")
+    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+    if reward_fn is None and cfg.reward_fn:
+        reward_fn = load_reward_function(cfg.reward_fn)
+    if gold_fn is None and cfg.gold_fn:
+        gold_fn = load_reward_function(cfg.gold_fn)
+    return reward_fn, gold_fn
 
 
 def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,

@@ -44,7 +44,7 @@ def test_engine_kl_is_the_batch_mean_of_per_sequence_k3_sums():
 
 
 def test_truncated_weights_and_their_mean_over_real_tokens():
-    weights, stats = correction_weights(TRAINER, ENGINE, MASK, Correction(is_cap=1.05))
+    weights, stats = correction_weights(TRAINER, ENGINE, MASK, Correction(engine_is_cap=1.05))
     # ratios exp(0.1) = 1.10517 (capped to 1.05), exp(-0.1) = 0.904837, exp(0) = 1
     expected = torch.tensor([[1.05, math.exp(-0.1), 0.0], [1.0, 0.0, 0.0]])
     assert torch.allclose(weights, expected, atol=1e-6)
@@ -59,11 +59,11 @@ def test_truncated_weights_and_their_mean_over_real_tokens():
 
 def test_rows_past_the_kl_threshold_get_no_policy_gradient():
     # row 0's summed k3 is 0.0100; row 1's is 0
-    weights, stats = correction_weights(TRAINER, ENGINE, MASK, Correction(mask_kl=0.005))
+    weights, stats = correction_weights(TRAINER, ENGINE, MASK, Correction(engine_mask_kl=0.005))
     assert weights.tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
     assert stats["rollout/engine_masked_rows"] == 0.5
     assert stats["rollout/engine_is_weight"] == pytest.approx(1 / 3)
-    kept, _ = correction_weights(TRAINER, ENGINE, MASK, Correction(mask_kl=0.02))
+    kept, _ = correction_weights(TRAINER, ENGINE, MASK, Correction(engine_mask_kl=0.02))
     assert kept.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
 
 

