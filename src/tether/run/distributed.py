@@ -372,16 +372,3 @@ def full_state_dict(wrapped: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
-
-
-def load_full_state_dict(wrapped: nn.Module, state: dict[str, torch.Tensor], d: Dist,
-                         strict: bool = True) -> None:
-    """Load a full (unsharded) state dict into a wrapped model on every rank."""
-    model = unwrap(wrapped)
-    if not d.fsdp:
-        model.load_state_dict(state, strict=strict)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
-                                                                strict=strict))
