@@ -1,7 +1,8 @@
 """Per-token rewards with the KL penalty, generalised advantage estimation, whitening.
 
-Notation: B batch, T response positions. `mask` [B, T] is true on real response tokens (up to and
-including EOS, or up to the last token of a truncated response) and false on padding.
+Notation: B batch, T response positions. `mask` [B, T] is true on the tokens the policy sampled
+(a rollout's `action_mask`: up to and including EOS, or up to the last token of a truncated
+response) and false on padding and on an environment's observations between two turns.
 
 The total reward of a response y to a prompt x (Ziegler et al. 2019; Stiennon et al. 2020) is
 
@@ -35,14 +36,15 @@ def last_true_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                      mask: torch.Tensor, beta: float,
-                      estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -beta * KL on every real token, plus the score on the last one.
+                      mask: torch.Tensor, beta: float, estimator: str = "k1",
+                      placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -beta * KL on every sampled token, plus the score on the last one.
 
-    r_t = -beta * kl_t * m_t + [t == last(m)] * score,  kl_t = estimate(logprobs, ref_logprobs)
+    r_t = -beta * kl_t * m_t + [t == last(m)] * score (+ placed_t),  kl_t = estimate(...)
 
-    The score goes on the last real token (EOS, or the last token of a truncated response), not
-    one past it, which would land on padding and be masked away.
+    The score goes on the last sampled token (EOS, or the last token of a truncated response),
+    not one past it, which would land on padding and be masked away. `placed` [B, T]: rewards
+    already at their tokens (each turn's reward on its last token), added where `mask` is true.
 
     Args:
         scores: [B] sequence scores (reward model or reward function).
@@ -71,6 +73,9 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     rewards = -beta * kl
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, last] += scores.float()
+    if placed is not None:
+        same_shape(placed=placed, mask=mask)
+        rewards = rewards + torch.where(mask.bool(), placed.float(), 0.0)
     return rewards, kl
 
 
@@ -83,32 +88,40 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     A_t     = delta_t + gamma * lam * A_{t+1}
     returns = A + V
 
-    Values and advantages past a sequence's last real token count as 0: the episode has ended.
+    t runs over the policy's own tokens (`mask`): t + 1 is the next token the policy sampled. A
+    masked token is no step of the policy's: padding, or an environment's observation between
+    two turns, which the policy reads but did not choose. The return carries across it, so an
+    observation of any length leaves every advantage unchanged (a masked token is not the end of
+    the episode). Past a sequence's last sampled token values and advantages count as 0: the
+    episode has ended.
 
     Args:
         rewards: [B, T] per-token rewards (see `kl_shaped_rewards`).
         values: [B, T] value estimates V(s_t).
-        mask: [B, T] bool, true on real response tokens.
-        gamma: discount in [0, 1]; 1 is the usual choice for language (the episode is short).
+        mask: [B, T] bool, true on the tokens the policy sampled.
+        gamma: discount per sampled token in [0, 1]; 1 is the usual choice for language.
         lam: GAE lambda in [0, 1].
 
     Returns:
-        (advantages, returns): [B, T] fp32, zero on padding.
+        (advantages, returns): [B, T] fp32, zero where `mask` is false.
     """
     same_shape(rewards=rewards, values=values, mask=mask)
     for name, value in (("gamma", gamma), ("lam", lam)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    real = mask.bool()
     mask_f = mask.float()
-    values = torch.where(mask.bool(), values.float(), 0.0)  # padding may hold anything
-    rewards = torch.where(mask.bool(), rewards.float(), 0.0)
+    values = torch.where(real, values.float(), 0.0)  # masked positions may hold anything
+    rewards = torch.where(real, rewards.float(), 0.0)
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     next_advantage = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask_f[:, t]
-        next_value, next_advantage = values[:, t], advantages[:, t]
+        # across a masked token the next sampled token's value and advantage carry on
+        next_value = torch.where(real[:, t], values[:, t], next_value)
+        next_advantage = torch.where(real[:, t], advantages[:, t], next_advantage)
     return advantages, (advantages + values) * mask_f
 
 
@@ -239,7 +252,7 @@ def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models"): the per-token return-to-go, whitened over the whole batch.
 
-    G_t = sum_{s >= t} gamma^(s - t) r_s      (real tokens only)
+    G_t = sum_{s >= t} gamma^(s - t) r_s      (the policy's own tokens; observations carry it)
     A_t = (G_t - mean(G)) / sqrt(var(G) + eps)  over all real tokens of the batch
 
     Subtracting the batch mean makes it a baseline shared by every token of the batch (no
@@ -298,11 +311,44 @@ ESTIMATORS = {
 
 
 def estimate_advantages(spec: AdvantageSpec, rewards: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        mask: torch.Tensor, episode: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, T] from the per-token rewards [B, T] by `spec.advantage`
-    (`ESTIMATORS`); `values` [B, T] are read by gae only, `mask` [B, T] is the sampled tokens."""
+    (`ESTIMATORS`); `values` [B, T] are read by gae only, `mask` [B, T] is the sampled tokens.
+
+    `episode` [B]: the episode of each row, when an episode spans several rows (segments; rows of
+    an episode consecutive and in order). The estimator then runs on the episodes, each one's
+    rows laid end to end (`by_episode`): the return carries from one segment into the next, and
+    the k samples of a prompt are k episodes, whatever their rows."""
     choice("advantage estimator", spec.advantage, tuple(ESTIMATORS))
-    return ESTIMATORS[spec.advantage](spec, rewards, values, mask)
+    estimator = ESTIMATORS[spec.advantage]
+    if episode is None:
+        return estimator(spec, rewards, values, mask)
+    return by_episode(lambda r, v, m: estimator(spec, r, v, m), rewards, values, mask, episode)
+
+
+def by_episode(fn, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               episode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fn(rewards, values, mask) -> (advantages, returns)` on episodes instead of rows: episode
+    e's rows r_1 .. r_n (each [T]) laid end to end as one row [n * T] of an [E, n_max * T] batch,
+    and the results put back in the rows' places."""
+    rows_of = [(episode == e).nonzero().flatten() for e in range(int(episode.max()) + 1)]
+    width = rewards.shape[1]
+    span = max(len(rows) for rows in rows_of) * width
+
+    def laid(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((len(rows_of), span), dtype=x.dtype, device=x.device)
+        for e, rows in enumerate(rows_of):
+            out[e, :len(rows) * width] = x[rows].reshape(-1)
+        return out
+
+    def back(y: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rewards.shape, dtype=y.dtype, device=y.device)
+        for e, rows in enumerate(rows_of):
+            out[rows] = y[e, :len(rows) * width].reshape(len(rows), width)
+        return out
+    advantages, returns = fn(laid(rewards), laid(values), laid(mask))
+    return back(advantages), back(returns)
 
 
 class ScoreNormalizer:

@@ -38,7 +38,7 @@ from tether.models.lora import (
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import TrainableLM
 from tether.models.reward_model import REWARD
-from tether.models.trunk_head import response_hidden
+from tether.models.trunk_head import placed_at, response_hidden
 
 CRITIC = "critic"  # the trainable adapter of a LoRA critic on the policy's shared base
 
@@ -98,11 +98,15 @@ class ValueModel(nn.Module):
         return cls(backbone, head)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                context_length: int) -> torch.Tensor:
-        """V at the positions that predict each response token (P - 1 + t): [B, R]."""
+                context_length: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """V at the positions that predict each response token (P - 1 + t): [B, R]; with `mask`
+        [B, R] only at those positions (the tokens the policy sampled), 0 elsewhere."""
         hidden = response_hidden(self.backbone, input_ids, attention_mask, context_length)
+        if mask is not None:
+            hidden = hidden[mask.bool()]
         # a fresh head is fp32; a trunk loaded with --dtype bfloat16 gives bf16 states
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        return values if mask is None else placed_at(values, mask)
 
 
 def lora_critic(lm: TrainableLM, lora: LoraSpec, reward_model: nn.Module | None,

@@ -176,12 +176,17 @@ class ResponseScores:
 
 def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     context_length: int, temperature: float, *, chunked: bool,
-                    entropy: bool = False, hidden: bool = False) -> ResponseScores:
+                    entropy: bool = False, hidden: bool = False,
+                    mask: torch.Tensor | None = None) -> ResponseScores:
     """Log-probs (and entropies, hidden states) of the response tokens in rollout layout.
 
     chunked: hidden states through the LM head in chunks (no [B, R, V] tensor); else the plain
     path, `response_logits` and the full [B, R, V] logits. Both give the same numbers. Rows that
     repeat a prompt (k samples per prompt) run it once in either path (tether.models.shared_prompt).
+    `mask` [B, R]: score only these positions (the tokens the policy sampled), 0 elsewhere: only
+    they go through the LM head, so the other positions cost nothing there and whatever their
+    logits would be (an environment's observation, padding; NaN included) reaches no number and
+    no gradient.
     """
     tokens = input_ids[:, context_length:]  # [B, R]
     split = chunked_split(model, chunked)
@@ -193,16 +198,34 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         else:
             logits, states = response_logits(model, input_ids, attention_mask, context_length,
                                              with_hidden=hidden)  # [B, R, V]
-        return ResponseScores(logprobs_lib.token_logprobs(logits, tokens, temperature),
-                              logprobs_lib.entropy(logits, temperature) if entropy else None,
-                              states)
+        if mask is not None:  # selected, not multiplied: 0 x NaN would be NaN, also in backward
+            logits = torch.where(mask.bool()[..., None], logits, 0.0)
+        return ResponseScores(_masked(logprobs_lib.token_logprobs(logits, tokens, temperature),
+                                      mask),
+                              _masked(logprobs_lib.entropy(logits, temperature), mask)
+                              if entropy else None, states)
     trunk, head = split
     states = response_hidden(trunk, input_ids, attention_mask, context_length)  # [B, R, d]
+    picked, targets = (states, tokens) if mask is None else (states[mask.bool()],
+                                                             tokens[mask.bool()])
     if entropy:
-        logprobs, entropies = head_logprobs_and_entropy(states, head, tokens, temperature)
+        logprobs, entropies = head_logprobs_and_entropy(picked, head, targets, temperature)
     else:
-        logprobs, entropies = head_token_logprobs(states, head, tokens, temperature), None
+        logprobs, entropies = head_token_logprobs(picked, head, targets, temperature), None
+    if mask is not None:  # [M] -> [B, R], 0 at the positions not scored
+        logprobs = placed_at(logprobs, mask)
+        entropies = placed_at(entropies, mask) if entropies is not None else None
     return ResponseScores(logprobs, entropies, states if hidden else None)
+
+
+def placed_at(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[M] values of the true positions of `mask` [B, R] as [B, R], zeros elsewhere."""
+    out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    return out.index_put((mask.bool(),), values)
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return values if mask is None else torch.where(mask.bool(), values, 0.0)
 
 
 def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked: bool = True
@@ -228,10 +251,12 @@ def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked:
 
 
 def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
-                ref_hidden: torch.Tensor | None, temperature: float) -> torch.Tensor | None:
+                ref_hidden: torch.Tensor | None, temperature: float,
+                mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
     models' hidden states through their LM heads in chunks; None when a model's logits are not
-    head(hidden) (tether.lm_head.trunk_and_head says why)."""
+    head(hidden) (tether.lm_head.trunk_and_head says why). `mask` [B, R]: only those positions
+    (the others 0), as in `score_responses`."""
     if hidden is None or ref_hidden is None:
         return None
     try:
@@ -239,4 +264,8 @@ def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | 
         _, ref_head = trunk_and_head(reference)
     except ValueError:
         return None
-    return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
+    if mask is None:
+        return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
+    picked = mask.bool()
+    return placed_at(head_exact_kl(hidden[picked], head, ref_hidden[picked], ref_head, temperature),
+                   mask)

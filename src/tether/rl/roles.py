@@ -30,13 +30,14 @@ wrapper's forward for gradients, and always under FSDP2). The gathered rollout i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from tether.errors import TetherError
-from tether.rl.rollout import Rollout
+from tether.rl.rollout import Rollout, episode_numbers, padded_to
 from tether.run import distributed
 from tether.run.distributed import Dist
 from tether.run.slicing import epoch0_rows
@@ -108,17 +109,29 @@ class Roles:
         return {k[len("policy."):]: v for k, v in full.items() if k.startswith("policy.")}
 
 
-def gather_rollout(rollout: Rollout, d: Dist) -> Rollout:
-    """Every rank's rows of the rollout, in rank order (the global batch). The widths agree: the
-    prompts are padded to the global batch's width and sampling stops globally."""
+def gather_rollout(rollout: Rollout, d: Dist, pad_token_id: int) -> Rollout:
+    """Every rank's rows of the rollout, in rank order (the global batch), each rank's padded
+    first to the widest context and response of any rank (`padded_to`). An episode's rows keep
+    their episode, numbered after the previous ranks' episodes."""
     if not d.active:
         return rollout
+    context = distributed.global_max(rollout.context_length, d)
+    width = distributed.global_max(rollout.responses.shape[1], d)
+    rollout = padded_to(rollout, context, width, pad_token_id)
+    numbered = distributed.global_max(int(rollout.episode is not None), d)
+    if numbered:  # episodes everywhere, renumbered below
+        rollout = replace(rollout, episode=rollout.episode_ids())
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         if t.dtype == torch.bool:  # gloo has no bool
             return distributed.all_gather_rows(t.to(torch.uint8), d).bool()
         return distributed.all_gather_rows(t, d)
-    return rollout.map_rows(gather)
+    gathered = rollout.map_rows(gather)
+    if not numbered:
+        return gathered
+    counts = distributed.all_gather_rows(torch.tensor([len(rollout)]), d).tolist()
+    blocks = torch.split(gathered.episode, counts)
+    return replace(gathered, episode=torch.cat(episode_numbers(blocks)))
 
 
 def gather_in_order(part: torch.Tensor, batch: int, minibatch: int, d: Dist) -> torch.Tensor:

@@ -54,6 +54,10 @@ class Rollout:
     engine_logprobs: torch.Tensor | None = None
     # [B, R] bool, True on the tokens the policy sampled; None: every real response token.
     action_mask: torch.Tensor | None = None
+    # [B] long, the episode each row belongs to, when an episode takes more than one row (a
+    # chat template forced a new segment: tether.rl.env.render); an episode's rows are
+    # consecutive, in order. None: row i is episode i.
+    episode: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.action_mask is None:
@@ -75,10 +79,16 @@ class Rollout:
         """The rows `index` (a minibatch), same widths."""
         return self.map_rows(lambda t: t[index])
 
+    def episode_ids(self) -> torch.Tensor:
+        """[B] the episode of each row (`episode`, or 0, 1, 2, ... when rows are episodes)."""
+        if self.episode is not None:
+            return self.episode
+        return torch.arange(len(self), device=self.input_ids.device)
+
 
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
 ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "action_mask", "ended",
-              "engine_logprobs")
+              "engine_logprobs", "episode")
 
 
 def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
@@ -90,20 +100,40 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         raise ValueError("rollouts sampled at different temperatures cannot be one batch")
     context = max(r.context_length for r in rollouts)
     width = max(r.responses.shape[1] for r in rollouts)
+    padded = [padded_to(r, context, width, pad_token_id) for r in rollouts]
+    present = [name for name in ROW_FIELDS if all(getattr(r, name) is not None for r in padded)]
+    joined = {name: torch.cat([getattr(r, name) for r in padded]) for name in present}
+    if any(r.episode is not None for r in rollouts):  # each rollout's episodes after the last
+        joined["episode"] = torch.cat(episode_numbers([r.episode_ids() for r in rollouts]))
+    return Rollout(context_length=context, temperature=rollouts[0].temperature,
+                   **{name: joined.get(name) for name in ROW_FIELDS})
 
-    def padded(r: Rollout, name: str) -> torch.Tensor:
-        left, right = context - r.context_length, width - r.responses.shape[1]
-        value = getattr(r, name)
-        if name == "ended":
+
+def padded_to(rollout: Rollout, context: int, width: int, pad_token_id: int) -> Rollout:
+    """`rollout` with its prompts left-padded to `context` columns and its responses
+    right-padded to `width`; the padding is masked out, so each row scores as it did."""
+    left, right = context - rollout.context_length, width - rollout.responses.shape[1]
+    if left == right == 0:
+        return rollout
+
+    def pad(name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in ("ended", "episode"):  # [B]
             return value
         if name in ("input_ids", "attention_mask"):  # [B, P + R]: both sides
             return F.pad(value, (left, right), value=pad_token_id if name == "input_ids" else 0)
         return F.pad(value, (0, right), value=0)  # [B, R]: False or 0.0 after the response
-    present = [name for name in ROW_FIELDS
-               if all(getattr(r, name) is not None for r in rollouts)]
-    joined = {name: torch.cat([padded(r, name) for r in rollouts]) for name in present}
-    return Rollout(context_length=context, temperature=rollouts[0].temperature,
-                   **{name: joined.get(name) for name in ROW_FIELDS})
+    return replace(rollout, context_length=context,
+                   **{name: pad(name, getattr(rollout, name)) for name in ROW_FIELDS
+                      if getattr(rollout, name) is not None})
+
+
+def episode_numbers(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Episode ids of consecutive blocks of rows, each block's renumbered after the last's."""
+    out, offset = [], 0
+    for ids in parts:
+        out.append(ids + offset)
+        offset += int(ids.max()) + 1 if len(ids) else 0
+    return out
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:

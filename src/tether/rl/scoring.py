@@ -28,7 +28,13 @@ from tether import kl as kl_lib
 from tether.errors import TetherError
 from tether.lm_head import head_entropy
 from tether.models.critic import ValueHead
-from tether.models.trunk_head import ResponseScores, exact_kl_at, score_responses, trunk_and_head
+from tether.models.trunk_head import (
+    ResponseScores,
+    exact_kl_at,
+    placed_at,
+    score_responses,
+    trunk_and_head,
+)
 from tether.rl.roles import Roles, gather_in_order
 from tether.rl.rollout import Rollout
 from tether.run.slicing import chunks, epoch0_rows
@@ -63,7 +69,8 @@ class Forward(NamedTuple):
 
 def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, context_length: int, temperature: float, *,
-                      chunked: bool = True, entropy: bool = False, hidden: bool = False):
+                      chunked: bool = True, entropy: bool = False, hidden: bool = False,
+                      mask: torch.Tensor | None = None):
     """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
     of the critic, in one call.
 
@@ -71,17 +78,19 @@ def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: to
     PPO update both go through this function, so the "old" log-probs and values are computed by
     the very code that computes the new ones, and the first epoch's probability ratio is exactly
     1. `chunked`: log-probs through the LM head in chunks (tether.lm_head, no [B, R, V] logits);
-    the shared critic reads the same hidden states.
+    the shared critic reads the same hidden states. `mask`: the positions to score (the tokens
+    the policy sampled; `score_responses`).
     """
     shared = isinstance(critic, ValueHead)
     scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
-                             chunked=chunked, entropy=entropy, hidden=shared or hidden)
+                             chunked=chunked, entropy=entropy, hidden=shared or hidden, mask=mask)
     if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
         values = torch.zeros_like(scores.logprobs)
-    elif shared:
-        values = critic(scores.hidden)
+    elif shared:  # the head reads the positions scored, as the LM head does
+        values = (critic(scores.hidden) if mask is None
+                  else placed_at(critic(scores.hidden[mask.bool()]), mask))
     else:
-        values = critic(input_ids, attention_mask, context_length)
+        values = critic(input_ids, attention_mask, context_length, mask)
     return scores, values
 
 
@@ -109,17 +118,17 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
         sub = rollout.select(rows)
+        mask = sub.action_mask
         scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                            context, temperature, chunked=chunked, entropy=True,
-                                           hidden=True)
+                                           hidden=True, mask=mask)
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
-                              chunked=chunked, hidden=True)
-        exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature)
-        mask = sub.action_mask.float()
-        parts.append(Scored(logprobs=scores.logprobs * mask, ref_logprobs=ref.logprobs * mask,
-                            values=values.float() * mask, entropy=scores.entropy * mask,
-                            exact_kl=(exact.float() * mask if exact is not None
-                                      else torch.full_like(mask, float("nan")))))
+                              chunked=chunked, hidden=True, mask=mask)
+        exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature, mask)
+        parts.append(Scored(logprobs=scores.logprobs, ref_logprobs=ref.logprobs,
+                            values=_kept(values.float(), mask), entropy=scores.entropy,
+                            exact_kl=(exact.float() if exact is not None
+                                      else torch.full(mask.shape, float("nan"), device=mask.device))))
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
 
 
@@ -144,7 +153,7 @@ def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Mo
     hidden states, to read pi_old's entropy and exact KL off this forward."""
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length, sub.temperature, chunked=chunked,
-                                       hidden=exact or keep_hidden)
+                                       hidden=exact or keep_hidden, mask=sub.action_mask)
     exact_kl = _exact_kl(policy, reference, sub, scores.hidden, chunked) if exact else None
     return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
 
@@ -155,8 +164,10 @@ def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: tor
     policy's `hidden` states; the reference is scored here, without a gradient."""
     with torch.no_grad():
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, sub.context_length,
-                              sub.temperature, chunked=chunked, hidden=True)
-    per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature)
+                              sub.temperature, chunked=chunked, hidden=True,
+                              mask=sub.action_mask)
+    per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature,
+                               sub.action_mask)
     if per_position is None:
         raise TetherError("--kl-estimator exact needs the models' logits to be head(hidden); use "
                           "k3_ratio for this model")
@@ -168,7 +179,7 @@ def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> Re
     """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""
     return score_responses(reference, rollout.input_ids, rollout.attention_mask,
                            rollout.context_length, rollout.temperature, chunked=chunked,
-                           hidden=True)
+                           hidden=True, mask=rollout.action_mask)
 
 
 @torch.no_grad()
@@ -178,26 +189,35 @@ def scored_from_forward(policy: nn.Module, reference: nn.Module, rollout: Rollou
     hidden states kept; `tether.rl.update.one_pass`), detached: its log-probs and values, the
     entropy and the exact KL from its hidden states through the LM head; `ref`:
     `score_reference` of the batch."""
-    real = rollout.action_mask.float()
+    mask = rollout.action_mask
     exact = exact_kl_at(policy, reference, forward.hidden.detach(), ref.hidden,
-                        rollout.temperature)
-    return Scored(logprobs=forward.logprobs.detach() * real, ref_logprobs=ref.logprobs * real,
-                  values=forward.values.detach().float() * real,
-                  entropy=_entropy(policy, rollout, forward.hidden, chunked) * real,
-                  exact_kl=(exact.float() * real if exact is not None
-                            else torch.full_like(real, float("nan"))))
+                        rollout.temperature, mask)
+    return Scored(logprobs=forward.logprobs.detach(), ref_logprobs=ref.logprobs,
+                  values=_kept(forward.values.detach().float(), mask),
+                  entropy=_entropy(policy, rollout, forward.hidden, chunked),
+                  exact_kl=(exact.float() if exact is not None
+                            else torch.full(mask.shape, float("nan"), device=mask.device)))
+
+
+def _kept(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` where `mask` is true, 0 elsewhere (selected: 0 x NaN would be NaN)."""
+    return torch.where(mask.bool(), values, 0.0)
 
 
 def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked: bool):
-    """H(pi(. | s_t)) [B, R] from the update's hidden states through the LM head; a model whose
-    logits are not head(hidden) gets one more forward (tether.models.trunk_head.trunk_and_head)."""
+    """H(pi(. | s_t)) [B, R] at the sampled tokens from the update's hidden states through the
+    LM head, 0 elsewhere; a model whose logits are not head(hidden) gets one more forward
+    (tether.models.trunk_head.trunk_and_head)."""
+    mask = rollout.action_mask
     try:
         _, head = trunk_and_head(policy)
     except ValueError:
         return score_responses(policy, rollout.input_ids, rollout.attention_mask,
                                rollout.context_length, rollout.temperature, chunked=chunked,
-                               entropy=True).entropy
-    return head_entropy(hidden.detach(), head, rollout.temperature)
+                               entropy=True, mask=mask).entropy
+    picked = head_entropy(hidden.detach()[mask.bool()], head, rollout.temperature)
+    return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).index_put(
+        (mask.bool(),), picked)
 
 
 def kl_sums(old: Scored, mask: torch.Tensor) -> dict[str, float]:

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from tether.advantages import AdvantageSpec, estimate_advantages, kl_shaped_rewards
+from tether.errors import TetherError
 from tether.kl import KLPlacement
 from tether.losses import PolicyLoss, exact_kl_penalty, kl_penalty, policy_loss, value_loss
 from tether.models.forward import autocast
@@ -68,7 +69,9 @@ class UpdateSpec:
     with no hand-copied hop."""
 
     ppo_epochs: int = 1  # passes over each rollout batch
-    minibatch_size: int = 1  # global rows per optimizer step
+    num_minibatches: int = 1  # optimizer steps per epoch
+    minibatch_size: int = 1  # global rows per optimizer step (of a batch of the configured size)
+    micro_batch_size: int = 0  # rows per forward on a rank (0: its share of a minibatch)
     micro_rows: int = 1  # derived: rows per forward and backward on this rank
     value_clip_range: float = 0.2
     vf_coef: float = 0.1
@@ -82,6 +85,19 @@ class UpdateSpec:
     kl: KLPlacement = KLPlacement()  # where the KL penalty acts
     advantage: AdvantageSpec = AdvantageSpec()  # the estimator
     correction: Correction = Correction()  # engine-mismatch corrections (off: the default)
+
+    def for_batch(self, rows: int, d: Dist) -> UpdateSpec:
+        """The sizes for a batch of `rows` rows: as configured, unless a chat template split
+        episodes into segments and the batch holds more rows; it then keeps --num-minibatches,
+        each minibatch a little longer (under torchrun the ranks would get unequal shares)."""
+        if rows == self.minibatch_size * self.num_minibatches:
+            return self
+        if d.active:
+            raise TetherError("a chat template split episodes into segments (it is not "
+                              "append-only), which tether cannot yet train under torchrun; use "
+                              "an append-only template, or one process")
+        minibatch = -(-rows // self.num_minibatches)
+        return replace(self, minibatch_size=minibatch, micro_rows=self.micro_batch_size or minibatch)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -152,7 +168,7 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
     # "token" divides by the tokens that carry loss, "sequence" and "sum" by their rows.
     aggregation = spec.policy.loss_aggregation
     policy_denominator = counts.tokens if aggregation == "token" else counts.rows
-    logprobs = forward.logprobs * mask
+    logprobs = torch.where(mask, forward.logprobs, 0.0)  # selected: 0 x NaN would be NaN
     pg_loss, pg_stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, carrying,
                                     spec.policy, denominator=policy_denominator)
     loss = pg_loss
@@ -160,8 +176,9 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
              "policy/approx_kl": float(pg_stats["approx_kl"]),
              "policy/ratio_mean": float(pg_stats["ratio_mean"])}
     if with_critic:
-        v_loss, v_stats = value_loss(forward.values * mask, batch.old_values, batch.returns, mask,
-                                     spec.value_clip_range, denominator=counts.value_tokens)
+        v_loss, v_stats = value_loss(torch.where(mask, forward.values, 0.0), batch.old_values,
+                                     batch.returns, mask, spec.value_clip_range,
+                                     denominator=counts.value_tokens)
         loss = loss + spec.vf_coef * v_loss
         stats |= {"value/loss": v_loss.item(), "value/clip_frac": float(v_stats["clip_frac"])}
     if kl_beta > 0:
@@ -238,13 +255,15 @@ class BatchUpdate:
 
 def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Optimizer,
                  rollout: Rollout, scores: torch.Tensor, beta: float, spec: UpdateSpec,
-                 generator: torch.Generator) -> BatchUpdate:
+                 generator: torch.Generator, placed: torch.Tensor | None = None) -> BatchUpdate:
     """Steps 2-4 on the global rollout batch (every rank holds all of it).
 
     Args:
         rollout: B rows. scores: [B] sequence scores (penalised, normalised, clipped).
         beta: the controller's coefficient for this batch. generator: later epochs' shuffles.
+        placed: [B, R] rewards already on their tokens (--reward-per-turn), or None.
     """
+    spec = spec.for_batch(len(rollout), roles.dist)
     mask = rollout.action_mask
     device = rollout.input_ids.device
     reward_beta, loss_beta = spec.kl.betas(beta)
@@ -268,8 +287,9 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
         started = None
     # 3. Per-token rewards: -beta * kl_t, the score on the last sampled token; the advantages.
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, reward_beta,
-                                    spec.kl.reward_estimator)
-    advantages, returns = estimate_advantages(spec.advantage, rewards, old.values, mask)
+                                    spec.kl.reward_estimator, placed)
+    advantages, returns = estimate_advantages(spec.advantage, rewards, old.values, mask,
+                                              rollout.episode)
     engine_stats = {}
     if rollout.engine_logprobs is not None:
         # The engine sampled from pi_engine, the loss's ratio is against the trainer's pi_old:

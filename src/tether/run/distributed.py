@@ -232,6 +232,17 @@ def broadcast_object(obj: Any, d: Dist | None = None) -> Any:
     return box[0]
 
 
+def all_gather_objects(items: list[Any], d: Dist | None = None) -> list[Any]:
+    """Every rank's list `items` joined in rank order, on every rank (e.g. the texts of each
+    rank's rows of a global batch)."""
+    d = d or current()
+    if not d.active:
+        return list(items)
+    box: list[Any] = [None] * d.world_size
+    dist.all_gather_object(box, list(items))
+    return [item for part in box for item in part]
+
+
 def gather_objects(obj: Any, d: Dist | None = None) -> list[Any] | None:
     """Every rank's `obj` on rank 0, in rank order (None on the other ranks); `[obj]` alone."""
     d = d or current()

@@ -124,6 +124,6 @@ def epoch0_rows(batch: int, minibatch: int, d: Dist, rank: int | None = None) ->
     each minibatch of the rollout order. Scoring these rows in the update's micro-batches keeps
     the first epoch's ratio exactly 1."""
     d = d if rank is None else replace(d, rank=rank)
-    return torch.cat([torch.arange(start, start + minibatch)[rank_slice(minibatch, d)]
-                      for start in range(0, batch, minibatch)])
+    return torch.cat([torch.arange(start, min(start + minibatch, batch))[
+        rank_slice(min(minibatch, batch - start), d)] for start in range(0, batch, minibatch)])
 
