@@ -62,6 +62,17 @@ def tiny_qwen2_dir(tmp_path_factory):
                            use_sliding_window=True, sliding_window=8, max_window_layers=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_tools_dir(tmp_path_factory):
+    """The Qwen2.5-style model with a tool-calling ChatML template (schemas in the system turn,
+    `<tool_call>` JSON blocks, `tool` results as `<tool_response>` in a user turn) and
+    `<tool_call>` `</tool_call>` as single tokens."""
+    from tether.models.tiny import save_tiny_qwen2
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_tools"), sample_texts(),
+                           vocab_size=300, tools=True)
+
+
 # A chat template for the GPT-2 model (which has none): role markers, EOS after every turn.
 GPT2_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
                       "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"

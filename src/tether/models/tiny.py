@@ -202,9 +202,41 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+# ChatML with tools the way Qwen2.5-Instruct and Hermes lay them out: the tools' JSON schemas in
+# the system turn, an assistant's calls as `<tool_call>` JSON blocks after its content, and the
+# `tool` results of one step gathered into one user turn of `<tool_response>` blocks. transformers
+# renders templates with trim_blocks, which drops a newline right after a tag: hence `{{ '\\n' }}`.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You can call these functions:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] != 'system' or not loop.first %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}"
+    "{% set f = c['function'] if 'function' in c else c %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ f['name'] }}\", \"arguments\": "
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512, tools: bool = False
+                         ) -> PreTrainedTokenizerFast:
     """A byte-level BPE like Qwen2.5-Instruct's: no BOS, EOS `<|im_end|>`, pad `<|endoftext|>`
-    (which is also one of the model's EOS ids), ChatML template."""
+    (which is also one of the model's EOS ids), ChatML template; with `tools`, the template that
+    renders tool schemas, calls and results, and `<tool_call>` `</tool_call>` as single tokens
+    (as Qwen2.5's vocabulary has them)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -214,6 +246,9 @@ def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrai
     tok.train_from_iterator(list(texts), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOS)
     tokenizer.chat_template = CHATML_TEMPLATE
+    if tools:
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+        tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
     return tokenizer
 
 
@@ -221,26 +256,29 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
                     use_sliding_window: bool = False, sliding_window: int = 8,
                     max_window_layers: int = 1, n_layer: int = 2, hidden_size: int = 64,
                     n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
-                    spare_rows: int = 0) -> Path:
+                    spare_rows: int = 0, tools: bool = False) -> Path:
     """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
     `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
 
     With `use_sliding_window`, layers from `max_window_layers` up attend within a window and the
     ones below attend to everything (Qwen2's mixed layout). `spare_rows`: embedding rows past the
-    tokenizer's last id, as real Qwen2 models have (151936 rows for 151665 tokens).
+    tokenizer's last id, as real Qwen2 models have (151936 rows for 151665 tokens). `tools`: the
+    tool-calling template and tokens (make_qwen2_tokenizer).
     """
     import torch
     from transformers import Qwen2Config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_qwen2_tokenizer(texts, vocab_size)
+    tokenizer = make_qwen2_tokenizer(texts, vocab_size, tools)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
     config = Qwen2Config(vocab_size=len(tokenizer) + spare_rows, hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
                          num_attention_heads=n_head, num_key_value_heads=n_kv_head,
                          use_sliding_window=use_sliding_window, sliding_window=sliding_window,
-                         max_window_layers=max_window_layers, max_position_embeddings=256,
+                         max_window_layers=max_window_layers,
+                         # tool schemas make long prompts
+                         max_position_embeddings=1024 if tools else 256,
                          tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

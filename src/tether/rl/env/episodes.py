@@ -1,0 +1,343 @@
+"""A batch of episodes, sampled turn by turn into one `Rollout`.
+
+Notation: E episodes, B rows (one per episode, or more when a template forced a new segment),
+P prompt width, R the width of everything after it.
+
+    reset      every environment of the batch, concurrently: the first prompts
+    turn t     every live episode's context (its prompt and all it holds so far) sampled by the
+               engine in one call, each row from its own noise for turn t; stop strings cut it;
+               each turn is cut at --max-new-tokens and at what is left of --max-episode-tokens
+    step       every live environment gets its decoded turn, concurrently
+    append     the observation's tokens (tether.rl.env.render), outside `action_mask`
+
+An episode ends when its environment says done (the row `ended`), or truncated: a turn cut by
+its budget (the environment still scores it), the episode's token budget spent, or --max-turns
+reached. The row of an episode is one row of the layout of `tether.rl.rollout`: its prompt
+left-padded, then its turns and observations, `action_mask` true on the sampled tokens only.
+An episode's reward is the sum of its turns' rewards (`rewards`); each turn's reward also sits on
+that turn's last sampled token (`turn_rewards`), for --reward-per-turn.
+
+When every episode ended in its first turn, the rollout is that turn's sample as the engine laid
+it out: a one-turn environment gives what a reward function gives, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tether.data.prompts import left_pad
+from tether.errors import TetherError
+from tether.rl.engines import RolloutEngine
+from tether.rl.env.calls import EnvCalls, checked_prompt, checked_step
+from tether.rl.env.render import Renderer
+from tether.rl.rollout import Rollout, apply_stop_strings
+from tether.run.distributed import global_max
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """An episode's budgets (--max-turns, --max-new-tokens, --max-episode-tokens)."""
+
+    max_turns: int
+    max_new_tokens: int  # per turn
+    max_episode_tokens: int  # everything after the prompt: turns, observations, template tokens
+    max_context: int = 0  # the most tokens the model reads (its position limit); 0: no limit
+
+    def room(self, episode: Episode) -> int:
+        """Tokens the episode may still add: its budget, and its context's room in the model."""
+        left = self.max_episode_tokens - episode.after_prompt()
+        if self.max_context:
+            left = min(left, self.max_context - len(episode.context()))
+        return left
+
+
+@dataclass
+class Segment:
+    """The tokens of one context: a prompt, then what follows it."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
+    turn_rewards: dict[int, float] = field(default_factory=dict)  # index in ids -> reward
+
+
+@dataclass
+class Episode:
+    """One episode as it is sampled."""
+
+    row: dict
+    seed: int
+    env: object
+    segments: list[Segment]
+    messages: list[dict] | None  # a chat episode's conversation so far
+    prompt: str  # the first prompt's text
+    text: str = ""  # the transcript after it: every turn and observation, decoded
+    rewards: list[float] = field(default_factory=list)  # one per turn
+    done: bool = False  # the environment ended it
+    over: bool = False  # no more turns: done or truncated
+    cut_observations: int = 0
+
+    @property
+    def segment(self) -> Segment:
+        return self.segments[-1]
+
+    def context(self) -> list[int]:
+        return self.segment.prompt + self.segment.ids
+
+    def after_prompt(self) -> int:
+        """Tokens after the first prompt, over every segment (the episode's budget counts them)."""
+        return sum(len(s.ids) for s in self.segments)
+
+
+@dataclass
+class Episodes:
+    """A batch of episodes as training reads it."""
+
+    rollout: Rollout  # B rows; `rollout.episode` maps rows to episodes when B > E
+    rewards: torch.Tensor  # [B] each episode's summed reward on its last row, 0 on the others
+    turn_rewards: torch.Tensor  # [B, R] each turn's reward on its last sampled token
+    prompts: list[str]  # [B] each row's episode's first prompt
+    row_texts: list[str]  # [B] each row's episode's transcript after its first prompt
+    stats: dict[str, float]  # env/turns, env/action_tokens, env/observation_tokens, ...
+    records: list[dict]  # [E] each episode as `tether generate --env` writes it (`record`)
+
+
+def run_episodes(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, rows: list[dict],
+                 seeds: list[int], noise: Callable[[int], torch.Tensor], limits: EpisodeLimits, *,
+                 tokenizer, temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
+                 stop_strings: Sequence[str], device: torch.device,
+                 where: Callable[[int], str] = lambda i: f"episode {i}") -> Episodes:
+    """Episodes for `rows` (one each, environment seeds `seeds`), the engine sampling turn t
+    with `noise(t)` [E, max_new_tokens] (row i's noise is episode i's). `where(i)` names episode
+    i in errors (its prompt-file row). Every environment's optional `close()` is called once
+    its batch is over, whether it ended well or not."""
+    envs = calls.make(len(rows))
+    try:
+        out = _sample(engine, calls, renderer, envs, rows, seeds, noise, limits,
+                      tokenizer=tokenizer, temperature=temperature, eos_token_ids=eos_token_ids,
+                      pad_token_id=pad_token_id, stop_strings=stop_strings, device=device,
+                      where=where)
+    except BaseException:
+        _close(calls, envs, where, quiet=True)  # the first error is the one to report
+        raise
+    _close(calls, envs, where, quiet=False)
+    return out
+
+
+def _close(calls: EnvCalls, envs: list, where: Callable[[int], str], quiet: bool) -> None:
+    """Each environment's `close()`, where it has one (a session to end, a process to stop)."""
+    closing = [(i, env.close) for i, env in enumerate(envs) if callable(getattr(env, "close", None))]
+    try:
+        calls.gather([close for _, close in closing], [f"close of {where(i)}" for i, _ in closing])
+    except TetherError:
+        if not quiet:
+            raise
+
+
+def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: list,
+            rows: list[dict], seeds: list[int], noise: Callable[[int], torch.Tensor],
+            limits: EpisodeLimits, *, tokenizer, temperature: float,
+            eos_token_ids: Sequence[int], pad_token_id: int, stop_strings: Sequence[str],
+            device: torch.device, where: Callable[[int], str]) -> Episodes:
+    """run_episodes' work on environments already made."""
+    firsts = calls.gather([_bound(env.reset, row, seed) for env, row, seed in zip(envs, rows, seeds)],
+                          [f"reset of {where(i)}" for i in range(len(rows))])
+    episodes = []
+    for i, (env, row, seed, first) in enumerate(zip(envs, rows, seeds, firsts)):
+        prompt = checked_prompt(first, f"environment {calls.name}: reset of {where(i)}")
+        text, ids, messages = renderer.first(prompt, f"{where(i)}'s first prompt")
+        if limits.max_context and len(ids) >= limits.max_context:
+            raise TetherError(f"{where(i)}'s first prompt holds {len(ids)} tokens and the model "
+                              f"reads at most {limits.max_context}: no room for a turn; lower "
+                              "--max-prompt-len")
+        episodes.append(Episode(row, seed, env, [Segment(ids)], messages, text))
+    sampling = dict(temperature=temperature, eos_token_ids=list(eos_token_ids),
+                    pad_token_id=pad_token_id)
+    eos = set(eos_token_ids)
+    first_turn = None
+    for turn in range(limits.max_turns):
+        live = [i for i, e in enumerate(episodes) if not e.over]
+        budget = [min(limits.max_new_tokens, limits.room(episodes[i])) for i in live]
+        # Under torchrun every rank samples each turn, to the same width, while any rank has a
+        # live episode: the native engine's decoding steps are collective (FSDP2's gathers, its
+        # all-done vote), so every rank must take them together.
+        width = global_max(max(budget, default=0))
+        if width == 0:
+            break
+        if not live:  # this rank's episodes are over: a context it has, sampled and dropped
+            ids, mask = left_pad([episodes[0].segments[0].prompt], pad_token_id, device)
+            engine.sample(ids, mask, max_new_tokens=width, uniforms=noise(turn)[:1, :width],
+                          **sampling)
+            continue
+        ids, mask = left_pad([episodes[i].context() for i in live], pad_token_id, device)
+        sampled = engine.sample(ids, mask, max_new_tokens=width,
+                                uniforms=noise(turn)[live][:, :width], **sampling)
+        sampled = apply_stop_strings(sampled, tokenizer, stop_strings, pad_token_id)
+        if turn == 0:
+            first_turn = sampled
+        actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
+                   for j, i in enumerate(live)]
+        results = calls.gather([_bound(episodes[i].env.step, actions[j][0])
+                                for j, i in enumerate(live)],
+                               [f"step of {where(i)}, turn {turn}" for i in live])
+        for j, i in enumerate(live):
+            label = f"environment {calls.name}: step of {where(i)}, turn {turn}"
+            observation, reward, done = checked_step(results[j], label)
+            _advance(episodes[i], actions[j], observation, reward, done, turn, limits, renderer,
+                     eos, label)
+    if first_turn is not None and all(len(e.rewards) == 1 for e in episodes):
+        return _one_turn(first_turn, episodes)
+    return _laid_out(episodes, pad_token_id, device, temperature, engine.own_logprobs)
+
+
+def _bound(method, *args) -> Callable:
+    return lambda: method(*args)
+
+
+def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],
+          tokenizer) -> tuple[str, list[int], list[float], bool]:
+    """(decoded action, its ids, the engine's log-probs of them, whether the turn ended) of row
+    `j` of a turn's sample, cut at the episode's `budget`."""
+    ids = sampled.responses[j][sampled.response_mask[j]].tolist()
+    logprobs = (sampled.engine_logprobs[j][sampled.response_mask[j]].tolist()
+                if sampled.engine_logprobs is not None else [0.0] * len(ids))
+    ended = bool(sampled.ended[j])
+    if len(ids) > budget:
+        ids, logprobs, ended = ids[:budget], logprobs[:budget], False
+    return tokenizer.decode(ids, skip_special_tokens=True), ids, logprobs, ended
+
+
+def _advance(episode: Episode, action: tuple, observation, reward: float, done: bool, turn: int,
+             limits: EpisodeLimits, renderer: Renderer, eos: set[int], where: str) -> None:
+    """Append the turn `action` and, if the episode goes on, the observation's tokens."""
+    text, ids, logprobs, ended = action
+    segment = episode.segment
+    segment.ids += ids
+    segment.sampled += [True] * len(ids)
+    segment.engine_logprobs += logprobs
+    if ids:
+        segment.turn_rewards[len(segment.ids) - 1] = reward
+    episode.rewards.append(reward)
+    episode.text += text
+    if episode.messages is not None:
+        episode.messages.append({"role": "assistant", "content": text})
+    episode.done = done and ended
+    if done or not ended or turn + 1 == limits.max_turns or not ids:
+        episode.over = True
+        return
+    appended = renderer.observation(episode.messages, observation, ids[-1], ids[-1] in eos,
+                                    where)
+    episode.cut_observations += appended.cut
+    if appended.segment:  # a new context: the episode's budget, and the model's room for it
+        fits = not limits.max_context or len(appended.ids) < limits.max_context
+        budget = limits.max_episode_tokens - episode.after_prompt()
+        if len(appended.ids) > renderer.max_prompt_len or not fits or budget <= 0:
+            episode.over = True  # the new context does not fit: the episode ends truncated
+            return
+        episode.segments.append(Segment(appended.ids))
+    else:
+        if len(appended.ids) >= limits.room(episode):  # no room for another turn after it
+            episode.over = True
+            return
+        segment.ids += appended.ids
+        segment.sampled += [False] * len(appended.ids)
+        segment.engine_logprobs += [0.0] * len(appended.ids)
+    episode.text += renderer.tokenizer.decode(appended.ids, skip_special_tokens=True)
+
+
+def _one_turn(sampled: Rollout, episodes: list[Episode]) -> Episodes:
+    """Every episode ended in its first turn: the rollout is that turn's sample, as laid out."""
+    rewards = torch.tensor([e.rewards[0] for e in episodes], dtype=torch.float32)
+    last = sampled.action_mask.long().cumsum(1).argmax(1)  # each row's last sampled token
+    turn_rewards = torch.zeros(sampled.action_mask.shape, dtype=torch.float32)
+    turn_rewards[torch.arange(len(episodes)), last.cpu()] = rewards
+    ended = torch.tensor([e.done for e in episodes], device=sampled.ended.device)
+    rollout = Rollout(sampled.input_ids, sampled.attention_mask, sampled.response_mask, ended,
+                      sampled.context_length, sampled.temperature, sampled.engine_logprobs,
+                      sampled.action_mask)
+    return Episodes(rollout, rewards.to(sampled.input_ids.device),
+                    turn_rewards.to(sampled.input_ids.device), [e.prompt for e in episodes],
+                    [e.text for e in episodes], _stats(episodes), [record(e) for e in episodes])
+
+
+def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
+              temperature: float, own_logprobs: bool) -> Episodes:
+    """The episodes' segments as rows of the rollout layout."""
+    segments = [(e_index, s) for e_index, e in enumerate(episodes) for s in e.segments]
+    context = max(len(s.prompt) for _, s in segments)
+    width = max(max(len(s.ids) for _, s in segments), 1)
+    rows = len(segments)
+    input_ids = torch.full((rows, context + width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((rows, context + width), dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.bool)
+    action_mask = torch.zeros((rows, width), dtype=torch.bool)
+    engine = torch.zeros((rows, width), dtype=torch.float32)
+    turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
+    rewards = torch.zeros(rows, dtype=torch.float32)
+    ended = torch.zeros(rows, dtype=torch.bool)
+    for r, (e_index, s) in enumerate(segments):
+        n, p = len(s.ids), len(s.prompt)
+        input_ids[r, context - p:context] = torch.tensor(s.prompt, dtype=torch.long)
+        attention[r, context - p:context + n] = 1
+        if n:
+            input_ids[r, context:context + n] = torch.tensor(s.ids, dtype=torch.long)
+            response_mask[r, :n] = True
+            action_mask[r, :n] = torch.tensor(s.sampled)
+            engine[r, :n] = torch.tensor(s.engine_logprobs)
+        for position, reward in s.turn_rewards.items():
+            turn_rewards[r, position] = reward
+        episode = episodes[e_index]
+        ended[r] = episode.done
+        if s is episode.segments[-1]:
+            rewards[r] = sum(episode.rewards)
+    if not bool(action_mask.any(1).all()):
+        raise TetherError("an episode segment holds no token the policy sampled (a bug: please "
+                          "report it)")
+    episode_index = (torch.tensor([e for e, _ in segments], dtype=torch.long, device=device)
+                     if rows > len(episodes) else None)
+    rollout = Rollout(input_ids.to(device), attention.to(device), response_mask.to(device),
+                      ended.to(device), context, temperature,
+                      engine.to(device) if own_logprobs else None, action_mask.to(device),
+                      episode=episode_index)
+    return Episodes(rollout, rewards.to(device), turn_rewards.to(device),
+                    [episodes[e].prompt for e, _ in segments],
+                    [episodes[e].text for e, _ in segments], _stats(episodes),
+                    [record(e) for e in episodes])
+
+
+def record(episode: Episode) -> dict:
+    """An episode as data: `token_ids` (its prompt and everything after it) and `action_mask`
+    (1 where the policy sampled the token), lists of lists when a template split it into
+    segments (one per segment, each with its own context); the turns' rewards, their sum, the
+    transcript and how it ended."""
+    ids = [s.prompt + s.ids for s in episode.segments]
+    mask = [[0] * len(s.prompt) + [int(x) for x in s.sampled] for s in episode.segments]
+    one = len(ids) == 1
+    return {"prompt": episode.prompt, "text": episode.text,
+            "token_ids": ids[0] if one else ids, "action_mask": mask[0] if one else mask,
+            "turn_rewards": list(episode.rewards), "reward": sum(episode.rewards),
+            "turns": len(episode.rewards), "done": episode.done,
+            "segments": len(ids), "cut_observations": episode.cut_observations}
+
+
+def _stats(episodes: list[Episode]) -> dict[str, float]:
+    """Means over the batch's episodes (docs/agents.md defines each), with the counts an
+    environment reports itself (an optional `metrics()` method: {name: number}) as env/<name>."""
+    n = len(episodes)
+    sampled = [sum(sum(s.sampled) for s in e.segments) for e in episodes]
+    after = [e.after_prompt() for e in episodes]
+    own: dict[str, float] = {}
+    for e in episodes:
+        report = getattr(e.env, "metrics", None)
+        for key, value in (report() if callable(report) else {}).items():
+            own[f"env/{key}"] = own.get(f"env/{key}", 0.0) + float(value) / n
+    return own | {"env/turns": sum(len(e.rewards) for e in episodes) / n,
+            "env/action_tokens": sum(sampled) / n,
+            "env/observation_tokens": sum(a - s for a, s in zip(after, sampled)) / n,
+            "env/done_rate": sum(e.done for e in episodes) / n,
+            "env/segments": sum(len(e.segments) - 1 for e in episodes) / n,
+            "env/cut_observations": sum(e.cut_observations for e in episodes) / n}

@@ -1,0 +1,155 @@
+"""Tokens in, tokens out: what an observation adds to an episode's tokens after the policy's turn.
+
+The policy's sampled ids are kept as sampled, never decoded and re-encoded (decoding and
+encoding again changes ids, and the log-probs would no longer belong to the tokens the policy
+chose). Only what the environment says is rendered and encoded:
+
+    plain episodes   (reset gave text) an observation is text, encoded and appended as it is
+    chat episodes    (reset gave messages) the observation messages (a str is a user turn) are
+                     appended to the conversation, and the tokens are what the chat template
+                     writes between the policy's end-of-turn token and the next assistant turn
+
+The prefix proof (chat episodes): with the conversation ending in the policy's turn,
+
+    before = render(messages)                       the template's text up to that turn's end
+    after  = render(messages + observation, generation prompt)
+
+`after` must start with `before` (the template appends; it does not rewrite an earlier turn),
+and `before` must end with the template's closing of an assistant turn, which itself starts with
+the end-of-turn token the policy sampled. The tokens appended are then the rest of that closing
+(e.g. the newline after `<|im_end|>`, which the policy never samples) and `after[len(before):]`.
+When a proof fails (a template that drops a separator at the assistant -> tool boundary, or
+strips the reasoning of earlier turns), nothing is appended silently: the episode continues as a
+new segment whose context is `after` encoded whole, as the model would see it at inference
+(`Appended.segment`), and the episode counts it (`env/segments`).
+
+An observation's content longer than `max_observation_tokens` keeps its first tokens and a
+visible marker (`CUT_MARKER`); the cap counts content tokens, the template's role markers come on
+top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.data.chat import render_chat
+from tether.data.encoding import encode_prompt, special_prefix
+from tether.data.prompts import encode_prompt_row
+from tether.errors import TetherError
+
+CUT_MARKER = " [... observation cut: {cut} more tokens]"
+_PROBE = "tether0probe"  # an assistant turn's content, to read the template's closing off
+
+
+@dataclass
+class Appended:
+    """What an observation adds: tokens after the policy's turn, or a new segment's context."""
+
+    ids: list[int]  # the tokens to append after the policy's last sampled token
+    cut: bool = False  # an observation's content was longer than the cap
+    segment: bool = False  # the template cannot append: `ids` is a new segment's whole context
+
+
+class Renderer:
+    """Encodes an episode's first prompt and its observations for one tokenizer (and tools)."""
+
+    def __init__(self, tokenizer, max_prompt_len: int, max_observation_tokens: int,
+                 tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.max_prompt_len, self.cap = max_prompt_len, max_observation_tokens
+        self.prefix = special_prefix(tokenizer)
+        self._closing: str | None | bool = False  # False: not read yet; None: unreadable
+
+    def first(self, prompt: str | list[dict], where: str) -> tuple[str, list[int], list[dict] | None]:
+        """(text, ids, messages or None) of an episode's first prompt under the encoding rule of
+        every stage (tether.data.prompts), cut to `max_prompt_len` without losing its special
+        prefix."""
+        chat = isinstance(prompt, list)
+        row = {"messages": prompt} if chat else {"prompt": prompt}
+        if not chat and self.tools:
+            raise TetherError(f"{where} is plain text, but tools are rendered by a chat template; "
+                              "return chat messages from reset() to use --tools")
+        text, ids = encode_prompt_row(self.tokenizer, row, self.max_prompt_len, self.prefix,
+                                      where, self.tools)
+        return text, ids, [dict(m) for m in prompt] if chat else None
+
+    def observation(self, messages: list[dict] | None, observation, last_id: int,
+                    ended_by_eos: bool, where: str) -> Appended:
+        """The tokens `observation` adds after the policy's turn (already the last of
+        `messages`, in a chat episode; its last sampled id `last_id`, an end-of-turn token when
+        `ended_by_eos`). A chat episode's `messages` gain the observation's messages."""
+        if messages is None:
+            return self._plain(observation, where)
+        added = self._as_messages(observation, where)
+        cut = False
+        for message in added:
+            message["content"], was_cut = self._capped(message["content"])
+            cut |= was_cut
+        before = self._render(messages, False, where)
+        messages.extend(added)
+        after = self._render(messages, True, where)
+        closing = self._assistant_closing(where)
+        tail = None
+        if closing is not None and before.endswith(closing) and after.startswith(before):
+            if not ended_by_eos:
+                tail = closing  # a stop string ended the turn: the template closes it
+            else:
+                end = self.tokenizer.decode([last_id], skip_special_tokens=False)
+                if closing.startswith(end):
+                    tail = closing[len(end):]
+        if tail is None:
+            return Appended(encode_prompt(self.tokenizer, after, self.prefix), cut, segment=True)
+        return Appended(self._fragment(tail + after[len(before):]), cut)
+
+    # ---- pieces
+
+    def _plain(self, observation, where: str) -> Appended:
+        if observation is None:
+            return Appended([])
+        if not isinstance(observation, str):
+            raise TetherError(f"{where} returned chat messages in a plain-text episode; return "
+                              "text, or start the episode with chat messages from reset()")
+        text, cut = self._capped(observation)
+        return Appended(self._fragment(text), cut)
+
+    def _as_messages(self, observation, where: str) -> list[dict]:
+        if observation is None:
+            return []
+        if isinstance(observation, str):
+            return [{"role": "user", "content": observation}]
+        return [dict(m) for m in observation]
+
+    def _capped(self, text: str) -> tuple[str, bool]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.cap:
+            return text, False
+        kept = self.tokenizer.decode(ids[:self.cap], skip_special_tokens=False)
+        return kept + CUT_MARKER.format(cut=len(ids) - self.cap), True
+
+    def _fragment(self, text: str) -> list[int]:
+        """`text`'s ids as they follow other text: encoded after an anchor (the EOS token), whose
+        ids are then dropped, so a tokenizer that marks the start of a text (SentencePiece's
+        leading space) does not mark this one."""
+        if not text:
+            return []
+        eos = self.tokenizer.eos_token or ""
+        anchor = self.tokenizer(eos, add_special_tokens=False)["input_ids"] if eos else []
+        ids = self.tokenizer(eos + text, add_special_tokens=False)["input_ids"]
+        if anchor and ids[:len(anchor)] == anchor:
+            return ids[len(anchor):]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
+        return render_chat(self.tokenizer, messages, generation_prompt, where, self.tools)
+
+    def _assistant_closing(self, where: str) -> str | None:
+        """The text the template writes after an assistant turn's content (`<|im_end|>\\n`), read
+        once off a probe conversation; None when the template changes the content itself."""
+        if self._closing is False:
+            user = [{"role": "user", "content": "q"}]
+            opened = self._render(user, True, where)
+            full = self._render(user + [{"role": "assistant", "content": _PROBE}], False, where)
+            start = len(opened) + len(_PROBE)
+            ok = full.startswith(opened) and full[len(opened):start] == _PROBE
+            self._closing = full[start:] if ok else None
+        return self._closing

@@ -1,0 +1,181 @@
+"""Typed Python functions as an environment (`--tools file.py:add,file.py:lookup`): the model
+calls them, reads their results, and answers.
+
+    schemas    each function's JSON schema, built by transformers (`get_json_schema`, from its
+               type hints and docstring); the chat template renders them where the model
+               expects them (`apply_chat_template(tools=...)`)
+    calls      parsed from the policy's turn in the format its template writes tool calls: the
+               tokenizer's own response parser when it declares one (transformers'
+               `parse_response`), else the format a probe call renders in (`<tool_call>{...}
+               </tool_call>` of Hermes and Qwen, Mistral's `[TOOL_CALLS][...]`, a bare JSON
+               call as Llama 3.1 writes it)
+    results    each call's result as a `tool` message. Bad JSON, an unknown tool, arguments the
+               function refuses, or a tool that raises go back to the model as that tool message
+               ("error: ..."), counted in `env/tool_errors`; they never stop the run
+    end        the first turn without a call ends the episode, scored by the reward function on
+               that final answer: `reward_fn([first prompt], [answer])`
+
+The episode's first prompt is the row's `prompt` or `messages` (a plain prompt becomes a user
+message: tools are rendered by a chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+
+from tether.data.chat import chat_messages, render_chat
+from tether.errors import TetherError
+from tether.rl.rewards import call_reward_function, function_name, raised
+
+_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The JSON schema of `fn` as transformers builds it; one line naming what is missing."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as exc:  # transformers' own message says which hint or docstring line
+        raise TetherError(f"tool {function_name(fn)} has no usable schema ({exc}); give it type "
+                          "hints and a Google-style docstring with an Args section") from None
+
+
+def call_format(tokenizer, schemas: list[dict]) -> str:
+    """How the template writes a tool call: "parser" (the tokenizer's response parser), "tags"
+    (`<tool_call>` JSON), "mistral" (`[TOOL_CALLS]`) or "json" (a bare JSON object)."""
+    if getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
+        return "parser"
+    call = {"type": "function", "function": {"name": "tether_probe", "arguments": {"x": 1}}}
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = render_chat(tokenizer, messages, False, "the tool-call probe", schemas)
+    except TetherError:
+        text = ""
+    if "<tool_call>" in text:
+        return "tags"
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "tether_probe" in text:
+        return "json"
+    raise TetherError("the chat template writes no tool calls (a probe call rendered to "
+                      "nothing); use a model whose template supports tools, or an --env")
+
+
+def parse_calls(text: str, form: str, tokenizer=None, tools: list[dict] | None = None
+                ) -> tuple[list[tuple[str, dict]], str | None]:
+    """([(name, arguments)], None), or ([], what is wrong) for a turn that tries a call and
+    fails; ([], None) for a turn without a call (the answer)."""
+    if form == "parser":
+        try:
+            parsed = tokenizer.parse_response(text, prefix="", tools=tools)
+        except Exception as exc:
+            return [], f"the tool call could not be parsed ({type(exc).__name__}: {exc})"
+        raw = [c.get("function", c) for c in parsed.get("tool_calls") or []]
+    elif form == "tags":
+        blocks = _CALL_BLOCK.findall(text)
+        if not blocks:
+            return [], ("a <tool_call> block is not closed" if "<tool_call>" in text else None)
+        raw = []
+        for block in blocks:
+            try:
+                raw.append(json.loads(block))
+            except json.JSONDecodeError as exc:
+                return [], f"the tool call is not JSON ({exc.msg} at character {exc.pos})"
+    else:
+        start = text.find("[TOOL_CALLS]") if form == "mistral" else 0
+        body = text[start + len("[TOOL_CALLS]"):] if form == "mistral" and start >= 0 else text
+        if form == "mistral" and start < 0 or form == "json" and not body.lstrip().startswith("{"):
+            return [], None
+        try:
+            value = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            return [], f"the tool call is not JSON ({exc.msg} at character {exc.pos})"
+        raw = value if isinstance(value, list) else [value]
+    calls = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return [], "a tool call needs a 'name' and its 'arguments'"
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):  # some formats send the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return [], f"the arguments of {item['name']} are not a JSON object"
+        if not isinstance(arguments, dict):
+            return [], f"the arguments of {item['name']} are not a JSON object"
+        calls.append((item["name"], arguments))
+    return calls, None
+
+
+class ToolsEnv:
+    """One episode with the tools (see the module docstring)."""
+
+    def __init__(self, functions: dict[str, Callable], schemas: list[dict], form: str,
+                 reward_fn: Callable | None, tokenizer):
+        self.functions, self.schemas, self.form = functions, schemas, form
+        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        self.prompt = ""
+        self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
+
+    def reset(self, row: dict, seed: int) -> list[dict]:
+        where = "a tools episode's prompt row"
+        if row.get("messages") is not None or isinstance(row.get("prompt"), list):
+            messages = chat_messages(row.get("messages", row.get("prompt")), "messages", where)
+        elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+            messages = [{"role": "user", "content": row["prompt"]}]
+        else:
+            raise TetherError(f"{where} has neither a 'prompt' nor 'messages'; give one of them")
+        self.prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"),
+                           messages[-1]["content"])
+        return messages
+
+    def step(self, action: str):
+        calls, problem = parse_calls(action, self.form, self.tokenizer, self.schemas)
+        if problem is not None:
+            self.counts["tool_errors"] += 1
+            return [{"role": "tool", "content": f"error: {problem}"}], 0.0, False
+        if not calls:  # the answer
+            if self.reward_fn is None:
+                return None, 0.0, True
+            return None, float(call_reward_function(self.reward_fn, [self.prompt], [action])[0]), True
+        return [self._result(name, arguments) for name, arguments in calls], 0.0, False
+
+    def _result(self, name: str, arguments: dict) -> dict:
+        self.counts["tool_calls"] += 1
+        fn = self.functions.get(name)
+        if fn is None:
+            self.counts["tool_errors"] += 1
+            return {"role": "tool", "name": name,
+                    "content": f"error: no tool named {name!r}; the tools are "
+                               f"{', '.join(self.functions)}"}
+        try:
+            result = fn(**arguments)
+        except (Exception, SystemExit) as exc:  # the tool's failure is the model's observation
+            self.counts["tool_errors"] += 1
+            return {"role": "tool", "name": name, "content": f"error: {raised(exc)}"}
+        return {"role": "tool", "name": name,
+                "content": result if isinstance(result, str) else json.dumps(result)}
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.counts)
+
+
+def tools_environment(tools: Sequence[Callable], reward_fn: Callable | None, tokenizer
+                      ) -> tuple[Callable, list[dict]]:
+    """(an environment factory for these tools, their schemas)."""
+    functions = {}
+    for fn in tools:
+        name = getattr(fn, "__name__", None)
+        if name in functions:
+            raise TetherError(f"two tools are named {name!r}; give each tool a distinct name")
+        functions[name] = fn
+    schemas = [tool_schema(fn) for fn in tools]
+    form = call_format(tokenizer, schemas)
+
+    def make_env() -> ToolsEnv:
+        return ToolsEnv(functions, schemas, form, reward_fn, tokenizer)
+    return make_env, schemas

@@ -1,0 +1,146 @@
+"""Environments that misbehave: each case is one line naming the environment, the call, the
+episode and the fix (a TetherError; `tether` prints it as one `error:` line and exits 2), never
+a traceback, a hang or a silent zero. An async environment runs like a sync one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+from episode_helpers import episodes, policy_of
+
+from tether.cli import main
+from tether.errors import TetherError
+
+ROWS = [{"prompt": "the movie was"}, {"prompt": "a film and"}]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return policy_of(tiny_model_dir)
+
+
+class Good:
+    def reset(self, row, seed):
+        return row["prompt"]
+
+    def step(self, action):
+        return None, 1.0, True
+
+
+def variant(**methods):
+    """A `Good` whose methods are replaced by `methods` (name -> function of self and args)."""
+    return type("Bad", (Good,), methods)
+
+
+def raising(self, *args):
+    raise ValueError("the server said no")
+
+
+CASES = {
+    "reset raises": (variant(reset=raising), r"reset of episode 0 raised ValueError: the server "
+                                             r"said no \(at .*test_bad_envs.py:\d+\); fix the env"),
+    "step raises": (variant(step=raising), r"step of episode 0, turn 0 raised ValueError"),
+    "reset returns a number": (variant(reset=lambda self, row, seed: 42),
+                               r"reset of episode 0 returned a int; return the episode's first"),
+    "reset returns nothing": (variant(reset=lambda self, row, seed: "  "),
+                              r"returned an empty prompt"),
+    "reset returns bad messages": (variant(reset=lambda self, row, seed: [{"content": "x"}]),
+                                   r"message 0 has no 'role'"),
+    "step returns two values": (variant(step=lambda self, a: (None, 1.0)),
+                                r"step of episode 0, turn 0 returned a tuple of 2; return "
+                                r"\(observation, reward, done\)"),
+    "step returns a NaN reward": (variant(step=lambda self, a: (None, math.nan, True)),
+                                  r"returned a non-finite reward \(nan\)"),
+    "step returns an inf reward": (variant(step=lambda self, a: (None, -math.inf, True)),
+                                   r"returned a non-finite reward \(-inf\)"),
+    "step returns a text reward": (variant(step=lambda self, a: (None, "good", True)),
+                                   r"returned a reward of type str"),
+    "step returns a number observation": (variant(step=lambda self, a: (3, 1.0, False)),
+                                          r"returned an observation of type int"),
+    "step returns done=2": (variant(step=lambda self, a: (None, 1.0, 2)), r"returned done=2"),
+    "messages in a plain episode": (variant(step=lambda self, a: ([{"role": "tool",
+                                                                     "content": "4"}], 0.0,
+                                                                   False)),
+                                    r"returned chat messages in a plain-text episode"),
+    "the factory returns no environment": (lambda: object(),
+                                           r"returned a object, which has no reset\(row, seed\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_environment_is_one_line(policy, case):
+    factory, pattern = CASES[case]
+    with pytest.raises(TetherError, match=pattern) as caught:  # turns end at a space: 2 turns
+        episodes(policy, factory, ROWS * 4, max_turns=2, max_new_tokens=24, stop_strings=[" "])
+    assert "\n" not in str(caught.value)
+    assert "environment" in str(caught.value)
+
+
+def test_a_hung_step_stops_at_the_timeout(policy):
+    hang = variant(step=lambda self, a: time.sleep(30))
+    started = time.perf_counter()
+    with pytest.raises(TetherError, match=r"step of episode 0, turn 0 did not return within "
+                                          r"0.5 s; fix the hang or raise --env-timeout"):
+        episodes(policy, hang, ROWS, timeout=0.5)
+    assert time.perf_counter() - started < 10  # the hung thread is left behind, not waited for
+
+
+class Async:
+    """An `async def` environment whose calls overlap: each step waits, then answers."""
+
+    running = 0
+    most = 0
+
+    async def reset(self, row, seed):
+        return row["prompt"]
+
+    async def step(self, action):
+        Async.running += 1
+        Async.most = max(Async.most, Async.running)
+        await asyncio.sleep(0.2)
+        Async.running -= 1
+        return None, float(len(action)), True
+
+
+def test_async_environments_run_concurrently(policy):
+    Async.most = 0
+    started = time.perf_counter()
+    out = episodes(policy, Async, ROWS * 4, max_turns=1, stop_strings=(), workers=8)
+    assert Async.most == 8  # all eight steps were in flight at once
+    assert time.perf_counter() - started < 0.2 * 8  # not one after another
+    assert out.rewards.tolist() == [float(len(t)) for t in out.row_texts]
+
+
+BAD_ENV = """
+class Env:
+    def reset(self, row, seed):
+        return row["prompt"]
+
+    def step(self, action):
+        raise RuntimeError("the scorer crashed")
+
+
+def make_env():
+    return Env()
+"""
+
+
+def test_the_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "env.py").write_text(BAD_ENV)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    capsys.readouterr()
+    code = main(["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts), "--env",
+                 f"{tmp_path / 'env.py'}:make_env", "--batch-size", "4", "--total-episodes", "4",
+                 "--output-dir", str(tmp_path / "runs"), "--device", "cpu", "--max-new-tokens",
+                 "4"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("ppo ")]
+    assert code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error: batch 1: environment ") or \
+        lines[0].startswith("error: environment "), err
+    assert "step of episode of" in lines[0] and "RuntimeError: the scorer crashed" in lines[0]
