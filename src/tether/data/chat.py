@@ -15,10 +15,16 @@ A message's content is a string or a list of text parts (`{"type": "text", "text
 OpenAI and Hugging Face form); the parts are joined into one string before rendering, so a
 template never writes the list's Python repr.
 
+Tool-calling transcripts (TRL's form, `tether.data.tool_calls`): an assistant message may carry
+`tool_calls`, with content null when it only calls; `tool` messages keep their `name` and
+`tool_call_id`; a row's `tools` schemas go to every render of the row. A call turn is an assistant
+turn like any other (its calls' text carries loss), a tool result is context like a user turn.
+
 A value that is not a chat (a string, one dict where a list belongs, [], a message without a
-string role or without content, content null) is one line naming the message (`message_problem`),
-never an error from inside the template; a role the template renders is the user's choice, one it
-refuses is its own line (`render_chat`). A reply to learn must not be empty (`check_reply`).
+string role or without content, content null outside a pure call, malformed calls) is one line
+naming the message (`message_problem`, `check_tool_calls`), never an error from inside the
+template; a role the template renders is the user's choice, one it refuses is its own line
+(`render_chat`). A reply to learn must not be empty (`check_reply`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 import jinja2
 
+from tether.data.tool_calls import calls_of, check_tool_calls, prepare_tool_chat, row_tools
 from tether.errors import TetherError
 
 MESSAGE_FORM = 'write each message as {"role": "user", "content": "..."}'
@@ -94,29 +101,49 @@ def content_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _normal_message(message: dict, where: str) -> dict:
+    # A Parquet/Arrow file gives every message every key any message has (`tool_calls`, `name`,
+    # `tool_call_id`), null where it has none; templates that test `'tool_calls' in message`
+    # would take those nulls for calls, so they go, as if the JSON had left them out.
+    message = {k: v for k, v in message.items() if v is not None or k == "content"}
+    check_tool_calls(message, where)
+    if message["content"] is None:
+        if calls_of(message):  # a pure call: null content beside tool_calls, as TRL passes it
+            return dict(message)
+        if message["role"] == "assistant":
+            raise TetherError(f"{where} content must be a string or a list of text parts (got "
+                              "null); give the message its text or its tool_calls, or drop it")
+    return dict(message, content=content_text(message["content"], where))
+
+
 def normalize_messages(messages: list[dict], where: str) -> list[dict]:
-    """Copies of `messages` (already checked `is_messages`) with each content as one string."""
-    return [dict(m, content=content_text(m["content"], f"{where} message {j}"))
-            for j, m in enumerate(messages)]
+    """Copies of `messages` (already checked `is_messages`) with each content as one string
+    (null kept on an assistant message that only makes tool calls) and their calls checked;
+    other keys (`tool_calls`, a tool result's `name` and `tool_call_id`) are kept as they are,
+    null-valued ones dropped."""
+    return [_normal_message(m, f"{where} message {j}") for j, m in enumerate(messages)]
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
-                where: str = "data") -> str:
+                where: str = "data", tools: list[dict] | None = None) -> str:
+    """`messages` rendered by the tokenizer's chat template, with the JSON schemas of `tools`
+    when given (the template writes them where the model expects them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise TetherError(f"{where} uses chat messages but the tokenizer has no chat template; "
                           "give plain-text rows or use a tokenizer with a chat_template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
+        return tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                              add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:  # e.g. a template that demands alternating roles
         raise TetherError(f"{where}: the chat template refuses these messages ({exc}); fix the "
                           "roles it names or give plain-text rows") from None
 
 
-def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str
-               ) -> tuple[str, list[tuple[int, int]]]:
+def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str,
+               tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered chat and the character span `(start, end)` of each trained assistant turn
-    in it (`trained`: ascending message indices, the last one the final message).
+    in it (`trained`: ascending message indices, the last one the final message), every render
+    with the row's `tools` (a tool-call turn is a turn like any other: `prepare_tool_chat`).
 
     Turn i starts where `messages[:i]` rendered with the generation prompt ends, and ends where
     `messages[:i+1]` rendered without it ends, less the whitespace the template writes after the
@@ -124,11 +151,14 @@ def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str
     Both renderings must be prefixes of the whole chat's: true of templates that render each turn
     on its own, not of one that rewrites earlier turns (e.g. drops their reasoning).
     """
-    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
+    messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
+                                 messages, tools, where)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, where=where, tools=tools)
     spans: list[tuple[int, int]] = []
     for i in trained:
-        start = render_chat(tokenizer, messages[:i], add_generation_prompt=True, where=where)
-        end = full if i == len(messages) - 1 else render_chat(tokenizer, messages[:i + 1], False, where)
+        start = render_chat(tokenizer, messages[:i], True, where, tools)
+        end = full if i == len(messages) - 1 else render_chat(tokenizer, messages[:i + 1], False,
+                                                              where, tools)
         in_order = len(end) >= len(start) and (not spans or len(start) >= spans[-1][1])
         if not (full.startswith(start) and full.startswith(end) and in_order):
             if len(trained) == 1:
@@ -141,12 +171,13 @@ def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str
     return full[:spans[-1][1]], spans
 
 
-def split_chat(tokenizer, messages: list[dict], where: str = "data") -> tuple[str, str]:
+def split_chat(tokenizer, messages: list[dict], where: str = "data",
+               tools: list[dict] | None = None) -> tuple[str, str]:
     """(prompt text, response text) for a chat whose last message is the assistant's reply."""
     if not messages or messages[-1].get("role") != "assistant":
         raise TetherError(f"{where}: each 'messages' row must end with an assistant message "
                           "(the response to learn)")
-    text, [(start, _)] = turn_spans(tokenizer, messages, [len(messages) - 1], where)
+    text, [(start, _)] = turn_spans(tokenizer, messages, [len(messages) - 1], where, tools)
     return text[:start], text[start:]
 
 
@@ -211,8 +242,9 @@ def _reply(turns: list[dict], prompt: list[dict], what: str, where: str) -> dict
 
 def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str]]:
     """(prompt text, [chosen text, rejected text]) of a chat preference row, rendered as SFT
-    renders `{messages}`."""
+    renders `{messages}` (with the row's `tools`)."""
     prompt = row.get("prompt")
+    tools = row_tools(row, where)
     chosen = as_turns(row["chosen"], "chosen", where)
     rejected = as_turns(row["rejected"], "rejected", where)
     check_prompt(prompt, where)
@@ -231,29 +263,31 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     texts = []
     for what, turns in (("chosen", chosen), ("rejected", rejected)):
         reply = _reply(turns, prompt_messages, what, where)
-        check_reply(reply["content"], f"'{what}'", where)
-        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where)
+        if not calls_of(reply):  # a pure call says something: its calls
+            check_reply(reply["content"], f"'{what}'", where)
+        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where, tools)
         texts.append(response_text)
     return prompt_text, texts
 
 
-def truncate_chat(tokenizer, messages: list[dict], max_tokens: int, encode) -> tuple[str, list[int]]:
+def truncate_chat(tokenizer, messages: list[dict], max_tokens: int, encode,
+                  tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """Render `messages` with the generation prompt in at most `max_tokens` ids, cutting the start
     of the oldest non-system content first; template tokens (BOS, role markers, generation
     prompt) and the system message are kept. `encode(text) -> ids` is the prompt-encoding rule.
     """
     messages = [dict(m) for m in messages]
     for _ in range(len(messages) + 8):  # each pass empties a message or lands within a token or two
-        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools)
         ids = encode(text)
         excess = len(ids) - max_tokens
         if excess <= 0:
             return text, ids
-        index = next((i for i, m in enumerate(messages)
-                      if m.get("role") != "system" and str(m["content"])), None)
+        index = next((i for i, m in enumerate(messages)  # null content (a pure call): no text
+                      if m.get("role") != "system" and m["content"]), None)
         if index is None:
             break
-        content = tokenizer(str(messages[index]["content"]), add_special_tokens=False)["input_ids"]
+        content = tokenizer(messages[index]["content"], add_special_tokens=False)["input_ids"]
         messages[index]["content"] = tokenizer.decode(content[min(excess, len(content)):])
     raise TetherError(f"a chat prompt cannot fit max_prompt_len={max_tokens} tokens even with its "
                       "content cut (the template and system message alone are longer); raise "

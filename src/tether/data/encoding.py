@@ -12,10 +12,10 @@ Every stage turns text into ids by one rule (below), so PPO prompts are encoded 
 RM and DPO saw them.
 
 Loss masks cover response tokens only: the reply, or in a multi-turn chat every trained assistant
-turn, never the user (tool, system) turns between them. A prompt (everything before the first
-trained reply) that leaves no room for a response within `max_length` is never cut: it is an
-error, or (when asked) skipped and counted. Responses that run past `max_length` are truncated at
-the end and counted (`data/truncated`).
+turn (a tool-call turn's calls included), never the user (tool result, system) turns between
+them. A prompt (everything before the first trained reply) that leaves no room for a response
+within `max_length` is never cut: it is an error, or (when asked) skipped and counted. Responses
+that run past `max_length` are truncated at the end and counted (`data/truncated`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tether.data.shapes import (
     same_shape,
     sft_shape,
 )
+from tether.data.tool_calls import calls_of
 from tether.errors import TetherError
 
 # ----------------------------------------------------------------------------- the encoding rule
@@ -168,9 +169,10 @@ def _encode_sft_row(tokenizer, row: SFTRow, loss_on: str, where: str, prefix: li
                     ) -> tuple[list[int], list[int], list[int] | None]:
     """(prompt ids, response ids, loss mask or None) of one SFT row under rules 1-3.
 
-    A chat is rendered once; the prompt is everything before the first trained assistant turn,
-    the response everything after it, and the mask marks each trained turn's tokens (its content
-    and its end-of-turn token; what the template writes after that token only between turns).
+    A chat is rendered once (with the row's `tools`); the prompt is everything before the first
+    trained assistant turn, the response everything after it, and the mask marks each trained
+    turn's tokens (its content, its tool calls' text and its end-of-turn token; what the template
+    writes after that token only between turns, tool results included).
     """
     if row.messages is None:  # plain text; a {text} row has an empty prompt
         prompt, responses = encode_pair(tokenizer, row.prompt, [row.response], False, prefix)
@@ -184,10 +186,12 @@ def _encode_sft_row(tokenizer, row: SFTRow, loss_on: str, where: str, prefix: li
     if loss_on == "last":
         trained = trained[-1:]
     for i in trained:
+        if calls_of(messages[i]):  # a tool-call turn says something: its calls carry loss
+            continue
         check_reply(messages[i]["content"], f"assistant message {i} (a turn to learn)", where,
                     "fill in the reply or drop the row" if i == trained[-1] else
                     "fill in the reply, drop the row, or pass --loss-on last")
-    text, spans = turn_spans(tokenizer, messages, trained, where)
+    text, spans = turn_spans(tokenizer, messages, trained, where, row.tools)
     first = spans[0][0]
     prompt, responses = encode_pair(tokenizer, text[:first], [text[first:]], True, prefix)
     if len(spans) == 1:  # one reply, to the end: every response token carries loss

@@ -40,29 +40,33 @@ def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None
         messages = normalize_messages(row["prompt"], f"{where} 'prompt'")
     else:
         return None
-    if not any(m["content"].strip() for m in messages):  # the template's role markers alone
+    # the template's role markers alone (null content: an assistant turn that only calls tools)
+    if not any((m["content"] or "").strip() for m in messages):
         raise TetherError(f"{where} has an empty prompt (every message's content is empty); "
                           "fill it in or remove the row")
     return messages
 
 
-def _render_prompt(tokenizer, messages: list[dict], where: str) -> str:
+def _render_prompt(tokenizer, messages: list[dict], where: str,
+                   tools: list[dict] | None = None) -> str:
     """`messages` with the generation prompt. After an assistant turn, a template without one
     (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=True, where=where)
-    if messages[-1].get("role") == "assistant" and text == render_chat(tokenizer, messages, False, where):
+    text = render_chat(tokenizer, messages, add_generation_prompt=True, where=where, tools=tools)
+    if messages[-1].get("role") == "assistant" and text == render_chat(tokenizer, messages, False,
+                                                                       where, tools):
         raise TetherError(f"{where} ends with an assistant message and the chat template writes no "
                           "generation prompt to open a new assistant turn after it; end the prompt "
                           "with a user turn, or use a template with a generation prompt")
     return text
 
 
-def format_prompt(tokenizer, row: dict, where: str = "a prompt row") -> str:
+def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
+                  tools: list[dict] | None = None) -> str:
     """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
-    rendered with the generation prompt."""
+    rendered with the generation prompt (and the schemas of `tools`, when given)."""
     messages = prompt_messages(row, where)
     if messages is not None:
-        return _render_prompt(tokenizer, messages, where)
+        return _render_prompt(tokenizer, messages, where, tools)
     return plain_text(row, "prompt", where)
 
 
@@ -75,7 +79,8 @@ def _special_head(tokenizer, ids: list[int]) -> list[int]:
 
 
 def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,
-                      where: str = "a prompt row") -> tuple[str, list[int]]:
+                      where: str = "a prompt row", tools: list[dict] | None = None
+                      ) -> tuple[str, list[int]]:
     """(text, ids) of a generation prompt row (`{prompt}` or `{messages}`) under rule 1, in at
     most `max_tokens` ids.
 
@@ -85,14 +90,14 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
     The text is the full prompt (what a reward function reads).
     """
     prefix = special_prefix(tokenizer) if prefix is None else prefix
-    text = format_prompt(tokenizer, row, where)
+    text = format_prompt(tokenizer, row, where, tools)
     ids = encode_prompt(tokenizer, text, prefix)
     if len(ids) <= max_tokens:
         return text, ids
     messages = prompt_messages(row, where)
     if messages is not None:
         return text, truncate_chat(tokenizer, messages, max_tokens,
-                                   lambda t: encode_prompt(tokenizer, t, prefix))[1]
+                                   lambda t: encode_prompt(tokenizer, t, prefix), tools)[1]
     head = _special_head(tokenizer, ids)
     if len(head) >= max_tokens:
         raise TetherError(f"max_prompt_len={max_tokens} leaves no room for prompt content after "

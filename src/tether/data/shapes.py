@@ -11,7 +11,9 @@ Preferences (`tether rm`, `tether dpo`):
 - `{prompt, chosen, rejected}`, plain or chat (`tether.data.chat`);
 - `{chosen, rejected}` without a prompt: plain texts share an implicit prompt (their common start,
   cut at a word boundary: `implicit_prompt`), conversations their opening turns.
-A message's content is a string or a list of text parts. docs/data.md has the table.
+A message's content is a string or a list of text parts. Any chat shape may carry a `tools`
+column (function schemas, TRL's tool-calling form: `tether.data.tool_calls`); a plain-text row may
+not, since only a chat template writes them. docs/data.md has the table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tether.data.chat import (
     is_messages,
     normalize_messages,
 )
+from tether.data.tool_calls import row_tools
 from tether.errors import TetherError
 
 SFT_SHAPES = "{prompt, completion}, {prompt, response}, {messages} or {text}"
@@ -91,12 +94,21 @@ def plain_text(row: dict, key: str, where: str) -> str:
 @dataclass
 class SFTRow:
     """One SFT row read: plain text (loss on `response`), or a chat whose assistant turns from
-    message `reply_from` on carry loss (`tether.data.encoding` picks all or the last)."""
+    message `reply_from` on carry loss (`tether.data.encoding` picks all or the last), rendered
+    with the schemas of `tools`."""
 
     prompt: str = ""
     response: str = ""
     messages: list[dict] | None = None
     reply_from: int = 0
+    tools: list[dict] | None = None
+
+
+def _no_tools(row: dict, where: str) -> None:
+    """Tool schemas in a plain-text row would be dropped: only a chat template writes them."""
+    if row_tools(row, where):
+        raise TetherError(f"{where} has a 'tools' column but plain-text rows, which cannot show "
+                          "the model its tools; give the rows as chat messages, or drop 'tools'")
 
 
 def read_sft_row(row: dict, shape: tuple[str, ...], where: str) -> SFTRow:
@@ -104,14 +116,18 @@ def read_sft_row(row: dict, shape: tuple[str, ...], where: str) -> SFTRow:
     if shape == ("text",):
         text = plain_text(row, "text", where)
         check_reply(text, "'text'", where, "fill it in or drop the row")
+        _no_tools(row, where)
         return SFTRow(response=text)  # no prompt: every token trains
     if shape == ("messages",):
-        return SFTRow(messages=chat_messages(row["messages"], "messages", where))
+        return SFTRow(messages=chat_messages(row["messages"], "messages", where),
+                      tools=row_tools(row, where))
     key = shape[1]
     check_prompt(row["prompt"], where)
     if is_messages(row["prompt"]):  # TRL's conversational prompt-completion
         prompt = normalize_messages(row["prompt"], f"{where} 'prompt'")
-        return SFTRow(messages=prompt + as_turns(row[key], key, where), reply_from=len(prompt))
+        return SFTRow(messages=prompt + as_turns(row[key], key, where), reply_from=len(prompt),
+                      tools=row_tools(row, where))
+    _no_tools(row, where)
     if isinstance(row[key], (list, dict)):
         raise TetherError(f"{where} mixes a plain-text prompt with a chat {key!r}; give the prompt "
                           "as a list of messages too, or both as plain text")
@@ -151,6 +167,7 @@ def preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[str], 
     if any(isinstance(row.get(k), (list, dict)) for k in ("prompt", "chosen", "rejected")):
         return (*chat_preference_texts(tokenizer, row, where), True)
     chosen, rejected = plain_text(row, "chosen", where), plain_text(row, "rejected", where)
+    _no_tools(row, where)
     for what, text in (("chosen", chosen), ("rejected", rejected)):
         check_reply(text, repr(what), where)
     if not _has(row, "prompt"):
