@@ -173,7 +173,8 @@ def bench_rollouts(work: Workload, engines: list[str], args) -> RolloutTimes:
 
         start = time.perf_counter()
         # every prompt the bench samples from: the longest sets the engine's max_model_len
-        engine = start_engine(work.model, None, work.prompt_ids, work.max_new_tokens,
+        engine = start_engine(work.model, None, max(map(len, work.prompt_ids)),
+                              work.max_new_tokens,
                               kv_cache_mb=work.kv_cache_mb, dtype=work.dtype, seed=0, d=Dist(),
                               device=torch.device(args.device))
         times.start_s = time.perf_counter() - start

@@ -8,10 +8,11 @@ loss -> step.
 Runs two tiny online runs (a GPT-2-style model built here, a Python reward): `ppo` (GAE with a
 critic, 2 epochs: the two-pass path) and `grpo` (one step per batch: the one-pass path). A
 profile hook records every tether file with a function entered between the first call of the
-loop's `rollout_batch` and the first call of the KL controller's `update` (step 5, after the
+loop's `rollout_batch` (a rollout source's `collect`, since the loop draws from sources) and
+the first call of the KL controller's `update` (step 5, after the
 step); model loading and setup before it are not counted. Prints the files of each run and of
 both together, with their lines. The trees it compares need only share `tether.train.ppo.run` and
-`rollout_batch`, which every layout since the online loop was written has.
+`rollout_batch` or `collect`, which every layout since the online loop was written has.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def files_of_one_batch(src: Path, root: Path, stage: str, model: Path) -> set[st
         if event != "call" or state["done"]:
             return
         code = frame.f_code
-        if code.co_name == "rollout_batch" and code.co_filename.endswith("ppo.py"):
+        if (code.co_name == "rollout_batch" and code.co_filename.endswith("ppo.py")
+                or code.co_name == "collect" and code.co_filename.endswith("sources.py")):
             state["on"] = True
         elif code.co_name == "update" and state["on"] and "kl" in Path(code.co_filename).stem:
             state["done"] = True

@@ -188,10 +188,10 @@ def test_gamma_lam_and_whitening_reach_the_advantages(tiny_model_dir, tmp_path, 
     calls = []
     _spy(monkeypatch, update, "estimate_advantages", calls)  # either path (one_pass or not)
     online_run(tiny_model_dir, tmp_path, name="raw", gamma=0.5, lam=0.7, whiten_advantages="off")
-    (_, rewards, values, mask), _, (advantages, _) = calls[-1]
+    (_, rewards, values, mask, _), _, (advantages, _) = calls[-1]
     torch.testing.assert_close(advantages, _gae_by_hand(rewards, values, mask, 0.5, 0.7))
     online_run(tiny_model_dir, tmp_path, name="white", whiten_advantages="on", kl_in="loss")
-    (_, _, _, mask), _, (advantages, _) = calls[-1]
+    (_, _, _, mask, _), _, (advantages, _) = calls[-1]
     real = advantages[mask.bool()]
     assert real.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert real.std(correction=0).item() == pytest.approx(1.0, rel=1e-3)
@@ -355,7 +355,7 @@ def test_grpo_scale_rewards_none_leaves_the_centred_rewards(scale, tiny_model_di
     _spy(monkeypatch, update, "estimate_advantages", calls)  # either path (one_pass or not)
     online_run(tiny_model_dir, tmp_path, advantage="grpo", samples_per_prompt=2, kl_in="loss",
                scale_rewards=scale, max_new_tokens=8)
-    (_, rewards, _, mask), _, (advantages, _) = calls[-1]
+    (_, rewards, _, mask, _), _, (advantages, _) = calls[-1]
     totals = rewards.sum(dim=1).view(-1, 2)  # [prompts, k]: the score, on the last token
     expected = (totals - totals.mean(dim=1, keepdim=True)).flatten()
     if scale == "batch":

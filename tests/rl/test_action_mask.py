@@ -66,7 +66,7 @@ def sampled(cfg, setup) -> Rollout:
 def test_single_turn_rollouts_have_equal_masks(tiny_model_dir, prompts_file):
     cfg, setup = setup_for(tiny_model_dir, prompts_file)
     _, ids, mask = prompt_batch(setup, cfg, 0)
-    engine = make_engine(cfg, setup.policy, prompt_ids=setup.prompt_ids, d=Dist())
+    engine = make_engine(cfg, setup.policy, longest_prompt=16, d=Dist())
     rollout = engine.sample(ids, mask, max_new_tokens=6, temperature=1.0,
                             eos_token_ids=setup.eos_token_ids,
                             pad_token_id=setup.tokenizer.pad_token_id,

@@ -18,11 +18,13 @@ global rows (gathered), so every rank keeps the same ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from tether.advantages import varied_groups
+from tether.errors import TetherError
 from tether.rl.rollout import Rollout, concat_rollouts
 
 
@@ -34,12 +36,17 @@ class Drawn:
     rollout: Rollout  # B rows
     raw_scores: torch.Tensor  # [B] the reward's scores
     scores: torch.Tensor  # [B] what the filter judges: the raw scores with the length penalties
+    turn_rewards: torch.Tensor | None = None  # [B, R] episodes: each turn's reward on its token
+    stats: dict[str, float] = field(default_factory=dict)  # the source's (env/...)
 
     def select(self, rows: list[int]) -> Drawn:
         index = torch.tensor(rows, dtype=torch.long)
-        return Drawn([self.prompts[i] for i in rows], self.rollout.select(index.to(
-            self.rollout.input_ids.device)), self.raw_scores[index.to(self.raw_scores.device)],
-            self.scores[index.to(self.scores.device)])
+        device = self.rollout.input_ids.device
+        return Drawn([self.prompts[i] for i in rows], self.rollout.select(index.to(device)),
+                     self.raw_scores[index.to(self.raw_scores.device)],
+                     self.scores[index.to(self.scores.device)],
+                     None if self.turn_rewards is None else self.turn_rewards[index.to(device)],
+                     self.stats)
 
 
 def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int,
@@ -53,6 +60,9 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int,
     `rollout/equal_groups_first` (share of round 0's groups that were all equal).
     """
     rounds = [draw(0)]
+    if rounds[0].rollout.episode is not None:
+        raise TetherError("--dynamic-sampling cannot regroup episodes that a chat template split "
+                          "into segments; use an append-only template or drop --dynamic-sampling")
     keeps = [varied_groups(rounds[0].scores, k)]
     groups = len(rounds[0].prompts) // k
     while sum(int(keep.sum()) for keep in keeps) < groups and len(rounds) <= max_rounds:
@@ -67,10 +77,13 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int,
         rows = [g * k + j for rr, g in chosen if rr == r for j in range(k)]
         if rows:
             parts.append(drawn.select(rows))
-    batch = Drawn([p for part in parts for p in part.prompts],
-                  concat_rollouts([part.rollout for part in parts], pad_token_id),
+    rollout = concat_rollouts([part.rollout for part in parts], pad_token_id)
+    width = rollout.responses.shape[1]
+    turn_rewards = (None if parts[0].turn_rewards is None else torch.cat(
+        [F.pad(part.turn_rewards, (0, width - part.turn_rewards.shape[1])) for part in parts]))
+    batch = Drawn([p for part in parts for p in part.prompts], rollout,
                   torch.cat([part.raw_scores for part in parts]),
-                  torch.cat([part.scores for part in parts]))
+                  torch.cat([part.scores for part in parts]), turn_rewards, rounds[0].stats)
     stats = {"rollout/dynamic_rounds": float(len(rounds) - 1),
              "rollout/varied_groups": varied / groups,
              "rollout/equal_groups_first": float((~keeps[0]).float().mean())}

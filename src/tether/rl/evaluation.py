@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tether.data.prompts import left_pad, load_prompts
+from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
-from tether.rl.engines import RolloutEngine
-from tether.rl.rollout import Rollout, decode_responses, sampling_uniforms
+from tether.rl.rollout import Rollout
+from tether.rl.sources import RolloutSource
 
 # reward(prompts, responses, rollout) -> scores [B]
 Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
@@ -80,70 +80,105 @@ def measure_responses(policy: nn.Module, reference: nn.Module, rollout: Rollout,
     entropies through the LM head in chunks (tether.lm_head)."""
     args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
             rollout.temperature)  # the log-probs of what was sampled, at its temperature
-    scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True)
-    ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True)
-    action_mask = rollout.action_mask.float()  # [B, R]
+    mask = rollout.action_mask
+    scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True,
+                             mask=mask)
+    ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True, mask=mask)
+    action_mask = mask.float()  # [B, R]
     out = {"kl": ((scores.logprobs - ref.logprobs) * action_mask).sum(1),
            "ent": (scores.entropy * action_mask).sum(1) / action_mask.sum(1).clamp(min=1),
            "len": action_mask.sum(1), "eos": rollout.ended.float()}
-    exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature)
+    exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature, mask)
     if exact is not None:
         out["kl_exact"] = (exact * action_mask).sum(1)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
-# measure(rollout) -> `measure_responses`'s dict, run where the models may be called
+# measure(rollout) -> `measure_responses`'s dict, run where the models may run
 Measure = Callable[[Rollout], dict[str, torch.Tensor]]
 
 
-@torch.no_grad()
-def evaluate_policy(engine: RolloutEngine, measure: Measure, tokenizer, inputs: EvalInputs,
-                    reward: Reward | None, gold: Reward | None, device: torch.device
-                    ) -> tuple[dict[str, float], list[dict]]:
-    """Sample one response per prompt (seeded) with `engine` and measure it.
+@dataclass
+class Evaluation:
+    """A held-out evaluation: a source of its rows (its prompts answered once, or episodes of
+    the run's environment), sampled `chunk` rows at a time with the noise of `seed`."""
 
-    Metrics: `eval/score` (proxy, if `reward`), `eval/gold_score` (if `gold`), `eval/kl` (mean over prompts of
-    sum_t log pi(y_t) - log ref(y_t), the k1 sequence KL), `eval/kl_exact` (mean over prompts of
-    sum_t KL(pi(. | s_t) || ref(. | s_t)) over the vocabulary at each sampled prefix, when both
-    heads allow it), `eval/entropy` (mean per-token entropy of pi), `eval/response_len`,
-    `eval/eos_rate`, `eval/distinct_2` (diversity of the responses). The seed is fixed, so
-    successive evaluations differ only through the policy; a proxy score that rises while the
-    gold score falls is over-optimisation (Gao et al. 2022).
+    source: RolloutSource
+    rows: int  # rows of the held-out prompt file
+    chunk: int  # rows per sampling call (part of nothing: each row has its own noise)
+    seed: int  # the sampling stream's seed (run seed + EVAL_SEED_OFFSET)
+
+
+@torch.no_grad()
+def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | None
+                    ) -> tuple[dict[str, float], list[dict]]:
+    """Sample one response (or episode) per held-out row, seeded, and measure it.
+
+    Metrics: `eval/score` (the source's reward: the proxy, or an environment's), `eval/gold_score`
+    (if `gold`), `eval/kl` (mean over rows of sum_t log pi(y_t) - log ref(y_t) over the tokens the
+    policy sampled, the k1 sequence KL), `eval/kl_exact` (mean over rows of sum_t KL(pi(. | s_t)
+    || ref(. | s_t)) over the vocabulary at each sampled prefix, when both heads allow it),
+    `eval/entropy` (mean per-token entropy of pi), `eval/response_len` (the policy's own tokens),
+    `eval/eos_rate` (responses or episodes that ended), `eval/distinct_2` (diversity of the
+    responses), and for environments the episode means `eval/turns`, `eval/action_tokens`,
+    `eval/observation_tokens`, `eval/done_rate`, `eval/segments`, `eval/cut_observations`. The seed
+    is fixed, so successive evaluations differ only through the policy; a proxy score that rises
+    while the gold score falls is over-optimisation (Gao et al. 2022).
     `measure`: `measure_responses` on the policy and its reference, called where they may run
-    (inside the training wrapper, or directly on frozen models). `device`: the prompts' device.
+    (inside the training wrapper, or directly on frozen models).
 
     Returns:
-        (metrics, samples): samples are {prompt, response, score, gold_score} per prompt.
+        (metrics, samples): samples are {prompt, response, score, gold_score} per row.
     """
-    # one row of noise per prompt: the samples do not depend on the chunking or the world size
-    uniforms = sampling_uniforms(inputs.seed, len(inputs.prompts), inputs.max_new_tokens)
-    pad = tokenizer.pad_token_id
+    rows = list(range(evaluation.rows))
     parts: dict[str, list[torch.Tensor]] = {}
+    prompts: list[str] = []
     texts: list[str] = []
-    for start in range(0, len(inputs.prompts), inputs.batch_size):
-        chunk = inputs.prompts[start:start + inputs.batch_size]
-        ids, mask = left_pad(inputs.prompt_ids[start:start + inputs.batch_size], pad, device)
-        rollout = engine.sample(ids, mask, max_new_tokens=inputs.max_new_tokens,
-                                temperature=inputs.temperature,
-                                eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
-                                uniforms=uniforms[start:start + inputs.batch_size])
-        responses = decode_responses(tokenizer, rollout)
-        texts += responses
-        measured = measure(rollout)
-        if reward is not None:
-            measured["score"] = reward(chunk, responses, rollout).float().cpu()
+    env: dict[str, float] = {}
+    for start in range(0, len(rows), evaluation.chunk):
+        part = evaluation.source.collect(rows, slice(start, start + evaluation.chunk),
+                                         evaluation.seed)
+        last = part.rollout.episode_ids()
+        last = torch.cat([last[1:] != last[:-1], last.new_ones(1, dtype=torch.bool)]).cpu()
+        measured = per_episode(measure(part.rollout), part.rollout)
+        if part.scores is not None:
+            measured["score"] = part.scores.float().cpu()[last]
+        picked = [t for t, keep in zip(part.texts, last.tolist()) if keep]
+        prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
+        texts += picked
         if gold is not None:
-            measured["gold"] = gold(chunk, responses, rollout).float().cpu()
+            measured["gold"] = gold(prompts[-len(picked):], picked, part.rollout).float().cpu()
         for key, value in measured.items():
             parts.setdefault(key, []).append(value)
+        for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes
+            env[key] = env.get(key, 0.0) + value * len(picked)
     joined = {k: torch.cat(v) for k, v in parts.items()}
     names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
              "kl_exact": "eval/kl_exact", "ent": "eval/entropy", "len": "eval/response_len",
              "eos": "eval/eos_rate"}
     metrics = {names[k]: v.mean().item() for k, v in joined.items()}
     metrics["eval/distinct_2"] = distinct_n(texts, 2)
+    metrics |= {"eval/" + k.split("/", 1)[1]: v / len(texts) for k, v in env.items()}
+
     def per_prompt(key: str) -> list:
         return joined[key].tolist() if key in joined else [None] * len(texts)
     samples = [{"prompt": p, "response": r, "score": s, "gold_score": g}
-               for p, r, s, g in zip(inputs.prompts, texts, per_prompt("score"), per_prompt("gold"))]
+               for p, r, s, g in zip(prompts, texts, per_prompt("score"), per_prompt("gold"))]
     return metrics, samples
+
+
+def per_episode(measured: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, torch.Tensor]:
+    """`measure_responses`'s per-row values as per-episode ones: KLs and lengths summed over an
+    episode's rows, the entropy averaged over its tokens, the EOS flag of its last row."""
+    if rollout.episode is None:
+        return measured
+    episode = rollout.episode.cpu()
+    n = int(episode.max()) + 1
+
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=x.dtype).index_add_(0, episode, x)
+    out = {key: summed(measured[key]) for key in ("kl", "kl_exact", "len") if key in measured}
+    out["ent"] = summed(measured["ent"] * measured["len"]) / out["len"].clamp(min=1)
+    last = torch.cat([episode[1:] != episode[:-1], torch.ones(1, dtype=torch.bool)])
+    out["eos"] = measured["eos"][last]
+    return out

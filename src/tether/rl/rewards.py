@@ -49,22 +49,23 @@ Reward = Callable[[list[str], list[str], Any], torch.Tensor]
 Prompt = str | list[dict]
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Import `module:function` (or `file.py:function`) and return the callable.
+def load_reward_function(spec: str, what: str = "reward function") -> RewardFn:
+    """Import `module:function` (or `file.py:function`) and return the callable (`what` names it
+    in errors: a reward function, an environment factory, a tool).
 
     This runs the module's code. A module name is found as `python -m` finds one: the current
     directory first on the import path (the `tether` script's own path does not hold it), so
     ./task.py is `task:gold` from any launcher, and a file's own imports find its neighbours."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise TetherError(f"reward function {spec!r} must look like module:function or "
+        raise TetherError(f"{what} {spec!r} must look like module:function or "
                           "path/to/file.py:function")
     _current_directory_first()
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
             if not path.is_file():
-                raise TetherError(f"reward function file {module_name} does not exist; fix the path")
+                raise TetherError(f"{what} file {module_name} does not exist; fix the path")
             loader_spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
@@ -74,8 +75,8 @@ def load_reward_function(spec: str) -> RewardFn:
         raise
     except (Exception, SystemExit) as exc:  # the user's module, whatever it raised (not Ctrl-C)
         own = str(Path(module_name).resolve()) if module_name.endswith(".py") else None
-        raise TetherError(f"cannot import {module_name} for reward function {spec!r}: "
-                          f"{_raised(exc, own)}; fix the module (and check it is on the import "
+        raise TetherError(f"cannot import {module_name} for {what} {spec!r}: "
+                          f"{raised(exc, own)}; fix the module (and check it is on the import "
                           "path: the current directory or PYTHONPATH)") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -93,7 +94,7 @@ def _current_directory_first() -> None:
         sys.path.insert(0, here)
 
 
-def _raised(exc: BaseException, own_file: str | None = None) -> str:
+def raised(exc: BaseException, own_file: str | None = None) -> str:
     """`ValueError: message (at task.py:12)`: what the user's code raised and where, the one
     line of its traceback worth reading: the innermost in `own_file` (the function's own file),
     else the innermost of all. The whole traceback stays on the TetherError's __cause__."""
@@ -125,7 +126,7 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
         scores = fn(list(prompts), list(responses))
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
         own = getattr(getattr(fn, "__code__", None), "co_filename", None)
-        raise TetherError(f"{what} {name} raised {_raised(exc, own)}; fix the function ({fix}); "
+        raise TetherError(f"{what} {name} raised {raised(exc, own)}; fix the function ({fix}); "
                           "checkpoints written so far are intact") from exc
     values = _ordered_numbers(scores)
     if values is None:

@@ -95,6 +95,63 @@ class RunConfig:
         check_device(self.device)
 
 
+# Tokens a chat template may write around one observation (role markers, the next turn's
+# generation prompt): part of the derived episode budget.
+TEMPLATE_ALLOWANCE = 64
+
+
+@dataclass(kw_only=True)
+class EnvOptions:
+    """Episodes with an environment (docs/agents.md): the fields the online stages, `tether
+    generate` and `tether eval` share. A config with these also has `max_new_tokens`."""
+
+    # ---- environments and tools (docs/agents.md)
+    env: str = ""
+    """An environment factory `file.py:make_env` (or `module:make_env`), or an adapter: `reasoning-gym:<dataset>[?size=...]`, `openenv:<server url>` (docs/agents.md). Each prompt row starts an episode of turns, the policy's and the environment's, rewarded by the environment; the row goes to its reset()."""
+    tools: list[str] = dataclasses.field(default_factory=list)
+    """Typed Python functions the model may call (`file.py:add`): a ready environment whose episode ends when the model answers without a call, that answer scored by --reward-fn (generate writes the episodes unscored)."""
+    max_turns: int = 4
+    """Most turns of the policy in an episode (--max-new-tokens is per turn)."""
+    max_episode_tokens: int = 0
+    """Most tokens after an episode's first prompt, turns, observations and template tokens together (0: max_turns * (max_new_tokens + max_observation_tokens + 64))."""
+    max_observation_tokens: int = 256
+    """An observation's content longer than this keeps its first tokens and a visible marker."""
+    env_timeout: float = 60.0
+    """Seconds an environment's reset() or step() may take; a call past it stops the run with one line."""
+    env_workers: int = 8
+    """Environment calls that run at once (each synchronous one in a thread of its own)."""
+
+    @property
+    def episodic(self) -> bool:  # derived: the rows are environments' episodes
+        return bool(self.env or self.tools)
+
+    @property
+    def resolved_max_episode_tokens(self) -> int:  # derived: 0 -> every turn and observation
+        if self.max_episode_tokens:
+            return self.max_episode_tokens
+        per_turn = self.max_new_tokens + self.max_observation_tokens + TEMPLATE_ALLOWANCE
+        return self.max_turns * per_turn
+
+    def check_env(self) -> None:
+        """The environment fields' own checks (a config's validate() calls this)."""
+        if self.env and self.tools:
+            raise TetherError("give --env or --tools, not both: --tools is an environment of its "
+                              "own (docs/agents.md)")
+        require_positive(self, "max_turns", "max_observation_tokens", "env_timeout",
+                         "env_workers")
+        require_positive(self, "max_episode_tokens", allow_zero=True)
+        if self.max_episode_tokens and self.max_episode_tokens < self.max_new_tokens:
+            raise TetherError(f"--max-episode-tokens {self.max_episode_tokens} is less than one "
+                              f"turn of --max-new-tokens {self.max_new_tokens}; raise it, or 0 "
+                              "for every turn and observation")
+        if not self.episodic:
+            given = [f.name for f in dataclasses.fields(EnvOptions)
+                     if f.name not in ("env", "tools") and getattr(self, f.name) != f.default]
+            if given:
+                raise TetherError(f"--{given[0].replace('_', '-')} shapes episodes with an "
+                                  "environment; pass --env or --tools, or drop it")
+
+
 def check_run_name(name: str) -> None:
     """A run name is one plain directory name: never a path that could leave `output_dir`."""
     if not name or "/" in name or "\\" in name or name in (".", ".."):
@@ -152,7 +209,7 @@ OUTPUT_PATH_FIELDS = frozenset({"output_dir", "output"})  # always local: made a
 INPUT_PATH_FIELDS = frozenset({"model", "policy", "ref_model", "reward_model", "reference", "data",
                                "eval_data", "normalize_data", "prompts", "eval_prompts", "runs",
                                "grid"})  # absolute when they exist here; else a hub name, kept
-FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn"})  # file.py:function; module:function kept
+FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn", "env", "tools"})  # file.py:function; module:function kept
 
 
 def section(cls: type[C], cfg: Any, **derived: Any) -> C:

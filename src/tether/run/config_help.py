@@ -90,11 +90,18 @@ def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
     return shown
 
 
+# List fields whose items never hold a comma (`file.py:function`), so commas may join them too.
+COMMA_LISTS = frozenset({"tools"})
+
+
 def _list_note(name: str, tp: Any) -> str:
     """How a list flag takes its values: several after one flag, each value one item."""
     if typing.get_origin(tp) not in (list, tuple):
         return ""
-    return f" Several values follow one flag (--{name.replace('_', '-')} A B), not comma-separated."
+    flag = name.replace("_", "-")
+    if name in COMMA_LISTS:
+        return f" Several values follow one flag (--{flag} A B) or join with commas (A,B)."
+    return f" Several values follow one flag (--{flag} A B), not comma-separated."
 
 
 def help_text(cls: type, prog: str, description: str) -> str:

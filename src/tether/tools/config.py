@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.run.config import check_device, check_stop_strings, require_positive
+from tether.run.config import EnvOptions, check_device, check_stop_strings, require_positive
 
 
 @dataclass(kw_only=True)
-class SamplingConfig:
+class SamplingConfig(EnvOptions):
     """Fields shared by generate and eval: the model, the prompts and how responses are sampled."""
 
     model: str
@@ -45,12 +45,16 @@ class SamplingConfig:
     """Who samples: native (tether's sampler) or vllm (vLLM in this process; pip install -e '.[vllm]'; docs/engine.md)."""
     engine_kv_cache_mb: int = 512
     """vllm: the engine's KV cache in MiB."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a response (kept in it); EOS always ends one."""
 
     def validate(self) -> None:
         require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size",
                          "engine_kv_cache_mb")
         require_positive(self, "threads", allow_zero=True)
         check_device(self.device)
+        check_stop_strings(self.stop_strings)
+        self.check_env()
 
 
 @dataclass(kw_only=True)
@@ -61,13 +65,10 @@ class GenerateConfig(SamplingConfig):
     """JSONL file to write ({prompt, response, sample, ended, length} per line); empty: stdout."""
     samples_per_prompt: int = 1
     """Responses per prompt, written in consecutive lines."""
-    stop_strings: list[str] = field(default_factory=list)
-    """Strings that end a response (kept in it); EOS always ends one."""
 
     def validate(self) -> None:
         super().validate()
         require_positive(self, "samples_per_prompt")
-        check_stop_strings(self.stop_strings)
 
 
 @dataclass(kw_only=True)

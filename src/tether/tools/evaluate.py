@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from tether.data.prompts import load_prompts
+from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.hub_reward import reward_model_kind
 from tether.models.prepare import load_frozen_lm
@@ -28,14 +29,24 @@ from tether.models.pretrained import (
     load_tokenizer,
     policy_eos_ids,
 )
+from tether.models.reward_model import position_limit
 from tether.rl.engines import make_engine
-from tether.rl.evaluation import Reward, eval_inputs, evaluate_policy, measure_responses
+from tether.rl.env.load import load_environment
+from tether.rl.evaluation import (
+    EVAL_SEED_OFFSET,
+    Evaluation,
+    Reward,
+    eval_inputs,
+    evaluate_policy,
+    measure_responses,
+)
 from tether.rl.rewards import (
     load_reward_function,
     load_reward_model,
     prompt_originals,
     reward_from_function,
 )
+from tether.rl.sources import load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
 from tether.run.distributed import on_device
@@ -79,6 +90,12 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
     before any model loads, with the reward model's kind (read from its config alone)."""
     if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
         raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
+    if cfg.env and (cfg.reward_model or cfg.reward_fn or reward_fn):
+        raise TetherError("an environment rewards its own episodes; drop --reward-fn and "
+                          "--reward-model (or score inside the environment's step)")
+    if cfg.tools and (cfg.reward_model or not (cfg.reward_fn or reward_fn)):
+        raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
+                          "give a reward function (docs/agents.md)")
     if cfg.reward_model:
         reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:
@@ -126,8 +143,11 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     out = output_path(cfg) if write else None
     # What needs no model first: a bad function, prompt file or reference fails in seconds.
     reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
+    env = load_environment(cfg.env) if cfg.env else None
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
+    rows = load_rows(cfg.prompts)
+    if not cfg.episodic:
+        load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
     reference_path = cfg.reference or default_reference(cfg.model) or cfg.model
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
@@ -137,15 +157,24 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
                                device)
     reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
-    inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model),
-                         cfg)
-    engine = make_engine(cfg, policy, prompt_ids=inputs.prompt_ids, d=on_device(device))
+    eos = policy_eos_ids(tokenizer, policy, cfg.model)
+    inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not cfg.episodic else None
+    limit = position_limit(policy.config, tokenizer) if cfg.episodic else None
+    engine = make_engine(cfg, policy, d=on_device(device), longest_prompt=longest_prompt(
+        cfg, inputs.prompt_ids if inputs else [], limit))
+    source = make_source(cfg, engine, tokenizer, prompts=inputs.prompts if inputs else [],
+                         prompt_ids=inputs.prompt_ids if inputs else [], rows=rows,
+                         reward=reward if not cfg.tools else reward_fn, env=env,
+                         tools=load_tools(cfg.tools), eos_token_ids=eos, device=device,
+                         source_name=cfg.prompts, context_limit=limit,
+                         env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
     try:
         metrics, samples = evaluate_policy(
-            engine, lambda rollout: measure_responses(policy, reference, rollout,
-                                                      cfg.chunked_lm_head),
-            tokenizer, inputs, reward, gold, device)
+            Evaluation(source, len(rows), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET),
+            lambda rollout: measure_responses(policy, reference, rollout, cfg.chunked_lm_head),
+            gold)
     finally:
+        source.close()
         engine.close()
     if out is not None:
         record = {"metrics": metrics, "reference": reference_path,

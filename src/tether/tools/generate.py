@@ -14,11 +14,15 @@ from pathlib import Path
 import torch
 
 from tether.data.prompts import left_pad, load_prompts
+from tether.data.rows import load_rows
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
+from tether.models.reward_model import position_limit
 from tether.rl.engines import RolloutEngine, make_engine
-from tether.rl.evaluation import eval_inputs
+from tether.rl.env.load import load_environment
+from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
+from tether.rl.sources import load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
@@ -26,13 +30,21 @@ from tether.run.threads import use_threads
 from tether.tools.config import GenerateConfig
 from tether.tools.outputs import check_output
 
+SAMPLE_SEED_STRIDE = 1_000_003  # sample s of an episode draws the noise of seed + s strides
+
 
 @torch.no_grad()
-def generate(cfg: GenerateConfig) -> list[dict]:
+def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     """One row {prompt, response, sample, ended, length} per sample, `samples_per_prompt`
-    consecutive rows per prompt, in prompt order."""
+    consecutive rows per prompt, in prompt order; with an environment (--env, --tools, or `env`
+    a factory) one row per episode (`tether.rl.env.episodes.record`, with its row and sample)."""
     device = resolve_device(cfg.device)
+    if env is None and cfg.env:  # before any model loads
+        env = load_environment(cfg.env)
+    tools = load_tools(cfg.tools)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if env is not None or tools:
+        return _episodes(cfg, tokenizer, env, tools, device)
     load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
     use_threads(cfg.threads, policy, device)
@@ -40,7 +52,8 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
     # `tether eval` scores with the same settings.
     gen = torch.Generator(device).manual_seed(inputs.seed)
-    engine = make_engine(cfg, policy, prompt_ids=inputs.prompt_ids, d=on_device(device))
+    engine = make_engine(cfg, policy, longest_prompt=max(map(len, inputs.prompt_ids)),
+                         d=on_device(device))
     try:
         by_prompt = _sample_all(cfg, tokenizer, engine, inputs, gen, device)
     finally:
@@ -69,6 +82,35 @@ def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
                                      "sample": sample, "ended": bool(rollout.ended[offset]),
                                      "length": int(lengths[offset])})
     return by_prompt
+
+
+def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[dict]:
+    """Every prompt row's `samples_per_prompt` episodes, each sample drawing its own noise; the
+    environment seeds follow the rows (sample s of a row meets the environment sample 0 met)."""
+    rows = load_rows(cfg.prompts)
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    use_threads(cfg.threads, policy, device)
+    eos = policy_eos_ids(tokenizer, policy, cfg.model)
+    limit = position_limit(policy.config, tokenizer)
+    engine = make_engine(cfg, policy, longest_prompt=longest_prompt(cfg, [], limit),
+                         d=on_device(device))
+    source = make_source(cfg, engine, tokenizer, prompts=[], prompt_ids=[], rows=rows,
+                         reward=None, env=env, tools=tools, eos_token_ids=eos, device=device,
+                         source_name=cfg.prompts, context_limit=limit,
+                         env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
+    indices = list(range(len(rows)))
+    out: list[list[dict]] = [[] for _ in rows]
+    try:
+        for sample in range(cfg.samples_per_prompt):
+            for start in range(0, len(rows), cfg.batch_size):
+                part = source.collect(indices, slice(start, start + cfg.batch_size),
+                                      cfg.seed + EVAL_SEED_OFFSET + sample * SAMPLE_SEED_STRIDE)
+                for offset, record in enumerate(part.records):
+                    out[start + offset].append({"row": start + offset, "sample": sample} | record)
+    finally:
+        source.close()
+        engine.close()
+    return [record for group in out for record in group]
 
 
 def cli(argv: list[str]) -> int:

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from tether.advantages import ScoreNormalizer, overlong_penalty
 from tether.errors import TetherError
@@ -38,32 +40,36 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
+from tether.rl.rewards import function_name
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
-from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+from tether.rl.rollout import Rollout, decode_responses
 from tether.rl.scoring import explained_variance, kl_sums
 from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
-from tether.run.distributed import all_gather_rows, barrier
+from tether.run.distributed import all_gather_objects, all_gather_rows, barrier, global_mean
 from tether.run.optim import NonFiniteStep
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import Setup, build, prompt_batch
+from tether.train.ppo_setup import Setup, batch_rows, build
 from tether.train.ppo_watch import collapsed, watch_for
 
 __all__ = ["PPOConfig", "run", "cli"]
 
 
-def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
+def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
 
     `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
-    of --reward-fn / --gold-fn (give a reward one way only).
+    of --reward-fn / --gold-fn (give a reward one way only). `env`: an environment factory (a
+    class or a function returning an environment; docs/agents.md), used instead of --env.
     """
+    if env is not None and not cfg.env:  # recorded by name: config.yaml says what ran
+        cfg = replace(cfg, env=function_name(env))
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
-    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn)  # every bad input fails here
+    setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn, env=env)  # bad input fails here
     d, metrics = setup.dist, {}
     models, normalizer, start = begin(rundir, setup, cfg)
     watch = watch_for(cfg, quiet=not d.is_main)
@@ -78,12 +84,13 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
             drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)
             prompts, rollout, raw_scores = drawn.prompts, drawn.rollout, drawn.raw_scores
             mine = rank_slice(len(prompts), d)
-            scores = batch_scores(drawn.scores, normalizer, cfg)
+            scores = batch_scores(drawn, normalizer, cfg)
 
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
             #      the KL in the loss, beta moves there), advantages, PPO epochs; engine sync.
             beta = setup.kl_ctl.beta
-            done, lr = update(setup, rollout, scores, beta, seed)
+            done, lr = update(setup, rollout, scores, beta, seed,
+                              drawn.turn_rewards if cfg.reward_per_turn else None)
 
             # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
             seq_kl = done.kl.sum(dim=1).mean().item()
@@ -114,7 +121,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> RunResult:
         bar.close()
         if sys.exc_info()[0] is not None:
             rundir.release()  # stopped: free the directory, as an exiting process would
-            setup.engine.close()  # a failed or stopped run leaves no engine behind
+            close_sources(setup)  # a failed or stopped run leaves no engine behind
     return finish(rundir, setup, cfg, metrics)
 
 
@@ -138,20 +145,28 @@ def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig
 def finish(rundir: RunDir, setup: Setup, cfg: PPOConfig, metrics: dict[str, float]) -> RunResult:
     """After the last batch: the final evaluation, the engine stopped, the policy saved."""
     metrics |= final_evaluation(rundir, setup, cfg)
-    setup.engine.close()
+    close_sources(setup)
     save_policy(rundir, setup, cfg)
     metrics["objective/beta_final"] = setup.kl_ctl.beta
     return RunResult(output_path=rundir.final_dir, metrics=metrics)
 
 
-def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float,
-           seed: int) -> tuple[BatchUpdate, float]:
+def close_sources(setup: Setup) -> None:
+    """Stop the engine and the environments' event loops."""
+    setup.source.close()
+    if setup.eval is not None:
+        setup.eval.source.close()
+    setup.engine.close()
+
+
+def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, seed: int,
+           placed: torch.Tensor | None = None) -> tuple[BatchUpdate, float]:
     """Steps 2-4 and the schedule's step; (what they did, the learning rate they used). The
     engine sleeps through them (a GPU engine frees its KV cache) and takes the new weights after,
     for the next rollout."""
     setup.engine.sleep()
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
-                        setup.spec, torch.Generator().manual_seed(seed))
+                        setup.spec, torch.Generator().manual_seed(seed), placed)
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
     setup.scheduler.step()
     synced = time.perf_counter()
@@ -169,52 +184,64 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
     d = setup.dist
 
     def draw(round_: int) -> Drawn:
-        prompts, prompt_ids, prompt_mask = prompt_batch(setup, cfg, batch, round_)
-        uniforms = sampling_uniforms(seed + round_ * 1_000_000_007, len(prompts),
-                                     cfg.max_new_tokens)
-        mine = rank_slice(len(prompts), d)
-        # With --mixed-precision bf16 every model forward runs under autocast; log-probs, values
-        # and scores come out in fp32.
+        rows = batch_rows(setup, cfg, batch, round_)
+        # Each rank draws its rows from the source (the prompts answered once, or environments'
+        # episodes). With --mixed-precision bf16 every model forward runs under autocast;
+        # log-probs, values and scores come out in fp32.
         with autocast(cfg.mixed_precision, setup.device):
-            rollout, raw_scores = rollout_batch(setup, cfg, prompts[mine], prompt_ids[mine],
-                                                prompt_mask[mine], uniforms[mine])
-        rollout, raw_scores = gather_rollout(rollout, d), all_gather_rows(raw_scores, d)
-        return Drawn(prompts, rollout, raw_scores, penalised_scores(raw_scores, rollout, cfg))
+            part = setup.source.collect(rows, rank_slice(len(rows), d),
+                                        seed + round_ * 1_000_000_007)
+        rollout = gather_rollout(part.rollout, d, setup.tokenizer.pad_token_id)
+        raw_scores = all_gather_rows(part.scores, d)
+        turns = (None if part.turn_rewards is None else all_gather_rows(
+            F.pad(part.turn_rewards, (0, rollout.responses.shape[1]
+                                      - part.turn_rewards.shape[1])), d))
+        return Drawn(all_gather_objects(part.prompts, d), rollout, raw_scores,
+                     penalised_scores(raw_scores, rollout, cfg), turns,
+                     {k: global_mean(v * len(part.prompts), len(part.prompts), d)
+                      for k, v in part.stats.items()})
     if not cfg.dynamic_sampling:
-        return draw(0), {}
-    return collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling,
-                   setup.tokenizer.pad_token_id)
+        drawn = draw(0)
+        return drawn, dict(drawn.stats)
+    drawn, stats = collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling,
+                           setup.tokenizer.pad_token_id)
+    return drawn, stats | drawn.stats
 
 
-def rollout_batch(setup: Setup, cfg: PPOConfig, prompts: list[str], prompt_ids, prompt_mask,
-                  uniforms: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
-    """This rank's rows of a batch of prompts: the responses the engine samples (`uniforms`: the
-    rows' noise), cut at the stop strings, and their [B] scores by the reward."""
-    pad = setup.tokenizer.pad_token_id
-    rollout = setup.engine.sample(prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature,
-                                  eos_token_ids=setup.eos_token_ids, pad_token_id=pad,
-                                  uniforms=uniforms)
-    rollout = apply_stop_strings(rollout, setup.tokenizer, cfg.stop_strings, pad)
-    responses = decode_responses(setup.tokenizer, rollout)
-    return rollout, setup.reward(prompts, responses, rollout).to(setup.device)
-
-
-def batch_scores(penalised: torch.Tensor, normalizer: ScoreNormalizer,
-                 cfg: PPOConfig) -> torch.Tensor:
+def batch_scores(drawn: Drawn, normalizer: ScoreNormalizer, cfg: PPOConfig) -> torch.Tensor:
     """The [B] scores the rewards are shaped with: the penalised scores (`penalised_scores`, as
-    the batch's `Drawn` holds them), normalised (--score-norm), clipped to +-(--reward-clip)."""
-    scores = normalizer(penalised)
+    the batch's `Drawn` holds them), normalised (--score-norm), clipped to +-(--reward-clip),
+    each on an episode's last row (an episode a template split into segments has several rows;
+    the others score 0). With --reward-per-turn the turns' rewards sit on their own tokens
+    (`Drawn.turn_rewards`) and these scores hold the length penalties alone."""
+    last = last_rows(drawn.rollout)
+    penalised = drawn.scores - (drawn.raw_scores if cfg.reward_per_turn else 0.0)
+    scores = torch.zeros_like(penalised)
+    scores[last] = normalizer(penalised[last])
     return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
 
 
+def last_rows(rollout: Rollout) -> torch.Tensor:
+    """[B] bool: the rows that end an episode (every row, unless a template split episodes)."""
+    if rollout.episode is None:
+        return torch.ones(len(rollout), dtype=torch.bool, device=rollout.input_ids.device)
+    episode = rollout.episode
+    return torch.cat([episode[1:] != episode[:-1], episode.new_ones(1, dtype=torch.bool)])
+
+
 def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig) -> torch.Tensor:
-    """[B] raw scores less --missing-eos-penalty for responses that never ended, plus DAPO's
-    --overlong-penalty for long ones."""
-    scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended).float()
+    """[B] raw scores less --missing-eos-penalty for responses (episodes) that never ended, plus
+    DAPO's --overlong-penalty for long ones, counted over the policy's own tokens (an episode's,
+    over all its rows), on each episode's last row."""
+    last = last_rows(rollout)
+    scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended & last).float()
     if cfg.overlong_penalty:
-        lengths = rollout.action_mask.sum(dim=1)  # the policy's own tokens
-        scores = scores + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
+        sampled = rollout.action_mask.sum(dim=1)  # the policy's own tokens, not observations
+        episodes = rollout.episode_ids()
+        lengths = torch.zeros(int(episodes.max()) + 1, dtype=sampled.dtype,
+                              device=sampled.device).index_add_(0, episodes, sampled)[episodes]
+        limit = cfg.resolved_max_episode_tokens if cfg.episodic else cfg.max_new_tokens
+        scores = scores + overlong_penalty(lengths, limit, cfg.overlong_penalty) * last
     return scores
 
 
@@ -256,9 +283,9 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
         # Sampled with the same seed each time: successive evaluations differ only through the
         # policy (tether.rl.evaluation.evaluate_policy).
         metrics, samples = evaluate_policy(
-            setup.engine, lambda rollout: setup.roles.peek(lambda policy, _critic: (
+            setup.eval, lambda rollout: setup.roles.peek(lambda policy, _critic: (
                 measure_responses(policy, setup.reference, rollout, cfg.chunked_lm_head))),
-            setup.tokenizer, setup.eval, setup.reward, setup.gold, setup.device)
+            setup.gold)
     rundir.log_samples(step, samples)
     return metrics
 

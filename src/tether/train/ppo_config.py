@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from tether.errors import TetherError
-from tether.run.config import RunConfig, check_stop_strings, require_positive
+from tether.run.config import EnvOptions, RunConfig, check_stop_strings, require_positive
 
 
 @dataclass(kw_only=True)
-class PPOConfig(RunConfig):
+class PPOConfig(RunConfig, EnvOptions):
     """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
 
     STAGE: ClassVar[str] = "ppo"  # the command; recorded in the run directory
@@ -79,6 +79,8 @@ class PPOConfig(RunConfig):
     """vllm: rows whose engine-vs-trainer KL (summed k3, nats) passes this get no policy gradient (0: off)."""
 
     # ---- reward shaping and the KL penalty
+    reward_per_turn: bool = False
+    """Environments: each turn's reward on that turn's last token (credit by turn, for gae and reinforce++), instead of the episode's summed reward on its last token; --score-norm and --reward-clip then shape the length penalties alone."""
     kl_in: Literal["reward", "loss"] = "reward"
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
     kl_estimator: Literal["auto", "k1", "k2", "k3", "abs", "k3_ratio", "exact"] = "auto"
@@ -202,7 +204,15 @@ class PPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.check_env()
         check_stop_strings(self.stop_strings)
+        if self.reward_per_turn and not self.episodic:
+            raise TetherError("--reward-per-turn places each turn's reward of an environment; pass "
+                              "--env or --tools, or drop it")
+        if self.reward_per_turn and self.advantage in ("rloo", "grpo"):
+            raise TetherError(f"--reward-per-turn gives credit by turn to gae and reinforce++; "
+                              f"--advantage {self.advantage} compares whole episodes (their summed "
+                              "reward), so drop it or use gae or reinforce++")
         if self.kl_in == "loss" and self.resolved_kl_estimator in ("k1", "abs"):
             raise TetherError(f"--kl-estimator {self.resolved_kl_estimator} has no useful gradient as "
                               "a loss term; use k3_ratio (the default), k2, k3 or exact with "

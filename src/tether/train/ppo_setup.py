@@ -19,6 +19,7 @@ from torch import nn
 
 from tether import kl as kl_lib
 from tether.data.prompts import left_pad, load_prompts, prompt_indices
+from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
 from tether.models.hub_reward import reward_model_kind
@@ -31,13 +32,15 @@ from tether.models.prepare import (
 )
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
 from tether.models.reference import check_reference, reference_model
-from tether.models.reward_model import shared_reward_model
+from tether.models.reward_model import position_limit, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, make_engine
-from tether.rl.evaluation import EvalInputs, eval_inputs
+from tether.rl.env.load import load_environment
+from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.rewards import (
     Reward,
     check_one_reward,
+    function_name,
     load_reward_function,
     load_reward_model,
     prompt_originals,
@@ -45,6 +48,7 @@ from tether.rl.rewards import (
     reward_from_model,
 )
 from tether.rl.roles import Roles
+from tether.rl.sources import RolloutSource, load_tools, longest_prompt, make_source
 from tether.rl.update import UpdateSpec
 from tether.run.config import section
 from tether.run.distributed import Dist
@@ -68,15 +72,17 @@ class Setup:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: kl_lib.KLController
-    reward: Reward
+    reward: Reward | None  # the prompts' reward (None: an environment rewards its episodes)
     reward_model: nn.Module | None  # the model behind `reward`, when it is one
     gold: Callable | None
     eos_token_ids: list[int]
-    prompts: list[str]
+    prompts: list[str]  # the prompt rows' texts and ids (empty when environments start them)
     prompt_ids: list[list[int]]
-    eval: EvalInputs | None  # the held-out evaluation's inputs (None without --eval-prompts)
+    n_rows: int  # rows of the prompt file
+    eval: Evaluation | None  # the held-out evaluation (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
     engine: RolloutEngine  # who samples (--engine), synced after every update
+    source: RolloutSource  # where a batch's rows come from: prompts, or episodes
 
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
@@ -114,17 +120,15 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
                           "--num-minibatches or --micro-batch-size")
 
 
-def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
+def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     """Load and check everything; any bad input fails here, before the first batch."""
-    reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
+    reward_fn, gold_fn, env, tools = _user_code(cfg, reward_fn, gold_fn, env)
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
     check_world(cfg, d)
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
-    prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    if cfg.eval_prompts:  # checked now; encoded for use once the EOS set is known (below)
-        load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
+    prompts, prompt_ids, rows = _prompt_rows(cfg, tokenizer)
     if cfg.reward_model:  # what kind of reward model it is, from its config alone
         reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
@@ -160,32 +164,83 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None) -> Setup:
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
     eos = policy_eos_ids(tokenizer, policy, cfg.policy)
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
-    evaluation = eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg) if cfg.eval_prompts else None
+    held_out = (eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg)
+                if cfg.eval_prompts and not cfg.episodic else None)
     # The engine starts from the policy as prepared (after the wrapper: FSDP2 shards are
     # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
+    # An episode's context never outgrows the positions the policy reads.
+    limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
     engine = make_engine(cfg, lm.model, peft=lm.peft, d=d, run_model=roles.run_policy,
-                         prompt_ids=prompt_ids + (evaluation.prompt_ids if evaluation else []))
+                         longest_prompt=longest_prompt(cfg, prompt_ids + (held_out.prompt_ids
+                                                                          if held_out else []),
+                                                       limit))
+    reward = roles.scorer(reward) if reward is not None else None
+
+    def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
+               env_seed_base: int | None = None):
+        return make_source(cfg, engine, tokenizer, prompts=texts, prompt_ids=ids, rows=table,
+                           reward=reward if reward is not None else reward_fn, env=env,
+                           tools=tools, eos_token_ids=eos, device=device, source_name=name,
+                           context_limit=limit, env_seed_base=env_seed_base)
+    evaluation = None
+    if cfg.eval_prompts:  # the same kind of source as training's, on the held-out rows
+        table = load_rows(cfg.eval_prompts)
+        evaluation = Evaluation(source(held_out.prompts if held_out else [],
+                                       held_out.prompt_ids if held_out else [], table,
+                                       cfg.eval_prompts, cfg.seed + EVAL_SEED_OFFSET),
+                                len(table), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET)
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
-                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=roles.scorer(reward),
+                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
                  reward_model=reward_model, gold=gold, eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, eval=evaluation, spec=update_spec(cfg, d), engine=engine)
+                 prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
+                 spec=update_spec(cfg, d), engine=engine,
+                 source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 
-def _reward_functions(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | None
-                      ) -> tuple[Callable | None, Callable | None]:
-    """The reward and gold functions, imported when named. What needs no model comes first,
-    cheapest first: a bad flag, function, file or path fails in seconds, before anything large
-    loads (the reward and gold functions need no tokenizer)."""
+def _prompt_rows(cfg: PPOConfig, tokenizer) -> tuple[list[str], list[list[int]], list[dict]]:
+    """(prompt texts, their ids, the rows): the prompt file encoded by the rule every stage uses,
+    or, for environments, its rows as they are (any columns: reset() reads them). The eval
+    prompts are checked now, and encoded once the EOS set is known."""
+    rows = load_rows(cfg.prompts)
+    if not rows:
+        raise TetherError(f"--prompts {cfg.prompts} holds no rows; give at least one")
+    if cfg.episodic:
+        if cfg.eval_prompts and not load_rows(cfg.eval_prompts):
+            raise TetherError(f"--eval-prompts {cfg.eval_prompts} holds no rows; give at least one")
+        return [], [], rows
+    prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
+    if cfg.eval_prompts:
+        load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
+    return prompts, prompt_ids, rows
+
+
+def _user_code(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | None,
+               env: Callable | None) -> tuple[Callable | None, Callable | None,
+                                              Callable | None, list[Callable]]:
+    """The reward and gold functions, the environment factory and the tools, imported when
+    named. What needs no model comes first, cheapest first: a bad flag, function, file or path
+    fails in seconds, before anything large loads (none of them needs a tokenizer)."""
     for name in ("policy", "prompts"):
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
-    check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+    if env is not None or cfg.env:
+        if env is not None and cfg.env not in ("", function_name(env)):
+            raise TetherError("give the environment once: --env or the Python env argument")
+        if reward_fn is not None or cfg.reward_fn or cfg.reward_model:
+            raise TetherError("an environment rewards its own episodes; drop --reward-fn and "
+                              "--reward-model (or score inside the environment's step)")
+        env = env or load_environment(cfg.env)
+    else:
+        check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+        if cfg.tools and (cfg.reward_model or reward_fn is None and not cfg.reward_fn):
+            raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
+                              "give a reward function (docs/agents.md)")
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_function(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
-    return reward_fn, gold_fn
+    return reward_fn, gold_fn, env, load_tools(cfg.tools)
 
 
 def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,
@@ -196,6 +251,8 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | No
     the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
     text: the prompt as its row gave it (`prompt_originals`, so a chat is rendered with the reward
     model's own template), the response as sampled."""
+    if cfg.episodic:  # the environment rewards its episodes (--tools: with reward_fn itself)
+        return None, None, None
     if not cfg.reward_model:
         return reward_from_function(reward_fn, "reward function"), None, None
     shared = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
@@ -223,17 +280,22 @@ def _owns_weights(model: nn.Module) -> bool:
     return any(True for _ in model.parameters())
 
 
-def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0):
-    """The prompts of rollout batch `batch`, each repeated `samples_per_prompt` times in
-    consecutive rows (the groups rloo and grpo compare), left-padded on the device. The whole
-    global batch on every rank, padded to its width: a rank's slice of it has the global width.
+def batch_rows(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0) -> list[int]:
+    """The prompt rows of rollout batch `batch`, each repeated `samples_per_prompt` times in
+    consecutive rows (the groups rloo and grpo compare): the whole global batch, on every rank.
 
     `round_` j >= 1: the batch's j-th refill under --dynamic-sampling, drawn from the prompt
     stream of another seed at the same position, so it too is a pure function of (seed, batch)
     and a resumed run draws what the uninterrupted one did."""
     seed = cfg.seed if round_ == 0 else cfg.seed + 7_919 * round_
-    rows = [i for i in prompt_indices(len(setup.prompts), cfg.prompts_per_batch, seed, batch)
+    return [i for i in prompt_indices(setup.n_rows, cfg.prompts_per_batch, seed, batch)
             for _ in range(cfg.samples_per_prompt)]
+
+
+def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0):
+    """The prompt texts of batch `batch` and their ids and mask, left-padded on the device to
+    the global batch's width (what the single-turn source samples from)."""
+    rows = batch_rows(setup, cfg, batch, round_)
     ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
                          setup.device)
     return [setup.prompts[i] for i in rows], ids, mask

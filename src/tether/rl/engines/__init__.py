@@ -69,19 +69,19 @@ class EngineSettings(Protocol):
 RunModel = Callable[[Callable[[nn.Module], Rollout]], Rollout]
 
 
-def _native(settings, model, peft, prompt_ids, d, run_model) -> RolloutEngine:
+def _native(settings, model, peft, longest_prompt, d, run_model) -> RolloutEngine:
     from tether.rl.engines.native import start
 
     return start(model, d, run_model)
 
 
-def _vllm(settings, model, peft, prompt_ids, d, run_model) -> RolloutEngine:
+def _vllm(settings, model, peft, longest_prompt, d, run_model) -> RolloutEngine:
     from tether.rl.engines.vllm_engine import start
 
-    return start(settings, model, peft, prompt_ids, d)
+    return start(settings, model, peft, longest_prompt, d)
 
 
-# name -> start(settings, model, peft, prompt_ids, d, run_model); vLLM is imported only when
+# name -> start(settings, model, peft, longest_prompt, d, run_model); vLLM is imported only when
 # asked for (it is an optional extra, and heavy).
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
 # The engines that sample from another implementation of the policy, whose log-probs differ
@@ -89,12 +89,12 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 OWN_LOGPROBS = frozenset({"vllm"})
 
 
-def make_engine(settings: EngineSettings, model: nn.Module, *, prompt_ids: Sequence[Sequence[int]],
-                d: Dist, peft: nn.Module | None = None,
-                run_model: RunModel | None = None) -> RolloutEngine:
+def make_engine(settings: EngineSettings, model: nn.Module, *, longest_prompt: int, d: Dist,
+                peft: nn.Module | None = None, run_model: RunModel | None = None) -> RolloutEngine:
     """The engine `settings.engine` names, ready to sample `model`.
 
-    `prompt_ids`: every prompt the engine will see (an engine sizes its longest sequence from
-    them). `peft`: the PeftModel holding the policy's adapter, when it trains one. `run_model`:
-    how the native engine calls the policy (default: directly, for a frozen model)."""
-    return ENGINES[settings.engine](settings, model, peft, prompt_ids, d, run_model)
+    `longest_prompt`: the longest context the engine will be given (with `max_new_tokens`, an
+    engine sizes its longest sequence from it). `peft`: the PeftModel holding the policy's
+    adapter, when it trains one. `run_model`: how the native engine calls the policy (default:
+    directly, for a frozen model)."""
+    return ENGINES[settings.engine](settings, model, peft, longest_prompt, d, run_model)

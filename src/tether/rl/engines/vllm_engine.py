@@ -378,21 +378,21 @@ def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[li
                    engine_logprobs=engine_logprobs.to(device))
 
 
-def start_engine(model: nn.Module, peft: nn.Module | None, prompt_ids: Sequence[Sequence[int]],
+def start_engine(model: nn.Module, peft: nn.Module | None, longest_prompt: int,
                  max_new_tokens: int, *, kv_cache_mb: int, dtype: str, seed: int, d: Dist,
                  device: torch.device) -> VLLMEngine:
-    """A `VLLMEngine` on `model` sized for these prompts (every prompt the run samples from: the
-    longest plus `max_new_tokens` is the engine's longest sequence)."""
-    longest = max((len(p) for p in prompt_ids), default=1)
-    return VLLMEngine(model, peft, EngineOptions(kv_cache_mb, dtype, longest + max_new_tokens,
-                                                 seed), d, device)
+    """A `VLLMEngine` on `model` whose longest sequence is the longest context it will be given
+    plus `max_new_tokens`."""
+    return VLLMEngine(model, peft, EngineOptions(kv_cache_mb, dtype,
+                                                 max(longest_prompt, 1) + max_new_tokens, seed),
+                      d, device)
 
 
-def start(settings, model: nn.Module, peft: nn.Module | None,
-          prompt_ids: Sequence[Sequence[int]], d: Dist) -> VLLMEngine:
+def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int,
+          d: Dist) -> VLLMEngine:
     """`make_engine`'s entry: the engine computes in what the trainer computes in (bf16 under
     --mixed-precision bf16, else the weights' dtype), on this process's device (`d.device`)."""
     dtype = "bfloat16" if getattr(settings, "mixed_precision", "no") == "bf16" else settings.dtype
-    return start_engine(model, peft, prompt_ids, settings.max_new_tokens,
+    return start_engine(model, peft, longest_prompt, settings.max_new_tokens,
                         kv_cache_mb=settings.engine_kv_cache_mb, dtype=dtype, seed=settings.seed,
                         d=d, device=d.device)

@@ -1,0 +1,185 @@
+"""Where a batch's rows come from: prompts answered once and scored by a reward, or episodes of
+an environment. The loop draws its batches from one `RolloutSource` (`make_source` chooses,
+once) and never asks which.
+
+    PromptSource   each prompt row answered once by the engine, cut at the stop strings, scored
+                   by the reward (a reward model or a Python function)
+    EnvSource      each prompt row the start of an episode (tether.rl.env): reset, then turns of
+                   the policy and answers of the environment, rewarded by it
+
+Both take the global batch's prompt rows (each prompt k times, consecutive) and this rank's
+slice of them (or an evaluation's chunk), and return those rows, padded to their own widths
+(`tether.rl.roles.gather_rollout` pads ranks to one width). Noise: turn t of row i draws row i
+of `sampling_uniforms(noise_seed + t * TURN_SEED_STRIDE, rows, max_new_tokens)`, so turn 0 is
+what a one-turn source draws, and every draw is a function of (seed, batch, row, turn) alone,
+whatever the slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tether.data.prompts import left_pad
+from tether.rl.engines import RolloutEngine
+from tether.rl.env.calls import EnvCalls
+from tether.rl.env.episodes import EpisodeLimits, run_episodes
+from tether.rl.env.render import Renderer
+from tether.rl.env.tools import tools_environment
+from tether.rl.rewards import Reward, load_reward_function
+from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+
+TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
+ENV_SEED_STRIDE = 1_000_033  # an episode's environment seed: the run's seed and its prompt row
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn is sampled (--max-new-tokens, --temperature, --stop-strings, the EOS set)."""
+
+    max_new_tokens: int
+    temperature: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class Collected:
+    """This rank's rows of a batch."""
+
+    prompts: list[str]  # each row's prompt text (an episode's first prompt)
+    texts: list[str]  # each row's response (an episode's transcript after its first prompt)
+    rollout: Rollout
+    scores: torch.Tensor | None  # [B] raw scores: the reward's, an episode's summed reward; or
+    # None: a source without a reward (`tether eval` without one)
+    turn_rewards: torch.Tensor | None  # [B, R] each turn's reward on its last token (episodes)
+    stats: dict[str, float]  # means over this rank's episodes (env/...), {} for prompts
+    records: list[dict] | None = None  # each episode as data (tether.rl.env.episodes.record)
+
+
+class RolloutSource(Protocol):
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected: ...
+
+    def close(self) -> None: ...
+
+
+def env_seed(run_seed: int, row: int) -> int:
+    """The environment seed of every episode that starts from prompt row `row`: the k samples of
+    a prompt meet the same environment, and a resumed run meets the ones it met before."""
+    return run_seed * ENV_SEED_STRIDE + row
+
+
+class PromptSource:
+    """One response per prompt row (the single-turn loop)."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, prompts: list[str],
+                 prompt_ids: list[list[int]], reward: Reward | None, sampling: Sampling,
+                 device: torch.device):
+        self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
+        self.prompts, self.prompt_ids = prompts, prompt_ids
+        self.sampling, self.device = sampling, device
+
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        s = self.sampling
+        ids, mask = left_pad([self.prompt_ids[i] for i in rows[mine]], s.pad_token_id,
+                             self.device)
+        uniforms = sampling_uniforms(noise_seed, len(rows), s.max_new_tokens)[mine]
+        rollout = self.engine.sample(ids, mask, max_new_tokens=s.max_new_tokens,
+                                     temperature=s.temperature,
+                                     eos_token_ids=list(s.eos_token_ids),
+                                     pad_token_id=s.pad_token_id, uniforms=uniforms)
+        rollout = apply_stop_strings(rollout, self.tokenizer, s.stop_strings, s.pad_token_id)
+        prompts = [self.prompts[i] for i in rows[mine]]
+        responses = decode_responses(self.tokenizer, rollout)
+        scores = (None if self.reward is None
+                  else self.reward(prompts, responses, rollout).to(self.device))
+        return Collected(prompts, responses, rollout, scores, None, {})
+
+    def close(self) -> None:
+        pass
+
+
+class EnvSource:
+    """Each prompt row the start of an episode (tether.rl.env.episodes)."""
+
+    def __init__(self, engine: RolloutEngine, calls: EnvCalls, renderer: Renderer,
+                 rows: Sequence[dict], limits: EpisodeLimits, sampling: Sampling, run_seed: int,
+                 tokenizer, device: torch.device, source_name: str = "prompts"):
+        self.engine, self.calls, self.renderer = engine, calls, renderer
+        self.rows, self.limits, self.sampling = rows, limits, sampling
+        self.run_seed, self.tokenizer, self.device = run_seed, tokenizer, device
+        self.source_name = source_name
+
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        s = self.sampling
+        indices = rows[mine]
+
+        def noise(turn: int) -> torch.Tensor:
+            return sampling_uniforms(noise_seed + turn * TURN_SEED_STRIDE, len(rows),
+                                     s.max_new_tokens)[mine]
+        episodes = run_episodes(self.engine, self.calls, self.renderer,
+                                [self.rows[i] for i in indices],
+                                [env_seed(self.run_seed, i) for i in indices], noise, self.limits,
+                                tokenizer=self.tokenizer, temperature=s.temperature,
+                                eos_token_ids=s.eos_token_ids, pad_token_id=s.pad_token_id,
+                                stop_strings=s.stop_strings, device=self.device,
+                                where=lambda j: f"episode of {self.source_name} row {indices[j]}")
+        return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,
+                         episodes.rewards, episodes.turn_rewards, episodes.stats,
+                         episodes.records)
+
+    def close(self) -> None:
+        self.calls.close()
+
+
+def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str],
+                prompt_ids: list[list[int]], rows: Sequence[dict], reward: Reward | None,
+                env, tools: list, eos_token_ids: Sequence[int], device: torch.device,
+                source_name: str, context_limit: int | None = None,
+                env_seed_base: int | None = None) -> RolloutSource:
+    """The source the settings ask for, the one place that decides: episodes of `env` (a
+    factory) or of `tools` (Python functions, scored by `reward`), else the prompts answered once
+    and scored by `reward`. `settings`: a config with the sampling and environment fields
+    (PPOConfig; `tether eval` and `tether generate`'s). `context_limit`: the most tokens the
+    policy reads (`tether.models.reward_model.position_limit`), which no episode outgrows.
+    `env_seed_base`: the run seed the environment seeds derive from (`env_seed`; the settings'
+    seed by default), so that held-out episodes meet other environments than training's."""
+    sampling = Sampling(settings.max_new_tokens, settings.temperature, tuple(eos_token_ids),
+                        tokenizer.pad_token_id, tuple(settings.stop_strings))
+    if not (env or tools):
+        return PromptSource(engine, tokenizer, prompts, prompt_ids, reward, sampling, device)
+    schemas = None
+    if tools:
+        env, schemas = tools_environment(tools, reward, tokenizer)
+    calls = EnvCalls(env, settings.env_timeout, settings.env_workers)
+    renderer = Renderer(tokenizer, settings.max_prompt_len, settings.max_observation_tokens,
+                        schemas)
+    limits = EpisodeLimits(settings.max_turns, settings.max_new_tokens,
+                           settings.resolved_max_episode_tokens, context_limit or 0)
+    return EnvSource(engine, calls, renderer, rows, limits, sampling,
+                     settings.seed if env_seed_base is None else env_seed_base, tokenizer,
+                     device, source_name)
+
+
+def longest_prompt(settings, prompt_ids: Sequence[Sequence[int]],
+                   context_limit: int | None = None) -> int:
+    """The longest context an engine is given before a turn: the longest of `prompt_ids`, or for
+    episodes a first prompt and all an episode may hold before its last turn, within the
+    model's `context_limit` less one turn."""
+    if settings.episodic:
+        longest = (settings.max_prompt_len + settings.resolved_max_episode_tokens
+                   - settings.max_new_tokens)
+        if context_limit:
+            longest = min(longest, max(context_limit - settings.max_new_tokens, 1))
+        return longest
+    return max(len(p) for p in prompt_ids)
+
+
+def load_tools(specs: Sequence[str]) -> list:
+    """The functions `--tools` names (`file.py:add,file.py:lookup`, or several values)."""
+    return [load_reward_function(name, "tool") for spec in specs for name in spec.split(",")
+            if name.strip()]
