@@ -503,3 +503,25 @@ for _tool in ("generate", "eval"):
         f"{_tool}:engine": [ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{_tool}]"],
         f"{_tool}:engine_kv_cache_mb": [ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{_tool}]"],
     }
+
+# Environments and tools (docs/agents.md): the online loop's, generate's and eval's
+ENV = "tests/options/test_options_effect_env.py::"
+OPTION_TESTS |= {
+    "online:env": [ENV + "test_env_and_max_turns_shape_the_episodes",
+                   "tests/rl/env/test_bad_envs.py::test_the_cli_prints_one_line_and_exits_2"],
+    "online:tools": [ENV + "test_tools_make_episodes_scored_by_the_reward"],
+    "online:max_turns": [ENV + "test_env_and_max_turns_shape_the_episodes"],
+    "online:max_episode_tokens": [ENV + "test_max_episode_tokens_bounds_what_follows_the_prompt"],
+    "online:max_observation_tokens": [ENV + "test_max_observation_tokens_cuts_a_long_observation"],
+    "online:env_timeout": [ENV + "test_env_timeout_stops_a_hung_step"],
+    "online:env_workers": [ENV + "test_env_workers_bounds_the_calls_at_once"],
+    "online:reward_per_turn": [ENV + "test_reward_per_turn_puts_each_turn_s_reward_on_its_tokens"],
+    "eval:stop_strings": [ENV + "test_eval_stop_strings_cut_each_response"],
+}
+for _tool in ("generate", "eval"):
+    _episodes = [ENV + f"test_episode_options_of_generate_and_eval[{_tool}]"]
+    OPTION_TESTS |= {f"{_tool}:{name}": _episodes for name in (
+        "env", "max_turns", "max_episode_tokens", "max_observation_tokens", "env_timeout",
+        "env_workers")}
+    OPTION_TESTS[f"{_tool}:tools"] = [
+        ENV + f"test_tools_of_generate_and_eval_reach_the_first_prompt[{_tool}]"]

@@ -3,6 +3,7 @@ that was never killed (checkpoints are atomic; data order, RNG and optimizer sta
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,21 @@ from offline_fixtures import preference_rows, sft_rows, write_jsonl
 from safetensors.torch import load_file
 
 from tether.cli import main
+
+ENV = """
+import random
+
+
+class Guess:
+    def reset(self, row, seed):
+        self.rng, self.turn = random.Random(seed), 0
+        return row["prompt"]
+
+    def step(self, action):
+        self.turn += 1
+        hint = self.rng.choice([" warmer", " colder", " again"])
+        return hint, float(len(action) % 3 == self.turn % 3), self.turn == 3
+"""
 
 
 def _argv(stage, model, root, name):
@@ -27,6 +43,12 @@ def _argv(stage, model, root, name):
                 "--total-episodes", "80", "--max-new-tokens", "4", "--lr", "1e-3",
                 "--kl-ctl", "adaptive", "--kl-target", "0.5", "--kl-horizon", "64",
                 "--score-norm", "running", *common]
+    if stage == "ppo-env":  # episodes whose observations depend on the environment's seed
+        (root / "envs.py").write_text(ENV)
+        return ["grpo", "--policy", str(model), "--prompts", str(root / "prompts.jsonl"),
+                "--env", f"{root / 'envs.py'}:Guess", "--max-turns", "3", "--batch-size", "4",
+                "--samples-per-prompt", "2", "--total-episodes", "80", "--max-new-tokens", "4",
+                "--lr", "1e-3", "--stop-strings", "a", "e", "o", *common]
     data = root / ("sft.jsonl" if stage == "sft" else "prefs.jsonl")
     return [stage, "--model", str(model), "--data", str(data), "--batch-size", "4",
             "--max-steps", "60", "--lr", "1e-3", "--lr-schedule", "cosine", *common]
@@ -40,7 +62,7 @@ def _weights(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "ppo-env"])
 def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     write_jsonl(tmp_path / "sft.jsonl", sft_rows(24))
     write_jsonl(tmp_path / "prefs.jsonl", preference_rows(24))
@@ -68,3 +90,5 @@ def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     killed = (run_dir / "metrics.jsonl").read_text().splitlines()
     whole = (tmp_path / "runs" / "whole" / "metrics.jsonl").read_text().splitlines()
     assert [line.split('"perf/')[0] for line in killed] == [line.split('"perf/')[0] for line in whole]
+    if stage == "ppo-env":  # the episodes went past their first turn
+        assert max(json.loads(line)["env/turns"] for line in whole) > 1.5

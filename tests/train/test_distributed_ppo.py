@@ -35,6 +35,21 @@ PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was
 REWARDS = "def length_reward(prompts, responses):\n    return [len(r) / 10.0 for r in responses]\n"
 # Two values only: many groups score alike, so --dynamic-sampling refills batches.
 REWARDS += "def coarse_reward(prompts, responses):\n    return [float(len(r) % 3 == 0) for r in responses]\n"
+# An environment whose episodes last 1, 2 or 3 turns by prompt (a turn ends at a vowel: the tiny
+# untrained model writes bytes, and a turn cut by its budget would end the episode): the
+# ranks' episodes end at different turns, and every rank must keep sampling while any has a live
+# one (FSDP2 gathers the layers in every rank's sampling call together).
+REWARDS += """
+class Turns:
+    def reset(self, row, seed):
+        self.turn, self.turns = 0, 1 + len(row["prompt"]) % 3
+        return row["prompt"]
+
+    def step(self, action):
+        self.turn += 1
+        done = self.turn == self.turns
+        return (None if done else " and then"), len(action) / 10.0, done
+"""
 CONFIGS = {"ppo": PPOConfig, "rloo": RLOOConfig, "grpo": GRPOConfig}
 WEIGHT_ATOL = 1e-5
 
@@ -106,7 +121,8 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
             "policy/grad_norm",
             "rollout/response_len", "policy/updates", "policy/approx_kl", "eval/score", "eval/kl",
             "eval/entropy", "eval/response_len", "rollout/varied_groups", "rollout/dynamic_rounds",
-            "policy/skipped_minibatches")
+            "policy/skipped_minibatches", "env/turns", "env/action_tokens",
+            "env/observation_tokens")
     for a, b in zip(m1, m2, strict=True):
         assert a.keys() == b.keys()
         for key in keys:
@@ -133,6 +149,12 @@ CASES = {
                                             "num_minibatches": 2, "reward_fn": "COARSE",
                                             # some responses end at an "a" (a stop string), the rest run out
                                             "stop_strings": ["a"]}),
+    # Episodes of several turns, sharded, on a LoRA adapter: lock-step turns, rows of each
+    # rank's own width.
+    "grpo-llama-fsdp-lora-env": ("grpo", "llama", {"fsdp": True, "lora_r": 4,
+                                                   "samples_per_prompt": 2, "env": "ENV",
+                                                   "max_turns": 3,
+                                                   "stop_strings": ["a", "e", "o"]}),
 }
 # A 3-batch run that checkpoints at batches 2 and 3, resumed on 1 process from batch 2.
 # FSDP2: the checkpoint's weights and optimizer state are gathered from shards. A reward model
@@ -152,6 +174,8 @@ def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) 
         values["eval_prompts"] = values["prompts"]
     if values.get("reward_fn") == "COARSE":
         values["reward_fn"] = f"{env / 'rewards.py'}:coarse_reward"
+    if values.get("env") == "ENV":
+        values |= {"env": f"{env / 'rewards.py'}:Turns", "reward_fn": ""}
     if values.get("reward_model") == "RM":
         values |= {"reward_model": str(env / "rm"), "reward_fn": ""}
     if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
@@ -203,6 +227,9 @@ def test_two_processes_equal_one(env, two_process_runs, case):
         lines = metrics(runs / f"{case}-2")
         assert any(m["rollout/equal_groups_first"] > 0 for m in lines)
         assert any(m["rollout/dynamic_rounds"] > 0 for m in lines)
+    if extra.get("env"):  # the episodes went on past their first turn, and not all alike
+        turns = [m["env/turns"] for m in metrics(runs / f"{case}-2")]
+        assert max(turns) > 1 and all(t < 3 for t in turns), turns
     if stage == "rloo":  # one epoch of one minibatch: each rank updates the rows it scored
         assert all(m["policy/approx_kl"] == 0.0 and m["policy/ratio_mean"] == 1.0
                    for m in metrics(runs / f"{case}-2"))

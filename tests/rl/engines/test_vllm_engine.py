@@ -281,6 +281,38 @@ def test_dynamic_sampling_keeps_the_engines_logprobs_with_their_tokens(tiny_mode
     assert max(x["rollout/engine_max_logprob_diff"] for x in lines) < TOLERANCE
 
 
+class Hints:
+    """Three turns; between them a hint that depends on the seed (context the policy reads)."""
+
+    def reset(self, row, seed):
+        self.turn, self.seed = 0, seed
+        return row["prompt"]
+
+    def step(self, action):
+        self.turn += 1
+        hint = [" warmer", " colder", " the plot"][(self.seed + self.turn) % 3]
+        return hint, len(action) / 10.0, self.turn == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tiny_model_dir", "llama_dir"])
+def test_episodes_keep_the_engines_logprobs_on_the_policys_own_tokens(family, prompts, request,
+                                                                      tmp_path):
+    # Turn by turn the engine samples from contexts that hold its own earlier tokens and the
+    # environment's: its log-probs must sit on the sampled tokens of every turn (the
+    # observations have none), so the engine KL stays at float noise while the policy moves.
+    lines = metrics_of(Path(run(GRPOConfig(
+        run_name="episodes", output_dir=str(tmp_path / "runs"),
+        policy=str(request.getfixturevalue(family)), prompts=str(prompts), max_new_tokens=6,
+        batch_size=8, samples_per_prompt=2, total_episodes=8 * 4, lr=5e-2, engine="vllm",
+        device="cpu", save_every=0, sample_every=0, max_turns=3, stop_strings=["a", "e", "o"]),
+        env=Hints).output_path).parent)
+    assert max(x["env/turns"] for x in lines) > 1.5
+    assert max(x["rollout/engine_kl"] for x in lines) < 1e-6
+    assert max(x["rollout/engine_max_logprob_diff"] for x in lines) < TOLERANCE
+    assert lines[-1]["objective/kl"] > 0.01, [x["objective/kl"] for x in lines]
+
+
 @pytest.mark.slow
 def test_a_stale_engine_shows_in_the_engine_kl(tiny_model_dir, prompts, tmp_path, monkeypatch):
     real = VLLMEngine.sync  # the first push only: never synced after an update
