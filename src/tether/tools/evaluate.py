@@ -46,7 +46,7 @@ from tether.rl.rewards import (
     prompt_originals,
     reward_from_function,
 )
-from tether.rl.sources import load_tools, longest_prompt, make_source
+from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
 from tether.run.distributed import on_device
@@ -90,12 +90,9 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
     before any model loads, with the reward model's kind (read from its config alone)."""
     if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
         raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
-    if cfg.env and (cfg.reward_model or cfg.reward_fn or reward_fn):
-        raise TetherError("an environment rewards its own episodes; drop --reward-fn and "
-                          "--reward-model (or score inside the environment's step)")
-    if cfg.tools and (cfg.reward_model or not (cfg.reward_fn or reward_fn)):
-        raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
-                          "give a reward function (docs/agents.md)")
+    if cfg.episodic:
+        check_episode_reward(cfg, bool(cfg.reward_model or cfg.reward_fn or reward_fn),
+                             env_given=bool(cfg.env))
     if cfg.reward_model:
         reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:

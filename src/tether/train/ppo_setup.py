@@ -48,7 +48,13 @@ from tether.rl.rewards import (
     reward_from_model,
 )
 from tether.rl.roles import Roles
-from tether.rl.sources import RolloutSource, load_tools, longest_prompt, make_source
+from tether.rl.sources import (
+    RolloutSource,
+    check_episode_reward,
+    load_tools,
+    longest_prompt,
+    make_source,
+)
 from tether.rl.update import UpdateSpec
 from tether.run.config import section
 from tether.run.distributed import Dist
@@ -227,15 +233,12 @@ def _user_code(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | N
     if env is not None or cfg.env:
         if env is not None and cfg.env not in ("", function_name(env)):
             raise TetherError("give the environment once: --env or the Python env argument")
-        if reward_fn is not None or cfg.reward_fn or cfg.reward_model:
-            raise TetherError("an environment rewards its own episodes; drop --reward-fn and "
-                              "--reward-model (or score inside the environment's step)")
+        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn
+                                       or cfg.reward_model), env_given=True)
         env = env or load_environment(cfg.env)
     else:
+        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
         check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
-        if cfg.tools and (cfg.reward_model or reward_fn is None and not cfg.reward_fn):
-            raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
-                              "give a reward function (docs/agents.md)")
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_function(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:

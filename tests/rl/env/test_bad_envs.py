@@ -144,3 +144,46 @@ def test_the_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: batch 1: environment ") or \
         lines[0].startswith("error: environment "), err
     assert "step of episode of" in lines[0] and "RuntimeError: the scorer crashed" in lines[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["grpo", "--env", "ENV", "--reward-fn", "REWARD"], "an environment rewards its own episodes"),
+    (["eval", "--env", "ENV", "--reward-fn", "REWARD"], "an environment rewards its own episodes"),
+    (["grpo", "--tools", "TOOL"], "--tools episodes are scored by --reward-fn"),
+    (["eval", "--tools", "TOOL"], "--tools episodes are scored by --reward-fn"),
+    (["grpo", "--env", "ENV", "--tools", "TOOL", "--reward-fn", "REWARD"],
+     "give --env or --tools, not both"),
+    (["grpo", "--reward-fn", "REWARD", "--max-turns", "2"],
+     "--max-turns shapes episodes with an environment; pass --env or --tools"),
+], ids=["env-and-reward", "eval-env-and-reward", "tools-no-reward", "eval-tools-no-reward",
+        "env-and-tools", "turns-without-env"])
+def test_one_reward_per_episode(argv, says, tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "env.py").write_text(BAD_ENV + "\n\ndef add(a: int, b: int) -> int:\n"
+                                     '    """Add.\n\n    Args:\n        a: a.\n        b: b.\n'
+                                     '    """\n    return a + b\n\n\n'
+                                     "def score(prompts, responses):\n"
+                                     "    return [0.0 for _ in responses]\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    names = {"ENV": f"{tmp_path / 'env.py'}:make_env", "TOOL": f"{tmp_path / 'env.py'}:add",
+             "REWARD": f"{tmp_path / 'env.py'}:score"}
+    model = ["--policy" if argv[0] == "grpo" else "--model", str(tiny_model_dir)]
+    capsys.readouterr()
+    code = main([argv[0], *model, "--prompts", str(prompts), "--device", "cpu",
+                 *(["--output-dir", str(tmp_path / "runs")] if argv[0] == "grpo" else []),
+                 *[names.get(a, a) for a in argv[1:]]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_a_python_environment_and_a_reward_are_refused(tiny_model_dir, tmp_path):
+    from tether.train.ppo import run
+    from tether.train.ppo_config import GRPOConfig
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = GRPOConfig(policy=str(tiny_model_dir), prompts=str(prompts), device="cpu",
+                     output_dir=str(tmp_path / "runs"))
+    with pytest.raises(TetherError, match="an environment rewards its own episodes"):
+        run(cfg, reward_fn=lambda p, r: [0.0] * len(r), env=lambda: None)
