@@ -227,3 +227,34 @@ def test_every_environment_is_closed_once_its_batch_is_over(gpt2_policy):
     with pytest.raises(TetherError, match="raised ValueError: broken"):
         episodes(gpt2_policy, Failing, ROWS)
     assert sorted(closed) == [0, 1]  # a failed batch closes its environments too
+
+
+def test_truncated_episodes_are_what_the_truncation_options_read(gpt2_policy):
+    # Row 0's environment ends its episode at turn 2; row 1's never does and --max-turns 2 cuts
+    # it; a turn cut by --max-new-tokens ends either. --missing-eos-penalty lowers the truncated
+    # episodes alone, --mask-truncated takes their tokens out of the loss.
+    from types import SimpleNamespace
+
+    from tether.rl.update import loss_mask
+    from tether.train.ppo import penalised_scores
+
+    class ByRow(Echo):
+        def step(self, action):
+            observation, reward, done = super().step(action)
+            return observation, reward, done and self.seen["row"]["id"] == 0
+
+    Echo.log = []
+    stops = [" ", "e", "a"]
+    out = episodes(gpt2_policy, lambda: ByRow(turns=2), ROWS * 6, max_turns=2, max_new_tokens=12,
+                   stop_strings=stops)
+    two = [len(e["actions"]) == 2 for e in Echo.log]
+    ended = out.rollout.ended.tolist()
+    assert any(two) and any(out.rollout.ended) and not all(out.rollout.ended)
+    for row, (r, e) in enumerate(zip(ROWS * 6, Echo.log)):  # done, and its last turn not cut
+        cut = not any(stop in e["actions"][-1] for stop in stops)
+        assert ended[row] == (r["id"] == 0 and len(e["actions"]) == 2 and not cut)
+    cfg = SimpleNamespace(missing_eos_penalty=1.0, overlong_penalty=0)
+    penalised = penalised_scores(out.rewards, out.rollout, cfg)
+    assert (out.rewards - penalised).tolist() == [0.0 if e else 1.0 for e in ended]
+    kept = loss_mask(out.rollout, True).any(1).tolist()
+    assert kept == ended and bool(loss_mask(out.rollout, False).any(1).all())
