@@ -9,7 +9,8 @@
                        environment seed, so they answer the same question; prompt row i of a
                        run meets the same question in every epoch. A row with a
                        `question_index` column asks that entry instead (a held-out set names its
-                       own entries: the eval rows' seeds are the training rows', row for row).
+                       own entries: eval rows get seeds of their own, but `seed % size` may
+                       still meet a training question).
                        Every other column of the row is ignored: the prompts file only counts
                        the episodes, `{}` on each line will do.
     step(action)       the text inside the action's last <answer>...</answer> (reasoning-gym's
