@@ -12,8 +12,9 @@ from tether.cli import main
 
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path, capsys):
+    # --jobs 2: the stages run in two worker processes whatever the machine's cores
     code = main(["demo", "--quick", "--output-dir", str(tmp_path), "--ppo-batches", "12",
-                 "--sweep-batches", "4"])
+                 "--sweep-batches", "4", "--jobs", "2"])
     assert code == 0, capsys.readouterr().err
     root = tmp_path / "demo"
     out = capsys.readouterr().out
@@ -47,7 +48,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     for beta in ("0", "1"):
         assert (root / "sweep" / f"ppo-beta{beta}-seed0" / "final").is_dir(), beta
     page = (root / "report.html").read_text()
-    assert "Which beta? A sweep" in page and "Recommended beta" in page
+    assert "Which beta? A sweep" in page
+    assert "Recommended beta" in page or "The rule&#x27;s pick: beta" in page
     assert (root / "sweep" / "report.html").is_file() and (root / "sweep" / "results.csv").is_file()
     # The page says the sweep's beta 0 is the first batches of ppo-no-kl seed 0 (same seed,
     # settings and constant lr; evaluation sampled apart from training): the same numbers.
@@ -59,6 +61,24 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert sorted(sweep_gold) == [0, 2, 4]
     assert all(sweep_gold[s] == main_gold[s] for s in sweep_gold), (sweep_gold, main_gold)
     assert "beta 0 is the first 4 batches of ppo-no-kl seed 0" in page
+
+    # A stage run in a worker process gives the numbers it gives run here, one after another
+    # (--jobs 1), bit for bit: every metric but the timings.
+    from tether.demo import pipeline
+    from tether.demo.config import DemoConfig
+
+    cfg = DemoConfig(quick=True, ppo_batches=12, sweep_batches=4).scaled()
+    paths = {k: str(root / "data" / f"{k}.jsonl") for k in ("prompts", "eval_prompts")}
+    pipeline.run_ppo(tmp_path / "here", cfg, paths, str(root / "sft" / "final"),
+                     str(root / "rm" / "final"), "ppo-fixed", 0)
+    def numbers(run_dir):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("perf/")}
+                for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert numbers(tmp_path / "here" / "ppo-fixed-seed0") == numbers(root / "ppo-fixed-seed0")
+    # Each stage's output is in its log, and the console shows the progress over all stages.
+    assert "ppo-fixed-seed0: step" not in out and "ppo-fixed-seed0: step 12/12" in (
+        root / "logs" / "ppo-fixed-seed0.log").read_text()
+    assert "[10/10] " in out and "s left" in out
 
     # A second run must not write over the first one's results.
     before = (root / "report.html").read_bytes()

@@ -297,14 +297,14 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "write_report", lambda curves, root, kl_target, settings, *_: (
         seen["report"].append((root, kl_target)) or (root / "report.html", "")))
     monkeypatch.setattr(pipeline, "demo_settings", lambda *a: {})
-    monkeypatch.setattr(pipeline, "run_sweep", lambda root, c, *a: (
-        seen.setdefault("sweep", []).append((c.sweep_betas, c.sweep_batches)) or ""))
+    monkeypatch.setattr(pipeline, "plan_sweep", lambda root, c, *a: (
+        seen.setdefault("sweep", []).append((c.sweep_betas, c.sweep_batches)) or None))
     from tether.demo.config import DemoConfig
 
     cfg = DemoConfig(output_dir=str(tmp_path / "out"), run_name="d", quick=quick, seed=11, seeds=2,
                      ppo_batches=60, ppo_lr=3e-4, fixed_beta=0.07, adaptive_start_beta=0.3,
                      kl_target=2.5, kl_horizon=99, device="cuda:1", sweep_betas=[0.0, 0.2, 0.5],
-                     sweep_batches=30)
+                     sweep_batches=30, jobs=1)  # in this process, where the stubs are
     pipeline.run(cfg)
     root = tmp_path / "out" / "d"
     stages = seen["sft"] + seen["rm"] + seen["dpo"] + seen["ppo"]

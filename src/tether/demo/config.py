@@ -39,12 +39,15 @@ class DemoConfig:
     """PPO batches of 32 prompts per sweep run (--quick: 12)."""
     device: str = "cpu"
     """Device for every stage."""
+    jobs: int = 0
+    """Stages run at once after SFT and the RM, one process each (0: one per available core); the numbers are the same for any value."""
 
     def validate(self) -> None:
         require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
                          "adaptive_start_beta")
         require_positive(self, "fixed_beta", allow_zero=True)
         require_positive(self, "sweep_batches")
+        require_positive(self, "jobs", allow_zero=True)
         if any(beta < 0 for beta in self.sweep_betas):
             from tether.errors import TetherError
 

@@ -22,6 +22,7 @@ import torch
 from tether.demo import task
 from tether.demo.config import DemoConfig
 from tether.demo.report import Curve, write_report
+from tether.demo.stages import Clock, Stage, available_cores, run_stages
 from tether.errors import TetherError
 from tether.models.tiny import save_tiny
 
@@ -115,21 +116,20 @@ def read_curve(run_dir: Path, name: str, seed: int) -> Curve:
     return curve
 
 
-def offline_curves(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
-                   reward_model: str) -> list[Curve]:
-    """SFT as the common starting point, then DPO and IPO on the same pairs; each evaluated once."""
+OFFLINE = {"dpo": ("sigmoid", 0.1, 5e-4), "ipo": ("ipo", 0.1, 5e-4)}  # name -> loss, beta, lr
+
+
+def run_offline(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
+                reward_model: str, name: str) -> Curve:
+    """DPO or IPO from the SFT model on the same pairs, then evaluated once."""
     from tether.train import dpo
 
-    curves = [evaluate_model(policy, policy, reward_model, paths, "sft", cfg)]
-    common = {"output_dir": str(root), "seed": cfg.seed, "device": cfg.device, "save_every": 0,
-              "batch_size": 32, "max_length": 48, "log_every": 10, "model": policy,
-              "data": paths["pairs"], "epochs": 2, "precompute_ref_logprobs": True}
-    for loss, beta, lr in (("sigmoid", 0.1, 5e-4), ("ipo", 0.1, 5e-4)):
-        name = "dpo" if loss == "sigmoid" else "ipo"
-        result = dpo.run(dpo.DPOConfig(run_name=name, loss=loss, beta=beta, lr=lr, **common))
-        curves.append(evaluate_model(str(result.output_path), policy, reward_model, paths, name,
-                                     cfg))
-    return curves
+    loss, beta, lr = OFFLINE[name]
+    result = dpo.run(dpo.DPOConfig(
+        run_name=name, loss=loss, beta=beta, lr=lr, output_dir=str(root), seed=cfg.seed,
+        device=cfg.device, save_every=0, batch_size=32, max_length=48, log_every=10,
+        model=policy, data=paths["pairs"], epochs=2, precompute_ref_logprobs=True))
+    return evaluate_model(str(result.output_path), policy, reward_model, paths, name, cfg)
 
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
@@ -147,23 +147,13 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
                  {0: result.samples})
 
 
-def _announcer(started: float, total: int):
-    """Print `[k/total] what (elapsed)` lines, so a non-terminal log shows progress too."""
-    count = [0]
-
-    def say(what: str) -> None:
-        count[0] += 1
-        print(f"[{count[0]}/{total}] {what} ({time.perf_counter() - started:.0f} s)", flush=True)
-    return say
-
-
-def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
-              reward_model: str) -> str:
-    """The "which beta?" section: `tether sweep`'s own planning, runs and report, over fixed
-    betas on one seed at a small size; returns the section's HTML (its page: sweep/report.html)."""
+def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
+               reward_model: str):
+    """The "which beta?" section's grid (fixed betas, one seed, a small size), written to
+    data/sweep.yaml and planned by `tether sweep`'s own planner; its runs are demo stages."""
     import yaml
 
-    from tether.tools import sweep, sweep_report
+    from tether.tools import sweep
 
     grid = {"name": "sweep", "output_dir": str(root), "seeds": [cfg.seed], "ppo": {
         "policy": policy, "reward_model": reward_model, "prompts": paths["prompts"],
@@ -177,9 +167,17 @@ def run_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
         "beta": list(cfg.sweep_betas)}}
     (root / "data" / "sweep.yaml").write_text(yaml.safe_dump(grid), encoding="utf-8")
     planned = sweep.plan(str(root / "data" / "sweep.yaml"))
-    failures = sweep.execute(planned, jobs=1)
+    sweep.prepare(planned)
+    return planned
+
+
+def sweep_html(root: Path, cfg: DemoConfig, planned, failures: dict[str, str]) -> str:
+    """The sweep's own page and results.csv, and its section of the demo's page."""
+    from tether.tools import sweep_report
+
     sweep_report.write(planned, failures)
-    body, summary = sweep_report.section(planned, failures, page_dir=root, configs=False)
+    body, summary = sweep_report.section(planned, failures, page_dir=root,
+                                         configs=False)
     print(summary)
     return ("<h2 id='sweep'>Which beta? A sweep</h2><p>PPO with a fixed beta at each of "
             f"{', '.join(f'{b:g}' for b in cfg.sweep_betas)}, one seed, "
@@ -204,7 +202,7 @@ def sweep_scope(cfg: DemoConfig) -> str:
             "run goes.")
 
 
-def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]:
+def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int) -> dict[str, str]:
     """Every value that shaped the results, read back from the runs' own config.yaml files."""
     import yaml
 
@@ -237,8 +235,33 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float) -> dict[str, str]
         "seeds": f"data, SFT, RM, DPO, IPO and the sweep: {cfg.seed}; PPO: {seeds}",
         "sweep": (f"betas {[float(b) for b in cfg.sweep_betas]}, {cfg.sweep_batches} batches"
                   if cfg.sweep_betas else "off"),
-        "tether version": version(), "quick": str(cfg.quick), "wall time": f"{minutes:.1f} min",
+        "tether version": version(), "quick": str(cfg.quick),
+        "wall time": f"{minutes:.1f} min, {jobs} stage(s) at a time",
     }
+
+
+# Each stage's work in PPO batches of the demo's size (32 prompts, 20 new tokens, 4 epochs),
+# measured on 2 CPU cores with one thread per stage: only the order and the time-left estimate
+# read them. A DPO or IPO run (2 epochs of 1,000 pairs, then an evaluation) costs about as much
+# as OFFLINE_COST batches; the SFT model's evaluation about one.
+OFFLINE_COST, EVAL_COST = 12.0, 1.0
+
+
+def stages(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
+           planned) -> list[Stage]:
+    """Everything after SFT and the reward model; each reads only their outputs."""
+    from tether.tools import sweep
+
+    shared = (root, cfg, paths, policy, reward_model)
+    out = [Stage(f"{name}-seed{seed}", cfg.ppo_batches, run_ppo, (*shared, name, seed))
+           for seed in range(cfg.seed, cfg.seed + cfg.seeds) for name in PPO_VARIANTS]
+    out += [Stage(name, OFFLINE_COST, run_offline, (*shared, name)) for name in OFFLINE]
+    out.append(Stage("sft-eval", EVAL_COST, evaluate_model,
+                     (policy, policy, reward_model, paths, "sft", cfg)))
+    if planned is not None:
+        out += [Stage(f"sweep/{run.name}", cfg.sweep_batches, sweep.execute_run, (run,))
+                for run in planned.runs]
+    return out
 
 
 def run(cfg: DemoConfig) -> Path:
@@ -256,27 +279,31 @@ def run(cfg: DemoConfig) -> Path:
     # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    say = _announcer(started, 3 + cfg.seeds * len(PPO_VARIANTS) + bool(cfg.sweep_betas))
-    say("data, tokenizer and an untrained tiny GPT-2")
+    jobs = cfg.jobs or available_cores()
+    print("[0/2] data, tokenizer and an untrained tiny GPT-2; then SFT and the reward model",
+          flush=True)
     paths = prepare_data(root, cfg)
-    say("SFT, then the reward model from noisy preference pairs")
     policy, reward_model = train_sft_and_rm(root, cfg, paths)
-    curves = []
-    for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-        for name in PPO_VARIANTS:
-            say(f"{name}, seed {seed}")
-            curves.append(run_ppo(root, cfg, paths, policy, reward_model, name, seed))
-    say("DPO and IPO on the same pairs")
-    curves += offline_curves(root, cfg, paths, policy, reward_model)
-    sweep_html = ""
-    if cfg.sweep_betas:
-        say(f"which beta? a sweep over {len(cfg.sweep_betas)} fixed betas")
-        sweep_html = run_sweep(root, cfg, paths, policy, reward_model)
+    planned = plan_sweep(root, cfg, paths, policy, reward_model) if cfg.sweep_betas else None
+    todo = stages(root, cfg, paths, policy, reward_model, planned)
+    print(f"[2/{2 + len(todo)}] SFT and the reward model done "
+          f"({time.perf_counter() - started:.0f} s); {len(todo)} stages to run, {jobs} at a time"
+          + (f", each one's output in {root / 'logs'}" if jobs > 1 else ""), flush=True)
+    clock = Clock(todo, jobs, started, done_before=2, total=2 + len(todo))
+    results, failures = run_stages(todo, jobs, root / "logs", clock,
+                                   keep_going=lambda stage: stage.name.startswith("sweep/"))
+    curves = [results[f"{name}-seed{seed}"] for seed in range(cfg.seed, cfg.seed + cfg.seeds)
+              for name in PPO_VARIANTS]
+    curves += [results["sft-eval"], *(results[name] for name in OFFLINE)]
+    section = ""
+    if planned is not None:
+        section = sweep_html(root, cfg, planned, {k.removeprefix("sweep/"): v
+                                            for k, v in failures.items()})
     minutes = (time.perf_counter() - started) / 60
     run_dirs = [root / name for name in ("sft", "rm")] + [
         root / f"{name}-seed{cfg.seed}" for name in PPO_VARIANTS] + [root / "dpo", root / "ipo"]
     path, summary = write_report(curves, root, cfg.kl_target,
-                                 demo_settings(root, cfg, minutes), run_dirs, sweep_html)
+                                 demo_settings(root, cfg, minutes, jobs), run_dirs, section)
     print(summary)
     print(f"report written to {path}")
     return path

@@ -217,6 +217,17 @@ def _run_workers(sweep: Sweep, todo: list[PlannedRun], jobs: int,
     return failures
 
 
+def prepare(sweep: Sweep) -> None:
+    """Before any run: refuse a grid changed under runs already there, name the runs it left
+    out, and write plan/<run>.yaml (each worker's input, and a record of the grid's runs)."""
+    check_recorded(sweep)
+    left_out = unplanned(sweep)
+    if left_out:
+        print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
+              f"are, left out of the report: {', '.join(left_out)}", flush=True)
+    _save_plan(sweep)
+
+
 def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
     """Run every run not yet done; returns {run name: error} for those that failed.
 
@@ -224,16 +235,10 @@ def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
     logs/<run>.log and plan files, and each of its runs would be refused by that run's own lock.
     A grid changed under runs already there is refused before anything is written.
     """
-    check_recorded(sweep)
-    left_out = unplanned(sweep)
-    if left_out:
-        print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
-              f"are, left out of the report: {', '.join(left_out)}", flush=True)
-    sweep.root.mkdir(parents=True, exist_ok=True)
+    prepare(sweep)
     held = lock.acquire(sweep.root, "sweep directory",
                         "wait for it to finish or give this one another name or --output-dir")
     try:
-        _save_plan(sweep)
         todo = [run for run in sweep.runs if state(run) != "done"]
         progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo))
         progress.say(f"{len(todo)} to run, {jobs} at a time")

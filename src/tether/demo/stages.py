@@ -1,0 +1,150 @@
+"""The demo's independent stages, run `jobs` at a time, one process each.
+
+After SFT and the reward model, every remaining piece of the demo (each PPO run at each seed,
+DPO, IPO, the SFT model's evaluation, each sweep run) reads only their outputs and writes only
+its own run directory. So they can run side by side: each in a worker process with one torch
+thread, its console output in `logs/<stage>.log`. Every stage seeds itself from its config, so
+the numbers equal a one-at-a-time run's bit for bit (tests/demo/test_demo_stages.py).
+
+Order: longest first (by `cost`, in PPO batches), the classic rule for packing jobs on machines
+(Graham 1969), so that no long run starts last while a core sits idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One independent piece of work: `fn(*args)` returns what the report needs of it."""
+
+    name: str  # as printed; its log is logs/<name>.log
+    cost: float  # expected work in PPO batches of the demo's size: the order and the time left
+    fn: Callable[..., Any]  # a module-level function, so a worker process can import it
+    args: tuple = ()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _in_worker(stage: Stage, log: str) -> tuple[Any, float]:
+    """A worker's side: one thread (the cores are shared out by process), quiet progress bars,
+    the stage's output in its log; returns (its result, its seconds)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    start = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
+        result = stage.fn(*stage.args)
+    return result, time.perf_counter() - start
+
+
+class Clock:
+    """Progress over all stages: `[5/13] ppo-fixed-seed1 finished in 41 s; 2 running, 6 to
+    start; 120 s so far, about 95 s left`. The time left divides the work not yet done (in cost
+    units, the running stages' elapsed share taken off) by the rate measured on finished ones."""
+
+    def __init__(self, stages: list[Stage], jobs: int, started: float, done_before: int,
+                 total: int):
+        self.cost = {s.name: s.cost for s in stages}
+        self.jobs, self.started, self.count, self.total = jobs, started, done_before, total
+        self.began: dict[str, float] = {}
+        self.seconds_per_unit: list[float] = []
+
+    def start(self, name: str) -> None:
+        self.began[name] = time.perf_counter()
+
+    def left(self, waiting: list[str]) -> str:
+        if not self.seconds_per_unit:
+            return ""
+        rate = sum(self.seconds_per_unit) / len(self.seconds_per_unit)
+        now = time.perf_counter()
+        running = sum(max(0.0, self.cost[n] * rate - (now - t)) for n, t in self.began.items())
+        queued = sum(self.cost[n] for n in waiting) * rate
+        return f", about {(running + queued) / self.jobs:.0f} s left"
+
+    def finish(self, name: str, seconds: float, waiting: list[str]) -> None:
+        self.began.pop(name, None)
+        self.count += 1
+        self.seconds_per_unit.append(seconds / self.cost[name])
+        print(f"[{self.count}/{self.total}] {name} finished in {seconds:.0f} s; "
+              f"{len(self.began)} running, {len(waiting)} to start; "
+              f"{time.perf_counter() - self.started:.0f} s so far{self.left(waiting)}",
+              flush=True)
+
+
+def run_stages(stages: list[Stage], jobs: int, log_dir: Path, clock: Clock,
+               keep_going: Callable[[Stage], bool] = lambda stage: False
+               ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run every stage, `jobs` at a time; returns ({name: result}, {name: error}).
+
+    jobs 1 runs them here, one after another, printing as they go (as the demo always did). A
+    stage that raises stops the demo with its error, unless `keep_going(stage)`: then its error
+    is returned and the rest go on (a failed sweep run is reported on the sweep's page).
+    """
+    from tether.errors import TetherError
+
+    order = sorted(stages, key=lambda s: -s.cost)  # stable: equal costs keep their order
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    if jobs <= 1:
+        for i, stage in enumerate(order):
+            clock.start(stage.name)
+            start = time.perf_counter()
+            try:
+                results[stage.name] = stage.fn(*stage.args)
+            except TetherError as exc:
+                if not keep_going(stage):
+                    raise
+                failures[stage.name] = str(exc)
+            clock.finish(stage.name, time.perf_counter() - start,
+                         [s.name for s in order[i + 1:]])
+        return results, failures
+    log_dir.mkdir(parents=True, exist_ok=True)
+    waiting = list(order)
+    # spawn, not fork: a forked torch with threads already started can deadlock
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        running: dict[Future, Stage] = {}
+        try:
+            while waiting or running:
+                while waiting and len(running) < jobs:
+                    stage = waiting.pop(0)
+                    log = log_dir / f"{stage.name.replace('/', '-')}.log"
+                    running[pool.submit(_in_worker, stage, str(log))] = stage
+                    clock.start(stage.name)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    stage = running.pop(future)
+                    try:
+                        results[stage.name], seconds = future.result()
+                    except TetherError as exc:
+                        if not keep_going(stage):
+                            raise
+                        failures[stage.name] = str(exc)
+                        seconds = time.perf_counter() - clock.began[stage.name]
+                    clock.finish(stage.name, seconds, [s.name for s in waiting])
+        except BaseException:
+            # Stop now, not after the stages still running: their work is lost either way.
+            pool.shutdown(wait=False, cancel_futures=True)
+            for child in multiprocessing.active_children():
+                child.terminate()
+            raise
+    return results, failures
