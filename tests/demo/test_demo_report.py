@@ -91,6 +91,33 @@ def test_a_rise_within_the_noise_is_not_called_a_peak():
                                                 (0.0,) * 4])
     hacked, peaked = verdicts([noisy], kl_target=2.0)
     assert hacked.holds and not peaked.holds and "rise +0.002 ± 0.046" in peaked.evidence
+    # Both changes point the claimed way; only the rise's error bar is too wide. It is not shown,
+    # not contradicted: per-prompt rises 0.002 ± 0.08 have a standard error of
+    # sqrt(4 * 0.08^2 / 3) / 2 = 0.046188, so about 1 * (2 * 0.046188 / 0.002)^2 = 2133.3 seeds.
+    assert peaked.status == "not shown with 1 seed (needs about 2134 seeds)"
+    assert hacked.status == "holds"
+
+
+def test_a_verdict_the_numbers_contradict_says_so_and_one_that_needs_more_data_says_how_much(
+        tmp_path):
+    # Gold that rises to the end contradicts "gold ends below its start": no number of seeds
+    # would show it, so it is called so, in capitals.
+    honest = ppo_curve("ppo-no-kl", 1, [0.0, 0.5, 1.0], [0.1, 0.3, 0.5], [0, 1, 2],
+                       [0.8, 0.3, 0.3])
+    hacked, peaked = verdicts([honest], kl_target=2.0)
+    assert hacked.status == peaked.status == "DOES NOT HOLD"  # no fall, and the peak is last
+    # DPO above SFT by 0.02 on average, the prompts spread by 0.1 around it: gains of
+    # 0.12, -0.08, 0.12, -0.08, standard error sqrt(4 * 0.1^2 / 3) / 2 = 0.057735; DPO trains
+    # once, so the count is of held-out prompts: 4 * (2 * 0.057735 / 0.02)^2 = 133.3.
+    dpo = Curve("dpo", 0, [0], {"eval/score": [0.2], "eval/gold_score": [0.12], "eval/kl": [1.0],
+                                "eval/distinct_2": [0.8]},
+                {0: samples_at(0.12, 0, (0.1, -0.1, 0.1, -0.1))})
+    (found,) = verdicts([SFT, dpo], kl_target=2.0)
+    assert not found.holds and "+0.020 ± 0.058 over the SFT model" in found.evidence
+    assert found.status == "not shown with 4 held-out prompts (needs about 134 held-out prompts)"
+    summary = write_report([SFT, dpo], tmp_path, 2.0, SETTINGS)[1]
+    assert "[not shown with 4 held-out prompts (needs about 134 held-out prompts)] DPO" in summary
+    assert "DOES NOT HOLD" not in summary
 
 
 def test_offline_samples_say_which_model_wrote_them(tmp_path):
@@ -137,7 +164,8 @@ def check_rendered(report_path, n_verdicts: int):
     assert all(complete and width > 100 for _, complete, width in images), images
     assert "final gold" in summary and "ppo-no-kl" in summary
     assert len(verdict_items) == n_verdicts, verdict_items
-    assert all(v.startswith(("Holds", "Does not hold")) for v in verdict_items), verdict_items
+    assert all(v.startswith(("Holds", "Does not hold", "Not shown with ")) for v in verdict_items), \
+        verdict_items
     lines = settings.splitlines()
     for key in REQUIRED_SETTINGS:
         assert any(line.startswith(f"{key}:") for line in lines), (key, settings)
@@ -244,9 +272,11 @@ def test_page_recommends_a_beta_among_the_best_measured_and_never_prints_a_zero_
     finally:
         driver.quit()
     assert "± 0.000" not in text and "+- 0.000" not in text
-    # The hand-worked answer: beta 0.3 measured best, beta 1 within noise, so beta 1, said first.
-    assert recommended.startswith("Recommended beta: 1 (PPO beta 1). No clear winner: PPO beta "
-                                  "0.3 measured best (end gold +0.300)")
+    # The hand-worked answer: beta 0.3 measured best, beta 1 within noise, so beta 1; "no clear
+    # winner" first, the rule's pick after the evidence, never "Recommended beta: 1" above it.
+    assert recommended.startswith("No clear winner: PPO beta 0.3 measured best (end gold +0.300)")
+    assert recommended.endswith("The rule's pick: beta 1 (PPO beta 1).")
+    assert "Recommended beta" not in recommended
     assert "steps 20, 30, 40" in rule and "largest beta is recommended" in rule
     # The table shows the rule's measure and verdict, and agrees with the recommendation.
     versus = {row[0]: row[6] for row in rows}

@@ -9,6 +9,7 @@ over all seeds, on the per-prompt scores (tether.tools.frontier), and stated pla
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,47 @@ class Verdict:
     holds: bool
     evidence: str
     note: str = ""  # a sentence that interprets the result
+    # Where it does not hold but every change it names points the claimed way and only an error
+    # bar is too wide: what it was measured on (1 seed; 128 prompts), and about how many would
+    # show it.
+    count: int = 0
+    unit: str = "seed"
+    needs: int = 0
+
+    @property
+    def status(self) -> str:
+        """`holds`, `not shown with 1 seed (needs about 4 seeds)`, or `DOES NOT HOLD` where
+        the numbers contradict the claim."""
+        if self.holds:
+            return "holds"
+        if self.needs:
+            return (f"not shown with {self.count} {self.unit}{'s' if self.count > 1 else ''} "
+                    f"(needs about {self.needs} {self.unit}s)")
+        return "DOES NOT HOLD"
+
+
+def needed_to_show(changes: list[tuple[float, float]], count: int) -> int:
+    """How many seeds (or prompts) would put every change beyond twice its error if its mean
+    held; 0 when a change points the wrong way (no number of them shows it).
+
+    `changes`: (mean, standard error) of each change, on the claim's side when positive,
+    measured over `count` of them. The error of such a mean falls about as 1/sqrt(count), so a
+    change at mean m with error e needs about count * (2e/m)^2. Over seeds this is an order of
+    magnitude (the error also holds the prompts' and the sampling's spread), which is what a
+    reader choosing --seeds needs.
+    """
+    if any(mean <= 0 for mean, _ in changes):
+        return 0
+    return max(count + 1, *(math.ceil(count * (2 * se / mean) ** 2) for mean, se in changes))
+
+
+def _judged(claim: str, evidence: str, shown: bool, changes: list[tuple[float, float]],
+            measured_on: tuple[int, str], note: str = "") -> Verdict:
+    """A verdict from its other conditions (`shown`: each one that is not a noise test holds)
+    and the changes that must each exceed twice their error; `measured_on`: (3, "seed")."""
+    beyond = all(mean > 2 * se for mean, se in changes)
+    needs = needed_to_show(changes, measured_on[0]) if shown and not beyond else 0
+    return Verdict(claim, shown and beyond, evidence, note, *measured_on, needs)
 
 
 def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
@@ -36,19 +78,21 @@ def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
     start, final = pooled_golds(free, steps[0]), pooled_golds(free, steps[-1])
     drop, drop_se = paired_difference(final, start)  # start - final, per prompt
     collapsed = dist[-1] < 0.5 * dist[0]
-    hacked = Verdict(
+    hacked = _judged(
         "no KL penalty: the proxy keeps rising while gold ends below its start and diversity "
-        "collapses", proxy_rising and drop > 2 * drop_se and collapsed,
+        "collapses",
         f"proxy {proxy[0]:+.2f} -> max {max(proxy):+.2f} -> final {proxy[-1]:+.2f}; gold "
         f"{gold[0]:+.3f} -> {gold[-1]:+.3f} (a fall of {drop:+.3f} ± {drop_se:.3f}); "
-        f"distinct-2 {dist[0]:.2f} -> {dist[-1]:.2f}; {len(free)} seed(s)")
+        f"distinct-2 {dist[0]:.2f} -> {dist[-1]:.2f}; {len(free)} seed(s)",
+        proxy_rising and collapsed, [(drop, drop_se)], (len(free), "seed"))
     peak = gold.index(max(gold))
     found = peak_then_fall(start, pooled_golds(free, steps[peak]), final, kl[peak])
     pooled = f"{len(free)} seeds pooled: " if len(free) > 1 else ""
-    peaked = Verdict("no KL penalty: gold first peaks above its start, then falls",
-                     peak > 0 and found.holds,
+    peaked = _judged("no KL penalty: gold first peaks above its start, then falls",
                      f"{pooled}{found.evidence}, best at step {steps[peak]}; a peak must beat the "
-                     "start by twice its error", _per_seed_peaks(free) if len(free) > 1 else "")
+                     "start by twice its error", peak > 0, [found.rise, found.fall],
+                     (len(free), "seed"),
+                     _per_seed_peaks(free) if len(free) > 1 else "")
     return [hacked, peaked]
 
 
@@ -73,11 +117,11 @@ def _adaptive_verdict(adaptive: list[Curve], free: list[Curve], kl_target: float
     near = abs(kl[-1] - kl_target) <= 0.5 * kl_target
     last_a, last_f = mean_series(adaptive, "eval/kl")[0][-1], mean_series(free, "eval/kl")[0][-1]
     gap, gap_se = paired_difference(pooled_golds(free, last_f), pooled_golds(adaptive, last_a))
-    return Verdict(
+    return _judged(
         "adaptive beta: KL stays near its target and final gold beats the unpenalised run",
-        near and gap > 2 * gap_se,
         f"final KL {kl[-1]:.2f} (target {kl_target:.2f}); final gold {gap:+.3f} ± {gap_se:.3f} "
-        "above the run without KL (paired over the same prompts and seeds)")
+        "above the run without KL (paired over the same prompts and seeds)",
+        near, [(gap, gap_se)], (len(adaptive), "seed"))
 
 
 def _offline_verdict(name: str, curves: list[Curve], sft: list[Curve],
@@ -100,10 +144,13 @@ def _offline_verdict(name: str, curves: list[Curve], sft: list[Curve],
         note = f"No PPO evaluation stayed within {name.upper()}'s KL of {kl:.2f}."
     if gain <= 2 * gain_se:
         note += f" ({name.upper()}'s own gain over SFT is within noise: a tentative placement.)"
-    return Verdict(f"{name.upper()}: gold rises above the SFT model's beyond noise",
-                   gain > 2 * gain_se,
+    # DPO and IPO train once, on the demo's seed, whatever --seeds says: their error is over
+    # the held-out prompts, so that is what more of would tighten it.
+    prompts = len(pooled_golds(sft, 0))
+    return _judged(f"{name.upper()}: gold rises above the SFT model's beyond noise",
                    f"gold {gold:+.3f} at KL {kl:.2f}, {gain:+.3f} ± {gain_se:.3f} over the SFT "
-                   "model (paired over the same prompts)", note)
+                   "model (paired over the same prompts)", True, [(gain, gain_se)],
+                   (prompts, "held-out prompt"), note)
 
 
 def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
@@ -154,7 +201,7 @@ def console_table(curves: list[Curve], found: list[Verdict]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for v in found:
-        lines.append(f"[{'holds' if v.holds else 'DOES NOT HOLD'}] {v.claim} ({v.evidence})"
+        lines.append(f"[{v.status}] {v.claim} ({v.evidence})"
                      + (f" {v.note}" if v.note else ""))
     return "\n".join(lines)
 
@@ -224,8 +271,11 @@ def _samples_html(curves: list[Curve], per_point: int = 4) -> str:
 
 
 def _verdicts_html(found: list[Verdict]) -> str:
+    def kind(v: Verdict) -> str:
+        return "holds" if v.holds else "unshown" if v.needs else "fails"
+
     return "".join(
-        f"<li class='{'holds' if v.holds else 'fails'}'><b>{'Holds' if v.holds else 'Does not hold'}"
+        f"<li class='{kind(v)}'><b>{html.escape(v.status[0].upper() + v.status[1:].lower())}"
         f"</b>: {html.escape(v.claim)}. <span>{html.escape(v.evidence)}.</span>"
         + (f" <i>{html.escape(v.note)}</i>" if v.note else "") + "</li>" for v in found)
 
@@ -269,7 +319,8 @@ _PAGE = """<!doctype html>
 <style>
 body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
   line-height: 1.45; }}
-li.holds b {{ color: #1a7f37; }} li.fails b {{ color: #b42318; }} .note {{ color: #444; }}
+li.holds b {{ color: #1a7f37; }} li.fails b {{ color: #b42318; }}
+li.unshown b {{ color: #9a6700; }} .note {{ color: #444; }}
 {figure_table_style}
 </style></head><body>
 <h1>The KL leash at work</h1>
@@ -282,7 +333,10 @@ is a well-formed review, and -1 if it is not. No run ever sees it.</p>
 <h2 id="summary">Summary</h2>
 <ul id="verdicts">{verdicts}</ul>
 <p class="note">A verdict holds only when each change it names exceeds twice its standard error,
-computed on the per-prompt scores of the same held-out prompts (paired), pooled over seeds.</p>
+computed on the per-prompt scores of the same held-out prompts (paired), pooled over seeds.
+"Not shown" means every change points the claimed way but one is within twice its error: more
+seeds would be needed (about as many as said, if the changes held). "Does not hold" means the
+numbers contradict the claim.</p>
 <table id="summary-table"><tr>{header}</tr>{table}</table>
 <p>Proxy and gold are means over held-out prompts; KL is the mean over those prompts of the summed
 per-token log-ratio log pi(y) - log pi_SFT(y) of the sampled response; distinct-2 is the share of

@@ -206,6 +206,8 @@ class PeakVerdict:
     evidence: str
     rose: bool = False  # the rise alone exceeds twice its error
     fell: bool = False  # the fall alone exceeds twice its error
+    rise: tuple[float, float] = (0.0, 0.0)  # mean and standard error
+    fall: tuple[float, float] = (0.0, 0.0)  # (0, 0) when the peak is the last evaluation
 
 
 def peak_then_fall(start: list[float], peak: list[float], final: list[float],
@@ -227,7 +229,8 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
     after = ("the peak is the last evaluation: no fall to judge" if list(peak) == list(final)
              else f"final {m[2]:+.3f} (fall {fall:+.3f} ± {fall_se:.3f})")
     return PeakVerdict(rose and fell, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
-                              f"(rise {rise:+.3f} ± {rise_se:.3f}), {after}", rose, fell)
+                              f"(rise {rise:+.3f} ± {rise_se:.3f}), {after}", rose, fell,
+                       (rise, rise_se), (fall, fall_se))
 
 
 def paired_difference(before: list[float], after: list[float]) -> tuple[float, float]:
