@@ -398,8 +398,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     if groups:
         summary += "\n" + best_observed(groups)
     if rec is not None:
-        summary += (f"\nrecommended beta {rec.beta:g} ({rec.label}): {rec.evidence}\n"
-                    + rule_sentence(groups))
+        head, evidence, pick = recommendation_text(rec)
+        summary += f"\n{head}: {evidence}{' ' + pick if pick else ''}\n" + rule_sentence(groups)
     body = [f"<p>{len(points)} of {len(sweep.runs)} runs finished; every point is in "
             f"<a href='{relative_link(sweep.root / 'results.csv', page_dir)}'>results.csv</a>.</p>"]
     left_out = unplanned(sweep)
@@ -412,8 +412,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
             f"<li class='fails'><b>{html.escape(n)}</b>: {html.escape(e)}</li>"
             for n, e in failures.items()) + "</ul>")
     body.append("<p id='recommended'>" + (
-        f"<b>Recommended beta: {rec.beta:g}</b> ({html.escape(rec.label)}). "
-        f"{html.escape(rec.evidence)}" if rec else "No PPO run finished.") + "</p>")
+        "<b>{}</b>: {} <b>{}</b>".format(*map(html.escape, recommendation_text(rec))) if rec
+        else "No PPO run finished.") + "</p>")
     if rec is not None:
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
@@ -429,6 +429,21 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
     return "\n".join(body), summary
+
+
+UNCLEAR = "No clear winner: "  # how recommend_beta's evidence opens when the best is tied
+
+
+def recommendation_text(rec: Recommendation) -> tuple[str, str, str]:
+    """(headline, evidence, pick): the recommendation as the page and the console say it.
+
+    Where the evidence cannot separate the best measured beta from others, "No clear winner"
+    is the headline and the rule's pick comes after the evidence: "Recommended beta: 1" just
+    above "beta 0 measured best" would read as a contradiction."""
+    if rec.evidence.startswith(UNCLEAR):
+        return ("No clear winner", rec.evidence.removeprefix(UNCLEAR),
+                f"The rule's pick: beta {rec.beta:g} ({rec.label}).")
+    return f"Recommended beta: {rec.beta:g} ({rec.label})", rec.evidence, ""
 
 
 def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
