@@ -168,6 +168,7 @@ def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
     (root / "data" / "sweep.yaml").write_text(yaml.safe_dump(grid), encoding="utf-8")
     planned = sweep.plan(str(root / "data" / "sweep.yaml"))
     sweep.prepare(planned)
+    sweep.save_plan(planned)  # the demo's root is new: no other sweep can hold it
     return planned
 
 

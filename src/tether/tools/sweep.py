@@ -127,7 +127,8 @@ def check_recorded(sweep: Sweep) -> None:
         "evaluation alone, its eval.json); or restore the grid's old values")
 
 
-def _save_plan(sweep: Sweep) -> None:
+def save_plan(sweep: Sweep) -> None:
+    """plan/<run>.yaml: each --jobs worker's input, and a record of the grid's runs."""
     sweep.root.mkdir(parents=True, exist_ok=True)
     (sweep.root / "plan").mkdir(exist_ok=True)
     for run in sweep.runs:
@@ -218,14 +219,13 @@ def _run_workers(sweep: Sweep, todo: list[PlannedRun], jobs: int,
 
 
 def prepare(sweep: Sweep) -> None:
-    """Before any run: refuse a grid changed under runs already there, name the runs it left
-    out, and write plan/<run>.yaml (each worker's input, and a record of the grid's runs)."""
+    """Before any run, reading only: refuse a grid changed under runs already there, and name
+    the runs it left out. (plan/<run>.yaml is written once the sweep directory is held.)"""
     check_recorded(sweep)
     left_out = unplanned(sweep)
     if left_out:
         print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
               f"are, left out of the report: {', '.join(left_out)}", flush=True)
-    _save_plan(sweep)
 
 
 def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
@@ -236,9 +236,11 @@ def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
     A grid changed under runs already there is refused before anything is written.
     """
     prepare(sweep)
+    sweep.root.mkdir(parents=True, exist_ok=True)
     held = lock.acquire(sweep.root, "sweep directory",
                         "wait for it to finish or give this one another name or --output-dir")
     try:
+        save_plan(sweep)
         todo = [run for run in sweep.runs if state(run) != "done"]
         progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo))
         progress.say(f"{len(todo)} to run, {jobs} at a time")
