@@ -103,39 +103,29 @@ def write_data(out: Path, seed: int) -> dict[str, Path]:
 def build_base(out: Path, settings: dict, seed: int) -> int:
     """A random Qwen2-style model and its tool-calling tokenizer, saved to `out`; its size.
 
-    tether.models.tiny's pieces (the tokenizer, the tool template) with our own config: 384
-    positions (the schema's system turn is ~130 tokens, an episode up to 128 more) and the
-    attention window. The BPE sees every question rendered both ways, so " 23" (question,
-    arguments, answer) and "23" (the tool's result) are one token each.
+    tether.models.tiny's tool-calling Qwen2 with our own sizes: 384 positions (the schema's
+    system turn is ~130 tokens, an episode up to 128 more), the attention window on every layer,
+    and no GQA. The BPE sees every question rendered both ways, so " 23" (question, arguments,
+    answer) and "23" (the tool's result) are one token each.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from safetensors.torch import load_file
     from transformers.utils import get_json_schema
 
-    from tether.models.tiny import EOS, IM_END, make_qwen2_tokenizer
+    from tether.models.tiny import make_qwen2_tokenizer, save_tiny_qwen2
 
     schema = get_json_schema(add)
     renderer = make_qwen2_tokenizer(["x"], 300, tools=True)  # for its template only
     texts = [renderer.apply_chat_template(transcript(a, b, use_tool, (a * 7 + b) % (2 * N - 1)),
                                           tools=[schema], tokenize=False)
              for a in range(N) for b in range(N) for use_tool in (True, False)]
-    tokenizer = make_qwen2_tokenizer(texts, vocab_size=600, tools=True)
-    im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
     hidden = settings["hidden_size"]
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden,
-                         intermediate_size=4 * hidden, num_hidden_layers=settings["n_layer"],
-                         num_attention_heads=settings["n_head"],
-                         num_key_value_heads=settings["n_head"], max_position_embeddings=384,
-                         use_sliding_window=True, sliding_window=settings["window"],
-                         max_window_layers=0,  # every layer has the window
-                         tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.eos_token_id = [im_end, endoftext]
-    model.generation_config.pad_token_id = endoftext
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
+    save_tiny_qwen2(out, texts, vocab_size=600, tools=True, hidden_size=hidden,
+                    intermediate_size=4 * hidden, n_layer=settings["n_layer"],
+                    n_head=settings["n_head"], n_kv_head=settings["n_head"], max_positions=384,
+                    use_sliding_window=True, sliding_window=settings["window"],
+                    max_window_layers=0, seed=seed)  # max_window_layers 0: every layer
+    # The stored tensors are the parameters (the tied head is stored once, as the embedding).
+    return sum(t.numel() for t in load_file(out / "model.safetensors").values())
 
 
 def shown(path: Path) -> str:

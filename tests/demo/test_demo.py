@@ -92,7 +92,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, field", [(["--seeds", "0"], "seeds"),
                                          (["--kl-target", "-1"], "kl_target"),
-                                         (["--run-name", "a/b"], "run_name")])
+                                         (["--run-name", "a/b"], "run_name"),
+                                         (["--jobs", "-1"], "jobs")])
 def test_demo_rejects_bad_settings_before_writing(tmp_path, capsys, args, field):
     assert main(["demo", "--output-dir", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()

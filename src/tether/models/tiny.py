@@ -256,14 +256,18 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
                     use_sliding_window: bool = False, sliding_window: int = 8,
                     max_window_layers: int = 1, n_layer: int = 2, hidden_size: int = 64,
                     n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
-                    spare_rows: int = 0, tools: bool = False) -> Path:
+                    spare_rows: int = 0, tools: bool = False,
+                    intermediate_size: int | None = None,
+                    max_positions: int | None = None) -> Path:
     """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
     `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
 
     With `use_sliding_window`, layers from `max_window_layers` up attend within a window and the
     ones below attend to everything (Qwen2's mixed layout). `spare_rows`: embedding rows past the
     tokenizer's last id, as real Qwen2 models have (151936 rows for 151665 tokens). `tools`: the
-    tool-calling template and tokens (make_qwen2_tokenizer).
+    tool-calling template and tokens (make_qwen2_tokenizer). `intermediate_size` (default twice
+    the width) and `max_positions` (default 1024 with tools, whose schemas make long prompts,
+    else 256) for callers that size their own model.
     """
     import torch
     from transformers import Qwen2Config
@@ -273,12 +277,12 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     tokenizer = make_qwen2_tokenizer(texts, vocab_size, tools)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
     config = Qwen2Config(vocab_size=len(tokenizer) + spare_rows, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
+                         intermediate_size=intermediate_size or 2 * hidden_size,
+                         num_hidden_layers=n_layer,
                          num_attention_heads=n_head, num_key_value_heads=n_kv_head,
                          use_sliding_window=use_sliding_window, sliding_window=sliding_window,
                          max_window_layers=max_window_layers,
-                         # tool schemas make long prompts
-                         max_position_embeddings=1024 if tools else 256,
+                         max_position_embeddings=max_positions or (1024 if tools else 256),
                          tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
