@@ -38,3 +38,15 @@ def preference_rows(n: int = 64, seed: int = 0) -> list[dict]:
         body = _phrase(rng)
         rows.append({"prompt": _phrase(rng), "chosen": f" {body} great.", "rejected": f" {body} awful."})
     return rows
+
+
+def mask_runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """(bit, ids) for each maximal run of equal mask bits: which stretches of an encoded row the
+    loss reads."""
+    out: list[tuple[int, list[int]]] = []
+    for token, bit in zip(ids, mask, strict=True):
+        if out and out[-1][0] == bit:
+            out[-1][1].append(token)
+        else:
+            out.append((bit, [token]))
+    return out

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from offline_fixtures import mask_runs
 
 from tether.cli import main
 from tether.data.batches import collate_sft
@@ -38,17 +39,6 @@ CHATML = {"open": "<|im_start|>user\nthe movie<|im_end|>\n<|im_start|>assistant\
 FAMILIES = {"tiny_llama_dir": LLAMA, "tiny_qwen2_dir": CHATML}
 
 
-def _segments(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
-    """(bit, ids) for each maximal run of equal mask bits."""
-    out: list[tuple[int, list[int]]] = []
-    for token, bit in zip(ids, mask, strict=True):
-        if out and out[-1][0] == bit:
-            out[-1][1].append(token)
-        else:
-            out.append((bit, [token]))
-    return out
-
-
 def _sequence(tok, messages, loss_on="all", max_length=256):
     ex = encode_sft(tok, [{"messages": messages}], max_length=max_length, loss_on=loss_on)[0][0]
     batch = collate_sft([ex], tok.pad_token_id)
@@ -65,7 +55,7 @@ def test_masked_ids_are_the_assistant_turns_and_their_end_of_turn_tokens(family,
     messages = TWO if conversation == "two" else THREE
     replies = [m["content"] for m in messages if m["role"] == "assistant"]
     ids, mask = _sequence(tok, messages)
-    segments = _segments(ids, mask)
+    segments = mask_runs(ids, mask)
     # [prompt | reply 1 | between | reply 2 (| between | reply 3)]: 0/1 alternating, hand texts
     assert [bit for bit, _ in segments] == [0, 1] + [0, 1] * (len(replies) - 1)
     expected = [text["open"] if conversation == "two" else text["open_system"]]
@@ -90,7 +80,7 @@ def test_every_turn_is_tokenised_in_context_on_a_metaspace_tokenizer(tiny_mistra
     full = tok.apply_chat_template(messages, tokenize=False)
     assert full.endswith("</s>") and ids == tok(full)["input_ids"]  # BOS once, one tokenisation
     assert ids.count(tok.bos_token_id) == 1
-    trained = [s for bit, s in _segments(ids, mask) if bit]
+    trained = [s for bit, s in mask_runs(ids, mask) if bit]
     replies = [A1["content"], A2["content"], A3["content"]]
     assert [tok.decode(s) for s in trained] == [r + "</s>" for r in replies]
     alone = [tok(r + "</s>", add_special_tokens=False)["input_ids"] for r in replies]

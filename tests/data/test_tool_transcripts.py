@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from offline_fixtures import write_jsonl
+from offline_fixtures import mask_runs, write_jsonl
 from refusals import refused
 from transformers import AutoModelForCausalLM
 from transformers.utils import get_json_schema
@@ -74,17 +74,6 @@ def _sequence(tok, row: dict, loss_on: str = "all") -> tuple[list[int], list[int
     return batch["input_ids"][0, :n].tolist(), batch["response_mask"][0, :n].tolist()
 
 
-def _segments(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
-    """(bit, ids) for each maximal run of equal mask bits."""
-    out: list[tuple[int, list[int]]] = []
-    for token, bit in zip(ids, mask, strict=True):
-        if out and out[-1][0] == bit:
-            out[-1][1].append(token)
-        else:
-            out.append((bit, [token]))
-    return out
-
-
 def _encoded(tok, row: dict) -> tuple:
     ex = encode_sft(tok, [row], max_length=1024)[0][0]
     return ex.prompt, ex.responses, ex.loss_mask
@@ -94,7 +83,7 @@ def _encoded(tok, row: dict) -> tuple:
 
 def test_loss_is_on_the_call_turn_and_the_answer_only(tok):
     ids, mask = _sequence(tok, {"messages": TRANSCRIPT, "tools": TOOLS})
-    segments = _segments(ids, mask)
+    segments = mask_runs(ids, mask)
     # [system + tools, user | call | tool result | answer]
     assert [bit for bit, _ in segments] == [0, 1, 0, 1]
     assert [tok.decode(s) for bit, s in segments if bit] == [CALL_TEXT, ANSWER_TEXT]
@@ -112,7 +101,7 @@ def test_loss_is_on_the_call_turn_and_the_answer_only(tok):
 
 def test_loss_on_last_trains_the_answer_with_the_call_as_context(tok):
     ids, mask = _sequence(tok, {"messages": TRANSCRIPT, "tools": TOOLS}, loss_on="last")
-    segments = _segments(ids, mask)
+    segments = mask_runs(ids, mask)
     assert [bit for bit, _ in segments] == [0, 1]
     assert tok.decode(segments[1][1]) == ANSWER_TEXT
     assert CALL_TEXT in tok.decode(segments[0][1])
@@ -121,13 +110,13 @@ def test_loss_on_last_trains_the_answer_with_the_call_as_context(tok):
 def test_a_transcript_ending_in_a_call_trains_the_call(tok):
     # TRL's prompt-completion form: the completion is the pure call, the prompt the context
     ids, mask = _sequence(tok, {"prompt": [U], "completion": [CALL], "tools": TOOLS})
-    assert [tok.decode(s) for bit, s in _segments(ids, mask) if bit] == [CALL_TEXT]
+    assert [tok.decode(s) for bit, s in mask_runs(ids, mask) if bit] == [CALL_TEXT]
 
 
 def test_a_completion_with_a_tool_result_trains_only_the_assistant_turns(tok):
     ids, mask = _sequence(tok, {"prompt": [U], "completion": [CALL, RESULT, ANSWER],
                                 "tools": TOOLS})
-    assert [tok.decode(s) for bit, s in _segments(ids, mask) if bit] == [CALL_TEXT, ANSWER_TEXT]
+    assert [tok.decode(s) for bit, s in mask_runs(ids, mask) if bit] == [CALL_TEXT, ANSWER_TEXT]
 
 
 # ----------------------------------------------------------------------------- other spellings
@@ -143,7 +132,7 @@ def test_a_template_that_writes_strings_as_they_are_gets_the_text_unchanged(tok)
     # re-serialised (the data is what the model learns)
     compact = dict(CALL, tool_calls=[call("Paris", '{"city":"Paris"}')])
     ids, mask = _sequence(tok, {"messages": [U, compact], "tools": TOOLS})
-    assert [tok.decode(s) for bit, s in _segments(ids, mask) if bit] == [
+    assert [tok.decode(s) for bit, s in mask_runs(ids, mask) if bit] == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
         '<|im_end|>']
 
@@ -161,7 +150,7 @@ def test_a_template_that_quotes_strings_gets_objects(tok):
     quoted = tok.apply_chat_template(as_text, tools=TOOLS, tokenize=False)
     assert r'"arguments": "{\"city\": \"Paris\"}"' in quoted  # what it would train unchanged
     ids, mask = _sequence(tok, {"messages": as_text, "tools": TOOLS})
-    assert [tok.decode(s) for bit, s in _segments(ids, mask) if bit] == [CALL_TEXT]
+    assert [tok.decode(s) for bit, s in mask_runs(ids, mask) if bit] == [CALL_TEXT]
 
 
 def test_tools_as_json_text_give_the_same_ids_as_a_list(tok):
@@ -263,7 +252,7 @@ def test_a_template_that_rewrites_a_call_turn_is_refused_not_mis_masked(tok):
         encode_sft(tok, [{"messages": TRANSCRIPT}], max_length=1024)
     # the final turn alone is located as the template renders the whole chat
     ids, mask = _sequence(tok, {"messages": TRANSCRIPT}, loss_on="last")
-    assert [tok.decode(s) for bit, s in _segments(ids, mask) if bit] == [ANSWER_TEXT]
+    assert [tok.decode(s) for bit, s in mask_runs(ids, mask) if bit] == [ANSWER_TEXT]
     assert "<tool_call>get_weather</tool_call>" in tok.decode(ids)
 
 

@@ -17,6 +17,22 @@ from tether.rl.rollout import sampling_uniforms
 from tether.run.distributed import Dist
 
 
+class InProcess:
+    """A test engine's RolloutEngine side beside `sample`: no log-probs of its own, and nothing
+    to put to sleep, sync or close."""
+
+    own_logprobs = False
+
+    def sleep(self):
+        pass
+
+    def sync(self):
+        pass
+
+    def close(self):
+        pass
+
+
 @dataclass
 class Policy:
     tokenizer: object
@@ -27,8 +43,7 @@ class Policy:
         inner = native.start(self.model, Dist())
         policy = self
 
-        class Recording:
-            own_logprobs = False
+        class Recording(InProcess):
 
             def sample(self, ids, mask, **settings):
                 rollout = inner.sample(ids, mask, **settings)
@@ -36,14 +51,6 @@ class Policy:
                                      for i in range(len(rollout))])
                 return rollout
 
-            def sleep(self):
-                pass
-
-            def sync(self):
-                pass
-
-            def close(self):
-                pass
         return Recording()
 
 
@@ -73,13 +80,11 @@ def episodes(policy: Policy, factory, rows: list[dict], *, max_turns: int = 3,
         calls.close()
 
 
-class Scripted:
+class Scripted(InProcess):
     """An engine that answers from a script instead of sampling: `reply(context_text)` gives a
     turn's text, encoded and closed by `end_id` (an EOS the policy would sample), cut at
     max_new_tokens. The tokens are what a policy that wrote that text would have sampled, so an
     episode's every other step (environment, template, layout) is the real one."""
-
-    own_logprobs = False
 
     def __init__(self, tokenizer, reply, end_id: int | None = None):
         self.tokenizer, self.reply = tokenizer, reply
@@ -108,14 +113,6 @@ class Scripted:
         return Rollout(torch.cat([ids, out], 1), torch.cat([mask.long(), response_mask.long()], 1),
                        response_mask, ended, ids.shape[1], temperature)
 
-    def sleep(self):
-        pass
-
-    def sync(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def scripted_episodes(engine: Scripted, factory, rows: list[dict], *, tools=None,
