@@ -177,8 +177,7 @@ def sweep_html(root: Path, cfg: DemoConfig, planned, failures: dict[str, str]) -
     from tether.tools import sweep_report
 
     sweep_report.write(planned, failures)
-    body, summary = sweep_report.section(planned, failures, page_dir=root,
-                                         configs=False)
+    body, summary = sweep_report.section(planned, failures, page_dir=root, configs=False)
     print(summary)
     return ("<h2 id='sweep'>Which beta? A sweep</h2><p>PPO with a fixed beta at each of "
             f"{', '.join(f'{b:g}' for b in cfg.sweep_betas)}, one seed, "
