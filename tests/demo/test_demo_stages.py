@@ -3,12 +3,14 @@ log, an error that stops the demo or (for a sweep run) is reported, and an hones
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import time
 
 import pytest
 
-from tether.demo.stages import Clock, Stage, run_stages
+from tether.demo.stages import Clock, Stage, Workers, run_stages
 from tether.errors import TetherError
 
 
@@ -21,6 +23,10 @@ def napper(tag: str, seconds: float) -> tuple[str, int, float, float]:
     return tag, os.getpid(), start, time.time()
 
 
+def imported(module: str) -> tuple[int, bool]:
+    return os.getpid(), module in sys.modules
+
+
 def failing(message: str) -> None:
     raise TetherError(message)
 
@@ -31,7 +37,12 @@ def quiet_clock(stages, jobs):
 
 def test_two_jobs_run_in_two_worker_processes_at_once_each_with_its_log(tmp_path, capsys):
     stages = [Stage(f"s{i}", 1.0, napper, (f"s{i}", 1.0)) for i in range(2)]
-    results, failures = run_stages(stages, 2, tmp_path / "logs", quiet_clock(stages, 2))
+    with Workers(2) as workers:
+        # (a worker takes stages once it has imported, one worker after another: the demo
+        # starts them long before its stages come; here, wait for both)
+        assert len(workers.wait_ready()) == 2
+        results, failures = run_stages(stages, 2, tmp_path / "logs", quiet_clock(stages, 2),
+                                       workers=workers)
     assert failures == {} and set(results) == {"s0", "s1"}
     (_, pid0, start0, end0), (_, pid1, start1, end1) = results["s0"], results["s1"]
     assert len({pid0, pid1, os.getpid()}) == 3  # two workers, neither of them this process
@@ -73,3 +84,34 @@ def test_time_left_is_the_work_not_done_at_the_measured_rate_over_the_jobs(capsy
     line = capsys.readouterr().out
     assert line.startswith("[3/5] a finished in 5 s; 1 running, 1 to start; ")
     assert line.rstrip().endswith("about 7 s left")  # (4 + 10) / 2 jobs
+
+
+def test_workers_start_on_entry_and_import_what_they_are_told_before_any_stage(tmp_path):
+    before = set(multiprocessing.active_children())  # (an earlier test's, still exiting)
+    with Workers(2, warm=("colorsys",)) as workers:
+        # both processes exist at once, before a stage is submitted: neither starts cold later
+        ours = set(multiprocessing.active_children()) - before
+        assert len(ours) == 2
+        stages = [Stage(f"s{i}", 1.0, imported, ("colorsys",)) for i in range(2)]
+        results, _ = run_stages(stages, 2, tmp_path / "logs", quiet_clock(stages, 2),
+                                workers=workers)
+        assert all(loaded for _, loaded in results.values())
+        stages = [Stage("s", 1.0, imported, ("xdrlib",))]  # a module nobody asked for
+        results, _ = run_stages(stages, 2, tmp_path / "logs", quiet_clock(stages, 2),
+                                workers=workers)
+        assert results["s"][1] is False
+        workers.close()  # they exit on their own, while this process goes on
+    for child in ours:
+        child.join(10)
+    assert not any(child.is_alive() for child in ours)
+
+
+def test_an_error_in_the_block_stops_the_workers_at_once():
+    before = set(multiprocessing.active_children())
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        with Workers(2, warm=("tether.train.ppo",)):
+            ours = set(multiprocessing.active_children()) - before
+            raise KeyboardInterrupt  # Ctrl-C during SFT, while the workers still import
+    assert len(ours) == 2 and not any(child.is_alive() for child in ours)
+    assert time.perf_counter() - start < 5  # terminated, not waited for

@@ -17,14 +17,14 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from tether.demo import task
 from tether.demo.config import DemoConfig
-from tether.demo.report import Curve, write_report
-from tether.demo.stages import Clock, Stage, available_cores, run_stages
+from tether.demo.curves import Curve
+from tether.demo.stages import Clock, Stage, Workers, available_cores, run_stages
 from tether.errors import TetherError
-from tether.models.tiny import save_tiny
+
+# This module imports no torch, transformers or matplotlib at its top: `tether demo` prints its
+# first line and starts its workers (which import them) before it imports them itself.
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -34,6 +34,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
 
 def prepare_data(root: Path, cfg: DemoConfig) -> dict[str, str]:
     """Corpus, preference pairs, prompts and an untrained tiny model, all written under root."""
+    from tether.models.tiny import save_tiny
+
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     sentences = task.corpus(4000, seed=cfg.seed)
@@ -240,6 +242,13 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int) -> dic
     }
 
 
+# What the stages import, imported by each worker as it starts (while SFT trains): the
+# trainers, and what they import only once they load a model (GPT-2's modules, seconds of CPU),
+# check for an adapter (peft) or open the run's tracker (tensorboard).
+WORKER_IMPORTS = ("tether.demo.pipeline", "tether.train.ppo", "tether.train.dpo",
+                  "tether.tools.evaluate", "tether.tools.sweep", "tether.rl.engines.native",
+                  "transformers.models.gpt2.modeling_gpt2", "peft", "torch.utils.tensorboard")
+
 # Each stage's work in PPO batches of the demo's size (32 prompts, 20 new tokens, 4 epochs),
 # measured on 2 CPU cores with one thread per stage: only the order and the time-left estimate
 # read them. A DPO or IPO run (2 epochs of 1,000 pairs, then an evaluation) costs about as much
@@ -272,16 +281,25 @@ def run(cfg: DemoConfig) -> Path:
         raise TetherError(f"{root} already holds a demo; pass --run-name NEW to keep it, or "
                           "delete it to run again")
     started = time.perf_counter()
+    jobs = cfg.jobs or available_cores()
+    print("[0/2] data, tokenizer and an untrained tiny GPT-2; then SFT and the reward model",
+          flush=True)
+    # The workers start first: their imports run on the cores this process leaves free while it
+    # imports torch and trains SFT, not after SFT on the critical path.
+    with Workers(jobs, warm=WORKER_IMPORTS) as workers:
+        return _run(cfg, root, started, jobs, workers)
+
+
+def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Workers) -> Path:
+    import torch
+    from transformers.utils import logging as hf_logging
+
     if cfg.device == "cpu":
         # Tiny models: one thread is as fast on a quiet machine, and faster on a busy one
         # (docs/benchmarks.md, "CPU threads"); every stage's --threads 0 agrees.
         torch.set_num_threads(1)
     # The stages' own progress bars tell the story; transformers' per-load bars only add noise.
-    from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    jobs = cfg.jobs or available_cores()
-    print("[0/2] data, tokenizer and an untrained tiny GPT-2; then SFT and the reward model",
-          flush=True)
     paths = prepare_data(root, cfg)
     policy, reward_model = train_sft_and_rm(root, cfg, paths)
     planned = plan_sweep(root, cfg, paths, policy, reward_model) if cfg.sweep_betas else None
@@ -290,8 +308,9 @@ def run(cfg: DemoConfig) -> Path:
           f"({time.perf_counter() - started:.0f} s); {len(todo)} stages to run, {jobs} at a time"
           + (f", each one's output in {root / 'logs'}" if jobs > 1 else ""), flush=True)
     clock = Clock(todo, jobs, started, done_before=2, total=2 + len(todo))
-    results, failures = run_stages(todo, jobs, root / "logs", clock,
+    results, failures = run_stages(todo, jobs, root / "logs", clock, workers=workers,
                                    keep_going=lambda stage: stage.name.startswith("sweep/"))
+    workers.close()
     curves = [results[f"{name}-seed{seed}"] for seed in range(cfg.seed, cfg.seed + cfg.seeds)
               for name in PPO_VARIANTS]
     curves += [results["sft-eval"], *(results[name] for name in OFFLINE)]
@@ -299,6 +318,8 @@ def run(cfg: DemoConfig) -> Path:
     if planned is not None:
         section = sweep_html(root, cfg, planned, {k.removeprefix("sweep/"): v
                                             for k, v in failures.items()})
+    from tether.demo.report import write_report
+
     minutes = (time.perf_counter() - started) / 60
     run_dirs = [root / name for name in ("sft", "rm")] + [
         root / f"{name}-seed{cfg.seed}" for name in PPO_VARIANTS] + [root / "dpo", root / "ipo"]

@@ -8,11 +8,15 @@ the numbers equal a one-at-a-time run's bit for bit (tests/demo/test_demo_stages
 
 Order: longest first (by `cost`, in PPO batches), the classic rule for packing jobs on machines
 (Graham 1969), so that no long run starts last while a core sits idle.
+
+The workers start before SFT (`Workers`), so their imports (torch, transformers, the trainers:
+seconds of CPU each) run on the cores SFT leaves free instead of after it, on the critical path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import os
 import time
@@ -42,14 +46,87 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _in_worker(stage: Stage, log: str) -> tuple[Any, float]:
-    """A worker's side: one thread (the cores are shared out by process), quiet progress bars,
-    the stage's output in its log; returns (its result, its seconds)."""
-    import torch
-    from transformers.utils import logging as hf_logging
+_ALL_WORKERS = None  # a worker's barrier over every worker of its pool (`Workers.wait_ready`)
 
+
+def _prepare_worker(modules: tuple[str, ...], one_at_a_time, all_workers) -> None:
+    """A worker's start: the modules its stages will import, imported now and by one worker at
+    a time (so the parent, importing and training too, keeps a core), then one torch thread (the
+    cores are shared out by process) and quiet progress bars."""
+    global _ALL_WORKERS
+    _ALL_WORKERS = all_workers
+    with one_at_a_time:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        for module in modules:
+            importlib.import_module(module)
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _meet(timeout: float) -> int:
+    """Held until every worker of the pool holds one: so each of `jobs` calls runs on its own."""
+    _ALL_WORKERS.wait(timeout)
+    return os.getpid()
+
+
+class Workers:
+    """`jobs` worker processes, started on entry and warmed with `warm`'s imports while the
+    caller goes on; none for jobs 1 (the stages then run in this process). On an error (or
+    Ctrl-C) inside the block, the workers are stopped at once, not waited for."""
+
+    def __init__(self, jobs: int, warm: tuple[str, ...] = ()):
+        self.jobs, self.warm = jobs, warm
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Workers:
+        if self.jobs > 1:
+            # spawn, not fork: a forked torch with threads already started can deadlock
+            context = get_context("spawn")
+            self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context,
+                                            initializer=_prepare_worker,
+                                            initargs=(self.warm, context.Lock(),
+                                                      context.Barrier(self.jobs)))
+            # A spawning pool starts a worker per task that finds none idle: one task per worker
+            # now, so that every worker starts (and imports) now, not when its first stage comes.
+            for _ in range(self.jobs):
+                self.pool.submit(_ready)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> set[int]:
+        """Wait until every worker has started and imported; returns their process ids."""
+        if self.pool is None:
+            return set()
+        return {future.result() for future in
+                [self.pool.submit(_meet, timeout) for _ in range(self.jobs)]}
+
+    def close(self) -> None:
+        """No more stages: the workers exit while the caller goes on (writing the report)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    def __exit__(self, kind, error, trace) -> None:
+        if self.pool is None:
+            return
+        if kind is None:
+            self.pool.shutdown(wait=True)
+            return
+        # Stop now, not after the stages still running: their work is lost either way.
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        children = multiprocessing.active_children()
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.join(5)
+
+
+def _in_worker(stage: Stage, log: str) -> tuple[Any, float]:
+    """A worker's side of one stage: its output in its log; returns (its result, its seconds)."""
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(out):
@@ -92,13 +169,14 @@ class Clock:
 
 
 def run_stages(stages: list[Stage], jobs: int, log_dir: Path, clock: Clock,
-               keep_going: Callable[[Stage], bool] = lambda stage: False
-               ) -> tuple[dict[str, Any], dict[str, str]]:
+               keep_going: Callable[[Stage], bool] = lambda stage: False,
+               workers: Workers | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Run every stage, `jobs` at a time; returns ({name: result}, {name: error}).
 
-    jobs 1 runs them here, one after another, printing as they go (as the demo always did). A
-    stage that raises stops the demo with its error, unless `keep_going(stage)`: then its error
-    is returned and the rest go on (a failed sweep run is reported on the sweep's page).
+    jobs 1 runs them here, one after another, printing as they go (as the demo always did); more
+    run in `workers` (started here when not given). A stage that raises stops the demo with its
+    error, unless `keep_going(stage)`: then its error is returned and the rest go on (a failed
+    sweep run is reported on the sweep's page).
     """
     from tether.errors import TetherError
 
@@ -119,32 +197,35 @@ def run_stages(stages: list[Stage], jobs: int, log_dir: Path, clock: Clock,
                          [s.name for s in order[i + 1:]])
         return results, failures
     log_dir.mkdir(parents=True, exist_ok=True)
+    if workers is None:
+        with Workers(jobs) as own:
+            return _run_in(own, order, log_dir, clock, keep_going, results, failures)
+    return _run_in(workers, order, log_dir, clock, keep_going, results, failures)
+
+
+def _run_in(workers: Workers, order: list[Stage], log_dir: Path, clock: Clock,
+            keep_going: Callable[[Stage], bool], results: dict[str, Any],
+            failures: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    from tether.errors import TetherError
+
+    assert workers.pool is not None, "jobs 1 runs its stages in this process"
     waiting = list(order)
-    # spawn, not fork: a forked torch with threads already started can deadlock
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        running: dict[Future, Stage] = {}
-        try:
-            while waiting or running:
-                while waiting and len(running) < jobs:
-                    stage = waiting.pop(0)
-                    log = log_dir / f"{stage.name.replace('/', '-')}.log"
-                    running[pool.submit(_in_worker, stage, str(log))] = stage
-                    clock.start(stage.name)
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    stage = running.pop(future)
-                    try:
-                        results[stage.name], seconds = future.result()
-                    except TetherError as exc:
-                        if not keep_going(stage):
-                            raise
-                        failures[stage.name] = str(exc)
-                        seconds = time.perf_counter() - clock.began[stage.name]
-                    clock.finish(stage.name, seconds, [s.name for s in waiting])
-        except BaseException:
-            # Stop now, not after the stages still running: their work is lost either way.
-            pool.shutdown(wait=False, cancel_futures=True)
-            for child in multiprocessing.active_children():
-                child.terminate()
-            raise
+    running: dict[Future, Stage] = {}
+    while waiting or running:
+        while waiting and len(running) < workers.jobs:
+            stage = waiting.pop(0)
+            log = log_dir / f"{stage.name.replace('/', '-')}.log"
+            running[workers.pool.submit(_in_worker, stage, str(log))] = stage
+            clock.start(stage.name)
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in done:
+            stage = running.pop(future)
+            try:
+                results[stage.name], seconds = future.result()
+            except TetherError as exc:
+                if not keep_going(stage):
+                    raise
+                failures[stage.name] = str(exc)
+                seconds = time.perf_counter() - clock.began[stage.name]
+            clock.finish(stage.name, seconds, [s.name for s in waiting])
     return results, failures
