@@ -91,7 +91,7 @@ def test_workers_start_on_entry_and_import_what_they_are_told_before_any_stage(t
     with Workers(2, warm=("colorsys",)) as workers:
         # both processes exist at once, before a stage is submitted: neither starts cold later
         ours = set(multiprocessing.active_children()) - before
-        assert len(ours) == 2
+        assert len(ours) == 2 and ours == set(workers.children)
         stages = [Stage(f"s{i}", 1.0, imported, ("colorsys",)) for i in range(2)]
         results, _ = run_stages(stages, 2, tmp_path / "logs", quiet_clock(stages, 2),
                                 workers=workers)
@@ -101,9 +101,7 @@ def test_workers_start_on_entry_and_import_what_they_are_told_before_any_stage(t
                                 workers=workers)
         assert results["s"][1] is False
         workers.close()  # they exit on their own, while this process goes on
-    for child in ours:
-        child.join(10)
-    assert not any(child.is_alive() for child in ours)
+    assert not any(child.is_alive() for child in ours)  # the block's end waited for them
 
 
 def test_an_error_in_the_block_stops_the_workers_at_once():

@@ -83,6 +83,7 @@ class Workers:
     def __init__(self, jobs: int, warm: tuple[str, ...] = ()):
         self.jobs, self.warm = jobs, warm
         self.pool: ProcessPoolExecutor | None = None
+        self.children: list = []  # the worker processes (not any other child of this process)
 
     def __enter__(self) -> Workers:
         if self.jobs > 1:
@@ -94,8 +95,10 @@ class Workers:
                                                       context.Barrier(self.jobs)))
             # A spawning pool starts a worker per task that finds none idle: one task per worker
             # now, so that every worker starts (and imports) now, not when its first stage comes.
+            before = set(multiprocessing.active_children())
             for _ in range(self.jobs):
                 self.pool.submit(_ready)
+            self.children = [c for c in multiprocessing.active_children() if c not in before]
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> set[int]:
@@ -115,13 +118,14 @@ class Workers:
             return
         if kind is None:
             self.pool.shutdown(wait=True)
+            for child in self.children:  # (after close(), shutdown no longer waits for them)
+                child.join()
             return
         # Stop now, not after the stages still running: their work is lost either way.
         self.pool.shutdown(wait=False, cancel_futures=True)
-        children = multiprocessing.active_children()
-        for child in children:
+        for child in self.children:
             child.terminate()
-        for child in children:
+        for child in self.children:
             child.join(5)
 
 
