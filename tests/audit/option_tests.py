@@ -316,6 +316,9 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/models/test_hub_reward.py::test_ppo_critic_starts_from_the_policy_when_the_rm_reads_another_vocabulary",
     ],
     "online:reward_fn": [ONLINE + "test_reward_fn_given_as_file_and_function"],
+    # ignored, the weights are 1: the score is accuracy + length instead of accuracy + length / 2
+    "online:reward_weights": [
+        "tests/rl/test_trl_reward_functions.py::test_grpo_cli_with_two_weighted_trl_functions"],
     "online:gold_fn": ["tests/train/test_ppo.py::test_cli_end_to_end_with_eval_and_gold"],
     "online:critic": [ONLINE + "test_critic_shared_is_a_head_on_the_policy"],
     "online:prompts": [

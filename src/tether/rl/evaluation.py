@@ -20,11 +20,9 @@ from torch import nn
 
 from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
+from tether.rl.rewards import Reward
 from tether.rl.rollout import Rollout
 from tether.rl.sources import RolloutSource
-
-# reward(prompts, responses, rollout) -> scores [B]
-Reward = Callable[[list[str], list[str], Rollout], torch.Tensor]
 
 # The held-out sampling stream is seeded apart from the training one (run seed + this), so an
 # evaluation never replays a training batch's draws.
@@ -147,7 +145,9 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
         texts += picked
         if gold is not None:
-            measured["gold"] = gold(prompts[-len(picked):], picked, part.rollout).float().cpu()
+            rows = [r for r, keep in zip(part.rows, last.tolist()) if keep] if part.rows else None
+            measured["gold"] = gold(prompts[-len(picked):], picked, part.rollout,
+                                    rows).scores.float().cpu()
         for key, value in measured.items():
             parts.setdefault(key, []).append(value)
         for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes
@@ -158,7 +158,10 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
              "eos": "eval/eos_rate"}
     metrics = {names[k]: v.mean().item() for k, v in joined.items()}
     metrics["eval/distinct_2"] = distinct_n(texts, 2)
-    metrics |= {"eval/" + k.split("/", 1)[1]: v / len(texts) for k, v in env.items()}
+    # env/turns -> eval/turns; reward/<name> -> eval/reward/<name> (a function's name is the
+    # user's, and must not land on eval/score or eval/kl)
+    metrics |= {"eval/" + (k.split("/", 1)[1] if k.startswith("env/") else k): v / len(texts)
+                for k, v in env.items()}
 
     def per_prompt(key: str) -> list:
         return joined[key].tolist() if key in joined else [None] * len(texts)

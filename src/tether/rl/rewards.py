@@ -6,8 +6,9 @@ ids directly (`reward_from_model`); every other reward model reads text (`reward
 decoded response and the prompt as its row gave it (plain text, or the chat messages, which the
 reward model renders with its own template), tokenised by its own tokenizer.
 
-A reward function is any callable `(prompts: list[str], responses: list[str]) -> list[float]`,
-named on the command line as `module:function` or `path/to/file.py:function`; loading it runs
+A reward function is a callable `(prompts: list[str], responses: list[str]) -> list[float]`, or
+one written for TRL's convention (`tether.rl.reward_functions`, which calls it and combines
+several), named on the command line as `module:function` or `path/to/file.py:function`; loading it runs
 the named file's code, as `python` would (the current directory first on the import path, as
 `python -m` puts it, so `--gold-fn task:gold` finds ./task.py from the `tether` command too).
 Whatever it does wrong (raises, calls `sys.exit`, returns NaN, the wrong count, an unordered set
@@ -28,7 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,10 +44,21 @@ from tether.models.pretrained import check_same_vocabulary
 from tether.models.reward_model import RewardModel
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
-# What the loop calls: reward(prompts, responses, rollout) -> scores [B]
-Reward = Callable[[list[str], list[str], Any], torch.Tensor]
 # A prompt as its row gave it: plain text, or a list of chat messages
 Prompt = str | list[dict]
+
+
+class RewardScores(NamedTuple):
+    """What a reward gives a batch: the scores, and each reward function's own beside them."""
+
+    scores: torch.Tensor  # [B] the score of each response (several functions: their weighted sum)
+    parts: dict[str, torch.Tensor]  # name -> [B] one function's scores, NaN where it returned
+    # None (tether.rl.reward_functions); {} for a reward model
+
+
+# What the loop calls: reward(prompts, responses, rollout, rows) -> RewardScores, where `rows`
+# are the prompt rows the responses answer (their other columns), or None where none are known.
+Reward = Callable[[list[str], list[str], Any, "list[dict] | None"], RewardScores]
 
 
 def load_reward_function(spec: str, what: str = "reward function") -> RewardFn:
@@ -114,46 +126,52 @@ def function_name(fn: Callable) -> str:
 
 
 def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
-                         what: str = "reward function") -> torch.Tensor:
+                         what: str = "reward function", keywords: dict[str, Any] | None = None,
+                         allow_none: bool = False) -> torch.Tensor:
     """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message.
 
     It must return scores in the responses' order: a list or tuple, or a 1-D tensor or array,
     of finite real numbers (bools count as 0 and 1), one per response. A set, a dict, a
-    generator or a string is refused: their order, or their items, are not the responses'."""
+    generator or a string is refused: their order, or their items, are not the responses'.
+    `keywords`: call `fn(**keywords)` (TRL's convention) instead of `fn(prompts, responses)`.
+    `allow_none`: a None score means "does not apply" and comes back as NaN (TRL's convention
+    for several functions; the caller decides what a row no function scored means)."""
     name = function_name(fn)
     fix = "it must return a list of one finite float per response, in their order"
     try:
-        scores = fn(list(prompts), list(responses))
+        scores = (fn(**keywords) if keywords is not None
+                  else fn(list(prompts), list(responses)))
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
         own = getattr(getattr(fn, "__code__", None), "co_filename", None)
         raise TetherError(f"{what} {name} raised {raised(exc, own)}; fix the function ({fix}); "
                           "checkpoints written so far are intact") from exc
-    values = _ordered_numbers(scores)
+    values = _ordered_numbers(scores, allow_none)
     if values is None:
         raise TetherError(f"{what} {name} returned {_shown(scores)}, not a list of numbers in "
                           f"the responses' order; {fix}")
     if len(values) != len(responses):
         raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
                           f"responses; {fix}")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
     if bad:
         raise TetherError(f"{what} {name} returned a non-finite score ({values[bad[0]]}) for "
                           f"response {bad[0]}; {fix}")
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
 
 
-def _ordered_numbers(scores: Any) -> list[float] | None:
+def _ordered_numbers(scores: Any, allow_none: bool = False) -> list[float | None] | None:
     """The scores as floats, or None unless they are real numbers in a defined order: a list or
-    tuple (not a str, whose characters float() would read), or a 1-D tensor or array."""
+    tuple (not a str, whose characters float() would read), or a 1-D tensor or array.
+    `allow_none`: None items are kept (as None) instead of refusing the list."""
     if isinstance(scores, (list, tuple)):
         items = list(scores)
     elif getattr(scores, "ndim", None) == 1 and hasattr(scores, "tolist"):  # tensor, ndarray
         items = scores.tolist()
     else:  # a set or dict (no order of the responses'), a generator, a string, a scalar, None
         return None
-    if not all(_is_real(s) for s in items):
+    if not all(_is_real(s) or (allow_none and s is None) for s in items):
         return None
-    return [float(s) for s in items]
+    return [None if s is None else float(s) for s in items]
 
 
 def _is_real(value: Any) -> bool:
@@ -185,18 +203,13 @@ def reward_from_model(reward_model: nn.Module, chunk: int) -> Reward:
     """A reward model as a `Reward`: it scores the policy's own token ids (no re-tokenising),
     `chunk` rows at a time, read at each response's last real token (EOS)."""
     @torch.no_grad()
-    def reward(prompts, responses, rollout) -> torch.Tensor:  # rollout: tether.rl.rollout.Rollout
+    def reward(prompts, responses, rollout, rows=None) -> RewardScores:  # rollout: a Rollout
         # The reward model reads the policy's own token ids at the last real token (EOS).
-        return torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
-                                             rollout.attention_mask[i:i + chunk],
-                                             rollout.context_length)
-                          for i in range(0, len(rollout), chunk)])
+        return RewardScores(torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
+                                                          rollout.attention_mask[i:i + chunk],
+                                                          rollout.context_length)
+                                       for i in range(0, len(rollout), chunk)]), {})
     return reward
-
-
-def reward_from_function(fn: Callable, what: str) -> Reward:
-    """A Python `(prompts, responses) -> scores` function as a `Reward`, checked on every call."""
-    return lambda prompts, responses, rollout: call_reward_function(fn, prompts, responses, what)
 
 
 # ----------------------------------------------------------------------------- reward models
@@ -221,9 +234,9 @@ def reward_from_texts(reward_model: nn.Module, chunk: int, originals: dict[str, 
     `originals` (one missing there is read as plain text), the responses are the decoded ones,
     and the model's `score_texts` tokenises both with its own tokenizer, `chunk` rows at a time."""
     @torch.no_grad()
-    def reward(prompts, responses, rollout) -> torch.Tensor:
-        return reward_model.score_texts([originals.get(p, p) for p in prompts], list(responses),
-                                        chunk)
+    def reward(prompts, responses, rollout, rows=None) -> RewardScores:
+        return RewardScores(reward_model.score_texts([originals.get(p, p) for p in prompts],
+                                                     list(responses), chunk), {})
     return reward
 
 

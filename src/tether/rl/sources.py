@@ -58,14 +58,21 @@ class Collected:
     scores: torch.Tensor | None  # [B] raw scores: the reward's, an episode's summed reward; or
     # None: a source without a reward (`tether eval` without one)
     turn_rewards: torch.Tensor | None  # [B, R] each turn's reward on its last token (episodes)
-    stats: dict[str, float]  # means over this rank's episodes (env/...), {} for prompts
+    stats: dict[str, float]  # means over this rank's rows: an episode's (env/...), or each
+    # reward function's over the responses it scored (reward/<name>)
     records: list[dict] | None = None  # each episode as data (tether.rl.env.episodes.record)
+    rows: list[dict] | None = None  # the prompt row each row answers (what a gold function reads)
 
 
 class RolloutSource(Protocol):
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected: ...
 
     def close(self) -> None: ...
+
+
+def part_means(parts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`reward/<name>`: each reward function's mean over the responses it scored (not None)."""
+    return {f"reward/{name}": float(scores.nanmean()) for name, scores in parts.items()}
 
 
 def env_seed(run_seed: int, row: int) -> int:
@@ -79,9 +86,9 @@ class PromptSource:
 
     def __init__(self, engine: RolloutEngine, tokenizer, prompts: list[str],
                  prompt_ids: list[list[int]], reward: Reward | None, sampling: Sampling,
-                 device: torch.device):
+                 device: torch.device, rows: Sequence[dict] | None = None):
         self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
-        self.prompts, self.prompt_ids = prompts, prompt_ids
+        self.prompts, self.prompt_ids, self.rows = prompts, prompt_ids, rows
         self.sampling, self.device = sampling, device
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
@@ -95,10 +102,13 @@ class PromptSource:
                                      pad_token_id=s.pad_token_id, uniforms=uniforms)
         rollout = apply_stop_strings(rollout, self.tokenizer, s.stop_strings, s.pad_token_id)
         prompts = [self.prompts[i] for i in rows[mine]]
+        table = [self.rows[i] for i in rows[mine]] if self.rows else None
         responses = decode_responses(self.tokenizer, rollout)
-        scores = (None if self.reward is None
-                  else self.reward(prompts, responses, rollout).to(self.device))
-        return Collected(prompts, responses, rollout, scores, None, {})
+        if self.reward is None:
+            return Collected(prompts, responses, rollout, None, None, {}, rows=table)
+        scored = self.reward(prompts, responses, rollout, table)
+        return Collected(prompts, responses, rollout, scored.scores.to(self.device), None,
+                         part_means(scored.parts), rows=table)
 
     def close(self) -> None:
         pass
@@ -129,9 +139,10 @@ class EnvSource:
                                 eos_token_ids=s.eos_token_ids, pad_token_id=s.pad_token_id,
                                 stop_strings=s.stop_strings, device=self.device,
                                 where=lambda j: f"episode of {self.source_name} row {indices[j]}")
+        table = [self.rows[indices[j]] for j in episodes.rollout.episode_ids().tolist()]
         return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,
                          episodes.rewards, episodes.turn_rewards, episodes.stats,
-                         episodes.records)
+                         episodes.records, table)
 
     def close(self) -> None:
         self.calls.close()
@@ -152,7 +163,7 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
     sampling = Sampling(settings.max_new_tokens, settings.temperature, tuple(eos_token_ids),
                         tokenizer.pad_token_id, tuple(settings.stop_strings))
     if not (env or tools):
-        return PromptSource(engine, tokenizer, prompts, prompt_ids, reward, sampling, device)
+        return PromptSource(engine, tokenizer, prompts, prompt_ids, reward, sampling, device, rows)
     schemas = None
     if tools:
         env, schemas = tools_environment(tools, reward, tokenizer)

@@ -273,7 +273,9 @@ def resolved_paths(values: dict[str, Any]) -> dict[str, Any]:
             return output_path(value)
         if name in INPUT_PATH_FIELDS:
             return input_path(value)
-        return function_path(value) if name in FUNCTION_FIELDS else value
+        if name in FUNCTION_FIELDS:  # several joined by commas (--reward-fn a.py:f,b.py:g)
+            return ",".join(function_path(spec) for spec in value.split(","))
+        return value
     return {name: resolve(name, value) for name, value in values.items()}
 
 

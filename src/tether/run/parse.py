@@ -24,6 +24,7 @@ import yaml
 
 from tether.errors import TetherError
 from tether.run.config import C, resolve_paths
+from tether.run.config_help import COMMA_LISTS
 
 
 def _type_name(tp: Any) -> str:
@@ -205,7 +206,7 @@ def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: st
 def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
     yaml_path, rest = _split_config_flag(list(argv))
-    rest = _positional_flag(cls, rest)
+    rest = _split_number_lists(cls, _positional_flag(cls, rest))
     if "-h" in rest or "--help" in rest:
         from tether.run.config_help import help_text
 
@@ -226,6 +227,28 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     resolve_paths(cfg)
     _validate(cfg)
     return cfg
+
+
+def _split_number_lists(cls: type, argv: list[str]) -> list[str]:
+    """`--reward-weights 1,0.5` as `--reward-weights 1 0.5`: a list of numbers that may join its
+    values with commas (`COMMA_LISTS`) is split here, since the parser reads each value as one
+    number (a list of strings, `--tools`, is split by its own loader)."""
+    hints = _field_types(cls)
+    numbers = {name for name in COMMA_LISTS if name in hints
+               and typing.get_args(hints[name]) and typing.get_args(hints[name])[0] is not str}
+    out, splitting = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            splitting = flag[2:].replace("-", "_") in numbers
+            if splitting and eq:
+                out += [flag, *[v for v in value.split(",") if v]]
+                splitting = False
+                continue
+            out.append(arg)
+        else:
+            out += [v for v in arg.split(",") if v] if splitting else [arg]
+    return out
 
 
 def _positional_flag(cls: type, argv: list[str]) -> list[str]:

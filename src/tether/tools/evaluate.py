@@ -40,12 +40,8 @@ from tether.rl.evaluation import (
     evaluate_policy,
     measure_responses,
 )
-from tether.rl.rewards import (
-    load_reward_function,
-    load_reward_model,
-    prompt_originals,
-    reward_from_function,
-)
+from tether.rl.reward_functions import load_reward_functions, reward_from_functions
+from tether.rl.rewards import load_reward_function, load_reward_model, prompt_originals
 from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
@@ -96,7 +92,7 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
     if cfg.reward_model:
         reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_function(cfg.reward_fn)
+        reward_fn = load_reward_functions(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
     return reward_fn, gold_fn
@@ -113,9 +109,10 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
         reward = load_reward_model(cfg.reward_model, tokenizer,
                                    prompt_originals(tokenizer, cfg.prompts), cfg.batch_size,
                                    device, cfg.dtype, cfg.trust_remote_code).reward
-    elif reward_fn is not None:
-        reward = reward_from_function(reward_fn, "reward function")
-    gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
+    elif reward_fn is not None:  # several: summed with weight 1 each (TRL's default)
+        reward = reward_from_functions(reward_fn if isinstance(reward_fn, (list, tuple))
+                                       else [reward_fn])
+    gold = reward_from_functions([gold_fn], (), "gold reward function") if gold_fn else None
     return reward, gold
 
 
@@ -161,7 +158,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         cfg, inputs.prompt_ids if inputs else [], limit))
     source = make_source(cfg, engine, tokenizer, prompts=inputs.prompts if inputs else [],
                          prompt_ids=inputs.prompt_ids if inputs else [], rows=rows,
-                         reward=reward if not cfg.tools else reward_fn, env=env,
+                         reward=reward, env=env,
                          tools=load_tools(cfg.tools), eos_token_ids=eos, device=device,
                          source_name=cfg.prompts, context_limit=limit,
                          env_seed_base=cfg.seed + EVAL_SEED_OFFSET)

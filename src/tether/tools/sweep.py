@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
-from tether.rl.rewards import load_reward_function
+from tether.rl.reward_functions import load_reward_functions
 from tether.run import lock
 from tether.run.config import config_to_dict, resolved_paths
 from tether.run.parse import config_from_dict, parse_config
@@ -259,7 +259,7 @@ def check_functions(sweep: Sweep) -> None:
              for name in ("reward_fn", "gold_fn")}
     for spec in sorted(spec for spec in specs if spec):
         try:
-            load_reward_function(spec)
+            load_reward_functions(spec)
         except TetherError as exc:
             raise TetherError(f"grid: {exc}") from None
 

@@ -62,8 +62,9 @@ __all__ = ["PPOConfig", "run", "cli"]
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
 
-    `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]`, used instead
-    of --reward-fn / --gold-fn (give a reward one way only). `env`: an environment factory (a
+    `reward_fn` / `gold_fn`: Python callables `(prompts, responses) -> list[float]` or in TRL's
+    form (`reward_fn` may be a list of them, weighted by --reward-weights), used instead of
+    --reward-fn / --gold-fn (give a reward one way only). `env`: an environment factory (a
     class or a function returning an environment; docs/agents.md), used instead of --env.
     """
     if env is not None and not cfg.env:  # recorded by name: config.yaml says what ran
@@ -79,6 +80,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             step = batch + 1
             started = time.perf_counter()
             seed = cfg.seed * 1_000_003 + batch  # per batch: a resumed run draws the same noise
+            if setup.reward_functions is not None:  # TRL's trainer_state.global_step: steps done
+                setup.reward_functions.state.global_step = batch
             # 1. Rollout and reward (each rank samples its rows; every rank then holds the global
             #    batch); with --dynamic-sampling, groups of equal scores are replaced.
             drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)

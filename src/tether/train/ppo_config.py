@@ -34,7 +34,9 @@ class PPOConfig(RunConfig, EnvOptions):
     reward_model: str = ""
     """A reward model written by `tether rm` (give this or --reward-fn)."""
     reward_fn: str = ""
-    """A Python reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
+    """Python reward functions `file.py:function` (or `module:function`), several joined by commas: (prompts, responses) -> list[float], or TRL's (prompts, completions, completion_ids, **kwargs) with the prompt file's other columns as keywords (docs/ppo.md)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """Weights of the --reward-fn functions, in order (empty: 1 each); the score is their weighted sum, a None score left out, as TRL's reward_weights."""
     gold_fn: str = ""
     """Optional second ("gold") reward function, used only to score --eval-prompts."""
     critic: Literal["separate", "shared"] = "separate"

@@ -37,6 +37,12 @@ from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
+from tether.rl.reward_functions import (
+    RewardFunctions,
+    load_reward_functions,
+    reward_from_functions,
+    weighted,
+)
 from tether.rl.rewards import (
     Reward,
     check_one_reward,
@@ -44,7 +50,6 @@ from tether.rl.rewards import (
     load_reward_function,
     load_reward_model,
     prompt_originals,
-    reward_from_function,
     reward_from_model,
 )
 from tether.rl.roles import Roles
@@ -80,7 +85,10 @@ class Setup:
     kl_ctl: kl_lib.KLController
     reward: Reward | None  # the prompts' reward (None: an environment rewards its episodes)
     reward_model: nn.Module | None  # the model behind `reward`, when it is one
-    gold: Callable | None
+    gold: Reward | None
+    # What TRL-style reward functions read as `trainer_state` (the loop sets global_step), or
+    # None without reward functions
+    reward_functions: RewardFunctions | None
     eos_token_ids: list[int]
     prompts: list[str]  # the prompt rows' texts and ids (empty when environments start them)
     prompt_ids: list[list[int]]
@@ -149,8 +157,11 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     use_threads(cfg.threads, policy, device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
-    reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, reward_fn, device)
-    gold = reward_from_function(gold_fn, "gold reward function") if gold_fn else None
+    functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches)
+                 if reward_fn else None)
+    reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, functions, device)
+    gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches)
+            if gold_fn else None)
     critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
                          cfg.reward_model)
     critic = critic.to(device) if critic is not None else None
@@ -185,7 +196,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
                env_seed_base: int | None = None):
         return make_source(cfg, engine, tokenizer, prompts=texts, prompt_ids=ids, rows=table,
-                           reward=reward if reward is not None else reward_fn, env=env,
+                           reward=reward if reward is not None else functions, env=env,
                            tools=tools, eos_token_ids=eos, device=device, source_name=name,
                            context_limit=limit, env_seed_base=env_seed_base)
     evaluation = None
@@ -198,7 +209,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
-                 reward_model=reward_model, gold=gold, eos_token_ids=eos, prompts=prompts,
+                 reward_model=reward_model, gold=gold, reward_functions=functions,
+                 eos_token_ids=eos, prompts=prompts,
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
                  spec=update_spec(cfg, d), engine=engine,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
@@ -221,12 +233,12 @@ def _prompt_rows(cfg: PPOConfig, tokenizer) -> tuple[list[str], list[list[int]],
     return prompts, prompt_ids, rows
 
 
-def _user_code(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | None,
-               env: Callable | None) -> tuple[Callable | None, Callable | None,
-                                              Callable | None, list[Callable]]:
-    """The reward and gold functions, the environment factory and the tools, imported when
-    named. What needs no model comes first, cheapest first: a bad flag, function, file or path
-    fails in seconds, before anything large loads (none of them needs a tokenizer)."""
+def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callable | None
+               ) -> tuple[list[Callable], Callable | None, Callable | None, list[Callable]]:
+    """The reward functions (one or several, `reward_fn` a callable or a list of them), the gold
+    function, the environment factory and the tools, imported when named. What needs no model
+    comes first, cheapest first: a bad flag, function, file or path fails in seconds, before
+    anything large loads (none of them needs a tokenizer)."""
     for name in ("policy", "prompts"):
         if not getattr(cfg, name):
             raise TetherError(f"--{name} is required")
@@ -240,13 +252,19 @@ def _user_code(cfg: PPOConfig, reward_fn: Callable | None, gold_fn: Callable | N
         check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
         check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
     if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_function(cfg.reward_fn)
+        reward_fn = load_reward_functions(cfg.reward_fn)
+    reward_fn = [] if reward_fn is None else (
+        list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
+    if cfg.reward_weights and not reward_fn:
+        raise TetherError("--reward-weights weighs reward functions; give them with --reward-fn "
+                          "or drop --reward-weights")
+    weighted(reward_fn, cfg.reward_weights)  # the weights checked now, before any model loads
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
     return reward_fn, gold_fn, env, load_tools(cfg.tools)
 
 
-def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | None,
+def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctions | None,
             device: torch.device) -> tuple[Reward, nn.Module | None, nn.Module | None]:
     """(the reward the loop calls, the reward model behind it or None, the model the critic
     starts from or None). A LoRA reward model on the policy's base joins it as one more adapter
@@ -254,10 +272,10 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, reward_fn: Callable | No
     the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
     text: the prompt as its row gave it (`prompt_originals`, so a chat is rendered with the reward
     model's own template), the response as sampled."""
-    if cfg.episodic:  # the environment rewards its episodes (--tools: with reward_fn itself)
+    if cfg.episodic:  # the environment rewards its episodes (--tools: with the functions)
         return None, None, None
     if not cfg.reward_model:
-        return reward_from_function(reward_fn, "reward function"), None, None
+        return functions, None, None
     shared = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
     if shared is not None:
         shared = freeze(fuse_gelu(shared), device)

@@ -12,8 +12,12 @@ calls them, reads their results, and answers.
     results    each call's result as a `tool` message. Bad JSON, an unknown tool, arguments the
                function refuses, or a tool that raises go back to the model as that tool message
                ("error: ..."), counted in `env/tool_errors`; they never stop the run
-    end        the first turn without a call ends the episode, scored by the reward function on
-               that final answer: `reward_fn([first prompt], [answer])`
+    end        the first turn without a call ends the episode, scored by the reward functions on
+               that final answer (`tether.rl.reward_functions`): tether's form reads
+               `([last user message of the first prompt], [answer])`; TRL's form the row's prompt
+               as given, the answer as a string or assistant message and the row's columns, but
+               no `completion_ids` (the answer's ids are one turn of an episode that holds the
+               tools' tokens too, so no list of ids is the completion TRL means)
 
 The episode's first prompt is the row's `prompt` or `messages` (a plain prompt becomes a user
 message: tools are rendered by a chat template).
@@ -27,7 +31,8 @@ from collections.abc import Callable, Sequence
 
 from tether.data.chat import chat_messages, render_chat
 from tether.errors import TetherError
-from tether.rl.rewards import call_reward_function, function_name, raised
+from tether.rl.reward_functions import RewardFunctions, reward_from_functions
+from tether.rl.rewards import function_name, raised
 
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -115,10 +120,10 @@ class ToolsEnv:
     """One episode with the tools (see the module docstring)."""
 
     def __init__(self, functions: dict[str, Callable], schemas: list[dict], form: str,
-                 reward_fn: Callable | None, tokenizer):
+                 reward: RewardFunctions | None, tokenizer):
         self.functions, self.schemas, self.form = functions, schemas, form
-        self.reward_fn, self.tokenizer = reward_fn, tokenizer
-        self.prompt = ""
+        self.reward, self.tokenizer = reward, tokenizer
+        self.prompt, self.row = "", {}
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
 
     def reset(self, row: dict, seed: int) -> list[dict]:
@@ -131,6 +136,7 @@ class ToolsEnv:
             raise TetherError(f"{where} has neither a 'prompt' nor 'messages'; give one of them")
         self.prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"),
                            messages[-1]["content"])
+        self.row = row
         return messages
 
     def step(self, action: str):
@@ -139,9 +145,10 @@ class ToolsEnv:
             self.counts["tool_errors"] += 1
             return [{"role": "tool", "content": f"error: {problem}"}], 0.0, False
         if not calls:  # the answer
-            if self.reward_fn is None:
+            if self.reward is None:
                 return None, 0.0, True
-            return None, float(call_reward_function(self.reward_fn, [self.prompt], [action])[0]), True
+            scored = self.reward.score([self.prompt], [action], [self.row], None)
+            return None, float(scored.scores[0]), True
         return [self._result(name, arguments) for name, arguments in calls], 0.0, False
 
     def _result(self, name: str, arguments: dict) -> dict:
@@ -164,9 +171,12 @@ class ToolsEnv:
         return dict(self.counts)
 
 
-def tools_environment(tools: Sequence[Callable], reward_fn: Callable | None, tokenizer
-                      ) -> tuple[Callable, list[dict]]:
-    """(an environment factory for these tools, their schemas)."""
+def tools_environment(tools: Sequence[Callable], reward: RewardFunctions | Callable | None,
+                      tokenizer) -> tuple[Callable, list[dict]]:
+    """(an environment factory for these tools, their schemas); `reward`: the reward functions,
+    or one plain function."""
+    if reward is not None and not isinstance(reward, RewardFunctions):
+        reward = reward_from_functions([reward])
     functions = {}
     for fn in tools:
         name = getattr(fn, "__name__", None)
@@ -177,5 +187,5 @@ def tools_environment(tools: Sequence[Callable], reward_fn: Callable | None, tok
     form = call_format(tokenizer, schemas)
 
     def make_env() -> ToolsEnv:
-        return ToolsEnv(functions, schemas, form, reward_fn, tokenizer)
+        return ToolsEnv(functions, schemas, form, reward, tokenizer)
     return make_env, schemas

@@ -1,0 +1,181 @@
+"""Python reward functions as the loop's reward: tether's form and TRL's, one or several, weighted.
+
+Two ways to write a reward function, told apart by its signature (`takes_trl_arguments`):
+
+    tether's   fn(prompts, responses): the prompt texts the policy continued (a chat rendered by
+               its template) and the decoded responses, all strings
+    TRL's      fn(prompts, completions, completion_ids, **kwargs), called with keywords as TRL's
+               GRPOTrainer calls it: each prompt as its row gave it (a string, or the chat's
+               messages), each completion a string, or for a chat prompt one assistant message
+               `[{"role": "assistant", "content": text}]`; `completion_ids` the sampled token ids
+               of each response (EOS included, as the policy sampled it); every other column of
+               the prompt file by its name (a list aligned with the batch, a prompt answered k
+               times repeated k times); and `trainer_state` (a transformers `TrainerState` whose
+               `global_step` is the batches done and `max_steps` the run's batches)
+
+Several functions (`--reward-fn a.py:f,b.py:g --reward-weights 1,0.5`) score each response with
+their weighted sum. A function may return None for a response it does not apply to (TRL's
+convention): that entry is left out of the sum (NaN, summed with nansum), and a response that
+every function left out stops the run with one line, since it has no score to learn from. Each
+function's own scores come back beside the sum (`RewardScores.parts`), for `reward/<name>`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainerState
+
+from tether.data.prompts import prompt_messages
+from tether.errors import TetherError
+from tether.rl.rewards import Prompt, RewardScores, call_reward_function, load_reward_function
+
+# The keywords a TRL-style function is called with besides the prompt file's columns
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+# Columns that are the prompt or a reference completion, never passed as keywords (TRL drops
+# `prompt`, `completion` and `completion_ids`; `messages` is tether's other prompt column)
+PROMPT_COLUMNS = frozenset({"prompt", "messages", "completion", "completion_ids"})
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward function, the name its metric goes by (`reward/<name>`) and its weight."""
+
+    fn: Callable
+    name: str
+    weight: float = 1.0
+
+
+def load_reward_functions(spec: str) -> list[Callable]:
+    """The functions `--reward-fn` names: `file.py:f` or several joined by commas."""
+    return [load_reward_function(name.strip()) for name in spec.split(",") if name.strip()]
+
+
+def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[RewardFunction]:
+    """`functions` with their `weights` (none given: 1 each, TRL's default) and metric names:
+    each its `__name__`, numbered from the second on when two share one (`f`, `f_2`)."""
+    if weights and len(weights) != len(functions):
+        raise TetherError(f"--reward-weights has {len(weights)} weights for {len(functions)} "
+                          "reward functions; give one weight per --reward-fn function, in order")
+    bad = [w for w in weights if not math.isfinite(w)]
+    if bad:
+        raise TetherError(f"--reward-weights holds {bad[0]}; give finite numbers")
+    names, seen = [], {}
+    for fn in functions:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return [RewardFunction(fn, name, float(w)) for fn, name, w in
+            zip(functions, names, weights or [1.0] * len(functions), strict=True)]
+
+
+def takes_trl_arguments(fn: Callable, columns: Sequence[str]) -> bool:
+    """Whether `fn` is written for TRL's call: it names `completions`, `completion_ids` or
+    `trainer_state`, or takes `**kwargs` and needs nothing but `prompts` and columns by name.
+    Anything else (`fn(prompts, responses)`, `fn(p, r, **kw)`, a signature Python cannot read)
+    is tether's form, called with two lists as before."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    names = {p.name for p in parameters}
+    if names & {"completions", "completion_ids", "trainer_state"}:
+        return True
+    required = {p.name for p in parameters if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return (any(p.kind is p.VAR_KEYWORD for p in parameters)
+            and required <= {"prompts", *columns})
+
+
+def row_prompt(row: dict, text: str) -> Prompt:
+    """A prompt as its row gave it: the chat's messages, else the plain text (`text`)."""
+    messages = prompt_messages(row)
+    return messages if messages is not None else text
+
+
+def row_columns(rows: Sequence[dict]) -> dict[str, list]:
+    """The rows' other columns by name, each a list aligned with `rows` (None where a row lacks
+    it). A column named like a TRL argument could not be told apart from it: refused."""
+    names = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in PROMPT_COLUMNS]
+    clash = [k for k in names if k in TRL_ARGUMENTS]
+    if clash:
+        raise TetherError(f"the prompt file has a column {clash[0]!r}, a name the reward "
+                          "functions are called with; rename that column")
+    return {k: [row.get(k) for row in rows] for k in names}
+
+
+def trl_arguments(prompts: list[str], responses: list[str], rows: Sequence[dict] | None,
+                  completion_ids: list[list[int]] | None, state: TrainerState) -> dict[str, Any]:
+    """The keywords of TRL's call (module docstring). Without `rows` the prompts are the texts
+    and there are no columns; without `completion_ids` (an answer inside an episode) that
+    keyword is left out."""
+    originals = ([row_prompt(row, text) for row, text in zip(rows, prompts, strict=True)]
+                 if rows is not None else list(prompts))
+    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                   for prompt, text in zip(originals, responses, strict=True)]
+    keywords = {"prompts": originals, "completions": completions, "trainer_state": state}
+    if completion_ids is not None:
+        keywords["completion_ids"] = completion_ids
+    return keywords | (row_columns(rows) if rows is not None else {})
+
+
+def sampled_ids(rollout, n_responses: int) -> list[list[int]]:
+    """The token ids the policy sampled for each response (`action_mask`), an episode's rows
+    joined in order; `n_responses` says whether rows are responses or episodes."""
+    per_row = [row[mask].tolist() for row, mask in zip(rollout.responses,
+                                                       rollout.action_mask.bool(), strict=True)]
+    if len(per_row) == n_responses:
+        return per_row
+    joined: dict[int, list[int]] = {}
+    for episode, ids in zip(rollout.episode_ids().tolist(), per_row, strict=True):
+        joined.setdefault(episode, []).extend(ids)
+    return list(joined.values())
+
+
+@dataclass
+class RewardFunctions:
+    """Reward functions as the loop's `Reward` (tether.rl.rewards): called on every batch,
+    checked, weighted and summed. `state` is what TRL-style functions get as `trainer_state`
+    (the loop moves its `global_step`); `what` names them in errors."""
+
+    functions: list[RewardFunction]
+    what: str = "reward function"
+    state: TrainerState = field(default_factory=TrainerState)
+
+    def __call__(self, prompts: list[str], responses: list[str], rollout,
+                 rows: list[dict] | None = None) -> RewardScores:
+        return self.score(prompts, responses, rows, sampled_ids(rollout, len(responses)))
+
+    def score(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
+              completion_ids: list[list[int]] | None) -> RewardScores:
+        """Each function's scores, and their weighted sum over the functions that applied."""
+        columns = list(row_columns(rows)) if rows is not None else []
+        keywords = None  # built once, for the first TRL-style function
+        parts = {}
+        for f in self.functions:
+            trl = takes_trl_arguments(f.fn, columns)
+            if trl and keywords is None:
+                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
+            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what,
+                                                 keywords if trl else None, allow_none=True)
+        stacked = torch.stack(list(parts.values()), dim=1)  # [B, F]
+        unscored = torch.isnan(stacked).all(dim=1)
+        if unscored.any():
+            i = int(unscored.nonzero()[0])
+            raise TetherError(f"every {self.what} returned None for response {i} (prompt "
+                              f"{prompts[i][:60]!r}); make at least one function score every "
+                              "response")
+        weights = torch.tensor([f.weight for f in self.functions])
+        return RewardScores((stacked * weights).nansum(dim=1), parts)
+
+
+def reward_from_functions(functions: Sequence[Callable], weights: Sequence[float] = (),
+                          what: str = "reward function", max_steps: int = 0) -> RewardFunctions:
+    """`functions` (with `weights`) as the loop's reward; `max_steps`: the run's batches."""
+    return RewardFunctions(weighted(functions, list(weights)), what,
+                           TrainerState(global_step=0, max_steps=max_steps))
