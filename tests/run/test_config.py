@@ -32,10 +32,13 @@ def test_flags_override_yaml(tmp_path):
     assert cfg.output_dir == os.path.abspath("runs")  # the default, recorded absolute (issue 23)
 
 
-def test_unknown_yaml_field_names_field_and_allowed(tmp_path):
+def test_unknown_yaml_field_names_field_and_what_to_use(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("run_name: a\nlearning_rate: 2\n")
-    with pytest.raises(TetherError, match="unknown config field 'learning_rate'.*allowed fields: .*lr"):
+    with pytest.raises(TetherError, match="'learning_rate' in .* is TRL's name; tether's is lr "):
+        parse_config(DemoConfig, ["--config", str(path)])
+    path.write_text("run_name: a\nstep: 1\n")
+    with pytest.raises(TetherError, match="unknown config field 'step' in .*; did you mean 'steps'"):
         parse_config(DemoConfig, ["--config", str(path)])
 
 
@@ -55,8 +58,8 @@ def test_bad_yaml_values(tmp_path, yaml_text, pattern):
 
 
 def test_bad_flags_are_one_line_errors():
-    with pytest.raises(TetherError, match="unknown option --bogus"):
-        parse_config(DemoConfig, ["--run-name", "a", "--bogus", "1"])
+    with pytest.raises(TetherError, match="^unknown option --bogus; see tether demo --help$"):
+        parse_config(DemoConfig, ["--run-name", "a", "--bogus", "1"], prog="tether demo")
     with pytest.raises(TetherError, match="sigmoid") as info:
         parse_config(DemoConfig, ["--run-name", "a", "--loss", "hinge"])
     assert "\n" not in str(info.value)

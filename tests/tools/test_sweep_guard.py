@@ -104,7 +104,12 @@ BAD_GRIDS = [  # (id, the grid file's text or an edit of a good grid, what the o
     ("beta-word", _edit_ppo(beta="high"),
      r"grid: ppo-seed0: config field 'beta' must be a number, got 'high'"),
     ("beta-mapping", _edit_ppo(beta={"a": 1}), r"config field 'beta' must be a number"),
-    ("unknown-field", _edit_ppo(bogus=1), r"unknown ppo field 'bogus'"),
+    ("unknown-field", _edit_ppo(bogus=1),  # was the ~90 ppo fields on one line
+     r"grid: unknown config field 'bogus' in the 'ppo' block; see tether ppo --help$"),
+    ("near-miss-field", _edit_ppo(beta_ed=1), r"'beta_ed' in the 'ppo' block; did you mean 'beta_end'\?"),
+    ("trl-field", _edit_ppo(num_generations=8),
+     r"grid: config field 'num_generations' in the 'ppo' block is TRL's name; tether's is "
+     r"samples_per_prompt \(docs/from_trl.md\)"),
     # one grid point twice: one run trained twice (its second try failing) and counted as 2 seeds
     ("repeat-0.1", _edit_ppo(beta=[0.1, 0.1]),
      r"grid: ppo axis 'beta' lists one setting twice \(0.1 and 0.1\), so two runs would train "

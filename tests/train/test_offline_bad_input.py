@@ -50,7 +50,7 @@ CASES = {
         "dpo", "x.jsonl", b'{"prompt": ["the", "movie"], "chosen": "a", "rejected": "b"}\n',
         [], "row 0 'prompt' must be a string or a list of .role, content. messages"),
     "unknown config field": ("dpo", "c.yaml", b"beta: 0.1\nbetta: 0.2\n", ["--config"],
-                             "unknown config field 'betta'.*allowed fields:.*beta"),
+                             "unknown config field 'betta' in .*; did you mean 'beta'\\?$"),
     "bad choice": ("dpo", "c.yaml", b"loss: hinge\n", ["--config"], "'loss' must be one of: sigmoid, ipo"),
     # memory and precision knobs: a value that cannot mean what it says is refused up front
     "accumulation does not divide the batch": ("sft", "x.jsonl", SFT_ROW, ["--grad-accum-steps", "3"],
@@ -96,4 +96,4 @@ def test_unknown_flag_exit_2(tiny_model_dir, capsys):
     assert main(["rm", "--model", str(tiny_model_dir), "--data", "x.jsonl", "--run-name", "z",
                  "--learning-rate", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: unknown option --learning-rate") and "\n" not in err
+    assert err == "error: --learning-rate is TRL's name; tether's is --lr (docs/from_trl.md)"

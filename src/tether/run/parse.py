@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import io
 import math
 import textwrap
@@ -23,6 +24,7 @@ import tyro
 import yaml
 
 from tether.errors import TetherError
+from tether.run import trl_names
 from tether.run.config import C, resolve_paths
 from tether.run.config_help import COMMA_LISTS
 
@@ -95,7 +97,7 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _check_dict(cls: type, d: dict[str, Any], source: str) -> dict[str, Any]:
+def _check_dict(cls: type, d: dict[str, Any], source: str, prog: str | None = None) -> dict[str, Any]:
     """Reject unknown fields and wrongly typed values; return the coerced values."""
     if not isinstance(d, dict):
         raise TetherError(f"{source} must be a mapping of config fields, got {type(d).__name__}")
@@ -111,7 +113,7 @@ def _check_dict(cls: type, d: dict[str, Any], source: str) -> dict[str, Any]:
                                   f"'stage:' line to start a {stage} run from its settings")
             continue
         if key not in names:
-            raise TetherError(f"unknown config field '{key}' in {source}; allowed fields: {', '.join(names)}")
+            raise TetherError(unknown_key(cls, key, value, source, prog))
         out[key] = _coerce(key, hints[key], value)
     return out
 
@@ -135,6 +137,37 @@ def _validate(cfg: Any) -> None:
         _coerce(f.name, hints[f.name], getattr(cfg, f.name))
     if hasattr(cfg, "validate"):
         cfg.validate()
+
+
+# ----------------------------------------------------------------------------- unknown names
+
+def unknown_flag(cls: type, flag: str, value: Any, prog: str | None = None) -> str:
+    """The one line for a flag `cls` has no field for (`flag` as typed, `--num_generations`)."""
+    name = flag.removeprefix("--").replace("-", "_")
+    return _unknown(cls, name, value, prog, shown=(flag, f"{flag} {value}"), as_key=False)
+
+
+def unknown_key(cls: type, key: str, value: Any, source: str, prog: str | None = None) -> str:
+    """The one line for a YAML key `cls` has no field for; `source` says where the key stands."""
+    shown = (f"config field '{key}' in {source}", f"config field '{key}: {value}' in {source}")
+    return _unknown(cls, str(key), value, prog, shown=shown, as_key=True)
+
+
+def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[str, str],
+             as_key: bool) -> str:
+    """TRL's name -> tether's option (`trl_names`), else the field it is a near miss of, else
+    where the list is: never the whole list, which is a wall of ~90 names (`--help` has it)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    stage = getattr(cls, "STAGE", None)
+    prog = prog or (f"tether {stage}" if stage else cls.__name__)
+    trl = trl_names.hint(name, value, fields, stage, prog, shown, as_key)
+    if trl:
+        return trl
+    close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75)
+    if close:
+        meant = f"'{close[0]}'" if as_key else "--" + close[0].replace("_", "-")
+        return f"unknown {'' if as_key else 'option '}{shown[0]}; did you mean {meant}?"
+    return f"unknown {'' if as_key else 'option '}{shown[0]}; see {prog} --help"
 
 
 # ----------------------------------------------------------------------------- command line
@@ -169,7 +202,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     return {} if data is None else data
 
 
-def _check_flags(cls: type, argv: list[str]) -> None:
+def _check_flags(cls: type, argv: list[str], prog: str | None = None) -> None:
     """Catch unknown flags and values outside a field's choices ourselves, so the user gets one
     line in the same words as for a YAML file, not a usage box."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -181,14 +214,15 @@ def _check_flags(cls: type, argv: list[str]) -> None:
         value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
         if value is not None:
             _coerce(name, hints[name], value)
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if not arg.startswith("--") or arg in ("--help",):
             continue
         flag = arg[2:].split("=", 1)[0].replace("-", "_")
         base = flag[3:] if flag.startswith("no_") else flag
         if flag not in names and base not in names:
-            allowed = ", ".join("--" + n.replace("_", "-") for n in sorted(names))
-            raise TetherError(f"unknown option {arg.split('=', 1)[0]}; allowed options: {allowed}")
+            value = arg.split("=", 1)[1] if "=" in arg else (
+                argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
+            raise TetherError(unknown_flag(cls, arg.split("=", 1)[0], value, prog))
 
 
 def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: str) -> None:
@@ -212,8 +246,8 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
 
         print(help_text(cls, prog or cls.__name__, _description(cls)))
         raise SystemExit(0)
-    _check_flags(cls, rest)
-    values = _check_dict(cls, load_yaml(yaml_path), yaml_path) if yaml_path else {}
+    _check_flags(cls, rest, prog)
+    values = _check_dict(cls, load_yaml(yaml_path), yaml_path, prog) if yaml_path else {}
     _check_required(cls, values, rest, prog or cls.__name__)
     default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
     stderr = io.StringIO()

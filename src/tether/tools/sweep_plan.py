@@ -39,7 +39,7 @@ from typing import Any
 
 from tether.errors import TetherError
 from tether.run.config import check_run_name, config_to_dict
-from tether.run.parse import config_from_dict, load_yaml
+from tether.run.parse import config_from_dict, load_yaml, unknown_key
 from tether.tools.config import EvalConfig
 
 STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
@@ -106,8 +106,8 @@ def _split_axes(stage: str, block: dict[str, Any]) -> tuple[dict[str, Any], dict
     fixed, axes = {}, {}
     for key, value in block.items():
         if key not in hints:
-            names = ", ".join(sorted(hints))
-            raise TetherError(f"grid: unknown {stage} field '{key}'; allowed fields: {names}")
+            raise TetherError("grid: " + unknown_key(config_class(stage), key, value,
+                                                     f"the '{stage}' block"))
         if key in ("run_name", "output_dir", "seed", "resume"):
             raise TetherError(f"grid: '{key}' is set by the sweep for each run; remove it from "
                               f"the '{stage}' block")
