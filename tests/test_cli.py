@@ -54,6 +54,47 @@ def test_missing_required_options_are_named_on_one_line(capsys):
                    "in --config FILE.yaml; see tether sft --help)")
 
 
+PREFLIGHT = ("import sys; from tether.cli import main; rc = main({argv!r}); "
+             "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules, rc)")
+
+
+def test_a_bad_option_and_a_missing_engine_fail_before_torch_loads(tmp_path):
+    # In a fresh interpreter: the config is read, and found wrong, before any heavy import.
+    for argv, error in [(["sft", "--model", "m"], "error: missing required options"),
+                        (["grpo", "--policy", "p", "--prompts", "q", "--reward-fn", "f.py:f",
+                          "--run-name", "r", "--engine", "vllm"], "error: --engine vllm needs")]:
+        proc = subprocess.run([sys.executable, "-c", PREFLIGHT.format(argv=argv)],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        if "vllm" in argv and proc.stdout.startswith("LOADED True"):
+            continue  # vLLM is installed here: the engine check passed and the run went on
+        assert "LOADED False False 2" in proc.stdout, proc.stderr
+        assert proc.stderr.startswith(error) and proc.stderr.count("\n") == 1
+
+
+def test_a_good_config_gets_a_first_line_before_torch_loads(tmp_path, monkeypatch, capsys):
+    # The line comes before the stage's heavy import, which here fails on purpose: nothing else
+    # could have printed it. stdout, with the progress lines: stderr holds errors alone.
+    import importlib
+
+    real = importlib.import_module
+
+    def no_stage(name, *args):
+        if name == "tether.train.sft":
+            raise RuntimeError("the stage module was imported")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_stage)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    try:
+        main(["sft", "--model", "some/model", "--data", str(data), "--run-name", "r",
+              "--output-dir", str(tmp_path)])
+    except RuntimeError as exc:
+        assert "stage module" in str(exc)
+    out = capsys.readouterr().out
+    assert out == "sft r: loading torch and transformers, then some/model\n"
+
+
 EXIT_SCRIPT = """
 import atexit, sys, threading, time
 class Finalized:  # prints when the interpreter finalizes its modules

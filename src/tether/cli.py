@@ -24,6 +24,7 @@ from typing import NoReturn
 from tether import version
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import interrupt, parent
+from tether.run.extras import require_engine
 from tether.run.interrupt import Interrupted
 
 STAGES = {
@@ -119,6 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
             return 0
+    # The config first, before torch: a bad option, file or missing extra fails in a fraction
+    # of a second, and a good one gets a first line at once, not after seconds of imports.
+    try:
+        first_line = preflight(stage, rest)
+    except TetherError as exc:
+        _report(f"error: {exc}")
+        return 2
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if first_line and int(os.environ.get("RANK", "0")) == 0:
+        print(first_line, flush=True)  # stdout, with the progress lines (stderr: errors only)
     # The stages' own progress lines tell the story; transformers' load and save bars only add
     # noise (and, off a terminal, lines of control characters).
     from transformers.utils import logging as hf_logging
@@ -142,6 +154,25 @@ def main(argv: list[str] | None = None) -> int:
         from tether.run import distributed
 
         distributed.teardown()
+
+
+def preflight(stage: str, argv: list[str]) -> str:
+    """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
+    in a millisecond) and check that an engine it names is installed; returns the line to show
+    while torch, transformers and the model load ("" for stages that print their own)."""
+    from tether.run.parse import parse_config
+
+    module_name, class_name = CONFIGS[stage]
+    cfg = parse_config(getattr(importlib.import_module(module_name), class_name), argv,
+                       prog=f"tether {stage}")
+    require_engine(getattr(cfg, "engine", "native"))
+    if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
+        # the demo prints its own first line; a report loads no model, a sweep's runs print
+        # their own; generate without --output writes its JSONL to stdout, which stays data
+        return ""
+    model = getattr(cfg, "policy", "") or getattr(cfg, "model", "")
+    name = getattr(cfg, "run_name", "")
+    return f"{stage}{' ' + name if name else ''}: loading torch and transformers, then {model}"
 
 
 ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it before reporting

