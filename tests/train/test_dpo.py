@@ -29,7 +29,7 @@ def test_dpo_cli_first_loss_ln2_and_margin_grows(tiny_model_dir, tmp_path):
     # step 1 is scored before any update: policy == reference, so h = 0 and -log sigmoid(0) = ln 2
     assert metrics[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert metrics[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
-    assert metrics[0]["objective/implicit_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics[0]["objective/logratio"] == pytest.approx(0.0, abs=1e-5)
     margins = [m["rewards/margins"] for m in metrics]
     assert margins[-1] > 1.0 and margins[-1] > max(margins[:4])
     assert metrics[-1]["train/loss"] < 0.5 * math.log(2)
@@ -46,7 +46,7 @@ def test_precomputed_reference_matches_live_reference(tiny_model_dir, tmp_path):
     assert main(_args(tiny_model_dir, data, out, "pre", "--precompute-ref-logprobs", steps=3)) == 0
     live, pre = _metrics(out / "live"), _metrics(out / "pre")
     for a, b in zip(live, pre, strict=True):  # same maths, reference scored once vs every step
-        for key in ("train/loss", "rewards/chosen", "rewards/rejected", "objective/implicit_kl"):
+        for key in ("train/loss", "rewards/chosen", "rewards/rejected", "objective/logratio"):
             assert a[key] == pytest.approx(b[key], abs=1e-4), key
 
 
@@ -71,7 +71,7 @@ def test_metrics_by_hand():
     assert m["rewards/margins"] == pytest.approx((0.1 - 0.2) / 2)  # margins 0.1 and -0.2
     assert m["rewards/accuracies"] == 0.5
     # log-ratios are rewards / beta: [0.4, -0.2] and [0.2, 0.2]; their mean is 0.15
-    assert m["objective/implicit_kl"] == pytest.approx(0.15)
+    assert m["objective/logratio"] == pytest.approx(0.15)
 
 
 def test_config_rejects_smoothing_with_ipo():

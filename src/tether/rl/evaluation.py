@@ -11,7 +11,7 @@ Notation: B prompts in a chunk, R response width.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +21,7 @@ from torch import nn
 from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
 from tether.rl.rewards import Reward
-from tether.rl.rollout import Rollout
+from tether.rl.rollout import Rollout, sampled_ids
 from tether.rl.sources import RolloutSource
 
 # The held-out sampling stream is seeded apart from the training one (run seed + this), so an
@@ -63,11 +63,17 @@ def eval_inputs(tokenizer, prompts_source: str, eos: list[int],
                       settings.seed + EVAL_SEED_OFFSET)
 
 
-def distinct_n(texts: list[str], n: int) -> float:
-    """Distinct-n (Li et al. 2016): unique word n-grams over all word n-grams in `texts`."""
-    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
-             for i in range(len(words) - n + 1)]
+def distinct_ngrams(sequences: Sequence[Sequence], n: int) -> float:
+    """Distinct-n (Li et al. 2016): unique n-grams over all n-grams of `sequences` (each a
+    sequence of words or of token ids); 0.0 when no sequence has n items."""
+    grams = [tuple(seq[i:i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Distinct-n over whitespace words: reads 0 for answers of fewer than n words (a number, a
+    word, code without spaces), which is why `eval/distinct_2_tokens` counts token ids too."""
+    return distinct_ngrams([t.split() for t in texts], n)
 
 
 @torch.no_grad()
@@ -117,8 +123,9 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
     policy sampled, the k1 sequence KL), `eval/kl_exact` (mean over rows of sum_t KL(pi(. | s_t)
     || ref(. | s_t)) over the vocabulary at each sampled prefix, when both heads allow it),
     `eval/entropy` (mean per-token entropy of pi), `eval/response_len` (the policy's own tokens),
-    `eval/eos_rate` (responses or episodes that ended), `eval/distinct_2` (diversity of the
-    responses), and for environments the episode means `eval/turns`, `eval/action_tokens`,
+    `eval/eos_rate` (responses or episodes that ended), `eval/distinct_2` and
+    `eval/distinct_2_tokens` (diversity of the responses: word pairs, and pairs of the token ids
+    the policy sampled, which any text has), and for environments the episode means `eval/turns`, `eval/action_tokens`,
     `eval/observation_tokens`, `eval/done_rate`, `eval/segments`, `eval/cut_observations`. The seed
     is fixed, so successive evaluations differ only through the policy; a proxy score that rises
     while the gold score falls is over-optimisation (Gao et al. 2022).
@@ -132,6 +139,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
     parts: dict[str, list[torch.Tensor]] = {}
     prompts: list[str] = []
     texts: list[str] = []
+    token_ids: list[list[int]] = []
     env: dict[str, float] = {}
     for start in range(0, len(rows), evaluation.chunk):
         part = evaluation.source.collect(rows, slice(start, start + evaluation.chunk),
@@ -142,6 +150,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         if part.scores is not None:
             measured["score"] = part.scores.float().cpu()[last]
         picked = [t for t, keep in zip(part.texts, last.tolist()) if keep]
+        token_ids += sampled_ids(part.rollout, len(picked))  # an episode's turns joined
         prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
         texts += picked
         if gold is not None:
@@ -158,6 +167,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
              "eos": "eval/eos_rate"}
     metrics = {names[k]: v.mean().item() for k, v in joined.items()}
     metrics["eval/distinct_2"] = distinct_n(texts, 2)
+    metrics["eval/distinct_2_tokens"] = distinct_ngrams(token_ids, 2)
     # env/turns -> eval/turns; reward/<name> -> eval/reward/<name> (a function's name is the
     # user's, and must not land on eval/score or eval/kl)
     metrics |= {"eval/" + (k.split("/", 1)[1] if k.startswith("env/") else k): v / len(texts)

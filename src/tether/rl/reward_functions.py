@@ -34,6 +34,7 @@ from transformers import TrainerState
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
 from tether.rl.rewards import Prompt, RewardScores, call_reward_function, load_reward_function
+from tether.rl.rollout import sampled_ids
 
 # The keywords a TRL-style function is called with besides the prompt file's columns
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -122,19 +123,6 @@ def trl_arguments(prompts: list[str], responses: list[str], rows: Sequence[dict]
     if completion_ids is not None:
         keywords["completion_ids"] = completion_ids
     return keywords | (row_columns(rows) if rows is not None else {})
-
-
-def sampled_ids(rollout, n_responses: int) -> list[list[int]]:
-    """The token ids the policy sampled for each response (`action_mask`), an episode's rows
-    joined in order; `n_responses` says whether rows are responses or episodes."""
-    per_row = [row[mask].tolist() for row, mask in zip(rollout.responses,
-                                                       rollout.action_mask.bool(), strict=True)]
-    if len(per_row) == n_responses:
-        return per_row
-    joined: dict[int, list[int]] = {}
-    for episode, ids in zip(rollout.episode_ids().tolist(), per_row, strict=True):
-        joined.setdefault(episode, []).extend(ids)
-    return list(joined.values())
 
 
 @dataclass

@@ -181,3 +181,16 @@ def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
     """The text of each response (special tokens such as EOS dropped), for reward functions."""
     return [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
             for row, mask in zip(rollout.responses, rollout.response_mask, strict=True)]
+
+
+def sampled_ids(rollout, n_responses: int) -> list[list[int]]:
+    """The token ids the policy sampled for each response (`action_mask`), an episode's rows
+    joined in order; `n_responses` says whether rows are responses or episodes."""
+    per_row = [row[mask].tolist() for row, mask in zip(rollout.responses,
+                                                       rollout.action_mask.bool(), strict=True)]
+    if len(per_row) == n_responses:
+        return per_row
+    joined: dict[int, list[int]] = {}
+    for episode, ids in zip(rollout.episode_ids().tolist(), per_row, strict=True):
+        joined.setdefault(episode, []).extend(ids)
+    return list(joined.values())

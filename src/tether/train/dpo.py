@@ -147,13 +147,14 @@ def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[s
     margins = chosen_rewards - rejected_rewards
     # log(pi/ref) averaged over both responses: a KL-like drift measure on the preference data
     # (not on policy samples, so it can be negative).
-    implicit_kl = ((chosen_rewards + rejected_rewards) / (2 * beta)).mean()
+    # log pi - log ref on the data's responses, not a KL (not sampled from pi): it can be < 0
+    logratio = ((chosen_rewards + rejected_rewards) / (2 * beta)).mean()
     return {"train/loss": losses.mean().item(),
             "rewards/chosen": chosen_rewards.mean().item(),
             "rewards/rejected": rejected_rewards.mean().item(),
             "rewards/margins": margins.mean().item(),
             "rewards/accuracies": (margins > 0).float().mean().item(),
-            "objective/implicit_kl": implicit_kl.item()}
+            "objective/logratio": logratio.item()}
 
 
 def run(cfg: DPOConfig) -> RunResult:
