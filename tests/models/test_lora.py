@@ -22,6 +22,7 @@ from tether.models.lora import (
     active_adapter,
     add_adapter,
     linear_layer_names,
+    load_adapter,
     resolve_targets,
     set_trainable,
     use_adapter,
@@ -377,3 +378,23 @@ def test_gradient_checkpointing_with_lora_roles_keeps_each_adapters_gradients(lo
     naive = _lora_grads(lora_runs, data, tmp_path, checkpointing=True, recompute_context=False)
     worst = max(float((naive[k] - plain[k]).abs().max()) for k in plain if ".critic." in k)
     assert worst > 1e-4
+
+
+def test_wrapping_and_loading_an_adapter_prints_no_deprecation_of_transformers(tiny_llama_dir,
+                                                                              tmp_path):
+    # peft asks the model `is_gradient_checkpointing`, deprecated by transformers: tether's own
+    # LoRA calls must not print that FutureWarning (it came on every eval and generate load).
+    import warnings
+
+    spec = LoraSpec(r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = add_adapter(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), spec)
+        wrapped.save_pretrained(tmp_path / "adapter")
+        load_adapter(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), tmp_path / "adapter",
+                     "trained")
+        # the warning is real without tether's filter: peft's own wrap still prints it
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
+                                  str(tmp_path / "adapter"))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert sum("is_gradient_checkpointing" in m for m in messages) == 1  # peft's bare call only

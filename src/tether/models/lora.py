@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,19 @@ def add_adapter(model: nn.Module, spec: LoraSpec, name: str = TRAINED):
     if isinstance(model, PeftModel):
         model.add_adapter(name, spec.peft_config(model.get_base_model()))
         return model
-    return get_peft_model(model, spec.peft_config(model), adapter_name=name)
+    with peft_quietly():
+        return get_peft_model(model, spec.peft_config(model), adapter_name=name)
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """Wrapping a model, peft reads its `is_gradient_checkpointing`, which transformers has
+    deprecated: the FutureWarning is about peft's code, not the user's, and would print on every
+    LoRA load, so it is not shown (other warnings are)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        yield
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, name: str):
@@ -142,7 +155,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, name: str):
         if isinstance(model, PeftModel):
             model.load_adapter(str(adapter_dir), adapter_name=name)
             return model
-        return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name)
+        with peft_quietly():
+            return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name)
     except (RuntimeError, ValueError) as exc:
         base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or "its base"
         error = adapter_load_error(exc, adapter_dir, base_name)
