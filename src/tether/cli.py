@@ -38,6 +38,7 @@ STAGES = {
     "generate": "tether.tools.generate",
     "eval": "tether.tools.evaluate",
     "report": "tether.tools.report",
+    "set-base": "tether.tools.set_base",
     "sweep": "tether.tools.sweep",
 }
 
@@ -53,6 +54,7 @@ CONFIGS = {
     "generate": ("tether.tools.config", "GenerateConfig"),
     "eval": ("tether.tools.config", "EvalConfig"),
     "report": ("tether.tools.config", "ReportConfig"),
+    "set-base": ("tether.tools.config", "SetBaseConfig"),
     "sweep": ("tether.tools.config", "SweepConfig"),
 }
 
@@ -67,6 +69,7 @@ HELP = {
     "generate": "sample responses from any saved policy to JSONL",
     "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
     "report": "run directories of any stage on one HTML page, configs diffed",
+    "set-base": "re-point a LoRA adapter at its base model where it is now (checked first)",
     "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
 }
 

@@ -43,6 +43,7 @@ def stage_classes(stage: str) -> tuple[type, ...]:
              "generate": ("tether.tools.config", "GenerateConfig"),
              "eval": ("tether.tools.config", "EvalConfig"),
              "report": ("tether.tools.config", "ReportConfig"),
+             "set-base": ("tether.tools.config", "SetBaseConfig"),
              "sweep": ("tether.tools.config", "SweepConfig")}[stage]
     module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
     return tuple(getattr(module, name) for name in names[1:])

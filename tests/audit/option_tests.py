@@ -1,13 +1,14 @@
 """OPTION_TESTS: for each option of each stage, the tests that fail when the stage silently
 ignores it, checked by tests/audit/mutate_options.py (which makes the option ignored and runs
 them); docs/options.md has the table. Stages: sft, rm, dpo, online (tether ppo, rloo and grpo:
-one loop, PPOConfig), demo, and the commands generate, eval, report, sweep. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
+one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
 
-STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "report", "sweep")
+STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "report", "set-base",
+          "sweep")
 
 
 def all_units() -> list[str]:
@@ -491,6 +492,15 @@ def _tools_map() -> dict[str, list[str]]:
         "tests/models/test_hub_reward.py::test_eval_scores_samples_with_the_hub_rm[tiny_llama_dir-llama-True]")
     for name in ("runs", "output", "title"):
         out[f"report:{name}"] = [TOOLS + "test_report_runs_output_and_title"]
+    # --base and tether set-base (issue 32: a base that moved)
+    portable = "tests/models/test_portable_adapters.py::"
+    moved = portable + "test_a_base_moved_on_its_own_is_found_with_base_or_set_base[llama]"
+    out["generate:base"] = [moved]
+    out["eval:base"] = [portable + "test_eval_of_a_moved_run_uses_its_moved_base_and_writes_"
+                                   "beside_final"]
+    out |= {"set-base:adapter": [moved], "set-base:base": [moved],
+            "set-base:trust_remote_code": [portable + "test_set_base_passes_trust_remote_code_"
+                                                      "to_the_loader"]}
     for name in ("grid", "jobs", "output_dir"):
         out[f"sweep:{name}"] = [TOOLS + "test_sweep_grid_output_dir_and_jobs"]
     return out

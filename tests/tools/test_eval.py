@@ -103,8 +103,9 @@ def test_eval_cli_on_a_stage_output(task_files, trained, which, capsys):
     model = trained[which]
     assert eval_cli(task_files, model) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    record = json.loads((task_files / "runs" / ("sft-lora" if which == "adapter" else "ppo")
-                         / "final" / "eval.json").read_text())
+    run = task_files / "runs" / ("sft-lora" if which == "adapter" else "ppo")
+    record = json.loads((run / "final.eval.json").read_text())  # beside final/, never inside
+    assert not (run / "final" / "eval.json").exists()
     metrics, samples = record["metrics"], record["samples"]
     # The reference defaults to the run's starting model, read from its config.yaml.
     assert record["reference"] == trained["base"]

@@ -2,10 +2,10 @@
 
 Refused, with one `error:` line, exit 2, before any model loads and with nothing on disk changed:
 an existing directory, a path under a file, one of the command's inputs (the prompts file, a
-reward function's file, a file of a model directory or run directory it reads). Accepted, and
-checked against the command's own in-process result: a missing parent (created), an earlier
-output (replaced whole), the command's default file inside an input directory (eval.json,
-report.html). The rules are tether.tools.outputs'; docs/errors.md lists the messages.
+reward function's file, any file inside a model directory eval or generate reads (issue 32), a
+file of a run directory report reads). Accepted, and checked against the command's own
+in-process result: a missing parent (created), an earlier output (replaced whole), eval's default
+file beside its model, report's inside a run directory (report.html). The rules are tether.tools.outputs'; docs/errors.md lists the messages.
 """
 
 from __future__ import annotations
@@ -79,14 +79,22 @@ BAD = [  # (argv, pattern the one line must match); paths relative to `root`
     (_eval("gpt2", "prompts.jsonl"), r"is the --prompts file this command reads"),
     (_eval("gpt2", "reward.py", "--reward-fn", "reward.py:score"), r"is the --reward-fn file"),
     (_eval("gpt2", "reward.py", "--gold-fn", "reward.py:score"), r"is the --gold-fn file"),
-    (_eval("gpt2", "gpt2/config.json"), r"would replace config\.json of --model \S*gpt2, which "
-                                        r"this command reads"),
-    (_eval("gpt2", "gpt2/model.safetensors"), r"would replace model\.safetensors of --model"),
-    (_generate("gpt2", "gpt2/tokenizer.json"), r"would replace tokenizer\.json of --model"),
-    (_eval("llama", "llama/tokenizer_config.json"), r"replace tokenizer_config\.json of --model"),
-    (_generate("llama", "llama/config.json"), r"would replace config\.json of --model \S*llama"),
+    # A model directory the command reads gets no file at all (issue 32), new or not.
+    (_eval("gpt2", "gpt2/config.json"), r"--output \S*gpt2/config\.json is inside --model "
+                                        r"\S*gpt2, which this command reads; it never writes "
+                                        r"into a model or data directory it reads: write the "
+                                        r"output beside it, e\.g\. --output \S*/gpt2\.eval\.json"),
+    (_eval("gpt2", "gpt2/model.safetensors"), r"is inside --model \S*gpt2, which"),
+    (_eval("gpt2", "gpt2/eval.json"), r"is inside --model \S*gpt2, which"),  # a new file too
+    (_generate("gpt2", "gpt2/tokenizer.json"), r"is inside --model \S*gpt2, which"),
+    (_generate("gpt2", "gpt2/new.jsonl"), r"is inside --model \S*gpt2, which this command "
+                                          r"reads; .* --output \S*/gpt2\.generations\.jsonl"),
+    (_eval("llama", "llama/tokenizer_config.json"), r"is inside --model \S*llama, which"),
+    (_generate("llama", "llama/config.json"), r"is inside --model \S*llama, which"),
     (_eval("gpt2", "llama/config.json", "--reference", "llama"),
-     r"would replace config\.json of --reference \S*llama"),
+     r"is inside --reference \S*llama, which"),
+    (_eval("gpt2", "llama/new.json", "--reference", "llama"),
+     r"is inside --reference \S*llama, which"),
     (_report("run/config.yaml"), r"would replace config\.yaml of run directory \S*run, which"),
     (_report("run/metrics.jsonl"), r"would replace metrics\.jsonl of run directory"),
     (_report("run/final/model.safetensors"), r"would replace model\.safetensors of run directory"),
@@ -160,16 +168,17 @@ def test_an_earlier_output_is_replaced_whole(root, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_the_default_file_inside_an_input_directory_may_be_replaced(model, root, monkeypatch):
-    # eval.json beside the model is eval's default place: a second eval replaces it, while the
-    # model's own files are refused above. Likewise report.html inside a run directory.
+def test_the_default_file_beside_a_model_or_in_a_run_may_be_replaced(model, root, monkeypatch):
+    # <model>.eval.json beside the model is eval's default place (issue 32: never inside it): a
+    # second eval replaces it, and the model directory is byte for byte as it was. Likewise
+    # report.html inside a run directory.
     monkeypatch.chdir(root)
     before = {k: v for k, v in snapshot(root).items() if k.startswith(f"{model}/")}
     for seed in ("1", "2"):
         assert main(["eval", "--model", model, "--prompts", "prompts.jsonl", *SAMPLING,
                      "--seed", seed]) == 0
-    assert json.loads((root / model / "eval.json").read_text())["config"]["seed"] == 2
-    (root / model / "eval.json").unlink()
+    assert json.loads((root / f"{model}.eval.json").read_text())["config"]["seed"] == 2
+    (root / f"{model}.eval.json").unlink()
     assert {k: v for k, v in snapshot(root).items() if k.startswith(f"{model}/")} == before
     for _ in range(2):
         assert main(_report("run/report.html")) == 0

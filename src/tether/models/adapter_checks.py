@@ -8,7 +8,9 @@ Every adapter tether saves carries a record of its base beside `adapter_config.j
 
     tether_base.json
       format          "tether-base-v1"
-      base            the base's path or hub name, as loaded
+      base            the base's name as adapter_config.json records it (`base_location`)
+      base_absolute,  where a local base was when the adapter was saved: its absolute path,
+      base_from_adapter  and its path relative to the adapter directory (`base_location`)
       architecture    its class, e.g. "LlamaForCausalLM"
       dtype           the dtype it was loaded in
       embedding_rows  its input embedding rows, as saved (before tether adds a pad row)
@@ -46,8 +48,13 @@ RECORD_FORMAT = "tether-base-v1"
 SAMPLES = 8  # values read per weight; see the module docstring
 RESUME_KEY = "lora_base"  # in a LoRA run's checkpoint state: the record of its base
 _ATTRIBUTE = "tether_base_record"  # where a loaded base keeps its record until an adapter is saved
-RETARGET = ("point base_model_name_or_path in its adapter_config.json at the model it was "
-            "trained on")
+
+
+def retarget(adapter_dir: str | Path) -> str:
+    """The fix for an adapter applied to a base it was not trained on (docs/loading.md)."""
+    return ("pass the model it was trained on with --base PATH (tether eval, generate), or "
+            f"re-point the adapter at it: tether set-base {Path(adapter_dir).expanduser()} "
+            "--base PATH")
 
 
 # ----------------------------------------------------------------------------- the files
@@ -149,13 +156,6 @@ def remembered_base(model: nn.Module) -> dict | None:
     return base.__dict__.get(_ATTRIBUTE)
 
 
-def write_base_record(out_dir: str | Path, record: dict | None) -> None:
-    """Write `record` as `tether_base.json` into an adapter directory being saved (a temporary
-    directory renamed into place whole, so a plain write is atomic enough)."""
-    if record is not None:
-        (Path(out_dir) / BASE_RECORD).write_text(json.dumps(record, indent=1), encoding="utf-8")
-
-
 def read_base_record(adapter_dir: str | Path) -> dict | None:
     """The adapter's `tether_base.json`, or None when it has none (peft's adapters)."""
     path = Path(adapter_dir).expanduser() / BASE_RECORD
@@ -182,7 +182,7 @@ def check_base(adapter_dir: str | Path, record: dict, base_name: str) -> None:
         return
     what = (f"{base_name} is not the model the adapter {Path(adapter_dir).expanduser()} was "
             f"trained on ({saved.get('base')})")
-    compare_records(saved, record, what, f"{RETARGET} (or delete {BASE_RECORD} to apply it "
+    compare_records(saved, record, what, f"{retarget(adapter_dir)} (or delete {BASE_RECORD} to apply it "
                                          "anyway)")
 
 
@@ -237,7 +237,7 @@ def check_embedding_rows(adapter_dir: str | Path, model: nn.Module, tokenizer,
     if rows is not None and isinstance(regular, int) and rows < regular:
         raise TetherError(f"{base_name} has {rows} embedding rows but the tokenizer of the adapter "
                           f"{Path(adapter_dir).expanduser()} has {regular} regular tokens: the "
-                          f"adapter was trained on a model with another vocabulary; {RETARGET}")
+                          f"adapter was trained on a model with another vocabulary; {retarget(adapter_dir)}")
 
 
 def adapter_load_error(exc: Exception, adapter_dir: str | Path, base_name: str) -> Exception:
@@ -248,11 +248,11 @@ def adapter_load_error(exc: Exception, adapter_dir: str | Path, base_name: str) 
     where = f"the adapter {Path(adapter_dir).expanduser()} does not fit {base_name}"
     if isinstance(exc, NoMatchingPeftModuleError):
         return TetherError(f"{where}: its target modules match no layer of it, so it was trained "
-                           f"on a model of another architecture; {RETARGET}")
+                           f"on a model of another architecture; {retarget(adapter_dir)}")
     mismatch = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
     if isinstance(exc, RuntimeError) and mismatch:
         return TetherError(f"{where}: {mismatch[0][:200]}; it was trained on another model "
-                           f"(or its files were mixed up): {RETARGET}")
+                           f"(or its files were mixed up): {retarget(adapter_dir)}")
     return exc
 
 

@@ -24,7 +24,6 @@ peft's per-layer `_active_adapter` / `_disable_adapters` directly: peft's own `s
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.models.adapter_checks import ADAPTER_CONFIG, adapter_load_error
+from tether.models.base_location import resolve_base
 
 TRAINED = "default"  # the adapter a stage trains; peft saves "default" at the directory's root
 
@@ -68,19 +68,10 @@ def is_adapter(path: str | Path) -> bool:
     return (Path(path).expanduser() / ADAPTER_CONFIG).is_file()
 
 
-def adapter_base(path: str | Path) -> str:
-    """The base model an adapter directory was trained on (`base_model_name_or_path`)."""
-    config_path = Path(path).expanduser() / ADAPTER_CONFIG
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TetherError(f"cannot read {config_path} ({type(exc).__name__}); the adapter "
-                          "directory is damaged: train it again") from None
-    base = meta.get("base_model_name_or_path")
-    if not base:
-        raise TetherError(f"{config_path} names no base model (base_model_name_or_path); "
-                          "set it to the model the adapter was trained on")
-    return base
+def adapter_base(path: str | Path, base: str = "") -> str:
+    """The base model to load under the adapter directory `path`: `base` when given (--base),
+    else where the adapter's records say it is now (`base_location.resolve_base`)."""
+    return resolve_base(path, base)
 
 
 def _linear_types() -> tuple[type, ...]:

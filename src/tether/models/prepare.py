@@ -101,10 +101,12 @@ def enable_gradient_checkpointing(model: nn.Module, context_fn=None) -> nn.Modul
     return model
 
 
-def load_frozen_lm(path: str, tokenizer, dtype: str, trust_remote_code: bool, device) -> nn.Module:
+def load_frozen_lm(path: str, tokenizer, dtype: str, trust_remote_code: bool, device,
+                   base: str = "") -> nn.Module:
     """A policy as PPO prepares it for sampling and scoring: a LoRA adapter directory merged into
-    its base, dropout off, GPT-2's GELU fused (same function), frozen, in eval mode."""
-    model = load_causal_lm(path, tokenizer, dtype, trust_remote_code)
+    its base (`base` when given: --base), dropout off, GPT-2's GELU fused (same function),
+    frozen, in eval mode."""
+    model = load_causal_lm(path, tokenizer, dtype, trust_remote_code, base=base)
     disable_dropout(model)
     return freeze(fuse_gelu(model), device)
 

@@ -25,8 +25,8 @@ from tether.models.adapter_checks import (
     check_embedding_rows,
     remember_base,
     remembered_base,
-    write_base_record,
 )
+from tether.models.base_location import local_or_hub, named_portably, write_location
 from tether.models.lora import (
     TRAINED,
     LoraSpec,
@@ -88,10 +88,11 @@ def _check_exists(name_or_path: str) -> None:
     go_offline()  # the cached copy, without a round of retries per file
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, base: str = ""):
     """Load a tokenizer and make sure its pad token is no EOS id (its own EOS, or one the model's
     config or `generation_config` declares, like Qwen2.5-Instruct's `<|endoftext|>`); see
-    `choose_pad` for how a missing or EOS pad is replaced.
+    `choose_pad` for how a missing or EOS pad is replaced. `base`: for an adapter directory, its
+    base model where its records say otherwise (`--base`).
 
     Pad must not be EOS: masking pads would then also mask the real EOS the model must learn to
     emit, a sampled EOS would not stop generation, and the reward would be read at the wrong
@@ -108,7 +109,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         raise TetherError(f"{name_or_path} has no usable tokenizer (vocabulary of {len(tokenizer)} "
                           "tokens); save the tokenizer beside the model (tokenizer.save_pretrained)")
     # An adapter directory holds no model config: its base's says what the model declares.
-    model_dir = adapter_base(name_or_path) if is_adapter(name_or_path) else name_or_path
+    model_dir = adapter_base(name_or_path, base) if is_adapter(name_or_path) else name_or_path
     configs = _saved_configs(model_dir, trust_remote_code)
     choose_pad(tokenizer, eos_token_ids(tokenizer, *configs), _embedding_rows(configs))
     return tokenizer
@@ -269,32 +270,35 @@ def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
 
 
 def _local(name_or_path: str) -> str:
-    """An existing local path made absolute (adapters record their base by this name), else the
-    name unchanged (a hub name)."""
-    path = Path(name_or_path).expanduser()
-    return str(path.resolve()) if path.exists() else name_or_path
+    """An existing local path made absolute, else the name unchanged (a hub name): how a model is
+    named once loaded (`base_location.local_or_hub`)."""
+    return local_or_hub(name_or_path)
 
 
 def load_adapter_base(adapter_dir: str, tokenizer, dtype: str, trust_remote_code: bool,
-                      what: str = "the adapter's base model") -> tuple[nn.Module, str]:
+                      what: str = "the adapter's base model", base: str = ""
+                      ) -> tuple[nn.Module, str]:
     """(the base of the adapter at `adapter_dir`, its name), loaded for `tokenizer`, after the
     adapter's own files are checked (nothing is read from the base before) and checked against
-    the adapter (`_load_for_tokenizer`); the adapter itself is not applied."""
+    the adapter (`_load_for_tokenizer`); the adapter itself is not applied. The base is where
+    the adapter's records say (`base_location.resolve_base`), or `base` when given."""
     check_adapter_files(adapter_dir)
-    base_name = adapter_base(adapter_dir)
+    base_name = adapter_base(adapter_dir, base)
     return _load_for_tokenizer(AutoModelForCausalLM, what, base_name, tokenizer, dtype,
                                trust_remote_code, adapter_dir=adapter_dir), base_name
 
 
-def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32", trust_remote_code: bool = False):
+def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
+                   trust_remote_code: bool = False, base: str = ""):
     """A causal LM from a name or path, resized to the tokenizer, with `pad_token_id` set.
 
-    A LoRA adapter directory (from a `--lora-r` run) gives its base with the adapter merged in: a
-    plain model, for stages that train every weight or only score.
+    A LoRA adapter directory (from a `--lora-r` run) gives its base (`base` when given, see
+    `load_adapter_base`) with the adapter merged in: a plain model, for stages that train every
+    weight or only score.
     """
     if is_adapter(name_or_path):
-        base, _ = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code)
-        merged = load_adapter(base, _local(name_or_path), TRAINED).merge_and_unload()
+        model, _ = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code, base=base)
+        merged = load_adapter(model, _local(name_or_path), TRAINED).merge_and_unload()
         return merged.requires_grad_(True)  # peft froze the base when it wrapped it
     return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", _local(name_or_path), tokenizer,
                                dtype, trust_remote_code)
@@ -364,7 +368,7 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     tmp = _temp_dir_beside(out)
     try:
         if isinstance(model, PeftModel):
-            save_adapter(model, tmp)
+            save_adapter(model, tmp, home=out)
         else:
             model.save_pretrained(tmp)
         if tokenizer is not None:
@@ -375,7 +379,8 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
     return out
 
 
-def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED) -> None:
+def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED,
+                 home: str | Path | None = None) -> None:
     """Write `peft`'s adapter `adapter` to `out_dir` (PEFT format), with the embedding and output
     layers only when tether grew them for its pad token (`embeddings_grew`).
 
@@ -385,11 +390,13 @@ def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED) -
     tokenizer with random rows, which the saved layers then overwrite.
 
     Beside it goes `tether_base.json`, the record of the base as loaded (`adapter_checks`): a
-    later load refuses another base with one line. peft's loaders ignore the file.
+    later load refuses another base with one line. peft's loaders ignore the file. The base is
+    named portably in both (`base_location`; `home`: where `out_dir` will be renamed to).
     """
-    peft.save_pretrained(out_dir, selected_adapters=[adapter],
-                         save_embedding_layers=embeddings_grew(peft, adapter))
-    write_base_record(out_dir, remembered_base(peft))
+    grew = embeddings_grew(peft, adapter)
+    with named_portably(peft, adapter) as loaded:
+        peft.save_pretrained(out_dir, selected_adapters=[adapter], save_embedding_layers=grew)
+    write_location(out_dir, loaded, home, remembered_base(peft))
 
 
 def embeddings_grew(peft: nn.Module, adapter: str = TRAINED) -> bool:

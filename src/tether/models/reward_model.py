@@ -36,8 +36,8 @@ from tether.models.adapter_checks import (
     check_adapter_files,
     check_base,
     remembered_base,
-    write_base_record,
 )
+from tether.models.base_location import named_portably, write_location
 from tether.models.lora import (
     ADAPTER_CONFIG,
     TRAINED,
@@ -178,10 +178,11 @@ class RewardModel(nn.Module):
             classifier = (None if self.lora is not None
                           else sequence_classifier(self.backbone, self.head, pad_id))
             if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
-                self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
-                                               save_embedding_layers=False)
+                with named_portably(self.lora.peft, TRAINED) as loaded:
+                    self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
+                                                   save_embedding_layers=False)
                 _add_score_to_adapter(tmp, head["weight"])
-                write_base_record(tmp, remembered_base(self.lora.peft))
+                write_location(tmp, loaded, out, remembered_base(self.lora.peft))
             elif classifier is not None:
                 classifier.save_pretrained(tmp)
             else:  # transformers has no sequence-classification model for it: the v1 layout

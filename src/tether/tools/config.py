@@ -1,4 +1,4 @@
-"""The configs of the tools (`tether generate`, `eval`, `report`, `sweep`), apart from their code so
+"""The configs of the tools (`tether generate`, `eval`, `report`, `set-base`, `sweep`), apart from their code so
 that `--help` imports no torch.
 
 The sampling fields (max_prompt_len, max_new_tokens, temperature, batch_size, seed) carry the
@@ -21,6 +21,8 @@ class SamplingConfig(EnvOptions):
 
     model: str
     """The policy: the final/ directory of any stage (full model or LoRA adapter) or a hub name."""
+    base: str = ""
+    """--model a LoRA adapter: its base model (default: where the adapter records it; for a base that moved, docs/loading.md)."""
     prompts: str
     """Prompts: rows with `prompt` or `messages` (JSONL, JSON, Parquet, CSV, dataset dir)."""
     max_prompt_len: int = 256
@@ -85,7 +87,7 @@ class EvalConfig(SamplingConfig):
     gold_fn: str = ""
     """A Python gold reward `module:function`, scored beside the proxy."""
     output: str = ""
-    """JSON file for the metrics, settings and samples (default: eval.json inside --model's directory)."""
+    """JSON file for the metrics, settings and samples (default: beside --model's directory, never inside it: runs/x/final -> runs/x/final.eval.json)."""
     chunked_lm_head: bool = True
     """Log-probs, entropy and exact KL through the LM head in chunks (off: full logits)."""
 
@@ -101,6 +103,21 @@ class ReportConfig:
     """The HTML file to write (self-contained: the figures are inline)."""
     title: str = "tether runs"
     """The page's title."""
+
+
+@dataclass(kw_only=True)
+class SetBaseConfig:
+    """Re-point a LoRA adapter directory at its base model where it is now (a run directory copied
+    to another machine, a base moved): checked against the adapter's record of its base, then
+    both files that name it are rewritten (docs/loading.md)."""
+
+    POSITIONAL = "adapter"  # `tether set-base DIR --base PATH` reads as `--adapter DIR`
+    adapter: str
+    """The adapter directory (a LoRA run's final/), given as the command's first argument."""
+    base: str
+    """The base model it was trained on, where it is now: a directory or a hub name."""
+    trust_remote_code: bool = False
+    """Allow the base's repository to run its own Python code while it is loaded for the check."""
 
 
 @dataclass(kw_only=True)

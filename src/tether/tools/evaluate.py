@@ -3,7 +3,7 @@
     policy (any stage's final/, full or LoRA) and its reference, frozen
     prompts -> tether.rl.evaluation.eval_inputs      the one encoding, EOS set, chunking and seed
     tether.rl.evaluation.evaluate_policy             proxy, gold, KL (k1, exact), entropy, ...
-    -> eval.json and a table on stdout
+    -> <model dir>.eval.json beside the model (never inside it) and a table on stdout
 
 The models are loaded and prepared as PPO prepares its own (dropout off, the fused GELU, eval
 mode), and rewards come through the same adapters (tether.rl.rewards), so the SFT model evaluated
@@ -13,6 +13,7 @@ here with a PPO run's settings gives the numbers that run logged at step 0.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,10 @@ import yaml
 from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
 from tether.errors import TetherError
+from tether.models.adapter_checks import read_base_record
+from tether.models.base_location import check_base_option
 from tether.models.hub_reward import reward_model_kind
+from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
     check_same_vocabulary,
@@ -64,9 +68,12 @@ class EvalResult:
     output_path: Path | None
 
 
-def default_reference(model_path: str) -> str:
+def default_reference(model_path: str, base: str = "") -> str:
     """The starting model of the run that wrote `model_path` (runs/<name>/final), read from the
-    run's config.yaml; empty when there is none to read."""
+    run's config.yaml; empty when there is none to read. When that is the base of the LoRA
+    adapter at `model_path`, the base is where the policy's is found (`base`, else the adapter's
+    records), so a run directory that moved with its base, or onto a base passed with --base,
+    compares with the same model its policy is built on."""
     config_path = Path(model_path).parent / "config.yaml"
     if not config_path.is_file():
         return ""
@@ -76,8 +83,27 @@ def default_reference(model_path: str) -> str:
         return ""
     for name in STARTING_MODEL_FIELDS:
         if isinstance(saved.get(name), str) and saved[name]:
-            return input_path(saved[name])  # relative (an old run): to here, as then
+            start = input_path(saved[name])  # relative (an old run): to here, as then
+            return adapter_base(model_path, base) if _is_its_base(model_path, start) else start
     return ""
+
+
+def _is_its_base(model_path: str, start: str) -> bool:
+    """True when `start` (a run's starting model, as config.yaml records it) is the base the
+    LoRA adapter at `model_path` was saved on."""
+    if not is_adapter(model_path):
+        return False
+    record = read_base_record(model_path) or {}
+    saved_at = record.get("base_absolute") or record.get("base")
+    return isinstance(saved_at, str) and os.path.realpath(saved_at) == os.path.realpath(start)
+
+
+def default_output(model_path: str) -> Path:
+    """Where an evaluation of `model_path` goes without --output: beside the model directory,
+    named after it (runs/x/final -> runs/x/final.eval.json), so the artefact evaluated is never
+    changed, and a run's final/ and merged/ each get their own file."""
+    model_dir = Path(os.path.abspath(os.path.expanduser(model_path)))
+    return model_dir.with_name(f"{model_dir.name}.eval.json")
 
 
 def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Callable | None
@@ -117,16 +143,17 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
 
 
 def output_path(cfg: EvalConfig) -> Path:
-    """Where the results go (--output, else eval.json beside --model), checked before any model
-    loads (tether.tools.outputs): not a directory, nor a file of the command's inputs."""
+    """Where the results go (--output, else `default_output`), checked before any model loads
+    (tether.tools.outputs): not a directory, nor a file of the command's inputs, nor inside a
+    model directory it reads."""
     if not cfg.output and not Path(cfg.model).is_dir():
         raise TetherError(f"--model {cfg.model} is not a local directory; pass --output FILE.json")
     inputs = [("--prompts", cfg.prompts), ("--reward-fn", function_file(cfg.reward_fn)),
               ("--gold-fn", function_file(cfg.gold_fn)), ("--model", cfg.model),
-              ("--reference", cfg.reference or default_reference(cfg.model)),
+              ("--base", cfg.base),
+              ("--reference", cfg.reference or default_reference(cfg.model, cfg.base)),
               ("--reward-model", cfg.reward_model)]
-    return check_output(cfg.output or Path(cfg.model) / "eval.json", inputs, "eval.json",
-                        own_default="eval.json")
+    return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
 
 
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
@@ -134,22 +161,24 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     """Evaluate `cfg.model`; returns the metrics and samples (also written as JSON when
     `write`). `reward_fn` / `gold_fn`: Python callables instead of --reward-fn / --gold-fn."""
     device = resolve_device(cfg.device)
+    check_base_option(cfg.model, cfg.base)
     out = output_path(cfg) if write else None
     # What needs no model first: a bad function, prompt file or reference fails in seconds.
     reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
     env = load_environment(cfg.env) if cfg.env else None
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
     if not cfg.episodic:
         load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
-    reference_path = cfg.reference or default_reference(cfg.model) or cfg.model
+    reference_path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
+                            base=cfg.base)
     use_threads(cfg.threads, policy, device)
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
-                               device)
+                               device, base=cfg.base if reference_path == cfg.model else "")
     reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
     eos = policy_eos_ids(tokenizer, policy, cfg.model)
     inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not cfg.episodic else None

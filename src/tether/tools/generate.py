@@ -15,6 +15,7 @@ import torch
 
 from tether.data.prompts import left_pad, load_prompts
 from tether.data.rows import load_rows
+from tether.models.base_location import check_base_option
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.models.reward_model import position_limit
@@ -39,14 +40,16 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     consecutive rows per prompt, in prompt order; with an environment (--env, --tools, or `env`
     a factory) one row per episode (`tether.rl.env.episodes.record`, with its row and sample)."""
     device = resolve_device(cfg.device)
+    check_base_option(cfg.model, cfg.base)
     if env is None and cfg.env:  # before any model loads
         env = load_environment(cfg.env)
     tools = load_tools(cfg.tools)
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     if env is not None or tools:
         return _episodes(cfg, tokenizer, env, tools, device)
     load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
+                            base=cfg.base)
     use_threads(cfg.threads, policy, device)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model), cfg)
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
@@ -88,7 +91,8 @@ def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[
     """Every prompt row's `samples_per_prompt` episodes, each sample drawing its own noise; the
     environment seeds follow the rows (sample s of a row meets the environment sample 0 met)."""
     rows = load_rows(cfg.prompts)
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device)
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
+                            base=cfg.base)
     use_threads(cfg.threads, policy, device)
     eos = policy_eos_ids(tokenizer, policy, cfg.model)
     limit = position_limit(policy.config, tokenizer)
@@ -119,7 +123,8 @@ def cli(argv: list[str]) -> int:
 
     cfg = parse_config(GenerateConfig, argv, prog="tether generate")
     if cfg.output:  # before the model loads: never a directory, the prompts or a model file
-        check_output(cfg.output, [("--prompts", cfg.prompts), ("--model", cfg.model)],
+        check_output(cfg.output, [("--prompts", cfg.prompts), ("--model", cfg.model),
+                                  ("--base", cfg.base)],
                      "generations.jsonl")
     rows = generate(cfg)
     text = "".join(json.dumps(row) + "\n" for row in rows)

@@ -6,9 +6,11 @@ model is loaded, so a bad target costs no work and destroys nothing (docs/errors
     a directory that cannot be written          refused
     one of the command's inputs                 refused: the prompts file, a reward function's
                                                 file, a run's config.yaml or metrics.jsonl
-    an existing file inside an input directory  refused (a model's or run's files are its own),
+    any file inside a model directory it reads  refused (eval, generate): the artefact read
+                                                is never changed, not even by a new file
+    an existing file inside a run directory     refused (report: a run's files are its own),
                                                 except the command's own default file there
-                                                (eval.json beside a model, report.html)
+                                                (report.html); a new file is fine
     a missing parent directory                  created, as --output-dir is
     an earlier output                           replaced, atomically: until the new file is
                                                 whole, the old one stays
@@ -29,8 +31,9 @@ from tether.errors import TetherError
 def check_output(output: str | Path, inputs: Iterable[tuple[str, str | Path]], example: str,
                  own_default: str = "") -> Path:
     """The `--output` file, or TetherError naming what is wrong and the fix. `example` is a
-    file name to suggest inside a directory; `own_default` the one file name the command may
-    replace inside an input directory (its default output there)."""
+    file name to suggest inside a directory. `own_default` marks the input directories as run
+    directories (report) and names the one file the command may replace there (its default
+    output); without it they are models (eval, generate), which get no file at all."""
     out = Path(output)
     if out.is_dir():
         raise TetherError(f"--output {output} is a directory; name a file, e.g. "
@@ -44,8 +47,13 @@ def check_output(output: str | Path, inputs: Iterable[tuple[str, str | Path]], e
         if path.is_file() and target == path.resolve():
             raise TetherError(f"--output {output} is the {what} file this command reads; writing "
                               "it would destroy it: choose another --output")
-        if path.is_dir() and target.is_relative_to(path.resolve()) and out.exists() \
-                and out.name != own_default:
+        inside = path.is_dir() and target.is_relative_to(path.resolve())
+        if inside and not own_default:
+            raise TetherError(f"--output {output} is inside {what} {source}, which this command "
+                              "reads; it never writes into a model or data directory it reads: "
+                              "write the output beside it, e.g. --output "
+                              f"{path.absolute().with_name(path.absolute().name + '.' + example)}")
+        if inside and out.exists() and out.name != own_default:
             raise TetherError(f"--output {output} would replace {out.name} of {what} {source}, "
                               "which this command reads; write the output elsewhere (or delete "
                               "that file first, if it is an old output)")
