@@ -81,7 +81,7 @@ class EvalConfig(SamplingConfig):
     reference: str = ""
     """Reference for the KL (default: the starting model recorded in the run's config.yaml beside --model; else none)."""
     reward_model: str = ""
-    """A reward model written by `tether rm` (full or LoRA): the proxy score."""
+    """A reward model (`tether rm`'s output, full or LoRA, or a hub/local sequence classifier with one label): the proxy score."""
     reward_fn: str = ""
     """A Python proxy reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
     gold_fn: str = ""

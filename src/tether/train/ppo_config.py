@@ -32,7 +32,7 @@ class PPOConfig(RunConfig, EnvOptions):
     ref_model: str = ""
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
     reward_model: str = ""
-    """A reward model written by `tether rm` (give this or --reward-fn)."""
+    """A reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (give this or --reward-fn)."""
     reward_fn: str = ""
     """Python reward functions `file.py:function` (or `module:function`), several joined by commas: (prompts, responses) -> list[float], or TRL's (prompts, completions, completion_ids, **kwargs) with the prompt file's other columns as keywords (docs/ppo.md)."""
     reward_weights: list[float] = field(default_factory=list)
