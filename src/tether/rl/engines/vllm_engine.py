@@ -37,8 +37,10 @@ import random
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -67,12 +69,40 @@ def import_vllm():
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "":  # vLLM crashes parsing an empty value
         del os.environ["VLLM_CPU_KVCACHE_SPACE"]
     try:
-        import vllm
+        with vllm_quietly():
+            import vllm
     except ImportError as exc:
         raise TetherError(f"--engine vllm needs vLLM, which is not installed ({exc}); "
                           f"{INSTALL_HINT}") from None
     vllm_private.inspect_in_process()
     return vllm
+
+
+def inductor_cache_dir() -> Path:
+    """Where torch inductor keeps the kernels it compiled (TORCHINDUCTOR_CACHE_DIR, else
+    /tmp/torchinductor_<user>): vLLM's CPU build compiles its model there on its first start."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # torch private, 2.4 to 2.13
+
+    return Path(cache_dir())
+
+
+def cold_start_note(cache: Path) -> str | None:
+    """The line to print before vLLM starts on an empty compile cache, where nothing else would
+    be printed for as long as the compile takes; None when the cache holds kernels already."""
+    if cache.is_dir() and any(cache.iterdir()):
+        return None
+    return (f"vLLM compiles its kernels on this first start ({cache} is empty): about 15 s "
+            "for a tiny model on 2 CPU cores, minutes for a large one; later starts reuse them")
+
+
+@contextlib.contextmanager
+def vllm_quietly() -> Iterator[None]:
+    """vLLM's own modules trip deprecations of torch's (`torch.distributed.reduce_op`) as they
+    load: FutureWarnings about vLLM's code, not the user's, so not shown (others are)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\..*)?$")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"vllm(\..*)?$")
+        yield
 
 
 def row_seed(noise: torch.Tensor) -> int:
@@ -195,7 +225,10 @@ class VLLMEngine:
         self.lora_mode = self._serving_mode(architecture, lora_mode)
         self.version, self.asleep = 0, False
         self._dir = tempfile.mkdtemp(prefix="tether-vllm-")
-        with _rng_kept(device):
+        note = cold_start_note(inductor_cache_dir())
+        if note is not None and d.is_main:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+        with _rng_kept(device), vllm_quietly():
             try:
                 self.llm = vllm.LLM(**self._engine_args(architecture))
             except Exception as exc:  # vLLM's own message, on one line, and the way out
