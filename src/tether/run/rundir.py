@@ -405,6 +405,13 @@ def field_defaults(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def announce(line: str) -> None:
+    """A progress line before the first step (`sft x: encoding 4000 rows of data.jsonl`), so a
+    long load is not silent; rank 0 only (RANK is the launcher's, known before the group)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+
+
 def progress(total: int, desc: str, initial: int = 0):
     """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
     that prints a plain line now and then, so a log shows where the run is. Under torchrun only

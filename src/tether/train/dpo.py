@@ -45,7 +45,7 @@ from tether.run.distributed import wrap_frozen
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
 from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
@@ -161,6 +161,7 @@ def run(cfg: DPOConfig) -> RunResult:
     """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
+    announce(f"dpo {cfg.run_name}: encoding {len(rows)} pairs of {cfg.data}")
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
                                          cfg.data)
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)  # before any weights load

@@ -65,6 +65,7 @@ from tether.run.config import section
 from tether.run.distributed import Dist
 from tether.run.launch import join
 from tether.run.optim import make_lr_schedule, make_optimizer
+from tether.run.rundir import announce
 from tether.run.slicing import micro_rows
 from tether.run.threads import use_threads
 from tether.train.ppo_config import PPOConfig
@@ -227,6 +228,8 @@ def _prompt_rows(cfg: PPOConfig, tokenizer) -> tuple[list[str], list[list[int]],
         if cfg.eval_prompts and not load_rows(cfg.eval_prompts):
             raise TetherError(f"--eval-prompts {cfg.eval_prompts} holds no rows; give at least one")
         return [], [], rows
+    stage = type(cfg).__name__.removesuffix("Config").lower()  # ppo, rloo, grpo
+    announce(f"{stage} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     if cfg.eval_prompts:
         load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)

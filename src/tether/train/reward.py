@@ -33,7 +33,7 @@ from tether.run import distributed
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
 from tether.run.slicing import gather_outputs, rank_micro_batches
 from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final, start_training
@@ -90,8 +90,10 @@ def fit_normalization(wrapped, examples, pad_id: int, batch_size: int, d: distri
 
 def _load_data(cfg: RMConfig, tokenizer):
     def encode(source):
-        return encode_preferences(tokenizer, load_rows(source, cfg.split), cfg.max_length,
-                                  cfg.on_long_prompt, source, cfg.margin_column)
+        rows = load_rows(source, cfg.split)
+        announce(f"rm {cfg.run_name}: encoding {len(rows)} pairs of {source}")
+        return encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, source,
+                                  cfg.margin_column)
     examples, stats = encode(cfg.data)
     if cfg.eval_data:
         train, held_out = examples, encode(cfg.eval_data)[0]

@@ -31,7 +31,7 @@ from tether.run import distributed
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
 from tether.run.slicing import rank_micro_batches
 from tether.run.threads import use_threads
 from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
@@ -59,6 +59,7 @@ def run(cfg: SFTConfig) -> RunResult:
     # Read and check the data before touching the run directory: bad input leaves no trace.
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
+    announce(f"sft {cfg.run_name}: encoding {len(rows)} rows of {cfg.data}")
     examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data,
                                  cfg.loss_on)
     lora = LoraSpec.from_config(cfg)
