@@ -44,6 +44,7 @@ def test_eval_reports_token_distinct_2_of_the_sampled_ids(family, request, tmp_p
     out = tmp_path / "eval.json"
     assert main(["eval", "--model", model, "--prompts", str(prompts), "--gold-fn",
                  f"{__file__}:ids_recorder", "--device", "cpu", "--max-new-tokens", "6",
+                 "--batch-size", "2",  # three chunks: 2, 2 and 1 prompts
                  "--output", str(out)]) == 0, capsys.readouterr().err
     ids = [row for line in (tmp_path / "ids.jsonl").read_text().splitlines()
            for row in json.loads(line)]
