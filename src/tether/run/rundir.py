@@ -307,14 +307,15 @@ class RunDir:
             atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _sinks(self) -> list:
-        """The trackers of `--report-to` (TensorBoard alone by default), started at first use."""
+        """The trackers of `--report-to` (by default TensorBoard when installed), started at first
+        use."""
         if self._trackers is None:
-            names = parse_report_to(self._config.get("report_to", "tensorboard"))
+            names = parse_report_to(self._config.get("report_to", "auto"))
             self._trackers = start_trackers(names, self.path, self.path.name, self._config)
         return self._trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append `{"step": step, **metrics}` to metrics.jsonl and write TensorBoard scalars."""
+        """Append `{"step": step, **metrics}` to metrics.jsonl and send them to the trackers."""
         if not self.writes:
             return
         clean = {k: float(v) for k, v in metrics.items()}
