@@ -24,7 +24,7 @@ from typing import NoReturn
 from tether import version
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import interrupt, parent
-from tether.run.extras import require_engine
+from tether.run.extras import require_engine, require_stage
 from tether.run.interrupt import Interrupted
 
 STAGES = {
@@ -161,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def preflight(stage: str, argv: list[str]) -> str:
     """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
-    in a millisecond) and check that an engine it names is installed; returns the line to show
-    while torch, transformers and the model load ("" for stages that print their own)."""
+    in a millisecond) and check that the extras the stage, its engine and its trackers need are
+    installed (validation checks the trackers it names); returns the line(s) to show while torch,
+    transformers and the model load ("" for stages that print their own)."""
     from tether.run.parse import parse_config
+    from tether.run.trackers import auto_note
 
     module_name, class_name = CONFIGS[stage]
     cfg = parse_config(getattr(importlib.import_module(module_name), class_name), argv,
                        prog=f"tether {stage}")
+    require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
         # the demo prints its own first line; a report loads no model, a sweep's runs print
@@ -175,7 +178,9 @@ def preflight(stage: str, argv: list[str]) -> str:
         return ""
     model = getattr(cfg, "policy", "") or getattr(cfg, "model", "")
     name = getattr(cfg, "run_name", "")
-    return f"{stage}{' ' + name if name else ''}: loading torch and transformers, then {model}"
+    note = auto_note(getattr(cfg, "report_to", ""))  # the default, on a core install
+    return (f"{stage}{' ' + name if name else ''}: loading torch and transformers, then {model}"
+            + (f"\n{note}" if note else ""))
 
 
 ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it before reporting

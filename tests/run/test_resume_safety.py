@@ -58,6 +58,23 @@ def test_harmless_changes_need_the_flag_and_are_recorded(tmp_path):
     assert len((run.path / "resumes.jsonl").read_text().splitlines()) == 1
 
 
+
+def test_a_run_that_recorded_the_former_report_to_default_resumes_with_todays(tmp_path):
+    # report_to's default was tensorboard until TensorBoard became an extra; today's is auto.
+    # A run started before, resumed with the default, is the same run: no flag, nothing recorded.
+    run = _started(tmp_path, report_to="tensorboard")
+    RunDir(tmp_path, "r", resume=True).save_config(Cfg(run_name="r", resume=True))
+    assert not (run.path / "resumes.jsonl").exists()
+    # any other change of it is still a change, and so is going back from auto to tensorboard
+    with pytest.raises(TetherError, match="report_to: 'tensorboard' -> 'none'"):
+        RunDir(tmp_path, "r", resume=True).save_config(
+            Cfg(run_name="r", report_to="none", resume=True))
+    (tmp_path / "r").rename(tmp_path / "old")
+    _started(tmp_path)  # recorded auto
+    with pytest.raises(TetherError, match="report_to: 'auto' -> 'tensorboard'"):
+        RunDir(tmp_path, "r", resume=True).save_config(
+            Cfg(run_name="r", report_to="tensorboard", resume=True))
+
 def test_resume_messages(tmp_path, capsys):
     fresh = RunDir(tmp_path, "new", resume=True)
     fresh.save_config(Cfg(run_name="new", resume=True))

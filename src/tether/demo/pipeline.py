@@ -22,6 +22,7 @@ from tether.demo.config import DemoConfig
 from tether.demo.curves import Curve
 from tether.demo.stages import Clock, Stage, Workers, available_cores, run_stages
 from tether.errors import TetherError
+from tether.run.extras import installed
 
 # This module imports no torch, transformers or matplotlib at its top: `tether demo` prints its
 # first line and starts its workers (which import them) before it imports them itself.
@@ -244,10 +245,12 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int) -> dic
 
 # What the stages import, imported by each worker as it starts (while SFT trains): the
 # trainers, and what they import only once they load a model (GPT-2's modules, seconds of CPU),
-# check for an adapter (peft) or open the run's tracker (tensorboard).
+# check for an adapter (peft) or open the run's tracker (tensorboard, where installed: the
+# default --report-to auto).
 WORKER_IMPORTS = ("tether.demo.pipeline", "tether.train.ppo", "tether.train.dpo",
                   "tether.tools.evaluate", "tether.tools.sweep", "tether.rl.engines.native",
-                  "transformers.models.gpt2.modeling_gpt2", "peft", "torch.utils.tensorboard")
+                  "transformers.models.gpt2.modeling_gpt2", "peft",
+                  *(("torch.utils.tensorboard",) if installed("tensorboard") else ()))
 
 # Each stage's work in PPO batches of the demo's size (32 prompts, 20 new tokens, 4 epochs),
 # measured on 2 CPU cores with one thread per stage: only the order and the time-left estimate

@@ -37,11 +37,11 @@ class RunConfig:
     resume_allow_changes: bool = False
     """On --resume, accept changed logging, checkpoint or device settings (recorded in resumes.jsonl); other changes are refused."""
     log_every: int = 10
-    """Optimizer steps between metric log lines (metrics.jsonl and TensorBoard)."""
+    """Optimizer steps between metric log lines (metrics.jsonl and the --report-to trackers)."""
     save_every: int = 100
     """Optimizer steps between checkpoints (0: only the final model)."""
-    report_to: str = "tensorboard"
-    """Trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none (wandb and mlflow are extras: pip install 'tether[wandb]')."""
+    report_to: str = "auto"
+    """Trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none; auto: tensorboard when installed, else none (each is an extra: pip install -e '.[tensorboard]')."""
     # ---- model and device
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""

@@ -64,6 +64,10 @@ class RunResult:
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
                       "threads", "report_to", "fsdp")
 NOT_COMPARED = ("resume", "resume_allow_changes", "stage")  # the stage: `_check_stage`
+# Defaults tether has changed: a run that recorded the former one, resumed with today's, is no
+# change (report_to was tensorboard until TensorBoard became an extra; auto still takes it where
+# it is installed).
+FORMER_DEFAULTS = {"report_to": "tensorboard"}
 IN_USE_FIX = "wait for it to finish or choose another --run-name"
 
 
@@ -237,7 +241,9 @@ class RunDir:
         returns the accepted harmless changes (for `resumes.jsonl`), {} when there are none."""
         old = resolved_paths(old)  # a run recorded before paths were: relative to here, as then
         changed = {k: (old.get(k), v) for k, v in new.items()
-                   if k not in NOT_COMPARED and k in old and old[k] != v}
+                   if k not in NOT_COMPARED and k in old and old[k] != v
+                   and not (k in FORMER_DEFAULTS and old[k] == FORMER_DEFAULTS[k]
+                            and v == defaults.get(k))}
         # A field tether gained after the run started is no change while it keeps its default.
         changed |= {k: (None, v) for k, v in new.items()
                     if k not in old and k not in NOT_COMPARED and defaults.get(k, object()) != v}
@@ -307,14 +313,15 @@ class RunDir:
             atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _sinks(self) -> list:
-        """The trackers of `--report-to` (TensorBoard alone by default), started at first use."""
+        """The trackers of `--report-to` (by default TensorBoard when installed), started at first
+        use."""
         if self._trackers is None:
-            names = parse_report_to(self._config.get("report_to", "tensorboard"))
+            names = parse_report_to(self._config.get("report_to", "auto"))
             self._trackers = start_trackers(names, self.path, self.path.name, self._config)
         return self._trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append `{"step": step, **metrics}` to metrics.jsonl and write TensorBoard scalars."""
+        """Append `{"step": step, **metrics}` to metrics.jsonl and send them to the trackers."""
         if not self.writes:
             return
         clean = {k: float(v) for k, v in metrics.items()}

@@ -4,42 +4,56 @@
 sinks. Each one is a small class with `log(step, metrics)`, `text(step, tag, text)` and `close()`,
 created lazily at the first log line, so a run that fails its input checks starts none.
 
-- tensorboard: event files in `<run>/tb/` (the default).
+- auto (the default): tensorboard when the tensorboard package is installed, else none (the core
+  install has no TensorBoard: `pip install -e '.[tensorboard]'`; `tether <stage>` says so at start).
+- tensorboard: event files in `<run>/tb/`.
 - wandb: `wandb.init(project="tether", name=<run name>, dir=<run>, config=<the run's config>)`.
   Offline with `WANDB_MODE=offline` (files in `<run>/wandb/`, `wandb sync` uploads them later).
 - mlflow: a run named after tether's, its config as params, under `MLFLOW_TRACKING_URI` (default
   `<run>/mlruns`, a local file store; metric names use `.` for `/`, e.g. `train.loss`).
-wandb and mlflow are optional: `pip install 'tether[wandb]'` or `'tether[mlflow]'`.
+tensorboard, wandb and mlflow are extras of the same names (`tether.run.extras`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 from tether.errors import TetherError
+from tether.run.extras import install_line, installed, require_tracker
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
 def parse_report_to(value: str) -> list[str]:
-    """`tensorboard,wandb` -> ["tensorboard", "wandb"]; `none` -> []; checks names and that the
-    optional packages are installed, so the error comes before the run starts."""
+    """`tensorboard,wandb` -> ["tensorboard", "wandb"]; `none` -> []; `auto` -> ["tensorboard"]
+    when it is installed, else []. Checks names and that a tracker named outright is installed,
+    so the error comes before the run starts."""
     names = [n.strip() for n in value.split(",") if n.strip()]
     if names in ([], ["none"]):
         return []
     for name in names:
-        if name not in TRACKERS:
+        if name not in (*TRACKERS, "auto"):
             raise TetherError(f"--report-to {name!r} is not a tracker; use a comma-separated list "
-                              f"of {', '.join(TRACKERS)}, or none")
-        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
-            raise TetherError(f"--report-to {name} needs the {name} package; "
-                              f"pip install 'tether[{name}]'")
-    return names
+                              f"of {', '.join(TRACKERS)}, or auto, or none")
+        require_tracker(name)
+    resolved = [n for n in names if n != "auto"]
+    if "auto" in names and "tensorboard" not in resolved and installed("tensorboard"):
+        resolved.insert(0, "tensorboard")
+    return resolved
+
+
+def auto_note(value: str) -> str:
+    """The note for a run whose `auto` finds no TensorBoard ("" otherwise): say where the metrics
+    go instead, and how to get TensorBoard or silence the note."""
+    names = [n.strip() for n in value.split(",")]
+    if "auto" not in names or installed("tensorboard"):
+        return ""
+    return ("note: TensorBoard is not installed, so this run logs to metrics.jsonl only "
+            f"({install_line('tensorboard')} adds TensorBoard events; --report-to none says no "
+            "tracker outright)")
 
 
 class TensorBoard:

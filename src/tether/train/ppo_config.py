@@ -22,7 +22,7 @@ class PPOConfig(RunConfig, EnvOptions):
     run_name: str = "ppo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
     log_every: int = 1
-    """PPO batches between metric log lines (metrics.jsonl, TensorBoard)."""
+    """PPO batches between metric log lines (metrics.jsonl and the --report-to trackers)."""
     save_every: int = 10
     """PPO batches between checkpoints (0: only the final model)."""
 
@@ -162,7 +162,7 @@ class PPOConfig(RunConfig, EnvOptions):
     eval_every: int = 0
     """Batches between evaluations on --eval-prompts (0: only at the end, when eval prompts are given)."""
     sample_every: int = 10
-    """Batches between tables of sample prompts and responses (TensorBoard text; 0: off)."""
+    """Batches between tables of sample prompts and responses for the --report-to trackers (TensorBoard text; 0: off)."""
 
     @property
     def n_batches(self) -> int:  # derived
