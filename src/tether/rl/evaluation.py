@@ -154,9 +154,11 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
         texts += picked
         if gold is not None:
-            rows = [r for r, keep in zip(part.rows, last.tolist()) if keep] if part.rows else None
+            # (its own name: the loop's `rows` are the ones still to collect)
+            picked_rows = ([r for r, keep in zip(part.rows, last.tolist()) if keep]
+                           if part.rows else None)
             measured["gold"] = gold(prompts[-len(picked):], picked, part.rollout,
-                                    rows).scores.float().cpu()
+                                    picked_rows).scores.float().cpu()
         for key, value in measured.items():
             parts.setdefault(key, []).append(value)
         for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes
