@@ -450,6 +450,12 @@ OPTION_TESTS: dict[str, list[str]] = {
         ONLINE + "test_demo_options_reach_the_stages_it_runs[False]",
         ONLINE + "test_demo_options_reach_the_stages_it_runs[True]",
     ],
+    # Ignored, a demo there is refused as if --resume were not given.
+    "demo:resume": [
+        "tests/demo/test_demo_resume.py::"
+        "test_a_demo_there_is_refused_without_resume_and_with_other_settings",
+        "tests/demo/test_demo_resume.py::test_resume_with_no_demo_there_starts_one",
+    ],
 }
 
 # --fsdp: the share of the parameters rank 0 holds under torchrun (2 gloo ranks); sft's

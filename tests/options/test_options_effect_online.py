@@ -293,8 +293,11 @@ def test_demo_options_reach_the_stages_it_runs(quick, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "prepare_data", lambda root, cfg: {
         k: str(tmp_path / k) for k in ("base", "sft", "pairs", "prompts", "eval_prompts")})
     monkeypatch.setattr(pipeline, "read_curve", lambda *a: None)
-    monkeypatch.setattr(pipeline, "evaluate_model", lambda *a: None)
-    monkeypatch.setattr(pipeline, "write_report", lambda curves, root, kl_target, settings, *_: (
+    monkeypatch.setattr(pipeline, "evaluate_model", lambda *a, **_: None)
+    from tether.demo import report
+
+    # (the report module's: the pipeline imports it only once its stages are done)
+    monkeypatch.setattr(report, "write_report", lambda curves, root, kl_target, settings, *_: (
         seen["report"].append((root, kl_target)) or (root / "report.html", "")))
     monkeypatch.setattr(pipeline, "demo_settings", lambda *a: {})
     monkeypatch.setattr(pipeline, "plan_sweep", lambda root, c, *a: (

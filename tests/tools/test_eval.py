@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tether.cli import main
-from tether.demo import pipeline
+from tether.demo import pipeline, task
 from tether.demo.config import DemoConfig
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
@@ -47,7 +47,7 @@ def test_demo_sft_evaluation_equals_ppo_step_zero(task_files, family, request, t
     # The demo's own code paths, on a tiny task: one PPO batch evaluated at step 0 (the SFT
     # policy, untouched), and the demo's offline evaluation of that same SFT policy.
     model_dir = str(request.getfixturevalue(family))
-    monkeypatch.setattr(pipeline.task, "gold_reward", good_count)
+    monkeypatch.setattr(task, "gold_reward", good_count)
     rm = reward_model_for(model_dir, tmp_path / "rm")
     paths = {"prompts": str(task_files / "prompts.jsonl"),
              "eval_prompts": str(task_files / "prompts.jsonl")}
@@ -187,3 +187,14 @@ def test_eval_with_a_lora_reward_model(task_files, trained, tmp_path, capsys):
     assert record["metrics"]["eval/score"] == pytest.approx(sum(scores) / len(scores))
     assert len(set(scores)) > 1 and "eval/gold_score" not in record["metrics"]
     assert RewardModel.from_pretrained(rm_dir).lora is not None
+
+
+def test_gold_scores_every_chunk_of_prompts(task_files, tiny_model_dir):
+    # Batches of 3 over 8 prompts: three chunks, each scored by the gold function (the gold
+    # step once replaced the prompt rows still to collect by the chunk's, and the second
+    # chunk found none).
+    cfg = EvalConfig(model=str(tiny_model_dir), prompts=str(task_files / "prompts.jsonl"),
+                     batch_size=3, device="cpu", max_new_tokens=4)
+    result = evaluate.run(cfg, reward_fn=length_reward, gold_fn=good_count, write=False)
+    assert [s["prompt"] for s in result.samples] == PROMPTS
+    assert all(s["gold_score"] is not None for s in result.samples)

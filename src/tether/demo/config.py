@@ -14,7 +14,7 @@ class DemoConfig:
     output_dir: str = "runs"
     """Directory that holds run directories."""
     run_name: str = "demo"
-    """Everything is written to <output_dir>/<run_name>/ (refused if it already holds a report)."""
+    """Everything is written to <output_dir>/<run_name>/ (refused if it already holds a demo, unless --resume)."""
     quick: bool = False
     """A smaller, faster demo (one seed, shorter runs): first contact and CI."""
     seed: int = 0
@@ -41,6 +41,8 @@ class DemoConfig:
     """Device for every stage."""
     jobs: int = 0
     """Stages run at once after SFT and the RM, one process each (0: one per available core); the numbers are the same for any value."""
+    resume: bool = False
+    """Continue an interrupted demo (same settings): finished stages are kept, the others go on from their last checkpoint."""
 
     def validate(self) -> None:
         require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",

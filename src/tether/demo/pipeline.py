@@ -17,55 +17,49 @@ import json
 import time
 from pathlib import Path
 
-from tether.demo import task
 from tether.demo.config import DemoConfig
 from tether.demo.curves import Curve
+from tether.demo.data import prepare_data
+from tether.demo.resume import check_root, interrupted, read_eval, record_settings
 from tether.demo.stages import Clock, Stage, Workers, available_cores, run_stages
-from tether.errors import TetherError
+from tether.errors import AlreadyFinished
 from tether.run.extras import installed
 
 # This module imports no torch, transformers or matplotlib at its top: `tether demo` prints its
 # first line and starts its workers (which import them) before it imports them itself.
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
+def checkpoint_every(steps: int) -> int:
+    """A stage's checkpoint cadence: about ten per run, so an interrupted demo loses at most a
+    tenth of each stage it was running (a checkpoint changes no number: tests/demo)."""
+    return max(1, steps // 10)
 
 
-def prepare_data(root: Path, cfg: DemoConfig) -> dict[str, str]:
-    """Corpus, preference pairs, prompts and an untrained tiny model, all written under root."""
-    from tether.models.tiny import save_tiny
-
-    data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    sentences = task.corpus(4000, seed=cfg.seed)
-    split = [task.split_prompt(s) for s in sentences]
-    paths = {
-        "sft": _write_jsonl(data / "sft.jsonl", [{"prompt": p, "response": r} for p, r in split]),
-        "pairs": _write_jsonl(data / "pairs.jsonl", task.preference_pairs(1000, cfg.seed + 1)),
-        "prompts": _write_jsonl(data / "prompts.jsonl",
-                                [{"prompt": p} for p in task.prompts(512, cfg.seed + 2)]),
-        "eval_prompts": _write_jsonl(data / "eval_prompts.jsonl",
-                                     [{"prompt": p} for p in task.prompts(128, cfg.seed + 3)]),
-    }
-    paths["base"] = str(save_tiny(root / "base", sentences, vocab_size=400, n_layer=2,
-                                  n_embd=64, n_head=2, n_positions=64, seed=cfg.seed))
-    return paths
+def _train(stage, config_class, root: Path, cfg: DemoConfig, **fields) -> str:
+    """One tether stage run through its own `run`: resumed from its last checkpoint when the
+    demo is resumed and the run was started, kept as it is when it finished; its final model."""
+    name = fields["run_name"]
+    try:
+        return str(stage.run(config_class(resume=cfg.resume and (root / name).exists(),
+                                          **fields)).output_path)
+    except AlreadyFinished:
+        print(f"{name}: finished before; kept as it is", flush=True)
+        return str(root / name / "final")
 
 
 def train_sft_and_rm(root: Path, cfg: DemoConfig, paths: dict[str, str]) -> tuple[str, str]:
     from tether.train import reward, sft
 
-    common = {"output_dir": str(root), "seed": cfg.seed, "device": cfg.device, "save_every": 0,
+    common = {"output_dir": str(root), "seed": cfg.seed, "device": cfg.device,
               "batch_size": 32, "max_length": 48, "log_every": 50}
-    sft_result = sft.run(sft.SFTConfig(run_name="sft", model=paths["base"], data=paths["sft"],
-                                       max_steps=400, lr=3e-3,
-                                       warmup_steps=20, **common))
-    rm_result = reward.run(reward.RMConfig(
-        run_name="rm", model=str(sft_result.output_path), data=paths["pairs"],
-        epochs=3, lr=1e-3, eval_fraction=0.15, normalize_data=paths["sft"], **common))
-    return str(sft_result.output_path), str(rm_result.output_path)
+    policy = _train(sft, sft.SFTConfig, root, cfg, run_name="sft", model=paths["base"],
+                    data=paths["sft"], max_steps=400, lr=3e-3, warmup_steps=20,
+                    save_every=checkpoint_every(400), **common)
+    # (3 epochs of the 85% of 1,000 pairs not held out, in batches of 32: 81 steps)
+    reward_model = _train(reward, reward.RMConfig, root, cfg, run_name="rm", model=policy,
+                          data=paths["pairs"], epochs=3, lr=1e-3, eval_fraction=0.15,
+                          normalize_data=paths["sft"], save_every=checkpoint_every(81), **common)
+    return policy, reward_model
 
 
 PPO_VARIANTS = {  # run name -> controller settings; the leash is the only difference
@@ -94,9 +88,13 @@ def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rew
         reward_model=reward_model, prompts=paths["prompts"], eval_prompts=paths["eval_prompts"],
         batch_size=PPO_BATCH, total_episodes=PPO_BATCH * cfg.ppo_batches,
         max_new_tokens=MAX_NEW_TOKENS, lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4,
-        gold_fn=GOLD_FN, eval_every=max(1, cfg.ppo_batches // 20), save_every=0,
-        sample_every=0, **PPO_VARIANTS[name](cfg))
-    ppo.run(ppo_cfg)
+        gold_fn=GOLD_FN, eval_every=max(1, cfg.ppo_batches // 20),
+        save_every=checkpoint_every(cfg.ppo_batches), sample_every=0,
+        resume=cfg.resume and (root / run_name).exists(), **PPO_VARIANTS[name](cfg))
+    try:
+        ppo.run(ppo_cfg)
+    except AlreadyFinished:  # (a finished run is not handed to a worker: `finished_result`)
+        pass
     return read_curve(root / run_name, name, seed)
 
 
@@ -128,26 +126,41 @@ def run_offline(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
     from tether.train import dpo
 
     loss, beta, lr = OFFLINE[name]
-    result = dpo.run(dpo.DPOConfig(
-        run_name=name, loss=loss, beta=beta, lr=lr, output_dir=str(root), seed=cfg.seed,
-        device=cfg.device, save_every=0, batch_size=32, max_length=48, log_every=10,
-        model=policy, data=paths["pairs"], epochs=2, precompute_ref_logprobs=True))
-    return evaluate_model(str(result.output_path), policy, reward_model, paths, name, cfg)
+    # (2 epochs of 1,000 pairs in batches of 32: 64 steps)
+    model = _train(dpo, dpo.DPOConfig, root, cfg, run_name=name, loss=loss, beta=beta, lr=lr,
+                   output_dir=str(root), seed=cfg.seed, device=cfg.device,
+                   save_every=checkpoint_every(64), batch_size=32, max_length=48, log_every=10,
+                   model=policy, data=paths["pairs"], epochs=2, precompute_ref_logprobs=True)
+    return evaluate_model(model, policy, reward_model, paths, name, cfg,
+                          out=eval_path(root, name))
 
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
-                   name: str, cfg: DemoConfig) -> Curve:
+                   name: str, cfg: DemoConfig, out: Path | None = None) -> Curve:
     """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
-    sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own."""
+    sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own.
+    With `out` (`eval_path`) its record is written there and the result read back from it, as
+    a resumed demo reads a finished one (JSON keeps every float exactly)."""
     from tether.tools import evaluate
     from tether.tools.config import EvalConfig
 
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
-                          max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device)
-    result = evaluate.run(eval_cfg, write=False)
+                          max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
+                          output=str(out or ""))
+    result = evaluate.run(eval_cfg, write=out is not None)  # atomically: whole, or not at all
+    if out is not None:
+        return read_eval(out, name, cfg.seed)
     return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
                  {0: result.samples})
+
+
+def eval_path(root: Path, stage: str) -> Path:
+    """<stage>/eval.json: beside DPO's or IPO's final/ (where `tether sweep` keeps DPO's too);
+    the SFT model's in sft-eval/, so that no stage writes into another's finished run."""
+    return root / stage / "eval.json"
 
 
 def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
@@ -163,15 +176,17 @@ def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
         "eval_prompts": paths["eval_prompts"], "gold_fn": GOLD_FN,
         "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * cfg.sweep_batches,
         "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
-        "ppo_epochs": 4, "save_every": 0,
+        "ppo_epochs": 4, "save_every": checkpoint_every(cfg.sweep_batches),
         # four evaluations after step 0 (two under --quick, whose sweep is a sketch)
         "eval_every": max(1, cfg.sweep_batches // (2 if cfg.quick else 4)),
         "sample_every": 0, "device": cfg.device, "kl_ctl": "fixed",
         "beta": list(cfg.sweep_betas)}}
-    (root / "data" / "sweep.yaml").write_text(yaml.safe_dump(grid), encoding="utf-8")
-    planned = sweep.plan(str(root / "data" / "sweep.yaml"))
+    grid_path, text = root / "data" / "sweep.yaml", yaml.safe_dump(grid)
+    if not grid_path.is_file() or grid_path.read_text(encoding="utf-8") != text:
+        grid_path.write_text(text, encoding="utf-8")  # (on --resume: kept, as the data are)
+    planned = sweep.plan(str(grid_path))
     sweep.prepare(planned)
-    sweep.save_plan(planned)  # the demo's root is new: no other sweep can hold it
+    sweep.save_plan(planned)  # the demo's root is its own: no other sweep can hold it
     return planned
 
 
@@ -205,7 +220,8 @@ def sweep_scope(cfg: DemoConfig) -> str:
             "run goes.")
 
 
-def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int) -> dict[str, str]:
+def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int,
+                  resumed: bool = False) -> dict[str, str]:
     """Every value that shaped the results, read back from the runs' own config.yaml files."""
     import yaml
 
@@ -239,7 +255,8 @@ def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int) -> dic
         "sweep": (f"betas {[float(b) for b in cfg.sweep_betas]}, {cfg.sweep_batches} batches"
                   if cfg.sweep_betas else "off"),
         "tether version": version(), "quick": str(cfg.quick),
-        "wall time": f"{minutes:.1f} min, {jobs} stage(s) at a time",
+        "wall time": f"{minutes:.1f} min, {jobs} stage(s) at a time"
+                     + (" (this run, resumed; not the stages finished before)" if resumed else ""),
     }
 
 
@@ -269,31 +286,68 @@ def stages(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rewa
            for seed in range(cfg.seed, cfg.seed + cfg.seeds) for name in PPO_VARIANTS]
     out += [Stage(name, OFFLINE_COST, run_offline, (*shared, name)) for name in OFFLINE]
     out.append(Stage("sft-eval", EVAL_COST, evaluate_model,
-                     (policy, policy, reward_model, paths, "sft", cfg)))
+                     (policy, policy, reward_model, paths, "sft", cfg,
+                      eval_path(root, "sft-eval"))))
     if planned is not None:
         out += [Stage(f"sweep/{run.name}", cfg.sweep_batches, sweep.execute_run, (run,))
                 for run in planned.runs]
     return out
 
 
+def finished_result(root: Path, cfg: DemoConfig, stage: Stage) -> tuple[bool, object]:
+    """(True, its result) for a stage that an earlier run of this demo finished, read back from
+    its run directory; (False, None) for one still to run or resume."""
+    if stage.name.startswith("sweep/"):
+        from tether.tools.sweep_plan import state
+
+        return state(stage.args[0]) == "done", None  # (the sweep's page reads its runs itself)
+    if stage.name in (*OFFLINE, "sft-eval"):
+        path = eval_path(root, stage.name)
+        name = stage.name.removesuffix("-eval")  # the SFT model's curve is "sft"
+        return (True, read_eval(path, name, cfg.seed)) if path.is_file() else (False, None)
+    from tether.run.rundir import run_finished
+
+    if not run_finished(root / stage.name):
+        return False, None
+    name, seed = stage.name.rsplit("-seed", 1)
+    return True, read_curve(root / stage.name, name, int(seed))
+
+
 def run(cfg: DemoConfig) -> Path:
-    """Run the demo end to end; returns the report's path."""
-    cfg = cfg.scaled()
+    """Run the demo end to end (with `resume`: what an earlier run of it left undone); returns
+    the report's path."""
+    given, cfg = cfg, cfg.scaled()
     root = Path(cfg.output_dir) / cfg.run_name
-    if (root / "report.html").exists() or (root / "sft").exists():
-        raise TetherError(f"{root} already holds a demo; pass --run-name NEW to keep it, or "
-                          "delete it to run again")
+    resumed = check_root(root, given)
+    record_settings(root, given)  # (the same file again on --resume: it was checked equal)
     started = time.perf_counter()
     jobs = cfg.jobs or available_cores()
     print("[0/2] data, tokenizer and an untrained tiny GPT-2; then SFT and the reward model",
           flush=True)
-    # The workers start first: their imports run on the cores this process leaves free while it
-    # imports torch and trains SFT, not after SFT on the critical path.
-    with Workers(jobs, warm=WORKER_IMPORTS) as workers:
-        return _run(cfg, root, started, jobs, workers)
+    try:
+        # The workers start first: their imports run on the cores this process leaves free
+        # while it imports torch and trains SFT, not after SFT on the critical path.
+        with Workers(jobs, warm=WORKER_IMPORTS) as workers:
+            return _run(cfg, root, started, jobs, workers, resumed)
+    except BaseException as exc:  # a stop (Ctrl-C, kill): say how to go on with the demo
+        if not stopped(exc):
+            raise
+        raise interrupted(exc, given) from None
 
 
-def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Workers) -> Path:
+def stopped(exc: BaseException) -> bool:
+    """Whether `exc` is a stop asked for from outside: a stage's `Interrupted`, a
+    KeyboardInterrupt, or the worker pool broken by the Ctrl-C its workers got too."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from tether.run import interrupt
+
+    return isinstance(exc, (interrupt.Interrupted, KeyboardInterrupt)) or (
+        isinstance(exc, BrokenProcessPool) and interrupt.requested())
+
+
+def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Workers,
+         resumed: bool) -> Path:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -306,13 +360,20 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
     paths = prepare_data(root, cfg)
     policy, reward_model = train_sft_and_rm(root, cfg, paths)
     planned = plan_sweep(root, cfg, paths, policy, reward_model) if cfg.sweep_betas else None
-    todo = stages(root, cfg, paths, policy, reward_model, planned)
-    print(f"[2/{2 + len(todo)}] SFT and the reward model done "
-          f"({time.perf_counter() - started:.0f} s); {len(todo)} stages to run, {jobs} at a time"
+    every = stages(root, cfg, paths, policy, reward_model, planned)
+    kept = {s.name: finished_result(root, cfg, s) for s in every} if resumed else {}
+    results = {name: result for name, (done, result) in kept.items() if done}
+    todo = [s for s in every if s.name not in results]
+    print(f"[{2 + len(results)}/{2 + len(every)}] SFT and the reward model done "
+          f"({time.perf_counter() - started:.0f} s); "
+          + (f"{len(results)} stages finished before, " if resumed else "")
+          + f"{len(todo)} stages to run, {jobs} at a time"
           + (f", each one's output in {root / 'logs'}" if jobs > 1 else ""), flush=True)
-    clock = Clock(todo, jobs, started, done_before=2, total=2 + len(todo))
-    results, failures = run_stages(todo, jobs, root / "logs", clock, workers=workers,
-                                   keep_going=lambda stage: stage.name.startswith("sweep/"))
+    # A stage finished before counts as done; the time left is measured on this run's own.
+    clock = Clock(todo, jobs, started, done_before=2 + len(results), total=2 + len(every))
+    ran, failures = run_stages(todo, jobs, root / "logs", clock, workers=workers,
+                               keep_going=lambda stage: stage.name.startswith("sweep/"))
+    results |= ran
     workers.close()
     curves = [results[f"{name}-seed{seed}"] for seed in range(cfg.seed, cfg.seed + cfg.seeds)
               for name in PPO_VARIANTS]
@@ -327,7 +388,8 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
     run_dirs = [root / name for name in ("sft", "rm")] + [
         root / f"{name}-seed{cfg.seed}" for name in PPO_VARIANTS] + [root / "dpo", root / "ipo"]
     path, summary = write_report(curves, root, cfg.kl_target,
-                                 demo_settings(root, cfg, minutes, jobs), run_dirs, section)
+                                 demo_settings(root, cfg, minutes, jobs, resumed), run_dirs,
+                                 section)
     print(summary)
     print(f"report written to {path}")
     return path

@@ -183,18 +183,21 @@ def run_stages(stages: list[Stage], jobs: int, log_dir: Path, clock: Clock,
     sweep run is reported on the sweep's page).
     """
     from tether.errors import TetherError
+    from tether.run import interrupt
 
     order = sorted(stages, key=lambda s: -s.cost)  # stable: equal costs keep their order
     results: dict[str, Any] = {}
     failures: dict[str, str] = {}
     if jobs <= 1:
         for i, stage in enumerate(order):
+            if stop := interrupt.between_steps():  # Ctrl-C during a stage that has no steps
+                raise stop
             clock.start(stage.name)
             start = time.perf_counter()
             try:
                 results[stage.name] = stage.fn(*stage.args)
             except TetherError as exc:
-                if not keep_going(stage):
+                if not keep_going(stage) or isinstance(exc, interrupt.Interrupted):
                     raise
                 failures[stage.name] = str(exc)
             clock.finish(stage.name, time.perf_counter() - start,
@@ -211,6 +214,7 @@ def _run_in(workers: Workers, order: list[Stage], log_dir: Path, clock: Clock,
             keep_going: Callable[[Stage], bool], results: dict[str, Any],
             failures: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     from tether.errors import TetherError
+    from tether.run import interrupt
 
     assert workers.pool is not None, "jobs 1 runs its stages in this process"
     waiting = list(order)
@@ -221,13 +225,16 @@ def _run_in(workers: Workers, order: list[Stage], log_dir: Path, clock: Clock,
             log = log_dir / f"{stage.name.replace('/', '-')}.log"
             running[workers.pool.submit(_in_worker, stage, str(log))] = stage
             clock.start(stage.name)
-        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        # (a timeout, to see a stop asked of this process alone: `kill` of the demo's pid)
+        done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+        if stop := interrupt.between_steps():  # the workers are stopped on the way out
+            raise stop
         for future in done:
             stage = running.pop(future)
             try:
                 results[stage.name], seconds = future.result()
             except TetherError as exc:
-                if not keep_going(stage):
+                if not keep_going(stage) or isinstance(exc, interrupt.Interrupted):
                     raise
                 failures[stage.name] = str(exc)
                 seconds = time.perf_counter() - clock.began[stage.name]

@@ -45,6 +45,14 @@ def requested() -> bool:
     return bool(_received)
 
 
+def between_steps() -> Interrupted | None:
+    """For a caller that runs whole stages, not steps (the demo): once a stop was asked for, the
+    exception to raise before it starts another; None until then."""
+    if not _received:
+        return None
+    return Interrupted(f"{signal.Signals(_received[0]).name}: stopped", _received[0])
+
+
 def stop(step: int, where: str) -> Interrupted:
     """The exception a loop raises once it has saved its checkpoint at `step` in `where`."""
     signum = _received[0]
