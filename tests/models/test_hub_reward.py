@@ -147,7 +147,7 @@ def test_the_reward_reads_each_chat_as_its_row_gave_it(hub_rms, tiny_llama_dir, 
     assert texts[0].startswith(policy_tok.bos_token + "<|user|>")  # the policy's rendering
     loaded = load_reward_model(str(hub_rms["llama"]), policy_tok, originals, 2, "cpu")
     assert isinstance(loaded.model, HubRewardModel) and loaded.critic_init is None  # other vocab
-    got = loaded.reward(texts, RESPONSES, None)
+    got = loaded.reward(texts, RESPONSES, None).scores
     expected = own_forward_scores(hub_rms["llama"], CHATS[:2] + PLAIN[2:], RESPONSES)
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
@@ -183,7 +183,7 @@ def test_ppo_critic_starts_from_the_policy_when_the_rm_reads_another_vocabulary(
         assert torch.equal(trunk[name], param), name
     assert setup.critic.head.weight.abs().max() == 0
     # and the loop's reward is the hub model's own score of the decoded texts
-    got = setup.reward(setup.prompts[:4], RESPONSES, None)
+    got = setup.reward(setup.prompts[:4], RESPONSES, None).scores
     torch.testing.assert_close(got, torch.tensor(own_forward_scores(hub_rms["gpt2"], PLAIN,
                                                                     RESPONSES)),
                                rtol=1e-5, atol=1e-5)

@@ -305,7 +305,7 @@ def test_different_vocabularies_are_rejected(env, tiny_model_dir):
     setup = build(config(env, tiny_model_dir, "vocab_rm", reward_model=str(env / "other_rm")))
     texts, responses = setup.prompts[:2], [" the movie was good.", " it"]
     expected = RewardModel.from_pretrained(env / "other_rm").score_texts(texts, responses)
-    torch.testing.assert_close(setup.reward(texts, responses, None), expected)
+    torch.testing.assert_close(setup.reward(texts, responses, None).scores, expected)
     if setup.critic is not None:
         assert setup.critic.head.weight.abs().max() == 0  # not the other vocabulary's trunk
 
