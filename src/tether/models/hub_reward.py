@@ -93,6 +93,28 @@ def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str
     return CLASSIFIER
 
 
+def check_vocabulary(tokenizer, config, name: str) -> None:
+    """The tokenizer's ids within the model's embedding rows (`vocab_size`; more rows than ids, as
+    Qwen2 has, is fine): an id past them is an IndexError at the first batch that holds it."""
+    rows = config.get_text_config().vocab_size
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise TetherError(f"reward model {name}: its tokenizer has {len(tokenizer)} tokens but "
+                          f"the model has {rows} embedding rows (vocab_size in its config.json), "
+                          f"so ids from {rows} on would index no row; save the tokenizer it was "
+                          "trained with beside it, or resize its embeddings to the tokenizer "
+                          "(model.resize_token_embeddings(len(tokenizer))) and save it again")
+
+
+def check_reward_model(name_or_path: str, trust_remote_code: bool = False) -> str:
+    """`reward_model_kind`, and for a sequence-classification checkpoint its tokenizer against its
+    embedding rows: what a stage checks before any weights load."""
+    kind = reward_model_kind(name_or_path, trust_remote_code)
+    if kind == CLASSIFIER:
+        check_vocabulary(_tokenizer(name_or_path, trust_remote_code),
+                         _config(name_or_path, trust_remote_code), name_or_path)
+    return kind
+
+
 class _OneLabel:
     """`AutoModelForSequenceClassification` with one label: a causal LM base under a reward
     adapter gets a one-score head, as TRL's RewardTrainer built it (`num_labels=1`)."""
@@ -129,6 +151,7 @@ def load_hub_reward_model(name_or_path: str, dtype: str = "float32",
                           "RewardModel.from_pretrained")
     if kind == CLASSIFIER:
         tokenizer = _tokenizer(name_or_path, trust_remote_code)
+        check_vocabulary(tokenizer, _config(name_or_path, trust_remote_code), name_or_path)
         model = _from_pretrained(AutoModelForSequenceClassification, "the reward model",
                                  name_or_path, dtype, trust_remote_code)
         return HubRewardModel(model, tokenizer, name_or_path)

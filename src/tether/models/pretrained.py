@@ -55,15 +55,19 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _check_exists(name_or_path: str) -> None:
-    """Local paths first: a string that looks like a path but is missing is a typo, not a hub
-    name. A hub name in offline mode must be in the local cache, or loading it would only fail
-    after retries and a page of log lines."""
-    path = Path(name_or_path).expanduser()
+def check_local_path(name_or_path: str) -> None:
+    """A string that looks like a path (`./x`, `/x`, `~/x`, `a/b/c`) but is missing is a typo,
+    not a hub name."""
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local and not path.exists():
+    if looks_local and not Path(name_or_path).expanduser().exists():
         raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
-    if path.exists():
+
+
+def _check_exists(name_or_path: str) -> None:
+    """Local paths first (`check_local_path`). A hub name in offline mode must be in the local
+    cache, or loading it would only fail after retries and a page of log lines."""
+    check_local_path(name_or_path)
+    if Path(name_or_path).expanduser().exists():
         return
     from huggingface_hub import try_to_load_from_cache
 

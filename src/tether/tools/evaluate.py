@@ -25,10 +25,17 @@ from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import read_base_record
 from tether.models.base_location import check_base_option
-from tether.models.hub_reward import reward_model_kind
+from tether.models.hub_reward import check_reward_model
+from tether.models.limits import (
+    check_samples_fit,
+    check_turn_fits,
+    language_model,
+    reward_model_positions,
+)
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
+    check_local_path,
     check_same_vocabulary,
     load_tokenizer,
     policy_eos_ids,
@@ -116,7 +123,7 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
         check_episode_reward(cfg, bool(cfg.reward_model or cfg.reward_fn or reward_fn),
                              env_given=bool(cfg.env))
     if cfg.reward_model:
-        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
+        check_reward_model(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_functions(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
@@ -146,6 +153,7 @@ def output_path(cfg: EvalConfig) -> Path:
     """Where the results go (--output, else `default_output`), checked before any model loads
     (tether.tools.outputs): not a directory, nor a file of the command's inputs, nor inside a
     model directory it reads."""
+    check_local_path(cfg.model)  # a typo is named as one, not as a hub name needing --output
     if not cfg.output and not Path(cfg.model).is_dir():
         raise TetherError(f"--model {cfg.model} is not a local directory; pass --output FILE.json")
     inputs = [("--prompts", cfg.prompts), ("--reward-fn", function_file(cfg.reward_fn)),
@@ -154,6 +162,25 @@ def output_path(cfg: EvalConfig) -> Path:
               ("--reference", cfg.reference or default_reference(cfg.model, cfg.base)),
               ("--reward-model", cfg.reward_model)]
     return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
+
+
+def _check_models(cfg: EvalConfig, reference_path: str, prompt_ids: list[list[int]]) -> None:
+    """From the models' configs alone, before any weights load: a reward model or classifier as
+    the policy or reference, and samples (the longest prompt plus --max-new-tokens; one turn for
+    episodes) longer than a model that reads them can take (tether.models.limits)."""
+    trust = cfg.trust_remote_code
+    positions = [language_model(cfg.model, "--model", trust_remote_code=trust, base=cfg.base,
+                                takes_reward_model=True)]
+    if reference_path != cfg.model:
+        positions.append(language_model(reference_path, "--reference", trust_remote_code=trust,
+                                        takes_reward_model=True))
+    if cfg.reward_model:
+        positions.append(reward_model_positions(cfg.reward_model, trust))
+    if cfg.episodic:
+        check_turn_fits(positions, cfg.max_new_tokens)
+    elif prompt_ids:
+        check_samples_fit(positions, max(map(len, prompt_ids)), cfg.max_prompt_len,
+                          cfg.max_new_tokens, cfg.prompts)
 
 
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
@@ -168,12 +195,14 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     env = load_environment(cfg.env) if cfg.env else None
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
-    if not cfg.episodic:
-        load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
+    prompt_ids = []
+    if not cfg.episodic:  # checked now; encoded for the run below
+        prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
     reference_path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    _check_models(cfg, reference_path, prompt_ids)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)

@@ -16,6 +16,7 @@ import torch
 from tether.data.prompts import left_pad, load_prompts
 from tether.data.rows import load_rows
 from tether.models.base_location import check_base_option
+from tether.models.limits import check_samples_fit, check_turn_fits, language_model
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.models.reward_model import position_limit
@@ -45,9 +46,15 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
         env = load_environment(cfg.env)
     tools = load_tools(cfg.tools)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
+    positions = [language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code,
+                                base=cfg.base)]
     if env is not None or tools:
+        check_turn_fits(positions, cfg.max_new_tokens)
         return _episodes(cfg, tokenizer, env, tools, device)
-    load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
+    # a bad file, or prompts too long for the model, fail before the model loads
+    prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
+    check_samples_fit(positions, max(map(len, prompt_ids)), cfg.max_prompt_len,
+                      cfg.max_new_tokens, cfg.prompts)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)

@@ -30,6 +30,7 @@ from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.losses import dpo_loss
 from tether.models.forward import autocast
+from tether.models.limits import check_rows_fit, language_model, longest_row
 from tether.models.lora import LoraSpec, check_targets
 from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
 from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
@@ -160,11 +161,16 @@ def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[s
 def run(cfg: DPOConfig) -> RunResult:
     """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    positions = [language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)]
     rows = load_rows(cfg.data, cfg.split)
     announce(f"dpo {cfg.run_name}: encoding {len(rows)} pairs of {cfg.data}")
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
                                          cfg.data)
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)  # before any weights load
+    if cfg.ref_model:
+        positions.append(language_model(cfg.ref_model, "--ref-model",
+                                        trust_remote_code=cfg.trust_remote_code))
+    check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded

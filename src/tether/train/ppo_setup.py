@@ -22,7 +22,13 @@ from tether.data.prompts import left_pad, load_prompts, prompt_indices
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
-from tether.models.hub_reward import reward_model_kind
+from tether.models.hub_reward import check_reward_model
+from tether.models.limits import (
+    check_samples_fit,
+    check_turn_fits,
+    language_model,
+    reward_model_positions,
+)
 from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models.prepare import (
     disable_dropout,
@@ -143,10 +149,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     check_world(cfg, d)
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
-    prompts, prompt_ids, rows = _prompt_rows(cfg, tokenizer)
-    if cfg.reward_model:  # what kind of reward model it is, from its config alone
-        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
-    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
+    prompts, prompt_ids, rows, eval_ids = _prompt_rows(cfg, tokenizer)
+    _check_models(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids})
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.policy, lora, cfg.trust_remote_code)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
@@ -217,23 +221,48 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 
-def _prompt_rows(cfg: PPOConfig, tokenizer) -> tuple[list[str], list[list[int]], list[dict]]:
-    """(prompt texts, their ids, the rows): the prompt file encoded by the rule every stage uses,
-    or, for environments, its rows as they are (any columns: reset() reads them). The eval
-    prompts are checked now, and encoded once the EOS set is known."""
+def _prompt_rows(cfg: PPOConfig, tokenizer
+                 ) -> tuple[list[str], list[list[int]], list[dict], list[list[int]]]:
+    """(prompt texts, their ids, the rows, the eval prompts' ids): the prompt file encoded by the
+    rule every stage uses, or, for environments, its rows as they are (any columns: reset() reads
+    them). The eval prompts are checked now, and encoded for the run once the EOS set is known."""
     rows = load_rows(cfg.prompts)
     if not rows:
         raise TetherError(f"--prompts {cfg.prompts} holds no rows; give at least one")
     if cfg.episodic:
         if cfg.eval_prompts and not load_rows(cfg.eval_prompts):
             raise TetherError(f"--eval-prompts {cfg.eval_prompts} holds no rows; give at least one")
-        return [], [], rows
+        return [], [], rows, []
     stage = type(cfg).__name__.removesuffix("Config").lower()  # ppo, rloo, grpo
     announce(f"{stage} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
+    eval_ids = []
     if cfg.eval_prompts:
-        load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)
-    return prompts, prompt_ids, rows
+        eval_ids = load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
+    return prompts, prompt_ids, rows, eval_ids
+
+
+def _check_models(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]]) -> None:
+    """What the models' configs and tokenizers alone can refuse, before any weights load: a
+    reward model or classifier as the policy or reference, the reward model's kind (and a hub
+    one's vocabulary), the reference's vocabulary, and samples (each set's longest prompt plus
+    --max-new-tokens; one turn for episodes) longer than a model that reads them can take."""
+    trust = cfg.trust_remote_code
+    positions = [language_model(cfg.policy, "--policy", trust_remote_code=trust,
+                                takes_reward_model=True)]
+    if cfg.reward_model:
+        check_reward_model(cfg.reward_model, trust)
+        positions.append(reward_model_positions(cfg.reward_model, trust))
+    check_reference(cfg.ref_model, tokenizer, trust)
+    if cfg.ref_model:
+        positions.append(language_model(cfg.ref_model, "--ref-model", trust_remote_code=trust,
+                                        takes_reward_model=True))
+    if cfg.episodic:
+        check_turn_fits(positions, cfg.max_new_tokens)
+    for source, ids in prompt_sets.items():
+        if ids:
+            check_samples_fit(positions, max(map(len, ids)), cfg.max_prompt_len,
+                              cfg.max_new_tokens, source)
 
 
 def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callable | None

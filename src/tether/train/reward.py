@@ -25,6 +25,7 @@ from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.losses import bradley_terry_loss
 from tether.models.forward import autocast
+from tether.models.limits import check_rows_fit, longest_row, model_positions
 from tether.models.lora import LoraSpec, check_targets
 from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
 from tether.models.pretrained import load_tokenizer
@@ -95,15 +96,18 @@ def _load_data(cfg: RMConfig, tokenizer):
         return encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, source,
                                   cfg.margin_column)
     examples, stats = encode(cfg.data)
-    if cfg.eval_data:
-        train, held_out = examples, encode(cfg.eval_data)[0]
-    else:
-        train, held_out = split_holdout(examples, cfg.eval_fraction, cfg.seed)
+    held_out = encode(cfg.eval_data)[0] if cfg.eval_data else []
     norm = []
     if cfg.normalize_data:
         norm = encode_sft(tokenizer, load_rows(cfg.normalize_data, cfg.split), cfg.max_length,
                           cfg.on_long_prompt, cfg.normalize_data)[0]
-    return train, held_out, norm, stats
+    positions = [model_positions(cfg.model, cfg.trust_remote_code)]  # the trunk's, any head
+    for source, encoded in ((cfg.data, examples), (cfg.eval_data, held_out),
+                            (cfg.normalize_data, norm)):
+        check_rows_fit(positions, longest_row(encoded), cfg.max_length, source)
+    if not cfg.eval_data:
+        examples, held_out = split_holdout(examples, cfg.eval_fraction, cfg.seed)
+    return examples, held_out, norm, stats
 
 
 def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,

@@ -23,6 +23,7 @@ from tether.data.encoding import encode_sft
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.forward import autocast
+from tether.models.limits import check_rows_fit, language_model, longest_row
 from tether.models.lora import LoraSpec, check_targets
 from tether.models.prepare import enable_gradient_checkpointing
 from tether.models.pretrained import load_tokenizer, load_trainable_lm
@@ -58,10 +59,12 @@ def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    positions = language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
     announce(f"sft {cfg.run_name}: encoding {len(rows)} rows of {cfg.data}")
     examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data,
                                  cfg.loss_on)
+    check_rows_fit([positions], longest_row(examples), cfg.max_length, cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
