@@ -158,19 +158,27 @@ def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[s
             "objective/logratio": logratio.item()}
 
 
+def _check_models(cfg: DPOConfig, tokenizer, examples) -> None:
+    """From the models' configs and tokenizers alone: the reference's path and vocabulary, a
+    reward model or classifier given as --model or --ref-model, and rows longer than either
+    model reads (tether.models.limits)."""
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
+    named = [("--model", cfg.model)]
+    if cfg.ref_model:
+        named.append(("--ref-model", cfg.ref_model))
+    positions = [language_model(path, option, trust_remote_code=cfg.trust_remote_code)
+                 for option, path in named]
+    check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
+
+
 def run(cfg: DPOConfig) -> RunResult:
     """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    positions = [language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)]
     rows = load_rows(cfg.data, cfg.split)
     announce(f"dpo {cfg.run_name}: encoding {len(rows)} pairs of {cfg.data}")
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
                                          cfg.data)
-    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)  # before any weights load
-    if cfg.ref_model:
-        positions.append(language_model(cfg.ref_model, "--ref-model",
-                                        trust_remote_code=cfg.trust_remote_code))
-    check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
+    _check_models(cfg, tokenizer, examples)  # before any weights load
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded

@@ -59,11 +59,11 @@ def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    positions = language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)
     rows = load_rows(cfg.data, cfg.split)
     announce(f"sft {cfg.run_name}: encoding {len(rows)} rows of {cfg.data}")
     examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data,
                                  cfg.loss_on)
+    positions = language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)
     check_rows_fit([positions], longest_row(examples), cfg.max_length, cfg.data)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.model, lora, cfg.trust_remote_code)
