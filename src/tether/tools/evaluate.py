@@ -34,7 +34,7 @@ from tether.models.pretrained import (
     policy_eos_ids,
 )
 from tether.models.reward_model import position_limit
-from tether.rl.engines import make_engine
+from tether.rl.engines import check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import (
     EVAL_SEED_OFFSET,
@@ -168,8 +168,11 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     env = load_environment(cfg.env) if cfg.env else None
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
-    if not cfg.episodic:
-        load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # checked now; encoded below
+    if not cfg.episodic:  # checked now; encoded below
+        _, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
+        check_engine_settings(cfg, cfg.base or cfg.model, device=device,
+                              longest_prompt=longest_prompt(cfg, prompt_ids),
+                              trust_remote_code=cfg.trust_remote_code)
     reference_path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)

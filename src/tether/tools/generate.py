@@ -19,7 +19,7 @@ from tether.models.base_location import check_base_option
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.models.reward_model import position_limit
-from tether.rl.engines import RolloutEngine, make_engine
+from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
@@ -47,7 +47,10 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     if env is not None or tools:
         return _episodes(cfg, tokenizer, env, tools, device)
-    load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)  # a bad file fails before the model
+    # a bad file fails before the model, and so do engine settings the model cannot run with
+    _, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
+    check_engine_settings(cfg, cfg.base or cfg.model, longest_prompt=max(map(len, prompt_ids)),
+                          device=device, trust_remote_code=cfg.trust_remote_code)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)

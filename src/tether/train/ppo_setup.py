@@ -34,7 +34,7 @@ from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
-from tether.rl.engines import RolloutEngine, make_engine
+from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward_functions import (
@@ -149,6 +149,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.policy, lora, cfg.trust_remote_code)
+    if not cfg.episodic:  # an episode's length is bounded by the model: checked at the start
+        check_engine_settings(cfg, cfg.policy, longest_prompt=longest_prompt(cfg, prompt_ids),
+                              device=device, trust_remote_code=cfg.trust_remote_code)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
