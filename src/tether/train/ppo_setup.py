@@ -144,14 +144,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     prompts, prompt_ids, rows = _prompt_rows(cfg, tokenizer)
-    if cfg.reward_model:  # what kind of reward model it is, from its config alone
-        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
-    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.policy, lora, cfg.trust_remote_code)
-    if not cfg.episodic:  # an episode's length is bounded by the model: checked at the start
-        check_engine_settings(cfg, cfg.policy, longest_prompt=longest_prompt(cfg, prompt_ids),
-                              device=device, trust_remote_code=cfg.trust_remote_code)
+    lora = _config_checks(cfg, tokenizer, prompt_ids, device)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
@@ -218,6 +211,20 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
                  spec=update_spec(cfg, d), engine=engine,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _config_checks(cfg: PPOConfig, tokenizer, prompt_ids: list[list[int]], device) -> LoraSpec:
+    """What the models' configs (config.json, tokenizers) can refuse, before any weights load;
+    returns the policy's LoRA settings."""
+    if cfg.reward_model:  # what kind of reward model it is, from its config alone
+        reward_model_kind(cfg.reward_model, cfg.trust_remote_code)
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.policy, lora, cfg.trust_remote_code)
+    if not cfg.episodic:  # an episode's length is bounded by the model: checked at the start
+        check_engine_settings(cfg, cfg.policy, longest_prompt=longest_prompt(cfg, prompt_ids),
+                              device=device, trust_remote_code=cfg.trust_remote_code)
+    return lora
 
 
 def _prompt_rows(cfg: PPOConfig, tokenizer) -> tuple[list[str], list[list[int]], list[dict]]:
