@@ -119,6 +119,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
                 checkpoint(rundir, setup, models, step, normalizer)
             if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
+        bar.close()
+        return finish(rundir, setup, cfg, metrics)  # in the try: a failed final evaluation too
     except NonFiniteStep as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
@@ -126,8 +128,9 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             bar.close()
         if sys.exc_info()[0] is not None:
             rundir.release()  # stopped: free the directory, as an exiting process would
-            close_sources(setup)  # a failed or stopped run leaves no engine behind
-    return finish(rundir, setup, cfg, metrics)
+            # a failed or stopped run leaves no engine behind: one left to vLLM's exit hook
+            # prints a traceback after the error line, once the process group is gone
+            close_sources(setup)
 
 
 def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig

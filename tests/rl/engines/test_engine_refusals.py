@@ -261,6 +261,29 @@ def test_a_native_run_resumed_with_vllm_is_refused_before_anything_loads(tiny_mo
         shutil.rmtree(root / "runs" / "r")
 
 
+def test_a_run_that_fails_after_its_last_batch_still_closes_its_engine(tiny_model_dir, root,
+                                                                       monkeypatch, capsys):
+    # An engine left open is stopped by vLLM's exit hook, after the CLI has torn the process
+    # group down: a 16-line traceback under the error line. Every way out of the run closes it,
+    # the final evaluation's failure too (here a gold function that raises).
+    from tether.rl.engines.native import NativeEngine
+
+    closed = []
+    monkeypatch.setattr(NativeEngine, "close", lambda self: closed.append(self))
+    (root / "gold.py").write_text("def gold(prompts, responses):\n    raise ValueError('boom')\n",
+                                  encoding="utf-8")
+    argv = [*grpo_argv(tiny_model_dir, root, "--run-name", "failed"), "--eval-prompts",
+            str(root / "prompts.jsonl"), "--gold-fn", f"{root / 'gold.py'}:gold",
+            "--batch-size", "4", "--samples-per-prompt", "2", "--total-episodes", "4",
+            "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        line for line in err.splitlines() if "boom" in line], err
+    assert "Traceback" not in err and len(closed) >= 1
+
+
 # ---- case 6: vLLM-only options with --engine native
 
 @pytest.mark.parametrize(("stage", "flag", "value"), [
