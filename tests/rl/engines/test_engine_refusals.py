@@ -228,6 +228,18 @@ def test_a_cache_larger_than_the_machine_is_refused_before_the_weights_load(gpt2
                         r"free here; pass a smaller --engine-kv-cache-mb \(at least 2 ", capsys)
 
 
+@pytest.mark.parametrize("stage", ["grpo", "eval"])
+def test_a_head_size_vllm_has_no_cpu_kernel_for_is_refused_before_the_weights_load(
+        stage, tiny_llama_dir, root, no_engine, capsys):
+    # the suite's tiny Llama: hidden 64 over 4 heads, head size 16. vLLM cannot run it on CPU:
+    # here --engine native is the right advice.
+    more = ("--engine", "vllm")
+    argv = grpo_argv(tiny_llama_dir, root, *more) if stage == "grpo" else sampling_argv(
+        stage, tiny_llama_dir, root, *more)
+    refused(root, argv, r"vLLM's CPU attention has no kernel for head size 16 \(LlamaForCausalLM\)"
+                        r".* Use --engine native for this model", capsys)
+
+
 # ---- case 4: VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment
 
 def test_the_multiprocess_engine_is_overridden_with_a_note(monkeypatch):

@@ -92,8 +92,9 @@ OWN_LOGPROBS = frozenset({"vllm"})
 
 
 def _vllm_settings(settings, config, longest_prompt: int, device: torch.device) -> None:
-    from tether.rl.engines.vllm_limits import check_kv_cache, engine_dtype
+    from tether.rl.engines.vllm_limits import check_head_size, check_kv_cache, engine_dtype
 
+    check_head_size(config, device.type)
     check_kv_cache(settings.engine_kv_cache_mb, config, engine_dtype(settings),
                    max(longest_prompt, 1) + settings.max_new_tokens, device.type)
 
@@ -106,8 +107,8 @@ SETTINGS_CHECKS: dict[str, Callable[..., None]] = {"vllm": _vllm_settings}
 def check_engine_settings(settings: EngineSettings, model_path: str, *, longest_prompt: int,
                           device: torch.device, trust_remote_code: bool = False) -> None:
     """Before any weights load: refuse engine settings the model cannot run with, from its
-    config.json alone (vLLM's KV cache against one sequence of `longest_prompt` plus
-    `max_new_tokens`). A path without a config.json (a LoRA adapter's directory) is checked
+    config.json alone (vLLM's head size on CPU, its KV cache against one sequence of
+    `longest_prompt` plus `max_new_tokens`). A path without a config.json (a LoRA adapter's directory) is checked
     when the engine starts instead, before vLLM does."""
     check = SETTINGS_CHECKS.get(settings.engine)
     if check is None:

