@@ -108,8 +108,8 @@ def check_engine_settings(settings: EngineSettings, model_path: str, *, longest_
                           device: torch.device, trust_remote_code: bool = False) -> None:
     """Before any weights load: refuse engine settings the model cannot run with, from its
     config.json alone (vLLM's head size on CPU, its KV cache against one sequence of
-    `longest_prompt` plus `max_new_tokens`). A path without a config.json (a LoRA adapter's directory) is checked
-    when the engine starts instead, before vLLM does."""
+    `longest_prompt` plus `max_new_tokens`). A path without a config.json (a LoRA adapter's
+    directory) is checked when the engine starts instead, before vLLM does."""
     check = SETTINGS_CHECKS.get(settings.engine)
     if check is None:
         return

@@ -179,7 +179,8 @@ def start_failure(exc: BaseException, architecture: str, kv_cache_mb: int, max_m
             f"the positions of {architecture}"
         return (f"the longest prompt plus --max-new-tokens is {max_model_len} tokens, more than "
                 f"{limit}; {LENGTH_FIX}")
-    if "less than requested memory for kv" in text:
+    # CPU: vLLM's own check; GPU: the cache's allocation fails (the weights are placeholders yet)
+    if "less than requested memory for kv" in text or "out of memory" in text.lower():
         return _kv_too_large(kv_cache_mb, None, needed_mb)
     if "No available memory for the cache blocks" in text or "To serve at least one request" in \
             text:
