@@ -185,6 +185,30 @@ def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
             raise TetherError(f"config field '{name}' must be {bound}, got {value}")
 
 
+# The options that set up or correct vLLM's engine (docs/engine.md), and what each does there:
+# the native engine samples the trainer's model itself, so it has no use for any of them.
+VLLM_ONLY = {
+    "engine_kv_cache_mb": "sizes vLLM's KV cache; the native engine keeps none of its own (it "
+                          "caches each batch's keys and values as it samples)",
+    "engine_is_cap": "corrects vLLM's sampling; the native engine samples from the trainer's "
+                     "model itself",
+    "engine_mask_kl": "corrects vLLM's sampling; the native engine samples from the trainer's "
+                      "model itself",
+}
+
+
+def check_engine_options(cfg: Any) -> None:
+    """Refuse a vLLM-only option given a value of its own with `--engine native`: it would be
+    accepted and do nothing."""
+    if getattr(cfg, "engine", "native") != "native":
+        return
+    for f in dataclasses.fields(cfg):
+        if f.name in VLLM_ONLY and getattr(cfg, f.name) != f.default:
+            flag = "--" + f.name.replace("_", "-")
+            raise TetherError(f"{flag} {getattr(cfg, f.name)} {VLLM_ONLY[f.name]}: pass "
+                              f"--engine vllm, or drop {flag}")
+
+
 # ----------------------------------------------------------------------------- dict round trip
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -147,6 +147,13 @@ class RunDir:
         atomic_write_bytes(self.config_path, yaml.safe_dump(new, sort_keys=False).encode("utf-8"))
         return self.config_path
 
+    def check_resume(self, cfg: Any) -> None:
+        """With --resume, refuse a config that differs from the run's now, before anything
+        loads or starts (`save_config` checks again once the directory is claimed)."""
+        if self.resume:
+            self._check_resumed(recorded(cfg), field_defaults(cfg),
+                                bool(getattr(cfg, "resume_allow_changes", False)))
+
     def _saved_config(self) -> tuple[dict[str, Any], str] | None:
         """What the run recorded it was started with, and where: its config.yaml, else (deleted)
         the config its newest checkpoint carries; None when it has neither (nothing ran yet)."""

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.run.config import EnvOptions, check_device, check_stop_strings, require_positive
+from tether.run.config import (
+    EnvOptions,
+    check_device,
+    check_engine_options,
+    check_stop_strings,
+    require_positive,
+)
 
 
 @dataclass(kw_only=True)
@@ -56,6 +62,7 @@ class SamplingConfig(EnvOptions):
         require_positive(self, "threads", allow_zero=True)
         check_device(self.device)
         check_stop_strings(self.stop_strings)
+        check_engine_options(self)
         self.check_env()
 
 

@@ -41,7 +41,7 @@ from tether.models.pretrained import (
     policy_eos_ids,
 )
 from tether.models.reward_model import position_limit
-from tether.rl.engines import make_engine
+from tether.rl.engines import check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import (
     EVAL_SEED_OFFSET,
@@ -203,6 +203,10 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
     _check_models(cfg, reference_path, prompt_ids)
+    if not cfg.episodic:  # what the engine needs of the model, from its config.json
+        check_engine_settings(cfg, cfg.base or cfg.model, device=device,
+                              longest_prompt=longest_prompt(cfg, prompt_ids),
+                              trust_remote_code=cfg.trust_remote_code)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)

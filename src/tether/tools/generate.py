@@ -20,7 +20,7 @@ from tether.models.limits import check_samples_fit, check_turn_fits, language_mo
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.models.reward_model import position_limit
-from tether.rl.engines import RolloutEngine, make_engine
+from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
@@ -51,10 +51,13 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     if env is not None or tools:
         check_turn_fits(positions, cfg.max_new_tokens)
         return _episodes(cfg, tokenizer, env, tools, device)
-    # a bad file, or prompts too long for the model, fail before the model loads
+    # a bad file, prompts too long for the model or engine settings it cannot run with fail
+    # before the model loads
     prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
     check_samples_fit(positions, max(map(len, prompt_ids)), cfg.max_prompt_len,
                       cfg.max_new_tokens, cfg.prompts)
+    check_engine_settings(cfg, cfg.base or cfg.model, longest_prompt=max(map(len, prompt_ids)),
+                          device=device, trust_remote_code=cfg.trust_remote_code)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)

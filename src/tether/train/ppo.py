@@ -70,12 +70,13 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     if env is not None and not cfg.env:  # recorded by name: config.yaml says what ran
         cfg = replace(cfg, env=function_name(env))
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
+    rundir.check_resume(cfg)  # another run's settings: refused before a model loads
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn, env=env)  # bad input fails here
-    d, metrics = setup.dist, {}
-    models, normalizer, start = begin(rundir, setup, cfg)
-    watch = watch_for(cfg, quiet=not d.is_main)
-    bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
+    d, metrics, bar = setup.dist, {}, None
     try:
+        models, normalizer, start = begin(rundir, setup, cfg)
+        watch = watch_for(cfg, quiet=not d.is_main)
+        bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
         for batch in range(start, cfg.n_batches):
             step = batch + 1
             started = time.perf_counter()
@@ -118,14 +119,18 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
                 checkpoint(rundir, setup, models, step, normalizer)
             if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
+        bar.close()
+        return finish(rundir, setup, cfg, metrics)  # in the try: a failed final evaluation too
     except NonFiniteStep as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if sys.exc_info()[0] is not None:
             rundir.release()  # stopped: free the directory, as an exiting process would
-            close_sources(setup)  # a failed or stopped run leaves no engine behind
-    return finish(rundir, setup, cfg, metrics)
+            # a failed or stopped run leaves no engine behind: one left to vLLM's exit hook
+            # prints a traceback after the error line, once the process group is gone
+            close_sources(setup)
 
 
 def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig

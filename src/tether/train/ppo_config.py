@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from tether.errors import TetherError
-from tether.run.config import EnvOptions, RunConfig, check_stop_strings, require_positive
+from tether.run.config import (
+    EnvOptions,
+    RunConfig,
+    check_engine_options,
+    check_stop_strings,
+    require_positive,
+)
 
 
 @dataclass(kw_only=True)
@@ -261,10 +267,7 @@ class PPOConfig(RunConfig, EnvOptions):
         if self.engine_is_cap and not self.engine_is_cap >= 1:
             raise TetherError(f"--engine-is-cap {self.engine_is_cap} must be 0 (off) or >= 1: a "
                               "cap below 1 shrinks the weight of tokens the engine matched exactly")
-        if self.engine == "native" and (self.engine_is_cap or self.engine_mask_kl):
-            raise TetherError("--engine-is-cap and --engine-mask-kl correct vLLM's sampling; the "
-                              "native engine samples from the trainer's model itself. Pass "
-                              "--engine vllm or drop them")
+        check_engine_options(self)
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
         self._check_dynamic_sampling()

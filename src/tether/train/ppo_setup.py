@@ -40,7 +40,7 @@ from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
-from tether.rl.engines import RolloutEngine, make_engine
+from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward_functions import (
@@ -150,9 +150,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     device = d.device
     tokenizer = load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     prompts, prompt_ids, rows, eval_ids = _prompt_rows(cfg, tokenizer)
-    _check_models(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids})
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.policy, lora, cfg.trust_remote_code)
+    lora = _config_checks(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids},
+                          device)
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
@@ -219,6 +218,21 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
                  spec=update_spec(cfg, d), engine=engine,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _config_checks(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]],
+                   device) -> LoraSpec:
+    """What the models' configs (config.json, tokenizers) can refuse, before any weights load
+    (`_check_models`, the LoRA targets, the engine's settings); returns the policy's LoRA
+    settings."""
+    _check_models(cfg, tokenizer, prompt_sets)
+    lora = LoraSpec.from_config(cfg)
+    check_targets(cfg.policy, lora, cfg.trust_remote_code)
+    if not cfg.episodic:  # an episode's length is bounded by the model: checked at the start
+        check_engine_settings(cfg, cfg.policy,
+                              longest_prompt=longest_prompt(cfg, prompt_sets[cfg.prompts]),
+                              device=device, trust_remote_code=cfg.trust_remote_code)
+    return lora
 
 
 def _prompt_rows(cfg: PPOConfig, tokenizer

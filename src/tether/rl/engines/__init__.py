@@ -3,6 +3,8 @@
     native        tether's own KV-cached sampler on the trainer's model (the default)
     vllm_engine   vLLM in the trainer's process, fed the trainer's weights in memory
     vllm_private  every use of vLLM's non-public internals, behind one small module
+    vllm_limits   what vLLM's settings need of the model (checked before it starts), and its
+                  start-up errors in tether's words
     mismatch      how far the engine's log-probs are from the trainer's, and the corrections
 
 Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
@@ -87,6 +89,37 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 # The engines that sample from another implementation of the policy, whose log-probs differ
 # from the trainer's (what --engine-is-cap and --engine-mask-kl correct).
 OWN_LOGPROBS = frozenset({"vllm"})
+
+
+def _vllm_settings(settings, config, longest_prompt: int, device: torch.device) -> None:
+    from tether.rl.engines.vllm_limits import check_head_size, check_kv_cache, engine_dtype
+
+    check_head_size(config, device.type)
+    check_kv_cache(settings.engine_kv_cache_mb, config, engine_dtype(settings),
+                   max(longest_prompt, 1) + settings.max_new_tokens, device.type)
+
+
+# name -> check(settings, config, longest_prompt, device): what the engine needs of the model's
+# config, before any weights load; an engine that needs nothing has no entry.
+SETTINGS_CHECKS: dict[str, Callable[..., None]] = {"vllm": _vllm_settings}
+
+
+def check_engine_settings(settings: EngineSettings, model_path: str, *, longest_prompt: int,
+                          device: torch.device, trust_remote_code: bool = False) -> None:
+    """Before any weights load: refuse engine settings the model cannot run with, from its
+    config.json alone (vLLM's head size on CPU, its KV cache against one sequence of
+    `longest_prompt` plus `max_new_tokens`). A path without a config.json (a LoRA adapter's
+    directory) is checked when the engine starts instead, before vLLM does."""
+    check = SETTINGS_CHECKS.get(settings.engine)
+    if check is None:
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return
+    check(settings, config, longest_prompt, device)
 
 
 def make_engine(settings: EngineSettings, model: nn.Module, *, longest_prompt: int, d: Dist,

