@@ -40,7 +40,7 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
-from tether.rl.rewards import function_name
+from tether.rl.rewards import NonFiniteScore, function_name
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, decode_responses
 from tether.rl.scoring import explained_variance, kl_sums
@@ -123,7 +123,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
         watch.check_trained(cfg)  # before final/: the starting policy is not a trained one
-    except NonFiniteStep as exc:
+    except (NonFiniteStep, NonFiniteScore) as exc:
         raise TetherError(f"batch {batch + 1}: {exc}") from None
     finally:
         bar.close()
