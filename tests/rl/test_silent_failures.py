@@ -164,6 +164,24 @@ def test_every_advantage_zero_is_named_each_batch(files, stage, model, extra, fi
     assert code == 0 and not [line for line in lines if "every advantage is 0" in line], lines
 
 
+def test_what_each_batch_is_told():
+    """The cases the CLI runs above do not reach: episodes, and a batch that trained."""
+    from types import SimpleNamespace
+
+    from tether.train.ppo_watch import nothing_learned
+
+    def cfg(**kw):
+        return SimpleNamespace(**({"episodic": False, "max_new_tokens": 8, "advantage": "grpo",
+                                   "samples_per_prompt": 4, "dynamic_sampling": 0} | kw))
+    assert nothing_learned(3, 8, 0, False, cfg(episodic=True), False) == (
+        "batch 3: all 8 episodes were cut off before they ended and --mask-truncated left "
+        "nothing to train on; raise --max-new-tokens, --max-turns or --max-episode-tokens or "
+        "drop --mask-truncated")
+    assert nothing_learned(3, 8, 1, False, cfg(), False) is None  # one row carried a loss
+    assert nothing_learned(3, 8, 8, True, cfg(advantage="gae"), True) is None  # no groups
+    assert "every advantage is 0" in nothing_learned(3, 8, 8, True, cfg(), False)
+
+
 def test_the_schedule_steps_by_batch_without_pytorchs_warning():
     """A batch with no optimizer step still spends its place in the schedule (the state a resume
     restores is the batches done), and PyTorch's step-order warning is not shown for it."""

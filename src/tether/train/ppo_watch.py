@@ -83,7 +83,7 @@ class Watch:
         policy a loss would save the starting policy as if it had been trained."""
         if self.trained == 0:
             raise TetherError(f"no batch of this run trained the policy: in all {cfg.n_batches} "
-                              f"batches {_truncated(cfg, 'every')} and --mask-truncated left "
+                              f"batches {_truncated(cfg, None)} and --mask-truncated left "
                               "nothing to train on, so final/ was not written (the checkpoints "
                               f"are kept); {_truncation_fix(cfg)}")
 
@@ -109,7 +109,7 @@ def nothing_learned(step: int, rows: int, loss_rows: int, zero_advantages: bool,
     behave as they did; this names the batch."""
     if loss_rows == 0:
         only = " for the policy (only the critic learned)" if has_critic else ""
-        return (f"batch {step}: {_truncated(cfg, f'all {rows}')} and --mask-truncated left nothing to "
+        return (f"batch {step}: {_truncated(cfg, rows)} and --mask-truncated left nothing to "
                 f"train on{only}; {_truncation_fix(cfg)}")
     if zero_advantages and cfg.advantage in ("rloo", "grpo"):
         fix = (f"even after --dynamic-sampling {cfg.dynamic_sampling} rounds: check that the "
@@ -121,13 +121,14 @@ def nothing_learned(step: int, rows: int, loss_rows: int, zero_advantages: bool,
     return None
 
 
-def _truncated(cfg: PPOConfig, which: str) -> str:
-    """`which` ("all 8", "every") responses or episodes never ended."""
-    plural = which != "every"
+def _truncated(cfg: PPOConfig, rows: int | None) -> str:
+    """That all `rows` responses (episodes) of a batch, or with None every one of the run's,
+    never ended."""
     if cfg.episodic:
-        return f"{which} episode{'s were' if plural else ' was'} cut off before {'they' if plural else 'it'} ended"
-    return (f"{which} response{'s' if plural else ''} reached --max-new-tokens "
-            f"{cfg.max_new_tokens}")
+        return (f"all {rows} episodes were cut off before they ended" if rows is not None
+                else "every episode was cut off before it ended")
+    limit = f"reached --max-new-tokens {cfg.max_new_tokens}"
+    return f"all {rows} responses {limit}" if rows is not None else f"every response {limit}"
 
 
 def _truncation_fix(cfg: PPOConfig) -> str:
