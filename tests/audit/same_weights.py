@@ -54,7 +54,10 @@ CASES = {
     "grpo-cispo-gspo": ("grpo", ["--policy-loss", "cispo", "--clip-high", "4",
                                  "--importance-level", "sequence", "--ppo-epochs", "2",
                                  "--loss-aggregation", "sequence"]),
+    # some responses end at a stop string, the rest run out: without them every response was
+    # truncated and the case trained nothing (issue 33: it now fails, as such a run must)
     "grpo-truncated": ("grpo", ["--mask-truncated", "--overlong-penalty", "2",
+                                "--stop-strings", "e", "a",
                                 "--missing-eos-penalty", "0.5", "--ppo-epochs", "2",
                                 "--num-minibatches", "2", "--scale-rewards", "batch"]),
     "grpo-dynamic": ("grpo", ["--dynamic-sampling", "2", "--stop-strings", "."]),

@@ -232,20 +232,22 @@ def test_overlong_penalty_reaches_the_scores(tiny_model_dir, tmp_path, monkeypat
 
 def test_loss_aggregation_and_mask_truncated_reach_the_update(tiny_model_dir, tmp_path,
                                                                monkeypatch):
-    # The surrogate is reduced as asked, over the tokens of the responses that ended only.
+    # The surrogate is reduced as asked, over the tokens of the responses that ended only. Some
+    # responses end at a stop string, the rest run out (with every response truncated the mask
+    # was all False, and such a run now fails: issue 33).
     calls = []
     _spy(monkeypatch, update, "policy_loss", calls)
     online_run(tiny_model_dir, tmp_path, name="masked", loss_aggregation="sequence",
-               mask_truncated=True, max_new_tokens=3)
+               mask_truncated=True, max_new_tokens=3, stop_strings=["e", "a"])
     (logprobs, _, _, mask, spec), _, _ = calls[0]
     assert spec.loss_aggregation == "sequence"
     update_calls = []
     monkeypatch.undo()
     _spy(monkeypatch, ppo, "update_batch", update_calls)
     online_run(tiny_model_dir, tmp_path, name="masked_again", loss_aggregation="sequence",
-               mask_truncated=True, max_new_tokens=3)
+               mask_truncated=True, max_new_tokens=3, stop_strings=["e", "a"])
     rollout = update_calls[0][0][3]
-    assert not rollout.ended.all()  # some responses ran to the limit
+    assert rollout.ended.any() and not rollout.ended.all()  # some ended, some ran to the limit
     torch.testing.assert_close(mask, rollout.response_mask & rollout.ended[:, None])
 
 

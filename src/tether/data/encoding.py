@@ -20,6 +20,7 @@ that run past `max_length` are truncated at the end and counted (`data/truncated
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tether.data.chat import check_reply, turn_spans
@@ -221,6 +222,25 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
     return out, stats
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: past it, a margin is inf
+
+
+def margin_of(row: dict, column: str, where: str) -> float:
+    """The Bradley-Terry margin of a preference row: a number, finite in float32 (the loss's
+    precision). A NaN or inf margin would train to a NaN loss, whose message points at the
+    learning rate, far from the row that caused it."""
+    value = row[column]
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        raise TetherError(f"{where} column {column!r} must be a number, got {value!r}") from None
+    if not math.isfinite(margin) or abs(margin) > FLOAT32_MAX:
+        raise TetherError(f"{where} column {column!r} is {value!r}, not a finite float32 "
+                          "number; give every row a finite margin (0 for none), or drop "
+                          "--margin-column")
+    return margin
+
+
 def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str = "error",
                        source: str = "data", margin_column: str = "") -> tuple[list[Encoded], EncodeStats]:
     """Tokenise preference rows under the encoding rule: `{prompt, chosen, rejected}` or
@@ -240,11 +260,7 @@ def encode_preferences(tokenizer, rows: list[dict], max_length: int, on_long_pro
         if ex is None:
             continue
         if margin_column:
-            try:
-                ex.margin = float(row[margin_column])
-            except (TypeError, ValueError):
-                raise TetherError(f"{source}: row {i} column {margin_column!r} must be a number, "
-                                  f"got {row[margin_column]!r}") from None
+            ex.margin = margin_of(row, margin_column, f"{source}: row {i}")
         out.append(ex)
     if not out:
         raise TetherError(f"{source}: every row was skipped (prompts over max_length={max_length})")

@@ -56,6 +56,27 @@ class RewardScores(NamedTuple):
     # None (tether.rl.reward_functions); {} for a reward model
 
 
+# The largest score magnitude a reward may give. Scores are float32 from here on, and the
+# normalisation and group std square them (centred): 1e15 squared, times a million rows, is 1e36,
+# still inside float32 (3.4e38), where 1e300 is inf at once and 1e20 overflows when squared. No
+# real reward comes near it; one that does is a bug (a sentinel, a product gone wrong).
+MAX_SCORE = 1e15
+
+
+class NonFiniteScore(TetherError):
+    """A reward model gave a score that is NaN, inf or past MAX_SCORE; the loop that catches it
+    names its batch. Nothing of the batch reached the optimiser."""
+
+
+def out_of_range(value: float) -> str | None:
+    """Why `value` cannot be a score (not finite, or past MAX_SCORE), or None."""
+    if not math.isfinite(value):
+        return f"a non-finite score ({value})"
+    if abs(value) > MAX_SCORE:
+        return f"a score of {value:g} (past +-{MAX_SCORE:g}: float32 maths on it overflows)"
+    return None
+
+
 # What the loop calls: reward(prompts, responses, rollout, rows) -> RewardScores, where `rows`
 # are the prompt rows the responses answer (their other columns), or None where none are known.
 Reward = Callable[[list[str], list[str], Any, "list[dict] | None"], RewardScores]
@@ -152,10 +173,10 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
     if len(values) != len(responses):
         raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
                           f"responses; {fix}")
-    bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    bad = [(i, why) for i, v in enumerate(values) if v is not None and (why := out_of_range(v))]
     if bad:
-        raise TetherError(f"{what} {name} returned a non-finite score ({values[bad[0]]}) for "
-                          f"response {bad[0]}; {fix}")
+        raise TetherError(f"{what} {name} returned {bad[0][1]} for response {bad[0][0]}; {fix}, "
+                          f"each within +-{MAX_SCORE:g}")
     return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
 
 
@@ -199,16 +220,35 @@ def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_mod
                           f"reward_fn (got {', '.join(given) if given else 'none'})")
 
 
-def reward_from_model(reward_model: nn.Module, chunk: int) -> Reward:
+def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torch.Tensor:
+    """`scores` [B] of the reward model `name`, or `NonFiniteScore` naming the first row whose
+    score is NaN, inf or past MAX_SCORE. A reward model's forward is finite on finite weights
+    and inputs, so the cause is in it (NaN or inf weights, or weights so large its float32
+    forward overflows), never the policy's learning rate, which is where the loss's NaN would
+    point a batch later."""
+    for row, value in enumerate(scores.tolist()):
+        why = out_of_range(value)
+        if why is not None:
+            prompt = str(prompts[row])[:40] if row < len(prompts) else "?"
+            raise NonFiniteScore(f"the reward model {name} gave response {row} (prompt "
+                                 f"{prompt!r}) {why}: its weights hold NaN or inf, or are so "
+                                 "large that its forward overflows; check or retrain the reward "
+                                 "model, and what it reads; checkpoints written so far are intact")
+    return scores
+
+
+def reward_from_model(reward_model: nn.Module, chunk: int, name: str = "") -> Reward:
     """A reward model as a `Reward`: it scores the policy's own token ids (no re-tokenising),
-    `chunk` rows at a time, read at each response's last real token (EOS)."""
+    `chunk` rows at a time, read at each response's last real token (EOS). `name` names it when
+    a score is not finite (`checked_model_scores`)."""
     @torch.no_grad()
     def reward(prompts, responses, rollout, rows=None) -> RewardScores:  # rollout: a Rollout
         # The reward model reads the policy's own token ids at the last real token (EOS).
-        return RewardScores(torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
-                                                          rollout.attention_mask[i:i + chunk],
-                                                          rollout.context_length)
-                                       for i in range(0, len(rollout), chunk)]), {})
+        scores = torch.cat([reward_model.score(rollout.input_ids[i:i + chunk],
+                                               rollout.attention_mask[i:i + chunk],
+                                               rollout.context_length)
+                            for i in range(0, len(rollout), chunk)])
+        return RewardScores(checked_model_scores(scores, name, prompts), {})
     return reward
 
 
@@ -228,15 +268,17 @@ def prompt_originals(tokenizer, *sources: str) -> dict[str, Prompt]:
     return originals
 
 
-def reward_from_texts(reward_model: nn.Module, chunk: int, originals: dict[str, Prompt]
-                      ) -> Reward:
+def reward_from_texts(reward_model: nn.Module, chunk: int, originals: dict[str, Prompt],
+                      name: str = "") -> Reward:
     """A reward model that reads text as a `Reward`: each prompt text is looked up in
     `originals` (one missing there is read as plain text), the responses are the decoded ones,
-    and the model's `score_texts` tokenises both with its own tokenizer, `chunk` rows at a time."""
+    and the model's `score_texts` tokenises both with its own tokenizer, `chunk` rows at a time.
+    `name` names it when a score is not finite (`checked_model_scores`)."""
     @torch.no_grad()
     def reward(prompts, responses, rollout, rows=None) -> RewardScores:
-        return RewardScores(reward_model.score_texts([originals.get(p, p) for p in prompts],
-                                                     list(responses), chunk), {})
+        scores = reward_model.score_texts([originals.get(p, p) for p in prompts],
+                                          list(responses), chunk)
+        return RewardScores(checked_model_scores(scores, name, prompts), {})
     return reward
 
 
@@ -286,7 +328,7 @@ def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt],
         critic_init = model if same_ids and model.head is not None else None
     model = freeze(fuse_gelu(model), device)
     if fast:
-        return ModelReward(reward_from_model(model, chunk), model, critic_init)
+        return ModelReward(reward_from_model(model, chunk, path), model, critic_init)
     _check_chat_prompts(model.tokenizer, originals, path)
-    return ModelReward(reward_from_texts(model, chunk, originals), model, critic_init)
+    return ModelReward(reward_from_texts(model, chunk, originals, path), model, critic_init)
 

@@ -251,6 +251,8 @@ class BatchUpdate:
     returns: torch.Tensor  # the critic's targets (zeros without a critic)
     stats: dict[str, float]  # the update's: losses, clip fractions, grad norm, engine mismatch
     update_s: float  # seconds from the first forward with gradients to the last step
+    loss_rows: int = 0  # rows with a token that carries the policy's loss (0: it learned nothing)
+    zero_advantages: bool = False  # every advantage on those tokens is exactly 0 (no reward signal)
 
 
 def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Optimizer,
@@ -290,6 +292,8 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
                                     spec.kl.reward_estimator, placed)
     advantages, returns = estimate_advantages(spec.advantage, rewards, old.values, mask,
                                               rollout.episode)
+    carrying = loss_mask(rollout, spec.mask_truncated)
+    unsignalled = not bool(torch.any((advantages != 0) & carrying))  # before engine weights
     engine_stats = {}
     if rollout.engine_logprobs is not None:
         # The engine sampled from pi_engine, the loss's ratio is against the trainer's pi_old:
@@ -303,7 +307,7 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
     started = started or time.perf_counter()
     stats = ppo_update(roles, optimizer, forwards, batch, spec, loss_beta, generator)
     return BatchUpdate(old, kl, advantages, returns, stats | engine_stats,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, int(carrying.any(dim=1).sum()), unsignalled)
 
 
 def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, forwards: Forwards,

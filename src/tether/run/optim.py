@@ -13,6 +13,7 @@ step or batch.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,19 @@ def make_lr_schedule(optimizer, total_steps: int, warmup_steps: int = 0, schedul
     def factor(step: int) -> float:
         return lr_factor(step, total_steps, warmup_steps, schedule)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def step_schedule(scheduler) -> None:
+    """One step of an online run's schedule, which counts batches, not optimizer steps: a batch
+    that took no step (every minibatch skipped) still spends its place, so batch n's rate does
+    not depend on which batches trained, and the checkpointed count is the batches done (a resume
+    is bit-identical). PyTorch warns when a schedule's first step comes before any optimizer
+    step, meaning a step-counting schedule; here that warning would be a false alarm, and the
+    loop names such a batch itself (`tether.train.ppo_watch.nothing_learned`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` "
+                                r"before `optimizer.step\(\)`")
+        scheduler.step()
 
 
 # ----------------------------------------------------------------------------- the step

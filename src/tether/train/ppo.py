@@ -40,7 +40,7 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
-from tether.rl.rewards import function_name
+from tether.rl.rewards import NonFiniteScore, function_name
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, decode_responses
 from tether.rl.scoring import explained_variance, kl_sums
@@ -48,13 +48,13 @@ from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.run.distributed import all_gather_objects, all_gather_rows, barrier, global_mean
-from tether.run.optim import NonFiniteStep
+from tether.run.optim import NonFiniteStep, step_schedule
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import Setup, batch_rows, build
-from tether.train.ppo_watch import collapsed, watch_for
+from tether.train.ppo_watch import Watch, collapsed, nothing_learned, watch_for
 
 __all__ = ["PPOConfig", "run", "cli"]
 
@@ -72,10 +72,10 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     rundir = RunDir(cfg.output_dir, cfg.run_name, resume=cfg.resume)  # checked, not yet created
     rundir.check_resume(cfg)  # another run's settings: refused before a model loads
     setup = build(cfg, reward_fn=reward_fn, gold_fn=gold_fn, env=env)  # bad input fails here
-    d, metrics, bar = setup.dist, {}, None
+    d, metrics, bar, batch = setup.dist, {}, None, None
     try:
-        models, normalizer, start = begin(rundir, setup, cfg)
         watch = watch_for(cfg, quiet=not d.is_main)
+        models, normalizer, start = begin(rundir, setup, cfg, watch)
         bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
         for batch in range(start, cfg.n_batches):
             step = batch + 1
@@ -104,6 +104,10 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             metrics = batch_metrics(rollout, raw_scores, scores, done, beta, seq_kl, lr,
                                     time.perf_counter() - started, setup.critic is not None)
             metrics |= drawn_stats  # --dynamic-sampling's
+            watch.check_learned(step, nothing_learned(step, len(rollout), done.loss_rows,
+                                                      done.zero_advantages, cfg,
+                                                      setup.critic is not None),
+                                trained=done.loss_rows > 0)
             if cfg.eval_prompts and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics.update(log_evaluation(rundir, setup, cfg, step))
             log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
@@ -116,13 +120,15 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             stopping = any_rank(interrupt.requested(), d)
             due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
             if due or stopping:
-                checkpoint(rundir, setup, models, step, normalizer)
+                checkpoint(rundir, setup, models, step, normalizer, watch)
             if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
+        watch.check_trained(cfg)  # before final/: the starting policy is not a trained one
         bar.close()
         return finish(rundir, setup, cfg, metrics)  # in the try: a failed final evaluation too
-    except NonFiniteStep as exc:
-        raise TetherError(f"batch {batch + 1}: {exc}") from None
+    except (NonFiniteStep, NonFiniteScore) as exc:  # step 0's evaluation has no batch to name
+        where = "" if batch is None else f"batch {batch + 1}: "
+        raise TetherError(f"{where}{exc}") from None
     finally:
         if bar is not None:
             bar.close()
@@ -133,15 +139,16 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             close_sources(setup)
 
 
-def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig
+def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig, watch: Watch
           ) -> tuple[dict[str, torch.nn.Module], ScoreNormalizer, int]:
     """Before the first batch: the config recorded (rank 0 writes it; every rank checks a resumed
-    one), a resumed run's state restored and pushed to the engine, step 0 evaluated. Returns the
-    checkpointed models, the score normaliser and the batch to start from."""
+    one), a resumed run's state (`watch`'s count of trained batches too) restored and pushed to
+    the engine, step 0 evaluated. Returns the checkpointed models, the score normaliser and the
+    batch to start from."""
     rundir.save_config(cfg)
     models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
-    start = restore(rundir, setup, models, normalizer) if cfg.resume else 0
+    start = restore(rundir, setup, models, normalizer, watch) if cfg.resume else 0
     if start > 0:
         setup.engine.sync()  # the resumed weights
     if cfg.eval_prompts and cfg.eval_every and start == 0:
@@ -176,7 +183,7 @@ def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, se
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
                         setup.spec, torch.Generator().manual_seed(seed), placed)
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
-    setup.scheduler.step()
+    step_schedule(setup.scheduler)  # by batch, whether or not this one took a step
     synced = time.perf_counter()
     setup.engine.sync()  # the next rollout samples the policy just updated
     done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
@@ -308,15 +315,18 @@ def final_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> dict[str, 
     return metrics
 
 
-def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormalizer) -> int:
+def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormalizer,
+            watch: Watch) -> int:
     """With --resume: the latest checkpoint into every rank's models, optimizer, schedule,
-    controller and normaliser; returns the batch to start from (0 without one)."""
+    controller, normaliser and `watch`'s count of trained batches; returns the batch to start
+    from (0 without one)."""
     state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
                                    setup.scheduler)
     if state is not None:
         check_resumed_base(state, models["policy"], rundir.checkpoint_dir)
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
+        watch.trained = state.get("trained_batches")  # None: an older checkpoint did not count
     # Lines logged after the checkpoint will be logged again.
     rundir.announce_resume(state["batch"] if state is not None else None)
     rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
@@ -343,10 +353,10 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
 
 
 def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
-               normalizer: ScoreNormalizer) -> None:
+               normalizer: ScoreNormalizer, watch: Watch) -> None:
     """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
-             "score_norm": normalizer.state_dict()}
+             "score_norm": normalizer.state_dict(), "trained_batches": watch.trained}
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config)
 

@@ -325,7 +325,7 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctio
     shared = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
     if shared is not None:
         shared = freeze(fuse_gelu(shared), device)
-        return reward_from_model(shared, cfg.micro_batch_rows), shared, shared
+        return reward_from_model(shared, cfg.micro_batch_rows, cfg.reward_model), shared, shared
     originals = prompt_originals(tokenizer, cfg.prompts, cfg.eval_prompts)
     loaded = load_reward_model(cfg.reward_model, tokenizer, originals, cfg.micro_batch_rows,
                                device, cfg.dtype, cfg.trust_remote_code)

@@ -1,6 +1,8 @@
 """What the online loop watches across batches (`Watch`): a policy collapsing onto a few
-sequences, a KL to the reference growing fast, and --max-kl. Each warning is given once, on rank
-0; every rank stops past --max-kl alike, decided from the batch's global numbers."""
+sequences, a KL to the reference growing fast, --max-kl, and batches that taught the policy
+nothing. Each warning about the run's course is given once, on rank 0; a batch that taught
+nothing is named every time, and a run in which no batch gave the policy a loss fails at its end.
+Every rank stops alike, decided from the batch's global numbers."""
 
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ class Watch:
     kls: deque = field(default_factory=lambda: deque(maxlen=DRIFT_BATCHES + 1))
     first_entropy: float | None = None
     warned: set[str] = field(default_factory=set)
+    # batches whose policy loss held a token, over the whole run (a resume restores it from the
+    # checkpoint; None: a checkpoint written before it was counted, so the end is not judged)
+    trained: int | None = 0
 
     def check(self, metrics: dict[str, float], step: int) -> None:
         kl, beta = metrics["objective/kl"], metrics["objective/beta"]
@@ -65,6 +70,23 @@ class Watch:
                               f"--max-kl {self.max_kl:g}, at beta {beta:.3g}; stopped, earlier "
                               "checkpoints are kept. Lower --lr or raise --beta")
 
+    def check_learned(self, step: int, message: str | None, trained: bool) -> None:
+        """Count a batch that gave the policy a loss; warn (each time) about one that taught it
+        nothing, `message` (`nothing_learned`)."""
+        if trained and self.trained is not None:
+            self.trained += 1
+        if message is not None and not self.quiet:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def check_trained(self, cfg: PPOConfig) -> None:
+        """At the run's end, before the final policy is written: a run in which no batch gave the
+        policy a loss would save the starting policy as if it had been trained."""
+        if self.trained == 0:
+            raise TetherError(f"no batch of this run trained the policy: in all {cfg.n_batches} "
+                              f"batches {_truncated(cfg, None)} and --mask-truncated left "
+                              "nothing to train on, so final/ was not written (the checkpoints "
+                              f"are kept); {_truncation_fix(cfg)}")
+
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self.warned and not self.quiet:
             print(f"warning: {message}", file=sys.stderr, flush=True)
@@ -74,3 +96,42 @@ class Watch:
 def watch_for(cfg: PPOConfig, quiet: bool) -> Watch:
     drift = max(DRIFT_KL, 2 * cfg.kl_target) if cfg.kl_ctl == "adaptive" else DRIFT_KL
     return Watch(cfg.max_kl, drift, quiet)
+
+
+def nothing_learned(step: int, rows: int, loss_rows: int, zero_advantages: bool,
+                    cfg: PPOConfig, has_critic: bool) -> str | None:
+    """Why batch `step` of `rows` responses taught the policy nothing, with the fix, or None.
+
+    Two ways: --mask-truncated dropped every response from the policy's loss (none ended, so no
+    minibatch took a step, or with a critic only the critic learned), or every advantage of the
+    group estimators is exactly 0 (each prompt's responses scored alike, so the surrogate has no
+    gradient; a KL loss term may still pull toward the reference). The optimizer and schedule
+    behave as they did; this names the batch."""
+    if loss_rows == 0:
+        only = " for the policy (only the critic learned)" if has_critic else ""
+        return (f"batch {step}: {_truncated(cfg, rows)} and --mask-truncated left nothing to "
+                f"train on{only}; {_truncation_fix(cfg)}")
+    if zero_advantages and cfg.advantage in ("rloo", "grpo"):
+        fix = (f"even after --dynamic-sampling {cfg.dynamic_sampling} rounds: check that the "
+               "reward tells responses apart" if cfg.dynamic_sampling else
+               "check that the reward tells responses apart, or resample such groups with "
+               "--dynamic-sampling 3")
+        return (f"batch {step}: every advantage is 0 (each prompt's {cfg.samples_per_prompt} "
+                f"responses scored alike), so the reward taught the policy nothing; {fix}")
+    return None
+
+
+def _truncated(cfg: PPOConfig, rows: int | None) -> str:
+    """That all `rows` responses (episodes) of a batch, or with None every one of the run's,
+    never ended."""
+    if cfg.episodic:
+        return (f"all {rows} episodes were cut off before they ended" if rows is not None
+                else "every episode was cut off before it ended")
+    limit = f"reached --max-new-tokens {cfg.max_new_tokens}"
+    return f"all {rows} responses {limit}" if rows is not None else f"every response {limit}"
+
+
+def _truncation_fix(cfg: PPOConfig) -> str:
+    limits = ("--max-new-tokens, --max-turns or --max-episode-tokens" if cfg.episodic
+              else "--max-new-tokens")
+    return f"raise {limits} or drop --mask-truncated"

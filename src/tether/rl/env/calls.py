@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import numbers
 import threading
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any
 
 from tether.data.chat import chat_messages
 from tether.errors import TetherError
-from tether.rl.rewards import function_name, raised
+from tether.rl.rewards import MAX_SCORE, function_name, out_of_range, raised
 
 
 class EnvCalls:
@@ -140,9 +139,11 @@ def checked_step(value: Any, where: str) -> tuple[str | list[dict] | None, float
         reward = reward.item()  # a 0-d tensor or numpy scalar
     if not isinstance(reward, numbers.Real):  # bools count as 0 and 1, as a reward function's
         raise TetherError(f"{where} returned a reward of type {type(reward).__name__}; {fix}")
-    if not math.isfinite(float(reward)):
-        raise TetherError(f"{where} returned a non-finite reward ({reward}); return a finite "
-                          "float (a failed episode is a low reward, not NaN)")
+    why = out_of_range(float(reward))
+    if why is not None:
+        raise TetherError(f"{where} returned {why.replace('score', 'reward')}; return a finite "
+                          f"float within +-{MAX_SCORE:g} (a failed episode is a low reward, not "
+                          "NaN)")
     if getattr(done, "ndim", None) == 0 and hasattr(done, "item"):
         done = done.item()
     if not isinstance(done, (bool, int)) or isinstance(done, int) and done not in (0, 1):
