@@ -182,7 +182,7 @@ def test_a_hung_trl_style_function_among_several_on_llama(files, tiny_llama_dir)
 @pytest.mark.parametrize("flag, fn, what", [
     ("--gold-fn", "sleeps", "gold reward function fns:gold_hangs_second"),
     ("--reward-fn", "spins", "reward function fns:spins"),
-])
+], ids=["gold-sleeps", "reward-spins"])
 def test_tether_eval_ends_on_a_hung_gold_or_spinning_reward(flag, fn, what, files,
                                                             tiny_llama_dir):
     if fn == "sleeps":
@@ -213,6 +213,32 @@ def test_a_function_that_returns_in_time_gives_bit_identical_results(files, tiny
         return (files / "runs" / name / "final" / "model.safetensors").read_bytes()
     assert scores("limited") == scores("unlimited") and len(scores("limited")) == 2
     assert weights("limited") == weights("unlimited")
+
+
+@pytest.mark.parametrize("command", ["ppo", "eval"])
+def test_the_timeout_reaches_every_call(command, files, tiny_model_dir, monkeypatch):
+    """Every reward and gold call runs under --reward-fn-timeout's seconds (the deadlines seen,
+    by what they name), in training (its evaluations too) and in `tether eval`."""
+    from tether.rl import rewards
+
+    seen, real = [], rewards.Deadline
+
+    def spy(seconds, message):
+        seen.append((seconds, message.split(" fns:")[0]))
+        return real(seconds, message)
+    monkeypatch.setattr(rewards, "Deadline", spy)
+    monkeypatch.chdir(files)
+    functions = ["--reward-fn", "fns.py:length", "--gold-fn", "fns.py:length",
+                 "--reward-fn-timeout", "7"]
+    if command == "ppo":
+        assert main(online(tiny_model_dir, "reach", "--total-episodes", "2", "--eval-prompts",
+                           "held_out.jsonl", *functions)) == 0
+    else:
+        assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "prompts.jsonl",
+                     "--output", "eval.json", "--max-new-tokens", "3", "--device", "cpu",
+                     *functions]) == 0
+    assert {what for _, what in seen} == {"reward function", "gold reward function"}
+    assert {seconds for seconds, _ in seen} == {7.0}
 
 
 def test_one_watchdog_thread_and_microseconds_per_call():
