@@ -74,6 +74,13 @@ def gold_hangs_second(prompts, responses):
     return [len(r) / 10.0 for r in responses]
 
 
+def hangs_on_rank_1(prompts, responses):
+    """Under torchrun: rank 1's second call never returns; rank 0 waits for it in a collective."""
+    if os.environ.get("RANK") == "1" and _calls("rank_1") >= 2:
+        time.sleep(10 ** 6)
+    return [len(r) / 10.0 for r in responses]
+
+
 def trl_hangs(completions, **kwargs):
     """TRL's form, beside a function that returns."""
     time.sleep(10 ** 6)
@@ -193,6 +200,27 @@ def test_tether_eval_ends_on_a_hung_gold_or_spinning_reward(flag, fn, what, file
                           "--output", "eval.json", "--max-new-tokens", "3", "--device", "cpu")
     assert one_error_line(done) == f"error: {what} {MESSAGE}"
     assert not (files / "eval.json").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_hung_rank_ends_the_job(files, tiny_model_dir):
+    """Rank 1 hangs in batch 2 while rank 0 waits for it: rank 1 prints the line and ends, and
+    torchrun stops rank 0 (before: both waited for ever, or rank 0 for the 600 s collective
+    timeout). Batch 1's checkpoint stays."""
+    from torchrun_helpers import torchrun
+
+    started = time.monotonic()
+    done = torchrun(["-m", "tether", "ppo", "--policy", str(tiny_model_dir), "--prompts",
+                     str(files / "prompts.jsonl"), "--run-name", "dist", "--output-dir",
+                     str(files / "runs"), "--batch-size", "4", "--total-episodes", "8",
+                     "--max-new-tokens", "3", "--save-every", "1", "--device", "cpu",
+                     "--report-to", "none", "--reward-fn", f"{files / 'fns.py'}:hangs_on_rank_1",
+                     "--reward-fn-timeout", "1"], timeout=200)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and errors == [
+        f"error: reward function fns:hangs_on_rank_1 {MESSAGE}"], done.stderr
+    assert time.monotonic() - started < 150
+    assert [p.name for p in (files / "runs" / "dist" / "checkpoints").iterdir()] == ["step_1"]
 
 
 def test_a_function_that_returns_in_time_gives_bit_identical_results(files, tiny_model_dir,

@@ -90,6 +90,16 @@ def _end_process(message: str) -> None:
 _WATCHDOG = _Watchdog()
 
 
+def _forked() -> None:
+    """A forked child (a sweep worker) has none of its parent's threads: a watchdog of its own."""
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forked)
+
+
 class Deadline:
     """`with Deadline(seconds, message):` the block must end within `seconds` (0: no limit), or
     the process prints `error: <message>` and exits with code 2 (module docstring)."""
