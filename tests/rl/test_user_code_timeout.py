@@ -154,7 +154,8 @@ def test_a_hung_function_ends_the_run_with_one_line_and_its_checkpoint(hung, fil
                                                                         monkeypatch):
     """The second call hangs: the process ends about 1 s into the hang (before: no output, for
     ever) with batch 1's checkpoint complete, and `--resume` goes on from it once the function
-    returns. Gold: scored at step 0 and step 2, so step 1's checkpoint comes first."""
+    returns, with a longer timeout (a harmless change: it does not change what is trained).
+    Gold: scored at step 0 and step 2, so step 1's checkpoint comes first."""
     fn = "hangs_second" if hung == "reward" else "gold_hangs_second"
     extra = (["--reward-fn", f"fns.py:{fn}"] if hung == "reward" else
              ["--reward-fn", "fns.py:length", "--gold-fn", f"fns.py:{fn}",
@@ -172,7 +173,9 @@ def test_a_hung_function_ends_the_run_with_one_line_and_its_checkpoint(hung, fil
     (files / f"{fn}.calls").write_text("-100")  # fixed: it returns from now on
     monkeypatch.chdir(files)
     capsys.readouterr()
-    assert main([*argv, "--resume"]) == 0
+    longer = [("30" if before == "--reward-fn-timeout" else x)
+              for before, x in zip(["", *argv], argv)]
+    assert main([*longer, "--resume", "--resume-allow-changes"]) == 0
     assert re.search(rf"resuming \S*runs/{hung} from step 1", capsys.readouterr().err)
     assert (run / "final").is_dir()
 
