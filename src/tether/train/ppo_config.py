@@ -276,13 +276,16 @@ class PPOConfig(RunConfig, EnvOptions):
         self._check_dynamic_sampling()
 
     def _check_dynamic_sampling(self) -> None:
-        if not 0 <= self.dynamic_sampling <= MAX_DYNAMIC_ROUNDS:
-            raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} must lie in [0, "
-                              f"{MAX_DYNAMIC_ROUNDS}]: the most extra rounds of prompts a batch "
-                              "may draw, each as costly as the batch itself (0: off); a batch "
-                              f"that needs more than {MAX_DYNAMIC_ROUNDS} has almost no group with "
-                              "differing rewards (check the reward, or keep the prompts the "
-                              "policy sometimes solves)")
+        if self.dynamic_sampling < 0:
+            raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} must be >= 0: the most "
+                              "extra rounds of prompts a batch may draw (0: off)")
+        if self.dynamic_sampling > MAX_DYNAMIC_ROUNDS:
+            raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} is more than "
+                              f"{MAX_DYNAMIC_ROUNDS} extra rounds per batch, each as costly as "
+                              f"the batch itself; a batch that needs more than "
+                              f"{MAX_DYNAMIC_ROUNDS} has almost no group with differing rewards "
+                              f"(check the reward, or keep the prompts the policy sometimes "
+                              f"solves): give at most {MAX_DYNAMIC_ROUNDS}")
         if self.dynamic_sampling and self.samples_per_prompt < 2:
             raise TetherError("--dynamic-sampling drops groups whose responses all score the same; "
                               "a group of one always does: pass --samples-per-prompt 2 or more")
