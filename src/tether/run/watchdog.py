@@ -71,8 +71,10 @@ class _Watchdog:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     _end_process(message)
-                self._sleeping_until = deadline
-                self._cond.wait(None if deadline == math.inf else left)
+                # at most TIMEOUT_MAX at a time (a wait past it raises): --reward-fn-timeout 1e300
+                wait = None if deadline == math.inf else min(left, threading.TIMEOUT_MAX)
+                self._sleeping_until = deadline if wait is None else time.monotonic() + wait
+                self._cond.wait(wait)
 
 
 def _end_process(message: str) -> None:

@@ -140,7 +140,7 @@ def call_tool(fn: Callable, arguments: dict, timeout: float) -> Any:
             outcome.append((None, exc))
     thread = threading.Thread(target=work, daemon=True, name="tether-tool")
     thread.start()
-    thread.join(timeout or None)
+    thread.join(min(timeout, threading.TIMEOUT_MAX) if timeout else None)
     if not outcome:
         raise ToolHung
     result, exc = outcome[0]
