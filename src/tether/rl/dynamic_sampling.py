@@ -38,6 +38,7 @@ NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got
 WHY_EQUAL = ("the reward may be constant: check it; or the prompts are too easy or too hard for "
              "the policy")
 
+
 @dataclass
 class Drawn:
     """One round of a batch, global rows: the prompts, what was sampled and how it scored."""
