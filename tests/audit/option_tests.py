@@ -321,6 +321,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     "online:reward_weights": [
         "tests/rl/test_trl_reward_functions.py::test_grpo_cli_with_two_weighted_trl_functions"],
     "online:gold_fn": ["tests/train/test_ppo.py::test_cli_end_to_end_with_eval_and_gold"],
+    "online:reward_fn_timeout": [
+        "tests/rl/test_user_code_timeout.py::test_the_timeout_reaches_every_call[ppo]",
+        "tests/rl/test_user_code_timeout.py::test_a_timeout_that_cannot_apply_is_refused"
+        "[no-functions]"],
     "online:critic": [ONLINE + "test_critic_shared_is_a_head_on_the_policy"],
     "online:prompts": [
         ONLINE + "test_where_when_and_what_the_online_loop_writes",
@@ -538,7 +542,9 @@ OPTION_TESTS |= {
     "online:max_turns": [ENV + "test_env_and_max_turns_shape_the_episodes"],
     "online:max_episode_tokens": [ENV + "test_max_episode_tokens_bounds_what_follows_the_prompt"],
     "online:max_observation_tokens": [ENV + "test_max_observation_tokens_cuts_a_long_observation"],
-    "online:env_timeout": [ENV + "test_env_timeout_stops_a_hung_step"],
+    "online:env_timeout": [ENV + "test_env_timeout_stops_a_hung_step",
+                           "tests/rl/test_user_code_timeout.py::"
+                           "test_a_hung_tool_goes_back_to_the_model_as_its_error"],
     "online:env_workers": [ENV + "test_env_workers_bounds_the_calls_at_once"],
     "online:reward_per_turn": [ENV + "test_reward_per_turn_puts_each_turn_s_reward_on_its_tokens"],
     "eval:stop_strings": [ENV + "test_eval_stop_strings_cut_each_response"],
@@ -550,3 +556,7 @@ for _tool in ("generate", "eval"):
         "env_workers")}
     OPTION_TESTS[f"{_tool}:tools"] = [
         ENV + f"test_tools_of_generate_and_eval_reach_the_first_prompt[{_tool}]"]
+# The user code's deadline (issue 33): each reward and gold call, in training and in eval
+OPTION_TESTS["eval:reward_fn_timeout"] = [
+    "tests/rl/test_user_code_timeout.py::test_the_timeout_reaches_every_call[eval]",
+    "tests/rl/test_user_code_timeout.py::test_eval_refuses_a_timeout_without_functions"]

@@ -13,10 +13,17 @@ beta = 0, and it suits --kl-in loss or --beta 0 best.
 `collect` draws through a callable and knows nothing of models or ranks: `draw(0)` is the batch's
 own prompts, `draw(j)` for j >= 1 a further round of as many prompts. Every rank draws the same
 global rows (gathered), so every rank keeps the same ones.
+
+A long search is never silent: while a batch is still short, a note every `NOTE_EVERY_S`
+seconds says how far it got, and a batch that ran out of rounds says so and what it holds
+instead (a reward that is constant on every response finds no group to keep: each batch draws
+all its rounds). Rounds with nothing to keep are let go at once, so memory holds only the
+rounds the batch is made of.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +33,10 @@ import torch.nn.functional as F
 from tether.advantages import varied_groups
 from tether.errors import TetherError
 from tether.rl.rollout import Rollout, concat_rollouts
+
+NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got
+WHY_EQUAL = ("the reward may be constant: check it; or the prompts are too easy or too hard for "
+             "the policy")
 
 
 @dataclass
@@ -49,25 +60,39 @@ class Drawn:
                      self.stats)
 
 
-def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int,
-            pad_token_id: int) -> tuple[Drawn, dict[str, float]]:
+def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id: int,
+            say: Callable[[str], None] = print) -> tuple[Drawn, dict[str, float]]:
     """A batch of as many groups as `draw(0)` holds, each group's scores varied, drawn from at
     most `max_rounds` further rounds; a batch still short is topped up with round 0's dropped
-    groups, in order (their advantage is 0: they only add the KL term's gradient).
+    groups, in order (their advantage is 0: they only add the KL term's gradient). `say`: where
+    the notes of a long search go (module docstring), without the `note: ` and batch prefix.
 
     Returns the batch (groups in the order drawn) and its stats: `rollout/dynamic_rounds` (extra
     rounds drawn), `rollout/varied_groups` (share of the batch's groups with spread) and
     `rollout/equal_groups_first` (share of round 0's groups that were all equal).
     """
-    rounds = [draw(0)]
+    rounds: list[Drawn | None] = [draw(0)]
     if rounds[0].rollout.episode is not None:
         raise TetherError("--dynamic-sampling cannot regroup episodes that a chat template split "
                           "into segments; use an append-only template or drop --dynamic-sampling")
     keeps = [varied_groups(rounds[0].scores, k)]
     groups = len(rounds[0].prompts) // k
-    while sum(int(keep.sum()) for keep in keeps) < groups and len(rounds) <= max_rounds:
-        rounds.append(draw(len(rounds)))
-        keeps.append(varied_groups(rounds[-1].scores, k))
+    found = int(keeps[0].sum())
+    noted = time.monotonic()
+    while found < groups and len(rounds) <= max_rounds:
+        drawn = draw(len(rounds))
+        keeps.append(varied_groups(drawn.scores, k))
+        found += int(keeps[-1].sum())
+        rounds.append(drawn if keeps[-1].any() else None)  # a round with nothing to keep: freed
+        more = found < groups and len(rounds) <= max_rounds  # the last round's note is below
+        if more and time.monotonic() - noted >= NOTE_EVERY_S:
+            noted = time.monotonic()
+            say(f"dynamic sampling round {len(rounds) - 1} of {max_rounds} has found {found} of "
+                f"{groups} groups with differing rewards ({WHY_EQUAL})")
+    if found < groups:
+        say(f"--dynamic-sampling {max_rounds} drew all its rounds and found {found} of {groups} "
+            f"groups with differing rewards: the batch is topped up with {groups - found} "
+            f"groups of equal rewards, which add only the KL term's gradient ({WHY_EQUAL})")
     chosen = [(r, g) for r, keep in enumerate(keeps) for g in keep.nonzero().flatten().tolist()]
     chosen = chosen[:groups]
     varied = len(chosen)

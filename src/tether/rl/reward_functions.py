@@ -129,11 +129,13 @@ def trl_arguments(prompts: list[str], responses: list[str], rows: Sequence[dict]
 class RewardFunctions:
     """Reward functions as the loop's `Reward` (tether.rl.rewards): called on every batch,
     checked, weighted and summed. `state` is what TRL-style functions get as `trainer_state`
-    (the loop moves its `global_step`); `what` names them in errors."""
+    (the loop moves its `global_step`); `what` names them in errors; `timeout`: seconds each
+    call may take (--reward-fn-timeout; 0: no limit)."""
 
     functions: list[RewardFunction]
     what: str = "reward function"
     state: TrainerState = field(default_factory=TrainerState)
+    timeout: float = 0.0
 
     def __call__(self, prompts: list[str], responses: list[str], rollout,
                  rows: list[dict] | None = None) -> RewardScores:
@@ -150,7 +152,8 @@ class RewardFunctions:
             if trl and keywords is None:
                 keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
             parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what,
-                                                 keywords if trl else None, allow_none=True)
+                                                 keywords if trl else None, allow_none=True,
+                                                 timeout=self.timeout)
         stacked = torch.stack(list(parts.values()), dim=1)  # [B, F]
         unscored = torch.isnan(stacked).all(dim=1)
         if unscored.any():
@@ -163,7 +166,9 @@ class RewardFunctions:
 
 
 def reward_from_functions(functions: Sequence[Callable], weights: Sequence[float] = (),
-                          what: str = "reward function", max_steps: int = 0) -> RewardFunctions:
-    """`functions` (with `weights`) as the loop's reward; `max_steps`: the run's batches."""
+                          what: str = "reward function", max_steps: int = 0,
+                          timeout: float = 0.0) -> RewardFunctions:
+    """`functions` (with `weights`) as the loop's reward; `max_steps`: the run's batches;
+    `timeout`: seconds each call may take (0: no limit)."""
     return RewardFunctions(weighted(functions, list(weights)), what,
-                           TrainerState(global_step=0, max_steps=max_steps))
+                           TrainerState(global_step=0, max_steps=max_steps), timeout)

@@ -13,8 +13,9 @@ the named file's code, as `python` would (the current directory first on the imp
 `python -m` puts it, so `--gold-fn task:gold` finds ./task.py from the `tether` command too).
 Whatever it does wrong (raises, calls `sys.exit`, returns NaN, the wrong count, an unordered set
 or anything but numbers in order) stops the run with one line that names the function, where it
-failed and the fix, before anything of the batch reaches the optimiser. Ctrl-C inside it is the
-user's, not the function's: it stops the run as anywhere else.
+failed and the fix, before anything of the batch reaches the optimiser; a call that does not
+return within --reward-fn-timeout seconds ends the process with one line (tether.run.watchdog).
+Ctrl-C inside it is the user's, not the function's: it stops the run as anywhere else.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tether.models.hub_reward import TETHER, load_hub_reward_model, reward_model
 from tether.models.prepare import freeze, fuse_gelu
 from tether.models.pretrained import check_same_vocabulary
 from tether.models.reward_model import RewardModel
+from tether.run.watchdog import Deadline
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 # A prompt as its row gave it: plain text, or a list of chat messages
@@ -148,7 +150,7 @@ def function_name(fn: Callable) -> str:
 
 def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
                          what: str = "reward function", keywords: dict[str, Any] | None = None,
-                         allow_none: bool = False) -> torch.Tensor:
+                         allow_none: bool = False, timeout: float = 0.0) -> torch.Tensor:
     """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message.
 
     It must return scores in the responses' order: a list or tuple, or a 1-D tensor or array,
@@ -156,12 +158,19 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
     generator or a string is refused: their order, or their items, are not the responses'.
     `keywords`: call `fn(**keywords)` (TRL's convention) instead of `fn(prompts, responses)`.
     `allow_none`: a None score means "does not apply" and comes back as NaN (TRL's convention
-    for several functions; the caller decides what a row no function scored means)."""
+    for several functions; the caller decides what a row no function scored means).
+    `timeout`: seconds the call may take (--reward-fn-timeout; 0: no limit), past which the
+    process prints one line and exits with code 2 (`tether.run.watchdog`: a hung call cannot
+    be stopped, only left)."""
     name = function_name(fn)
     fix = "it must return a list of one finite float per response, in their order"
+    hung = (f"{what} {name} did not return within {timeout:g} s (--reward-fn-timeout); fix the "
+            "hang, or raise --reward-fn-timeout (0: no limit); checkpoints written so far are "
+            "intact")
     try:
-        scores = (fn(**keywords) if keywords is not None
-                  else fn(list(prompts), list(responses)))
+        with Deadline(timeout, hung):
+            scores = (fn(**keywords) if keywords is not None
+                      else fn(list(prompts), list(responses)))
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
         own = getattr(getattr(fn, "__code__", None), "co_filename", None)
         raise TetherError(f"{what} {name} raised {raised(exc, own)}; fix the function ({fix}); "
@@ -235,6 +244,15 @@ def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torc
                                  "large that its forward overflows; check or retrain the reward "
                                  "model, and what it reads; checkpoints written so far are intact")
     return scores
+
+
+def check_reward_fn_timeout(timeout: float, default: float, has_functions: bool) -> None:
+    """--reward-fn-timeout times the reward and gold functions: a value other than the default
+    with neither is an option that would be accepted and ignored."""
+    if timeout != default and not has_functions:
+        raise TetherError(f"--reward-fn-timeout {timeout:g} limits the calls of --reward-fn and "
+                          "--gold-fn functions, and this run has none; drop it (an environment's "
+                          "calls have --env-timeout)")
 
 
 def reward_from_model(reward_model: nn.Module, chunk: int, name: str = "") -> Reward:

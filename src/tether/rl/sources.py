@@ -165,9 +165,10 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
     if not (env or tools):
         return PromptSource(engine, tokenizer, prompts, prompt_ids, reward, sampling, device, rows)
     schemas = None
-    if tools:
-        env, schemas = tools_environment(tools, reward, tokenizer)
-    calls = EnvCalls(env, settings.env_timeout, settings.env_workers)
+    if tools:  # each tool call has --env-timeout (a hang goes back to the model), the reward
+        # function on the answer --reward-fn-timeout: the step, tether's own code, none of its own
+        env, schemas = tools_environment(tools, reward, tokenizer, settings.env_timeout)
+    calls = EnvCalls(env, None if tools else settings.env_timeout, settings.env_workers)
     renderer = Renderer(tokenizer, settings.max_prompt_len, settings.max_observation_tokens,
                         schemas)
     limits = EpisodeLimits(settings.max_turns, settings.max_new_tokens,

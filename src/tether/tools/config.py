@@ -93,10 +93,16 @@ class EvalConfig(SamplingConfig):
     """A Python proxy reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
     gold_fn: str = ""
     """A Python gold reward `module:function`, scored beside the proxy."""
+    reward_fn_timeout: float = 600.0
+    """Seconds one call of the --reward-fn or --gold-fn function may take; past it the command ends with one line, exit 2 (0: no limit)."""
     output: str = ""
     """JSON file for the metrics, settings and samples (default: beside --model's directory, never inside it: runs/x/final -> runs/x/final.eval.json)."""
     chunked_lm_head: bool = True
     """Log-probs, entropy and exact KL through the LM head in chunks (off: full logits)."""
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "reward_fn_timeout", allow_zero=True)
 
 
 @dataclass(kw_only=True)

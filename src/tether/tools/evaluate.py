@@ -52,7 +52,12 @@ from tether.rl.evaluation import (
     measure_responses,
 )
 from tether.rl.reward_functions import load_reward_functions, reward_from_functions
-from tether.rl.rewards import load_reward_function, load_reward_model, prompt_originals
+from tether.rl.rewards import (
+    check_reward_fn_timeout,
+    load_reward_function,
+    load_reward_model,
+    prompt_originals,
+)
 from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, input_path
@@ -128,6 +133,8 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
         reward_fn = load_reward_functions(cfg.reward_fn)
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
+    check_reward_fn_timeout(cfg.reward_fn_timeout, EvalConfig.reward_fn_timeout,
+                            reward_fn is not None or gold_fn is not None)
     return reward_fn, gold_fn
 
 
@@ -144,8 +151,9 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
                                    device, cfg.dtype, cfg.trust_remote_code).reward
     elif reward_fn is not None:  # several: summed with weight 1 each (TRL's default)
         reward = reward_from_functions(reward_fn if isinstance(reward_fn, (list, tuple))
-                                       else [reward_fn])
-    gold = reward_from_functions([gold_fn], (), "gold reward function") if gold_fn else None
+                                       else [reward_fn], timeout=cfg.reward_fn_timeout)
+    gold = (reward_from_functions([gold_fn], (), "gold reward function",
+                                  timeout=cfg.reward_fn_timeout) if gold_fn else None)
     return reward, gold
 
 

@@ -218,8 +218,11 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
     if not cfg.dynamic_sampling:
         drawn = draw(0)
         return drawn, dict(drawn.stats)
+    def say(note: str) -> None:  # rank 0's: every rank draws the same global rows
+        if d.is_main:
+            print(f"note: batch {batch + 1}: {note}", file=sys.stderr, flush=True)
     drawn, stats = collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling,
-                           setup.tokenizer.pad_token_id)
+                           setup.tokenizer.pad_token_id, say)
     return drawn, stats | drawn.stats
 
 

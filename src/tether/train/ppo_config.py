@@ -18,6 +18,10 @@ from tether.run.config import (
     require_positive,
 )
 
+# --dynamic-sampling's most rounds: each costs as much as the batch itself, and a batch that
+# needs more has almost no group with differing rewards (verl's DAPO scripts use 10)
+MAX_DYNAMIC_ROUNDS = 100
+
 
 @dataclass(kw_only=True)
 class PPOConfig(RunConfig, EnvOptions):
@@ -45,6 +49,8 @@ class PPOConfig(RunConfig, EnvOptions):
     """Weights of the --reward-fn functions, in order (empty: 1 each); the score is their weighted sum, a None score left out, as TRL's reward_weights."""
     gold_fn: str = ""
     """Optional second ("gold") reward function, used only to score --eval-prompts."""
+    reward_fn_timeout: float = 600.0
+    """Seconds one call of a --reward-fn or --gold-fn function may take; past it the run ends with one line, exit 2, its checkpoints intact (0: no limit)."""
     critic: Literal["separate", "shared"] = "separate"
     """Value model: separate (initialised from the reward model) or shared (a head on the policy)."""
 
@@ -74,7 +80,7 @@ class PPOConfig(RunConfig, EnvOptions):
     mask_truncated: bool = False
     """Responses that hit --max-new-tokens without EOS or a stop carry no policy loss and count in no denominator (DAPO's overlong filtering; TRL's mask_truncated_completions); the critic still learns from them."""
     dynamic_sampling: int = 0
-    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): drop the groups of --samples-per-prompt responses whose scores are all equal and refill the batch from further prompts, at most this many more rounds of --batch-size responses per batch; a batch still short is topped up with dropped groups (0: off)."""
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): drop the groups of --samples-per-prompt responses whose scores are all equal and refill the batch from further prompts, at most this many more rounds of --batch-size responses per batch (100 at most); a batch still short is topped up with dropped groups, with a note saying so (0: off)."""
 
     # ---- rollout engine (docs/engine.md)
     engine: Literal["native", "vllm"] = "native"
@@ -239,7 +245,7 @@ class PPOConfig(RunConfig, EnvOptions):
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
                          "max_grad_norm", "clip_range", "clip_high", "value_clip_range", "vf_coef",
                          "warmup_batches", "weight_decay", "max_kl", "beta_end", "anneal_batches",
-                         "eval_every", "sample_every", allow_zero=True)
+                         "eval_every", "sample_every", "reward_fn_timeout", allow_zero=True)
         if self.kl_ctl == "adaptive":
             require_positive(self, "kl_target", "kl_max_error")
         if self.lora_dropout > 0:
@@ -276,6 +282,13 @@ class PPOConfig(RunConfig, EnvOptions):
         if self.dynamic_sampling < 0:
             raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} must be >= 0: the most "
                               "extra rounds of prompts a batch may draw (0: off)")
+        if self.dynamic_sampling > MAX_DYNAMIC_ROUNDS:
+            raise TetherError(f"--dynamic-sampling {self.dynamic_sampling} is more than "
+                              f"{MAX_DYNAMIC_ROUNDS} extra rounds per batch, each as costly as "
+                              f"the batch itself; a batch that needs more than "
+                              f"{MAX_DYNAMIC_ROUNDS} has almost no group with differing rewards "
+                              f"(check the reward, or keep the prompts the policy sometimes "
+                              f"solves): give at most {MAX_DYNAMIC_ROUNDS}")
         if self.dynamic_sampling and self.samples_per_prompt < 2:
             raise TetherError("--dynamic-sampling drops groups whose responses all score the same; "
                               "a group of one always does: pass --samples-per-prompt 2 or more")

@@ -52,6 +52,7 @@ from tether.rl.reward_functions import (
 from tether.rl.rewards import (
     Reward,
     check_one_reward,
+    check_reward_fn_timeout,
     function_name,
     load_reward_function,
     load_reward_model,
@@ -161,11 +162,11 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     use_threads(cfg.threads, policy, device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
-    functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches)
-                 if reward_fn else None)
+    functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
+                                       timeout=cfg.reward_fn_timeout) if reward_fn else None)
     reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, functions, device)
-    gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches)
-            if gold_fn else None)
+    gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches,
+                                  cfg.reward_fn_timeout) if gold_fn else None)
     critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
                          cfg.reward_model)
     critic = critic.to(device) if critic is not None else None
@@ -307,6 +308,8 @@ def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callabl
     weighted(reward_fn, cfg.reward_weights)  # the weights checked now, before any model loads
     if gold_fn is None and cfg.gold_fn:
         gold_fn = load_reward_function(cfg.gold_fn)
+    check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout,
+                            bool(reward_fn) or gold_fn is not None)
     return reward_fn, gold_fn, env, load_tools(cfg.tools)
 
 

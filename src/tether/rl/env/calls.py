@@ -28,9 +28,10 @@ from tether.rl.rewards import MAX_SCORE, function_name, out_of_range, raised
 
 
 class EnvCalls:
-    """Runs batches of environment calls; `close()` stops its event loop."""
+    """Runs batches of environment calls, each within `timeout` seconds (None: no limit, for
+    --tools, whose steps time their own calls); `close()` stops its event loop."""
 
-    def __init__(self, factory: Callable, timeout: float, workers: int):
+    def __init__(self, factory: Callable, timeout: float | None, workers: int):
         self.factory, self.name = factory, function_name(factory)
         self.timeout, self.loop = timeout, asyncio.new_event_loop()
         self.workers = workers

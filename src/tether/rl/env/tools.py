@@ -10,8 +10,12 @@ calls them, reads their results, and answers.
                </tool_call>` of Hermes and Qwen, Mistral's `[TOOL_CALLS][...]`, a bare JSON
                call as Llama 3.1 writes it)
     results    each call's result as a `tool` message. Bad JSON, an unknown tool, arguments the
-               function refuses, or a tool that raises go back to the model as that tool message
-               ("error: ..."), counted in `env/tool_errors`; they never stop the run
+               function refuses, a tool that raises, or one that does not return within
+               --env-timeout seconds go back to the model as that tool message ("error: ..."),
+               counted in `env/tool_errors`; they never stop the run (a tool's hang is the
+               model's observation, as a slow web search is an agent's; the first hang of each
+               tool is said once, as a warning, since nothing can stop the hung call: its
+               thread is left running)
     end        the first turn without a call ends the episode, scored by the reward functions on
                that final answer (`tether.rl.reward_functions`): tether's form reads
                `([last user message of the first prompt], [answer])`; TRL's form the row's prompt
@@ -27,7 +31,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tether.data.chat import chat_messages, render_chat
 from tether.errors import TetherError
@@ -116,13 +123,43 @@ def parse_calls(text: str, form: str, tokenizer=None, tools: list[dict] | None =
     return calls, None
 
 
+class ToolHung(Exception):
+    """A tool call that did not return in time (it is still running, in its own thread)."""
+
+
+def call_tool(fn: Callable, arguments: dict, timeout: float) -> Any:
+    """`fn(**arguments)` in a daemon thread of its own, waited for `timeout` seconds (0: no
+    limit): its result, or its exception raised here, or `ToolHung` (the thread is left running:
+    nothing can stop it, and a daemon thread does not keep the process alive)."""
+    outcome: list[tuple[Any, BaseException | None]] = []
+
+    def work() -> None:
+        try:
+            outcome.append((fn(**arguments), None))
+        except BaseException as exc:  # handed to the caller, which decides
+            outcome.append((None, exc))
+    thread = threading.Thread(target=work, daemon=True, name="tether-tool")
+    thread.start()
+    thread.join(min(timeout, threading.TIMEOUT_MAX) if timeout else None)
+    if not outcome:
+        raise ToolHung
+    result, exc = outcome[0]
+    if exc is not None:
+        raise exc
+    return result
+
+
 class ToolsEnv:
-    """One episode with the tools (see the module docstring)."""
+    """One episode with the tools (see the module docstring). `timeout`: seconds a tool call
+    may take (--env-timeout); `hung`: the tools whose hang was said already (shared by the
+    episodes)."""
 
     def __init__(self, functions: dict[str, Callable], schemas: list[dict], form: str,
-                 reward: RewardFunctions | None, tokenizer):
+                 reward: RewardFunctions | None, tokenizer, timeout: float = 0.0,
+                 hung: set[str] | None = None):
         self.functions, self.schemas, self.form = functions, schemas, form
         self.reward, self.tokenizer = reward, tokenizer
+        self.timeout, self.hung = timeout, set() if hung is None else hung
         self.prompt, self.row = "", {}
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
 
@@ -160,21 +197,34 @@ class ToolsEnv:
                     "content": f"error: no tool named {name!r}; the tools are "
                                f"{', '.join(self.functions)}"}
         try:
-            result = fn(**arguments)
+            result = call_tool(fn, arguments, self.timeout)
+        except ToolHung:
+            self.counts["tool_errors"] += 1
+            self._say_hung(name)
+            return {"role": "tool", "name": name,
+                    "content": f"error: {name} did not return within {self.timeout:g} s"}
         except (Exception, SystemExit) as exc:  # the tool's failure is the model's observation
             self.counts["tool_errors"] += 1
             return {"role": "tool", "name": name, "content": f"error: {raised(exc)}"}
         return {"role": "tool", "name": name,
                 "content": result if isinstance(result, str) else json.dumps(result)}
 
+    def _say_hung(self, name: str) -> None:
+        if name not in self.hung:
+            self.hung.add(name)
+            print(f"warning: tool {name} did not return within {self.timeout:g} s "
+                  "(--env-timeout); the call went back to the model as an error (counted in "
+                  "env/tool_errors) and is left running; fix the tool or raise --env-timeout",
+                  file=sys.stderr, flush=True)
+
     def metrics(self) -> dict[str, float]:
         return dict(self.counts)
 
 
 def tools_environment(tools: Sequence[Callable], reward: RewardFunctions | Callable | None,
-                      tokenizer) -> tuple[Callable, list[dict]]:
+                      tokenizer, timeout: float = 0.0) -> tuple[Callable, list[dict]]:
     """(an environment factory for these tools, their schemas); `reward`: the reward functions,
-    or one plain function."""
+    or one plain function; `timeout`: seconds a tool call may take (0: no limit)."""
     if reward is not None and not isinstance(reward, RewardFunctions):
         reward = reward_from_functions([reward])
     functions = {}
@@ -185,7 +235,8 @@ def tools_environment(tools: Sequence[Callable], reward: RewardFunctions | Calla
         functions[name] = fn
     schemas = [tool_schema(fn) for fn in tools]
     form = call_format(tokenizer, schemas)
+    hung: set[str] = set()
 
     def make_env() -> ToolsEnv:
-        return ToolsEnv(functions, schemas, form, reward, tokenizer)
+        return ToolsEnv(functions, schemas, form, reward, tokenizer, timeout, hung)
     return make_env, schemas
