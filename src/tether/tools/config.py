@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.run.config import EnvOptions, check_device, check_stop_strings, require_positive
+from tether.run.config import (
+    EnvOptions,
+    check_device,
+    check_stop_strings,
+    check_threads,
+    require_positive,
+)
 
 
 @dataclass(kw_only=True)
@@ -53,7 +59,7 @@ class SamplingConfig(EnvOptions):
     def validate(self) -> None:
         require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size",
                          "engine_kv_cache_mb")
-        require_positive(self, "threads", allow_zero=True)
+        check_threads(self.threads)
         check_device(self.device)
         check_stop_strings(self.stop_strings)
         self.check_env()
