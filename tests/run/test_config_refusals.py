@@ -85,7 +85,10 @@ SCOPED_CASES = [  # (stage, flags, the one line's pattern)
      "runs with --kl-ctl fixed, .*pass --kl-ctl adaptive"),
     ("ppo", ["--kl-ctl", "annealed", "--kl-horizon", "50"], "--kl-horizon applies with --kl-ctl "
      "adaptive, and tether ppo runs with --kl-ctl annealed"),
+    ("grpo", ["--kl-max-error", "0.1"], "--kl-max-error applies with --kl-ctl adaptive"),
     ("rloo", ["--beta-end", "0.01"], "--beta-end applies with --kl-ctl annealed"),
+    ("ppo", ["--kl-ctl", "adaptive", "--anneal-batches", "3"], "--anneal-batches applies with "
+     "--kl-ctl annealed, and tether ppo runs with --kl-ctl adaptive"),
     ("ppo", ["--anneal-shape", "cosine"], "--anneal-shape applies with --kl-ctl annealed"),
     ("grpo", ["--kl-per-token-mean", "--loss-aggregation", "token"], "--kl-per-token-mean "
      "applies with --kl-in loss and no --loss-aggregation, and tether grpo runs with "
