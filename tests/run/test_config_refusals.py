@@ -348,3 +348,38 @@ def test_a_hand_written_relative_policy_path(family, places, tmp_path, monkeypat
         here / "runs" / name / family)
     shutil.rmtree(here / "runs" / name / family)
     config.write_text(yaml.safe_dump(saved, sort_keys=False))
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_reads_a_relative_path_against_the_run_directory(family, places, monkeypatch):
+    # A config.yaml edited to name the model relative to the run directory is the same run from
+    # anywhere (before: read against the current directory, a "different config" from here).
+    from tether.train import sft as sft_stage
+    here, there = places
+    monkeypatch.chdir(here)
+    write_jsonl(here / "sft.jsonl", sft_rows(8))
+    name = f"cut-{family}"
+    argv = ["sft", "--data", str(here / "sft.jsonl"), "--run-name", name, "--output-dir",
+            str(here / "runs"), "--max-steps", "2", "--batch-size", "4", "--save-every", "1",
+            "--device", "cpu", "--report-to", "none"]
+    real, calls = sft_stage.optimizer_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise Stop
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sft_stage, "optimizer_step", step)
+    with pytest.raises(Stop):
+        main([*argv, "--model", family])
+    monkeypatch.undo()
+    config = here / "runs" / name / "config.yaml"
+    saved = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump(saved | {"model": f"../../{family}"}, sort_keys=False))
+    monkeypatch.chdir(there)  # there/<family> is another model: never taken for this one
+    assert main([*argv, "--model", str(here / family), "--resume"]) == 0
+    assert (here / "runs" / name / "final").is_dir()

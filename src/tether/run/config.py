@@ -342,6 +342,20 @@ def recorded_input_path(value: str, config_path: Path, field: str) -> str:
     return expanded
 
 
+def resolved_record(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    """A run's recorded config (`config_path`'s) with its paths resolved to compare with a
+    resumed one: a relative input path that names something from the run directory is that
+    (`recorded_input_path`'s reading), any other as `resolved_paths` reads it (an old run's,
+    relative to the directory it was made in, as then)."""
+    def from_run(name: str, value: Any) -> Any:
+        if name not in INPUT_PATH_FIELDS or not isinstance(value, str) or not value:
+            return value
+        beside_run = config_path.parent / os.path.expanduser(value)
+        relative = not os.path.isabs(os.path.expanduser(value))
+        return os.path.abspath(beside_run) if relative and beside_run.exists() else value
+    return resolved_paths({name: from_run(name, value) for name, value in values.items()})
+
+
 def resolve_paths(cfg: Any) -> Any:
     """Resolve `cfg`'s path fields in place (`resolved_paths`); returns `cfg`."""
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
