@@ -130,8 +130,14 @@ def test_in_a_sweep_grid(root, tmp_path, monkeypatch, capsys, no_loads):
                     "scale_rewards": ["group", "batch"]}}
     (tmp_path / "g.yaml").write_text(yaml.safe_dump(grid))
     refused(tmp_path, ["sweep", str(tmp_path / "g.yaml")],
-            r"grid: ppo-scale_rewardsbatch-seed0: --scale-rewards applies with --advantage grpo",
-            capsys)
+            r"grid: the ppo block's 'scale_rewards' has no effect in any of its runs: "
+            r"--scale-rewards applies with --advantage grpo, and tether ppo runs with --advantage "
+            "gae, where it has no effect; drop it, or use tether grpo", capsys)
+    # A grid crosses its axes: an option acting in some of its runs is a plan, not a mistake.
+    from tether.tools.sweep_plan import plan
+    grid["ppo"] |= {"advantage": ["gae", "grpo"], "samples_per_prompt": 2}
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(grid))
+    assert len(plan(str(tmp_path / "g.yaml")).runs) == 4
 
 
 @pytest.mark.parametrize(("cls", "argv"), [

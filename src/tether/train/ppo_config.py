@@ -317,13 +317,19 @@ class PPOConfig(RunConfig, EnvOptions):
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
         self._check_dynamic_sampling()
 
+    def inert_options(self, given: set[str]) -> dict[str, str]:
+        """The options of `SCOPED_OPTIONS` in `given` that this run's settings leave without
+        effect, each with its one line."""
+        return {name: f"--{name.replace('_', '-')} applies with {scope.needs}, and tether "
+                      f"{self.STAGE} runs with {scope.instead(self)}, where it has no effect; "
+                      f"drop it, or {scope.fix}"
+                for name, scope in SCOPED_OPTIONS.items()
+                if name in given and not scope.acts(self)}
+
     def check_given(self, given: set[str]) -> None:
-        """An option of `SCOPED_OPTIONS` in `given` where its setting is not this run's."""
-        for name, scope in SCOPED_OPTIONS.items():
-            if name in given and not scope.acts(self):
-                raise TetherError(f"--{name.replace('_', '-')} applies with {scope.needs}, and "
-                                  f"tether {self.STAGE} runs with {scope.instead(self)}, where it "
-                                  f"has no effect; drop it, or {scope.fix}")
+        """The first of `inert_options(given)`, refused."""
+        for line in self.inert_options(given).values():
+            raise TetherError(line)
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:
