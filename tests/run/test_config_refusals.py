@@ -170,6 +170,13 @@ def test_a_recorded_config_is_no_choice_of_its_defaults(root, tmp_path, monkeypa
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(record | {"scale_rewards": "none"}))
     with pytest.raises(TetherError, match="--scale-rewards applies with --advantage grpo"):
         parse_config(RLOOConfig, ["--config", str(tmp_path / "config.yaml"), "--run-name", "y"])
+    # A ppo run's record, its `stage:` line deleted to start an rloo run from its settings (as
+    # the stage line's refusal suggests): every field is named, defaults and all; accepted.
+    ppo = recorded(parse_config(PPOConfig, online("x")[1:]))
+    del ppo["stage"]
+    assert ppo["kl_target"] == 6.0 and ppo["kl_ctl"] == "fixed"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(ppo))
+    assert parse_config(RLOOConfig, ["--config", str(tmp_path / "config.yaml")]).advantage == "gae"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -307,10 +307,15 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
             raise
         raise TetherError(_tyro_message(stderr.getvalue())) from None
     resolve_paths(cfg)
-    # A run's recorded config.yaml (it has a `stage:` line) names every field, chosen or not:
-    # only its changed values count as given, where a hand-written file's keys all do.
-    _validate(cfg, _named(cls, rest) | (set() if "stage" in raw else set(values)))
+    _validate(cfg, _named(cls, rest) | (set() if _recorded(cls, raw) else set(values)))
     return cfg
+
+
+def _recorded(cls: type, raw: dict[str, Any]) -> bool:
+    """Whether a --config file is a run's recorded config.yaml (a `stage:` line, or every field:
+    one whose `stage:` line was deleted to start another stage from it). It names every field,
+    chosen or not, so only its changed values count as given; a hand-written file's keys all do."""
+    return "stage" in raw or {f.name for f in dataclasses.fields(cls)} <= set(raw)
 
 
 def _named(cls: type, argv: list[str]) -> set[str]:
