@@ -42,7 +42,7 @@ TOKEN_MEAN = Scope("--kl-in loss and no --loss-aggregation",
                    lambda c: c.kl_in == "loss" and c.loss_aggregation == "auto",
                    lambda c: (f"--kl-in {c.kl_in}" if c.kl_in != "loss"
                               else f"--loss-aggregation {c.loss_aggregation}"),
-                   "choose the reduction with --loss-aggregation")
+                   "pass --kl-in loss without --loss-aggregation (which replaces it)")
 EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
                    lambda c: "no --eval-prompts", "pass --eval-prompts")
 
