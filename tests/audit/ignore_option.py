@@ -23,7 +23,7 @@ ENV = "TETHER_IGNORE_OPTION"
 
 # Config code that may see the real value: checking it and recording it are not "using" it.
 SEES_REAL_VALUE = {"validate", "_validate", "config_to_dict", "_check_resumed_config",
-                   "parse_config", "config_from_dict"}
+                   "parse_config", "config_from_dict", "_check_block_acts"}
 
 IGNORED_REQUIRED = {"run_name": "ignored-run-name"}
 

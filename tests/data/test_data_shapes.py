@@ -14,7 +14,7 @@ import pytest
 from tether.cli import main
 from tether.data.batches import collate_sft
 from tether.data.encoding import encode_preferences, encode_sft
-from tether.data.prompts import encode_prompt_row, format_prompt, load_prompts
+from tether.data.prompts import encode_prompt_row, format_prompt, load_prompts, prompt_kind
 from tether.data.shapes import implicit_prompt
 from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
@@ -69,11 +69,22 @@ def test_every_documented_row_shape_trains(stage, shape, row, family, request, t
 
 @pytest.mark.parametrize("family", ["gpt2_chat_dir", "tiny_llama_dir"])
 def test_every_documented_prompt_row_is_read_for_generation(family, request, tmp_path):
-    tok = load_tokenizer(str(request.getfixturevalue(family)))
+    # one file of the plain shapes and one of the chat shapes: a file mixing them is refused
+    # (tests/data/test_ambiguous_input.py)
+    plain = [(shape, row) for shape, row in PROMPT_ROWS if prompt_kind(row) == "plain text"]
+    chats = [(shape, row) for shape, row in PROMPT_ROWS if prompt_kind(row) == "chat"]
+    assert plain and chats
+    for kind, rows in (("plain", plain), ("chat", chats)):
+        _read_for_generation(request.getfixturevalue(family), family, rows, tmp_path / kind)
+
+
+def _read_for_generation(model_dir, family, rows, tmp_path):
+    tmp_path.mkdir()
+    tok = load_tokenizer(str(model_dir))
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for _, row in PROMPT_ROWS))
+    path.write_text("".join(json.dumps(row) + "\n" for _, row in rows))
     texts, ids = load_prompts(str(path), tok, max_len=256)
-    for (shape, row), text in zip(PROMPT_ROWS, texts, strict=True):
+    for (shape, row), text in zip(rows, texts, strict=True):
         chat = row.get("messages", row["prompt"] if isinstance(row.get("prompt"), list) else None)
         if chat is None:  # plain: the prompt as it is; a `completion` beside it is ignored
             assert text == row["prompt"], shape
@@ -85,7 +96,7 @@ def test_every_documented_prompt_row_is_read_for_generation(family, request, tmp
         assert text.endswith("<|assistant|>\n" if family == "tiny_llama_dir" else "<|assistant|>")
     # `tether generate` reads the same file end to end
     out = tmp_path / "samples.jsonl"
-    assert main(["generate", "--model", str(request.getfixturevalue(family)), "--prompts", str(path),
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(path),
                  "--max-new-tokens", "2", "--output", str(out), "--device", "cpu"]) == 0
     assert [json.loads(x)["prompt"] for x in out.read_text().splitlines()] == texts
 
@@ -271,7 +282,7 @@ def test_bad_preference_rows_are_one_line_errors(rows, pattern, llama_tok):
 def test_bad_prompt_rows_are_one_line_errors(llama_tok, tmp_path):
     cases = [({"messages": [IMAGE]}, r"row 0 'messages' message 0 content part 1 has type"),
              ({"prompt": [{"type": "text", "text": "hi"}]}, r"row 0 'prompt' must be a string or a list"),
-             ({"prompt": 7}, r"row 0 'prompt' must be a string \(got int\)"),
+             ({"prompt": 7}, r"row 0 'prompt' must be a string or chat messages \(got int\)"),
              ({"prompt": None, "completion": "x"}, r"row 0 has neither a 'prompt' nor a 'messages'")]
     for row, pattern in cases:
         path = tmp_path / "p.jsonl"

@@ -42,15 +42,17 @@ def test_bos_exactly_once_and_ppo_prompt_equals_sft_prompt(which, request, tmp_p
     assert sft[0].prompt.count(bos) == 1 and sft[0].prompt[0] == bos
     # the ids are exactly the rendered text's tokens with one BOS in front
     assert sft[0].prompt == [bos] + tok(rendered.removeprefix(tok.bos_token), add_special_tokens=False)["input_ids"]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"messages": [USER]}) + "\n" + json.dumps({"prompt": "the movie"}) + "\n"
-                    + json.dumps({"prompt": "<s>the movie"}) + "\n")
-    texts, ids = load_prompts(str(path), tok, max_len=128)
+    # a chat file and a plain one (a file mixing them is refused: test_ambiguous_input.py)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [USER]}) + "\n")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "the movie"}) + "\n"
+                                          + json.dumps({"prompt": "<s>the movie"}) + "\n")
+    texts, ids = load_prompts(str(tmp_path / "chat.jsonl"), tok, max_len=128)
     assert ids[0] == sft[0].prompt  # PPO continues exactly the prompt SFT trained on
-    plain = [bos] + tok("the movie", add_special_tokens=False)["input_ids"]
-    assert ids[1] == plain  # a plain prompt gets the tokenizer's BOS
-    assert ids[2] == plain  # a pre-rendered prompt that writes BOS does not get a second one
     assert texts[0] == rendered
+    _, ids = load_prompts(str(tmp_path / "plain.jsonl"), tok, max_len=128)
+    plain = [bos] + tok("the movie", add_special_tokens=False)["input_ids"]
+    assert ids[0] == plain  # a plain prompt gets the tokenizer's BOS
+    assert ids[1] == plain  # a pre-rendered prompt that writes BOS does not get a second one
 
 
 def test_gpt2_tokenizer_adds_nothing(tiny_model_dir):

@@ -37,6 +37,7 @@ from tether.data.tool_calls import calls_of, check_tool_calls, prepare_tool_chat
 from tether.errors import TetherError
 
 MESSAGE_FORM = 'write each message as {"role": "user", "content": "..."}'
+MESSAGE_LIST = '[{"role": "user", "content": "..."}]'
 
 
 def message_problem(value: Any) -> str | None:
@@ -211,6 +212,9 @@ def check_prompt(value: Any, where: str) -> None:
     naming what is wrong, never its Python repr."""
     if isinstance(value, (list, dict)):
         chat_messages(value, "prompt", where)
+    elif value is not None and not isinstance(value, str):  # a number, a bool: never its repr
+        raise TetherError(f"{where} 'prompt' must be a string or chat messages (got "
+                          f"{type(value).__name__}); write it as text, or as {MESSAGE_LIST}")
 
 
 def check_reply(text: str, what: str, where: str,

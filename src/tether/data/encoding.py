@@ -27,6 +27,7 @@ from tether.data.chat import check_reply, turn_spans
 from tether.data.rows import require_columns
 from tether.data.shapes import (
     SFTRow,
+    is_chat_sft_row,
     preference_shape,
     preference_texts,
     read_sft_row,
@@ -209,6 +210,10 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
     if loss_on not in ("all", "last"):
         raise TetherError(f"loss_on must be 'all' or 'last' (got {loss_on!r})")
     shape = same_shape(rows, sft_shape, source)
+    if loss_on != "all" and not any(is_chat_sft_row(row, shape) for row in rows):
+        raise TetherError(f"--loss-on {loss_on} chooses which assistant turns of a chat carry "
+                          f"loss, and {source} has plain-text rows, which have no turns (the loss "
+                          "is on each response); drop it, or give chat rows ({messages})")
     stats, out, prefix = EncodeStats(), [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
         where = f"{source}: row {i}"

@@ -27,6 +27,7 @@ from tether.data.chat import (
 from tether.data.encoding import encode_prompt, special_prefix
 from tether.data.rows import load_rows
 from tether.data.shapes import plain_text
+from tether.data.tool_calls import prepare_tool_chat, row_tools
 from tether.errors import TetherError
 
 
@@ -47,10 +48,27 @@ def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None
     return messages
 
 
+def prompt_tools(row: dict, where: str, tools: list[dict] | None = None) -> list[dict] | None:
+    """The tool schemas a prompt is rendered with: `tools` when given (--tools), else the row's
+    `tools` column (TRL's form, `tether.data.tool_calls`), which only a chat prompt can show."""
+    if tools is not None:
+        return tools
+    tools = row_tools(row, where)
+    if tools and prompt_messages(row, where) is None:
+        raise TetherError(f"{where} has a 'tools' column but a plain-text prompt, which cannot "
+                          "show the model its tools; give the prompt as chat messages, or drop "
+                          "'tools'")
+    return tools
+
+
 def _render_prompt(tokenizer, messages: list[dict], where: str,
                    tools: list[dict] | None = None) -> str:
     """`messages` with the generation prompt. After an assistant turn, a template without one
-    (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open."""
+    (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open.
+    Tool calls and schemas are checked to be written (`prepare_tool_chat`): a template made
+    before tools would drop them, and the policy answer a prompt it never saw."""
+    messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
+                                 messages, tools, where)
     text = render_chat(tokenizer, messages, add_generation_prompt=True, where=where, tools=tools)
     if messages[-1].get("role") == "assistant" and text == render_chat(tokenizer, messages, False,
                                                                        where, tools):
@@ -65,6 +83,7 @@ def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
     """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
     rendered with the generation prompt (and the schemas of `tools`, when given)."""
     messages = prompt_messages(row, where)
+    tools = prompt_tools(row, where, tools)
     if messages is not None:
         return _render_prompt(tokenizer, messages, where, tools)
     return plain_text(row, "prompt", where)
@@ -96,6 +115,9 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
         return text, ids
     messages = prompt_messages(row, where)
     if messages is not None:
+        tools = prompt_tools(row, where, tools)
+        messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
+                                     messages, tools, where)
         return text, truncate_chat(tokenizer, messages, max_tokens,
                                    lambda t: encode_prompt(tokenizer, t, prefix), tools)[1]
     head = _special_head(tokenizer, ids)
@@ -105,16 +127,37 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
     return text, head + ids[len(ids) - (max_tokens - len(head)):]
 
 
+def prompt_kind(row: dict) -> str:
+    """"chat" for a `{messages}` row or a messages-valued `prompt`, else "plain text"."""
+    chat = row.get("messages") is not None or isinstance(row.get("prompt"), (list, dict))
+    return "chat" if chat else "plain text"
+
+
+def check_one_kind(rows: list[dict], source: str) -> None:
+    """Every prompt of a file is plain text, or every one a chat: a file mixing them (two sets
+    merged?) would prompt some rows through the chat template and some not, a policy seeing two
+    formats where SFT taught it one."""
+    first = prompt_kind(rows[0])
+    for i, row in enumerate(rows[1:], 1):
+        if prompt_kind(row) != first:
+            raise TetherError(f"{source}: row {i} is a {prompt_kind(row)} prompt but row 0 is "
+                              f"{first}; give every prompt the same way (all text, or all chat "
+                              "messages)")
+
+
 def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows (other columns
-    ignored), encoded by the rule every stage uses, each cut to `max_len` ids without losing its
-    special prefix."""
+    ignored), all plain or all chat, encoded by the rule every stage uses, each cut to `max_len`
+    ids without losing its special prefix."""
     rows = load_rows(source)
-    texts, ids, prefix = [], [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
         if row.get("prompt") is None and row.get("messages") is None:
             raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
                               "give one of them per row")
+        check_prompt(row.get("prompt"), f"{source}: row {i}")
+    check_one_kind(rows, source)
+    texts, ids, prefix = [], [], special_prefix(tokenizer)
+    for i, row in enumerate(rows):
         text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix, f"{source}: row {i}")
         if not tokens or not text.strip():
             raise TetherError(f"{source}: row {i} has an empty prompt; remove it")

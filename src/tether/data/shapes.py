@@ -43,11 +43,27 @@ def _columns(row: dict) -> str:
     return ", ".join(sorted(row))
 
 
+# Pairs of columns that each give an SFT row's text one way: a row with both would be read by
+# whichever is looked up first, the other dropped without a word (a merge of two sets, or a
+# column renamed without removing the old one). `messages` beside them is read first, as
+# documented: hub chat sets keep the first user turn in a `prompt` column beside `messages`.
+RIVAL_COLUMNS = (("response", "completion"), ("text", "prompt"), ("text", "response"),
+                 ("text", "completion"))
+
+
+def _check_one_reading(row: dict, where: str) -> None:
+    for first, second in RIVAL_COLUMNS:
+        if _has(row, first) and _has(row, second):
+            raise TetherError(f"{where} has both {first!r} and {second!r}, which give its text two "
+                              "ways; keep one (docs/data.md lists the row shapes)")
+
+
 def sft_shape(row: dict, where: str) -> tuple[str, ...]:
     """The columns an SFT row is read by: `messages` first, then `prompt` with `completion` or
-    `response`, then `text`."""
+    `response`, then `text`; two rival columns (`RIVAL_COLUMNS`) are an error."""
     if _has(row, "messages"):
         return ("messages",)
+    _check_one_reading(row, where)
     if _has(row, "prompt"):
         for key in ("completion", "response"):
             if _has(row, key):
@@ -58,6 +74,12 @@ def sft_shape(row: dict, where: str) -> tuple[str, ...]:
         return ("text",)
     raise TetherError(f"{where} is not an SFT row (columns found: {_columns(row)}); give "
                       f"{SFT_SHAPES} rows (docs/data.md)")
+
+
+def is_chat_sft_row(row: dict, shape: tuple[str, ...]) -> bool:
+    """True for an SFT row read as a chat: `{messages}`, or a prompt given as messages."""
+    return shape == ("messages",) or (shape[0] == "prompt"
+                                      and isinstance(row["prompt"], (list, dict)))
 
 
 def preference_shape(row: dict, where: str) -> tuple[str, ...]:

@@ -67,6 +67,14 @@ def _check_one_label(config, name: str) -> None:
                           "classifier, turn its labels into one number in a --reward-fn")
 
 
+def _a_file(name: str, local: Path) -> str:
+    """The line for a --reward-model that names a file (a weights file, config.json, a script)."""
+    fix = (f"a Python reward function goes to --reward-fn {name}:FUNCTION" if local.suffix == ".py"
+           else f"pass the directory that holds it ({local.parent}) if that is the model")
+    return (f"--reward-model {name} is a file; a reward model is a directory (a `tether rm` "
+            f"run's final/, or a sequence classifier saved with save_pretrained): {fix}")
+
+
 def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str:
     """`TETHER` (a directory `tether rm` wrote), `CLASSIFIER` (a sequence-classification
     checkpoint with one label) or `CLASSIFIER_ADAPTER` (a peft adapter of task SEQ_CLS); anything
@@ -75,6 +83,8 @@ def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str
     if (local / REWARD_JSON).is_file():
         return TETHER
     _check_exists(name_or_path)
+    if local.is_file():  # read as a config.json, a file gives a line about its contents
+        raise TetherError(_a_file(name_or_path, local))
     if is_adapter(local):
         meta = json.loads((local / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         if meta.get("task_type") != "SEQ_CLS":

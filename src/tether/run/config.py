@@ -81,7 +81,8 @@ class RunConfig:
         for name in ("log_every",):
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
-        require_positive(self, "lora_r", "lora_dropout", "threads", allow_zero=True)
+        require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
+        check_threads(self.threads)
         require_positive(self, "lora_alpha")
         if self.lora_dropout >= 1:
             raise TetherError(f"config field 'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
@@ -93,6 +94,25 @@ class RunConfig:
         if self.save_every < 0:
             raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
         check_device(self.device)
+
+    def check_given(self, given: set[str]) -> None:
+        """Refuse an option in `given` (the fields the user set: away from their default, or
+        named as a flag or in a hand-written --config file) that this config's other settings
+        leave without effect; called after `validate`. None here; a stage with such options
+        overrides it."""
+
+
+def changed_fields(cfg: Any) -> set[str]:
+    """The fields of `cfg` whose value differs from its class's default: set by the user (a flag,
+    a --config file, a sweep grid), whichever way the config was read."""
+    changed = set()
+    for f in dataclasses.fields(cfg):
+        default = (f.default if f.default is not dataclasses.MISSING
+                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
+                   else dataclasses.MISSING)
+        if getattr(cfg, f.name) != default:
+            changed.add(f.name)
+    return changed
 
 
 # Tokens a chat template may write around one observation (role markers, the next turn's
@@ -164,6 +184,20 @@ def check_device(device: str) -> None:
             or (device.startswith("cuda:") and device[5:].isdigit())):
         raise TetherError(f"config field 'device' must be one of: auto, cpu, cuda, cuda:N, mps "
                           f"(got {device!r})")
+
+
+# torch takes a 32-bit count (a larger one is a ValueError from inside it) and starts that many
+# threads at the first parallel operation; past a few thousand the system runs out first.
+MAX_THREADS = 4096
+
+
+def check_threads(threads: int) -> None:
+    """`--threads` is 0 (auto) or a count torch can start."""
+    if not 0 <= threads <= MAX_THREADS:
+        raise TetherError(f"--threads {threads} is out of range: give 0 (auto) or 1 to "
+                          f"{MAX_THREADS} threads per operation (this machine has "
+                          f"{os.cpu_count()} CPU cores; more threads than cores only wait on "
+                          "each other)")
 
 
 def check_stop_strings(stop_strings: Any) -> None:
@@ -301,6 +335,49 @@ def resolved_paths(values: dict[str, Any]) -> dict[str, Any]:
             return ",".join(function_path(spec) for spec in value.split(","))
         return value
     return {name: resolve(name, value) for name, value in values.items()}
+
+
+def recorded_input_path(value: str, config_path: Path, field: str) -> str:
+    """An input path as a run's config.yaml (`config_path`) records it, for a command that reads
+    the record (`tether eval`'s default reference). tether writes these absolute (issue 23); a
+    relative one is a hand edit or an old run's, and means different things from different
+    directories (from the wrong one: another model, and a KL of 0.15 where it is 0). It is read
+    against the run directory (the config file's), where it means the same from anywhere; one
+    that names a file or directory only from the current directory, or a different one from
+    each, is refused, since which one was meant cannot be told. Neither: kept, a hub name."""
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return expanded
+    beside_run = config_path.parent / expanded
+    from_here = Path(os.path.abspath(expanded))
+    fix = (f"write the absolute path of the model meant in {config_path}, or pass --reference "
+           "PATH")
+    if beside_run.exists():
+        if from_here.exists() and from_here.resolve() != beside_run.resolve():
+            raise TetherError(f"{config_path} records {field} {value!r}, a relative path that names "
+                              f"two different things: {beside_run} (from the run directory) and "
+                              f"{from_here} (from the current directory); {fix}")
+        return os.path.abspath(beside_run)
+    if from_here.exists():
+        raise TetherError(f"{config_path} records {field} {value!r}, a relative path (tether writes "
+                          f"absolute ones): it names {from_here} from the current directory but "
+                          "nothing from the run directory, so it depends on where the command "
+                          f"runs; {fix}")
+    return expanded
+
+
+def resolved_record(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    """A run's recorded config (`config_path`'s) with its paths resolved to compare with a
+    resumed one: a relative input path that names something from the run directory is that
+    (`recorded_input_path`'s reading), any other as `resolved_paths` reads it (an old run's,
+    relative to the directory it was made in, as then)."""
+    def from_run(name: str, value: Any) -> Any:
+        if name not in INPUT_PATH_FIELDS or not isinstance(value, str) or not value:
+            return value
+        beside_run = config_path.parent / os.path.expanduser(value)
+        relative = not os.path.isabs(os.path.expanduser(value))
+        return os.path.abspath(beside_run) if relative and beside_run.exists() else value
+    return resolved_paths({name: from_run(name, value) for name, value in values.items()})
 
 
 def resolve_paths(cfg: Any) -> Any:

@@ -25,7 +25,7 @@ import yaml
 
 from tether.errors import TetherError
 from tether.run import trl_names
-from tether.run.config import C, resolve_paths
+from tether.run.config import C, changed_fields, resolve_paths
 from tether.run.config_help import COMMA_LISTS
 
 
@@ -131,12 +131,19 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
     return cfg
 
 
-def _validate(cfg: Any) -> None:
+def _validate(cfg: Any, named: set[str] | None = None) -> None:
+    """Types and choices, the config's `validate()`, then, for a config the user wrote (`named`
+    given: flags and a --config file), `check_given` of the fields they set: changed from their
+    default, or `named` (given at their default, still a choice). A dict (a sweep grid's run)
+    skips it: a grid crosses its axes, so `kl_target` beside `kl_ctl: [fixed, adaptive]` is
+    inert in half its runs by design; the grid checks its block as a whole (sweep_plan)."""
     hints = _field_types(type(cfg))
     for f in dataclasses.fields(cfg):  # flags were typed by tyro; re-check choices in one place
         _coerce(f.name, hints[f.name], getattr(cfg, f.name))
     if hasattr(cfg, "validate"):
         cfg.validate()
+    if named is not None and hasattr(cfg, "check_given"):
+        cfg.check_given(changed_fields(cfg) | named)
 
 
 # ----------------------------------------------------------------------------- unknown names
@@ -189,13 +196,53 @@ def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+class _KeyTwice(Exception):
+    def __init__(self, key: Any, first_line: int, second_line: int):
+        super().__init__(key)
+        self.key, self.lines = key, (first_line, second_line)
+
+
+def _map_of_unique_keys(loader: yaml.SafeLoader, node: yaml.MappingNode):
+    """SafeLoader's mapping, refusing a key written twice in one mapping: PyYAML keeps the last
+    value without a word, so `lr: 1e-4` high in a file is overridden by a forgotten `lr: 1` below.
+    A merge (`<<: *defaults`) may be overridden by the keys beside it, as YAML means."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        with contextlib.suppress(TypeError):  # an unhashable key: the mapping's own error
+            if key in seen:
+                raise _KeyTwice(key, seen[key], line)
+            seen[key] = line
+    yield from yaml.SafeLoader.construct_yaml_map(loader, node)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader with `_map_of_unique_keys` for every mapping."""
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _map_of_unique_keys)
+
+
 def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML mapping; TetherError when the file is missing, unreadable or not a mapping."""
+    """Read a YAML mapping; TetherError when the file is missing, a directory, unreadable, or
+    gives a key twice."""
     p = Path(path)
+    if p.is_dir():
+        inside = p / "config.yaml"  # a run directory: its settings are its config.yaml
+        raise TetherError(f"config file {path} is a directory, not a YAML file; name the file"
+                          + (f", e.g. {inside}" if inside.is_file() else ""))
     if not p.is_file():
         raise TetherError(f"config file {path} not found; pass an existing YAML file to --config")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except _KeyTwice as twice:
+        first, second = twice.lines
+        raise TetherError(f"config file {path} gives {twice.key!r} twice (lines {first} and "
+                          f"{second}); YAML would keep the second silently: keep one") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TetherError(f"config file {path} is not valid UTF-8 YAML ({first})") from None
@@ -247,7 +294,8 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
         print(help_text(cls, prog or cls.__name__, _description(cls)))
         raise SystemExit(0)
     _check_flags(cls, rest, prog)
-    values = _check_dict(cls, load_yaml(yaml_path), yaml_path, prog) if yaml_path else {}
+    raw = load_yaml(yaml_path) if yaml_path else {}
+    values = _check_dict(cls, raw, yaml_path, prog) if yaml_path else {}
     _check_required(cls, values, rest, prog or cls.__name__)
     default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
     stderr = io.StringIO()
@@ -259,8 +307,22 @@ def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
             raise
         raise TetherError(_tyro_message(stderr.getvalue())) from None
     resolve_paths(cfg)
-    _validate(cfg)
+    _validate(cfg, _named(cls, rest) | (set() if _recorded(cls, raw) else set(values)))
     return cfg
+
+
+def _recorded(cls: type, raw: dict[str, Any]) -> bool:
+    """Whether a --config file is a run's recorded config.yaml (a `stage:` line, or every field:
+    one whose `stage:` line was deleted to start another stage from it). It names every field,
+    chosen or not, so only its changed values count as given; a hand-written file's keys all do."""
+    return "stage" in raw or {f.name for f in dataclasses.fields(cls)} <= set(raw)
+
+
+def _named(cls: type, argv: list[str]) -> set[str]:
+    """The fields named on the command line (`--no-x` names `x`)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    flags = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    return {flag if flag in names else flag.removeprefix("no_") for flag in flags} & names
 
 
 def _split_number_lists(cls: type, argv: list[str]) -> list[str]:

@@ -45,7 +45,7 @@ from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
 from tether.run.atomic import atomic_write_bytes, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
-from tether.run.config import config_to_dict, resolved_paths
+from tether.run.config import config_to_dict, resolved_record
 from tether.run.trackers import parse_report_to, start_trackers
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
@@ -246,7 +246,9 @@ class RunDir:
                               ) -> dict[str, Any]:
         """Refuse a resumed config that differs from the saved one, `old` (read from `source`);
         returns the accepted harmless changes (for `resumes.jsonl`), {} when there are none."""
-        old = resolved_paths(old)  # a run recorded before paths were: relative to here, as then
+        # a relative path (an old run's, or a hand edit) is read as `tether eval` reads it,
+        # against the run directory; else against here, as an old run was made
+        old = resolved_record(old, self.config_path)
         changed = {k: (old.get(k), v) for k, v in new.items()
                    if k not in NOT_COMPARED and k in old and old[k] != v
                    and not (k in FORMER_DEFAULTS and old[k] == FORMER_DEFAULTS[k]

@@ -17,6 +17,7 @@ from tether.run.config import (
     check_device,
     check_engine_options,
     check_stop_strings,
+    check_threads,
     require_positive,
 )
 
@@ -59,7 +60,7 @@ class SamplingConfig(EnvOptions):
     def validate(self) -> None:
         require_positive(self, "max_prompt_len", "max_new_tokens", "temperature", "batch_size",
                          "engine_kv_cache_mb")
-        require_positive(self, "threads", allow_zero=True)
+        check_threads(self.threads)
         check_device(self.device)
         check_stop_strings(self.stop_strings)
         check_engine_options(self)

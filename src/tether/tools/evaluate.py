@@ -60,7 +60,7 @@ from tether.rl.rewards import (
 )
 from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
-from tether.run.config import config_to_dict, input_path
+from tether.run.config import config_to_dict, recorded_input_path
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
@@ -93,9 +93,11 @@ def default_reference(model_path: str, base: str = "") -> str:
         saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return ""
+    if not isinstance(saved, dict):  # a list or a scalar records no model, as a broken file
+        return ""
     for name in STARTING_MODEL_FIELDS:
         if isinstance(saved.get(name), str) and saved[name]:
-            start = input_path(saved[name])  # relative (an old run): to here, as then
+            start = recorded_input_path(saved[name], config_path, name)
             return adapter_base(model_path, base) if _is_its_base(model_path, start) else start
     return ""
 

@@ -73,6 +73,10 @@ def read_run(path: str | Path) -> RunRecord:
         except (yaml.YAMLError, UnicodeDecodeError):
             raise TetherError(f"{path / 'config.yaml'} is not valid YAML; restore it from the "
                               "run or leave the run out") from None
+        if not isinstance(config, dict):  # a list or a scalar: no fields to show or diff
+            raise TetherError(f"{path / 'config.yaml'} is a YAML {type(config).__name__}, not the "
+                              "mapping of config fields a run records; restore it from the run "
+                              "or leave the run out")
     metrics = []
     if (path / "metrics.jsonl").is_file():
         for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines():

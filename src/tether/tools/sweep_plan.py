@@ -163,15 +163,30 @@ def _repeat_message(stage: str, axes: dict[str, list], first: tuple, again: tupl
             "count it as two seeds); remove the repeat")
 
 
-def _ppo_defaults(runs: list[PlannedRun]) -> None:
+def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
+    """A field of the ppo block that acts in none of its runs (`scale_rewards` without an
+    `advantage: grpo` anywhere) would be recorded and ignored: refused, as a flag is. One inert
+    in some runs only is a grid crossing its axes (`kl_target` beside `kl_ctl: [fixed,
+    adaptive]`), and stays."""
+    if not configs:
+        return
+    inert = [cfg.inert_options(set(block)) for cfg in configs]
+    for name, line in inert[0].items():
+        if all(name in lines for lines in inert):
+            raise TetherError(f"grid: the ppo block's '{name}' has no effect in any of its runs: "
+                              f"{line}")
+
+
+def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
     """Every PPO run evaluates at step 0 and about ten times more: the points of the frontier."""
-    for run in runs:
-        if run.stage != "ppo":
-            continue
-        cfg = config_from_dict(config_class("ppo"), run.fields)  # checks every field now
-        if not cfg.eval_prompts or not cfg.gold_fn:
-            raise TetherError("grid: the ppo block needs eval_prompts and gold_fn (the frontier "
-                              "plots gold reward against KL on held-out prompts)")
+    ppo_runs = [run for run in runs if run.stage == "ppo"]
+    configs = [config_from_dict(config_class("ppo"), run.fields)  # checks every field now
+               for run in ppo_runs]
+    if any(not cfg.eval_prompts or not cfg.gold_fn for cfg in configs):
+        raise TetherError("grid: the ppo block needs eval_prompts and gold_fn (the frontier "
+                          "plots gold reward against KL on held-out prompts)")
+    _check_block_acts(configs, block)
+    for run, cfg in zip(ppo_runs, configs, strict=True):
         if "eval_every" not in run.fields:
             run.fields["eval_every"] = max(1, cfg.n_batches // 10)
 
@@ -239,7 +254,7 @@ def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
             runs += stage_runs
     names = {run.name.lower() for run in runs}  # distinct by construction (_axis_slugs), and
     assert len(names) == len(runs), "two planned runs share a directory"  # checked: one dir each
-    _ppo_defaults(runs)
+    _ppo_defaults(runs, grid.get("ppo") or {})
     _dpo_eval(runs, grid.get("ppo") or {}, grid.get("eval") or {})
     return Sweep(root, runs, axes)
 

@@ -6,8 +6,9 @@ Units: a *batch* is one rollout of `batch_size` prompts followed by its PPO epoc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from tether.errors import TetherError
 from tether.run.config import (
@@ -21,6 +22,53 @@ from tether.run.config import (
 # --dynamic-sampling's most rounds: each costs as much as the batch itself, and a batch that
 # needs more has almost no group with differing rewards (verl's DAPO scripts use 10)
 MAX_DYNAMIC_ROUNDS = 100
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where an option acts: `acts(cfg)`; elsewhere it would be accepted, recorded and ignored."""
+
+    needs: str  # the setting it acts under, as the user would pass it
+    acts: Callable[[Any], bool]
+    instead: Callable[[Any], str]  # what this config runs with instead
+    fix: str  # besides dropping it
+
+
+GRPO_ADVANTAGE = Scope("--advantage grpo", lambda c: c.advantage == "grpo",
+                       lambda c: f"--advantage {c.advantage}", "use tether grpo (--advantage grpo)")
+GAE = Scope("--advantage gae", lambda c: c.advantage == "gae",
+            lambda c: f"--advantage {c.advantage}", "use tether ppo (--advantage gae)")
+CRITIC = Scope("the critic of --advantage gae", lambda c: c.uses_critic,
+               lambda c: f"--advantage {c.advantage}, which has no critic",
+               "use tether ppo (--advantage gae)")
+DISCOUNT = Scope("--advantage gae or reinforce++", lambda c: c.advantage in ("gae", "reinforce++"),
+                 lambda c: f"--advantage {c.advantage}, which discounts nothing",
+                 "use --advantage gae or reinforce++")
+ADAPTIVE = Scope("--kl-ctl adaptive", lambda c: c.kl_ctl == "adaptive",
+                 lambda c: f"--kl-ctl {c.kl_ctl}", "pass --kl-ctl adaptive")
+ANNEALED = Scope("--kl-ctl annealed", lambda c: c.kl_ctl == "annealed",
+                 lambda c: f"--kl-ctl {c.kl_ctl}", "pass --kl-ctl annealed")
+TOKEN_MEAN = Scope("--kl-in loss and no --loss-aggregation",
+                   lambda c: c.kl_in == "loss" and c.loss_aggregation == "auto",
+                   lambda c: (f"--kl-in {c.kl_in}" if c.kl_in != "loss"
+                              else f"--loss-aggregation {c.loss_aggregation}"),
+                   "pass --kl-in loss without --loss-aggregation (which replaces it)")
+EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
+                   lambda c: "no --eval-prompts", "pass --eval-prompts")
+
+# The options that act only under another setting (GRPO's scaling, the critic's and GAE's,
+# the controllers'), each with where it acts: `PPOConfig.check_given` refuses one the user gave
+# where it would do nothing (tether rloo --scale-rewards batch trained as if it were absent).
+SCOPED_OPTIONS = {
+    "scale_rewards": GRPO_ADVANTAGE,
+    "whiten_advantages": GAE, "lam": GAE,
+    "critic": CRITIC, "vf_coef": CRITIC, "value_clip_range": CRITIC,
+    "gamma": DISCOUNT,
+    "kl_target": ADAPTIVE, "kl_horizon": ADAPTIVE, "kl_max_error": ADAPTIVE,
+    "beta_end": ANNEALED, "anneal_batches": ANNEALED, "anneal_shape": ANNEALED,
+    "kl_per_token_mean": TOKEN_MEAN,
+    "eval_every": EVALUATION,
+}
 
 
 @dataclass(kw_only=True)
@@ -277,6 +325,20 @@ class PPOConfig(RunConfig, EnvOptions):
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
         self._check_dynamic_sampling()
+
+    def inert_options(self, given: set[str]) -> dict[str, str]:
+        """The options of `SCOPED_OPTIONS` in `given` that this run's settings leave without
+        effect, each with its one line."""
+        return {name: f"--{name.replace('_', '-')} applies with {scope.needs}, and tether "
+                      f"{self.STAGE} runs with {scope.instead(self)}, where it has no effect; "
+                      f"drop it, or {scope.fix}"
+                for name, scope in SCOPED_OPTIONS.items()
+                if name in given and not scope.acts(self)}
+
+    def check_given(self, given: set[str]) -> None:
+        """The first of `inert_options(given)`, refused."""
+        for line in self.inert_options(given).values():
+            raise TetherError(line)
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:
