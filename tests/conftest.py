@@ -18,6 +18,22 @@ from tether.models.tiny import save_tiny  # noqa: E402
 # maths (the offline-stage tests took 98 s with 2 threads and 10 s with 1 on an idle machine).
 torch.set_num_threads(1)
 
+@pytest.fixture
+def no_loads(monkeypatch):
+    """Every model load fails the test at once, and is recorded should a stage catch the error:
+    the bad-input tests' proof that a check ran before any weights loaded. Patched where every
+    load of every stage goes through (transformers' `PreTrainedModel.from_pretrained`)."""
+    import transformers
+
+    calls = []
+
+    def refuse(cls, *args, **kwargs):
+        calls.append(cls.__name__)
+        raise AssertionError(f"{cls.__name__} was loaded before the bad input was found")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    return calls
+
+
 WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene "
          "film story music ending long short loved hated it and but very quite").split()
 

@@ -53,18 +53,6 @@ def loads(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def no_loads(monkeypatch):
-    """Every model load fails the test at once (and is recorded, should a stage catch it)."""
-    calls = []
-
-    def refuse(cls, *args, **kwargs):
-        calls.append(cls.__name__)
-        raise AssertionError(f"{cls.__name__} was loaded before the bad input was found")
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    return calls
-
-
 PPO = ["--prompts", "prompts.jsonl", "--output-dir", "runs", "--run-name", "x", "--device", "cpu"]
 EVAL = ["--prompts", "prompts.jsonl", "--output", "runs/eval.json", "--device", "cpu"]
 CASES = [  # (argv with POLICY / OTHER standing for the models, pattern of the one line)

@@ -57,18 +57,6 @@ def root(tmp_path_factory):
     return base
 
 
-@pytest.fixture
-def no_loads(monkeypatch):
-    """Every model load fails the test at once (and is recorded, should a stage catch it)."""
-    calls = []
-
-    def refuse(cls, *args, **kwargs):
-        calls.append(cls.__name__)
-        raise AssertionError(f"{cls.__name__} was loaded before the bad input was found")
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    return calls
-
-
 def _refused(root, argv, pattern, capsys, monkeypatch, no_loads) -> str:
     monkeypatch.chdir(root)
     line = refused(root, [str(a) for a in argv], pattern, capsys)

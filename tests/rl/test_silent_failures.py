@@ -312,16 +312,6 @@ def test_an_environment_reward_that_would_overflow_is_refused(reward, shown):
 
 # The margin column: refused at data load, before the model loads, with nothing written.
 
-@pytest.fixture
-def no_loads(monkeypatch):
-    calls = []
-
-    def refuse(cls, *args, **kwargs):
-        calls.append(cls.__name__)
-        raise AssertionError(f"{cls.__name__} was loaded before the bad margin was found")
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    return calls
-
 
 MARGINS = [(float("nan"), "nan"), (float("inf"), "inf"), (1e300, "1e+300"), ("nan", "'nan'"),
            (-1e39, "-1e+39")]

@@ -82,24 +82,17 @@ def llama_wide(tmp_path_factory):
 
 
 @pytest.fixture
-def no_engine(monkeypatch):
-    """vLLM counts as installed for the CLI's preflight, and any model load or engine start fails
-    the test: the refusals below come before both."""
+def no_engine(monkeypatch, no_loads):
+    """vLLM counts as installed for the CLI's preflight, and any model load (`no_loads`) or
+    engine start fails the test: the refusals below come before both."""
     import tether.cli
-
-    loads = []
-
-    def refuse(cls, *args, **kwargs):
-        loads.append(cls.__name__)
-        raise AssertionError(f"{cls.__name__} was loaded before the bad input was found")
 
     def no_start(*args, **kwargs):
         raise AssertionError("an engine started before the bad input was found")
     monkeypatch.setattr(tether.cli, "require_engine", lambda engine: None)
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
     for name in engines.ENGINES:
         monkeypatch.setitem(engines.ENGINES, name, no_start)
-    return loads
+    return no_loads
 
 
 def grpo_argv(policy, root, *more: str) -> list[str]:
