@@ -76,7 +76,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     try:
         watch = watch_for(cfg, quiet=not d.is_main)
         models, normalizer, start = begin(rundir, setup, cfg, watch)
-        bar = progress(cfg.n_batches, f"ppo {cfg.run_name}", initial=start)  # rank 0's is seen
+        bar = progress(cfg.n_batches, f"{cfg.STAGE} {cfg.run_name}", initial=start)  # rank 0 shows
         for batch in range(start, cfg.n_batches):
             step = batch + 1
             started = time.perf_counter()
