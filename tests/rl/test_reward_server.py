@@ -125,6 +125,20 @@ def test_served_scores_equal_the_in_process_models_exactly(rms, which, prompts):
     assert len(set(got.tolist())) == len(got)  # the texts really score apart
 
 
+def test_host_and_port_are_where_it_listens(rms):
+    port = free_port()
+    server = open_server(ServeRMConfig(model=str(rms["gpt2"]), host="127.0.0.2", port=port,
+                                       device="cpu"))
+    thread = serve(server)
+    try:
+        assert server.url == f"http://127.0.0.2:{port}"
+        assert connect([server.url])[0].info["model"] == str(rms["gpt2"])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def test_info_says_what_the_client_checks(rms):
     with served(rms["llama"]) as server, served(rms["gpt2"]) as other:
         info = connect([server.url])[0].info
@@ -269,7 +283,7 @@ def test_chat_prompts_need_the_served_models_chat_template(rms, workdir, tiny_ll
 @pytest.mark.parametrize("extra, pattern", [
     (["--reward-url", "http://127.0.0.1:9", "--reward-fn", "m:f"],
      r"give exactly one reward: .*\(got --reward-fn, --reward-url\)"),
-    (["--reward-url", "localhost:8000"], r"--reward-url 'localhost:8000' is not an http:// URL"),
+    (["--reward-url", "localhost:8000"], r"--reward-url localhost:8000 is not an http:// URL"),
     (["--reward-url", "http://a:1,http://a:1"], "names an endpoint twice"),
     (["--reward-fn", "m:f", "--reward-url-timeout", "5"],
      "--reward-url-timeout 5 limits the requests to --reward-url, and this run has none"),
@@ -314,6 +328,9 @@ class Stub(ThreadingHTTPServer):
     def close(self):
         self.shutdown()
         self.server_close()
+
+    def handle_error(self, request, client_address):  # a client that left: nothing to report
+        pass
 
 
 class StubHandler(BaseHTTPRequestHandler):
@@ -378,13 +395,17 @@ def test_a_400_is_not_retried(monkeypatch):
     assert stub.posts == 1
 
 
-def test_a_hung_endpoint_stops_the_run_with_one_line(workdir, capsys):
+@pytest.mark.parametrize("stage", ["grpo", "eval"])
+def test_a_hung_endpoint_stops_the_run_with_one_line(stage, workdir, capsys):
     stub = Stub(["hang"])
     try:
-        argv = _grpo(workdir, workdir / "plain.jsonl", "--reward-url", stub.url,
-                     "--reward-url-timeout", "0.5", "--max-new-tokens", "4")
+        argv = (_grpo(workdir, workdir / "plain.jsonl") if stage == "grpo" else
+                ["eval", "--model", str(workdir / "policy"), "--prompts",
+                 str(workdir / "plain.jsonl"), "--output", str(workdir / "e.json"), "--device",
+                 "cpu"])
         capsys.readouterr()
-        assert main(argv) == 2
+        assert main(argv + ["--reward-url", stub.url, "--reward-url-timeout", "0.5",
+                            "--max-new-tokens", "4"]) == 2
     finally:
         stub.close()
     err = capsys.readouterr().err

@@ -63,7 +63,7 @@ def parse_urls(spec: str) -> list[str]:
     for url in urls:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise TetherError(f"--reward-url {url or spec!r} is not an http:// URL; give "
+            raise TetherError(f"--reward-url {url or spec} is not an http:// URL; give "
                               "http://HOST:PORT of a tether serve-rm (several joined by commas)")
     if len(set(urls)) != len(urls):
         raise TetherError(f"--reward-url {spec} names an endpoint twice; give each once")
