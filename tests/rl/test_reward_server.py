@@ -125,18 +125,37 @@ def test_served_scores_equal_the_in_process_models_exactly(rms, which, prompts):
     assert len(set(got.tolist())) == len(got)  # the texts really score apart
 
 
-def test_host_and_port_are_where_it_listens(rms):
+def test_serve_rm_loads_and_scores_as_told(rms, monkeypatch):
+    # every option reaches what it sets: where it listens, the loader, the rows per forward
+    from tether.tools import serve_rm
+
+    seen = {}
+    real_load, real_device = serve_rm.load_scoring_model, serve_rm.resolve_device
+    monkeypatch.setattr(serve_rm, "resolve_device",
+                        lambda name: seen.setdefault("device", name) and real_device("cpu"))
+    monkeypatch.setattr(serve_rm, "load_scoring_model", lambda path, device, dtype, trust: (
+        seen.update(path=path, dtype=dtype, trust=trust) or real_load(path, device, dtype, trust)))
     port = free_port()
-    server = open_server(ServeRMConfig(model=str(rms["gpt2"]), host="127.0.0.2", port=port,
-                                       device="cpu"))
+    server = open_server(ServeRMConfig(model=str(rms["llama"]), host="127.0.0.2", port=port,
+                                       device="cpu", dtype="bfloat16", batch_size=3,
+                                       trust_remote_code=True))
+    sizes = []
+    score_texts = server.model.score_texts
+    monkeypatch.setattr(server.model, "score_texts", lambda p, r, batch_size: (
+        sizes.append(batch_size) or score_texts(p, r, batch_size)))
     thread = serve(server)
     try:
         assert server.url == f"http://127.0.0.2:{port}"
-        assert connect([server.url])[0].info["model"] == str(rms["gpt2"])
+        endpoints = connect([server.url])
+        score_remote(endpoints, PLAIN, RESPONSES, timeout=60)
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
+    assert seen == {"device": "cpu", "path": str(rms["llama"]), "dtype": "bfloat16",
+                    "trust": True}
+    assert sizes == [3] and endpoints[0].info["dtype"] == "bfloat16"
+    assert server.model.model.dtype == torch.bfloat16
 
 
 def test_info_says_what_the_client_checks(rms):
