@@ -563,8 +563,8 @@ OPTION_TESTS["eval:reward_fn_timeout"] = [
 # A reward model served by `tether serve-rm` (issue 34): --reward-url and its timeout
 SERVED = "tests/rl/test_reward_server.py::"
 OPTION_TESTS |= {
-    "online:reward_url": [SERVED + "test_grpo_with_reward_url_is_the_run_with_reward_model"
-                                   "[tiny_model_dir-gpt2-False]"],
+    "online:reward_url": [SERVED + "test_online_run_with_reward_url_is_the_run_with_reward_"
+                                   "model[grpo-tiny_model_dir-gpt2-False]"],
     "online:reward_url_timeout": [SERVED + "test_a_hung_endpoint_stops_the_run_with_one_line[grpo]"],
     "eval:reward_url": [SERVED + "test_eval_with_reward_url_scores_as_with_reward_model"],
     "eval:reward_url_timeout": [SERVED + "test_a_hung_endpoint_stops_the_run_with_one_line[eval]"],

@@ -207,18 +207,21 @@ def _run(stage_argv: list[str], root: Path) -> tuple[list[dict], dict]:
     return metrics, load_file(str(run / "final" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("policy, rm, chat", [("tiny_model_dir", "gpt2", False),
-                                              ("tiny_llama_dir", "llama", True)])
-def test_grpo_with_reward_url_is_the_run_with_reward_model(policy, rm, chat, rms, request,
-                                                           tmp_path):
+@pytest.mark.parametrize("stage, policy, rm, chat", [("grpo", "tiny_model_dir", "gpt2", False),
+                                                     ("grpo", "tiny_llama_dir", "llama", True),
+                                                     ("ppo", "tiny_model_dir", "gpt2", False)])
+def test_online_run_with_reward_url_is_the_run_with_reward_model(stage, policy, rm, chat, rms,
+                                                                 request, tmp_path):
+    # ppo: gae with a separate critic, which starts from the policy's trunk with either reward
+    # (this reward model reads another vocabulary, so in process it cannot seed the critic either)
     rows = [{"messages": c} for c in CHATS] if chat else [{"prompt": p} for p in PLAIN]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    argv = ["grpo", "--policy", str(request.getfixturevalue(policy)), "--prompts", str(prompts),
-            "--run-name", "r", "--batch-size", "4", "--samples-per-prompt", "2",
-            "--total-episodes", "8", "--max-new-tokens", "6", "--device", "cpu",
-            "--save-every", "0", "--report-to", "none"]
+    argv = [stage, "--policy", str(request.getfixturevalue(policy)), "--prompts", str(prompts),
+            "--run-name", "r", "--batch-size", "4", "--total-episodes", "8",
+            "--max-new-tokens", "6", "--device", "cpu", "--save-every", "0", "--report-to",
+            "none"] + (["--samples-per-prompt", "2"] if stage == "grpo" else [])
     local = _run(argv + ["--reward-model", str(rms[rm])], tmp_path / "local")
-    # the server scores 4 rows per forward: grpo's micro-batch (the whole batch of 4)
+    # the server scores 4 rows per forward: the stage's micro-batch (the whole batch of 4)
     with served(rms[rm], batch_size=4) as server:
         remote = _run(argv + ["--reward-url", server.url], tmp_path / "remote")
     assert remote[0] == local[0]  # every metric, every batch
