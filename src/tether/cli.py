@@ -40,6 +40,7 @@ STAGES = {
     "report": "tether.tools.report",
     "set-base": "tether.tools.set_base",
     "sweep": "tether.tools.sweep",
+    "serve-rm": "tether.tools.serve_rm",
 }
 
 # Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
@@ -56,6 +57,7 @@ CONFIGS = {
     "report": ("tether.tools.config", "ReportConfig"),
     "set-base": ("tether.tools.config", "SetBaseConfig"),
     "sweep": ("tether.tools.config", "SweepConfig"),
+    "serve-rm": ("tether.tools.config", "ServeRMConfig"),
 }
 
 HELP = {
@@ -71,6 +73,7 @@ HELP = {
     "report": "run directories of any stage on one HTML page, configs diffed",
     "set-base": "re-point a LoRA adapter at its base model where it is now (checked first)",
     "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
+    "serve-rm": "a reward model over HTTP, for --reward-url of the online stages and eval",
 }
 
 

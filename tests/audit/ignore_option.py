@@ -8,7 +8,7 @@ bug "the flag is accepted, checked and recorded, then ignored". Used by tests/au
 variable is unset.
 
 Stages: sft, rm, dpo, online (tether ppo, rloo and grpo share one loop and PPOConfig), demo,
-generate, eval, report, sweep. Processes a test starts see the same variable: tests/dist_driver.py
+generate, eval, report, sweep, serve-rm. Processes a test starts see the same variable: tests/dist_driver.py
 (the torchrun ranks) installs it too.
 A required field without a default reads as a different plausible value (IGNORED_REQUIRED).
 """
@@ -44,7 +44,8 @@ def stage_classes(stage: str) -> tuple[type, ...]:
              "eval": ("tether.tools.config", "EvalConfig"),
              "report": ("tether.tools.config", "ReportConfig"),
              "set-base": ("tether.tools.config", "SetBaseConfig"),
-             "sweep": ("tether.tools.config", "SweepConfig")}[stage]
+             "sweep": ("tether.tools.config", "SweepConfig"),
+             "serve-rm": ("tether.tools.config", "ServeRMConfig")}[stage]
     module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
     return tuple(getattr(module, name) for name in names[1:])
 

@@ -1,14 +1,14 @@
 """OPTION_TESTS: for each option of each stage, the tests that fail when the stage silently
 ignores it, checked by tests/audit/mutate_options.py (which makes the option ignored and runs
 them); docs/options.md has the table. Stages: sft, rm, dpo, online (tether ppo, rloo and grpo:
-one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
+one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep, serve-rm. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
 
 STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "report", "set-base",
-          "sweep")
+          "sweep", "serve-rm")
 
 
 def all_units() -> list[str]:
@@ -560,3 +560,15 @@ for _tool in ("generate", "eval"):
 OPTION_TESTS["eval:reward_fn_timeout"] = [
     "tests/rl/test_user_code_timeout.py::test_the_timeout_reaches_every_call[eval]",
     "tests/rl/test_user_code_timeout.py::test_eval_refuses_a_timeout_without_functions"]
+# A reward model served by `tether serve-rm` (issue 34): --reward-url and its timeout
+SERVED = "tests/rl/test_reward_server.py::"
+OPTION_TESTS |= {
+    "online:reward_url": [SERVED + "test_online_run_with_reward_url_is_the_run_with_reward_"
+                                   "model[grpo-tiny_model_dir-gpt2-False]"],
+    "online:reward_url_timeout": [SERVED + "test_a_hung_endpoint_stops_the_run_with_one_line[grpo]"],
+    "eval:reward_url": [SERVED + "test_eval_with_reward_url_scores_as_with_reward_model"],
+    "eval:reward_url_timeout": [SERVED + "test_a_hung_endpoint_stops_the_run_with_one_line[eval]"],
+}
+OPTION_TESTS |= {f"serve-rm:{name}": [SERVED + "test_serve_rm_loads_and_scores_as_told"]
+                 for name in ("model", "host", "port", "device", "dtype", "batch_size",
+                              "trust_remote_code")}

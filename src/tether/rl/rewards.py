@@ -219,14 +219,17 @@ def _shown(value: Any) -> str:
     return text
 
 
-def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_model: str) -> None:
-    """Exactly one reward source: a Python callable, `--reward-fn` or `--reward-model`."""
+def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_model: str,
+                     reward_url: str = "") -> None:
+    """Exactly one reward source: a Python callable, `--reward-fn`, `--reward-model` or
+    `--reward-url` (a reward model served by `tether serve-rm`)."""
     given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
                                    ("--reward-fn", bool(reward_fn_spec)),
-                                   ("--reward-model", bool(reward_model))) if on]
+                                   ("--reward-model", bool(reward_model)),
+                                   ("--reward-url", bool(reward_url))) if on]
     if len(given) != 1:
-        raise TetherError("give exactly one reward: --reward-model, --reward-fn or a Python "
-                          f"reward_fn (got {', '.join(given) if given else 'none'})")
+        raise TetherError("give exactly one reward: --reward-model, --reward-url, --reward-fn or "
+                          f"a Python reward_fn (got {', '.join(given) if given else 'none'})")
 
 
 def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torch.Tensor:
@@ -310,12 +313,31 @@ class ModelReward:
     critic_init: nn.Module | None
 
 
-def _check_chat_prompts(tokenizer, originals: dict[str, Prompt], name: str) -> None:
-    if not getattr(tokenizer, "chat_template", None) and any(
-            is_messages(p) for p in originals.values()):
+def check_chat_prompts(has_chat_template: bool, originals: dict[str, Prompt], name: str
+                       ) -> None:
+    """A reward model that reads text renders chat prompts with its own template: without one,
+    chat prompts are refused at start-up (in process, and for a served model alike)."""
+    if not has_chat_template and any(is_messages(p) for p in originals.values()):
         raise TetherError(f"the prompts are chat messages but the reward model {name} has no "
                           "chat template to render them with; give plain-text prompts, or a "
                           "reward model whose tokenizer has a chat_template")
+
+
+def load_scoring_model(path: str, device, dtype: str = "float32",
+                       trust_remote_code: bool = False) -> nn.Module:
+    """The reward model at `path`, frozen on `device`: tether's own (`RewardModel`) or a
+    sequence-classification model (`HubRewardModel`). Both score texts with `score_texts`; this
+    is what `load_reward_model` loads and what `tether serve-rm` serves."""
+    if reward_model_kind(path, trust_remote_code) == TETHER:
+        model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = load_hub_reward_model(path, dtype, trust_remote_code)
+    return freeze(fuse_gelu(model), device)
+
+
+def has_chat_template(model: nn.Module) -> bool:
+    """Whether a reward model that reads text can render chat prompts (its tokenizer's template)."""
+    return bool(getattr(model.tokenizer, "chat_template", None))
 
 
 def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt], chunk: int,
@@ -330,23 +352,18 @@ def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt],
     the policy's (the policy may add a pad token to it).
     """
     policy_vocab = policy_tokenizer.get_vocab()
-    if reward_model_kind(path, trust_remote_code) == TETHER:
-        model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_scoring_model(path, device, dtype, trust_remote_code)
+    if isinstance(model, RewardModel):
         fast = model.tokenizer.get_vocab() == policy_vocab
         if fast:  # the policy's ids index its embeddings
             check_same_vocabulary(policy_tokenizer, {"reward model": (None, model.backbone)})
-        critic_init = model if fast else None
+            return ModelReward(reward_from_model(model, chunk, path), model, model)
+        critic_init = None
     else:
-        model = load_hub_reward_model(path, dtype, trust_remote_code)
-        fast = False
         vocab = model.tokenizer.get_vocab()
         # the same ids for the same tokens, and no policy token it lacks but the pad tether added
         same_ids = (vocab.items() <= policy_vocab.items()
                     and set(policy_vocab) - set(vocab) <= {policy_tokenizer.pad_token})
         critic_init = model if same_ids and model.head is not None else None
-    model = freeze(fuse_gelu(model), device)
-    if fast:
-        return ModelReward(reward_from_model(model, chunk, path), model, critic_init)
-    _check_chat_prompts(model.tokenizer, originals, path)
+    check_chat_prompts(has_chat_template(model), originals, path)
     return ModelReward(reward_from_texts(model, chunk, originals, path), model, critic_init)
-

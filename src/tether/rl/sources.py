@@ -183,9 +183,11 @@ def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
     (`reward_given`, `env_given`: a reward or an environment was named, by flag or from
     Python)."""
     if env_given and reward_given:
-        raise TetherError("an environment rewards its own episodes; drop --reward-fn and "
-                          "--reward-model (or score inside the environment's step)")
-    if settings.tools and (getattr(settings, "reward_model", "") or not reward_given):
+        raise TetherError("an environment rewards its own episodes; drop --reward-fn, "
+                          "--reward-model and --reward-url (or score inside the environment's "
+                          "step)")
+    if settings.tools and (getattr(settings, "reward_model", "")
+                           or getattr(settings, "reward_url", "") or not reward_given):
         raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
                           "give a reward function (docs/agents.md)")
 

@@ -1,4 +1,4 @@
-"""The configs of the tools (`tether generate`, `eval`, `report`, `set-base`, `sweep`), apart from their code so
+"""The configs of the tools (`tether generate`, `eval`, `report`, `set-base`, `sweep`, `serve-rm`), apart from their code so
 that `--help` imports no torch.
 
 The sampling fields (max_prompt_len, max_new_tokens, temperature, batch_size, seed) carry the
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tether.errors import TetherError
 from tether.run.config import (
     EnvOptions,
     check_device,
@@ -90,6 +91,10 @@ class EvalConfig(SamplingConfig):
     """Reference for the KL (default: the starting model recorded in the run's config.yaml beside --model; else none)."""
     reward_model: str = ""
     """A reward model (`tether rm`'s output, full or LoRA, or a hub/local sequence classifier with one label): the proxy score."""
+    reward_url: str = ""
+    """The proxy score from a reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas (docs/rm.md)."""
+    reward_url_timeout: float = 300.0
+    """Seconds one --reward-url request may take; past it the command ends with one line, exit 2."""
     reward_fn: str = ""
     """A Python proxy reward `module:function` or `file.py:function`, (prompts, responses) -> list[float]."""
     gold_fn: str = ""
@@ -104,6 +109,7 @@ class EvalConfig(SamplingConfig):
     def validate(self) -> None:
         super().validate()
         require_positive(self, "reward_fn_timeout", allow_zero=True)
+        require_positive(self, "reward_url_timeout")
 
 
 @dataclass(kw_only=True)
@@ -148,3 +154,30 @@ class SweepConfig:
 
     def validate(self) -> None:
         require_positive(self, "jobs")
+
+
+@dataclass(kw_only=True)
+class ServeRMConfig:
+    """Serve a reward model over HTTP for --reward-url: POST /score {"prompts", "responses"} -> {"scores"}, GET /info (docs/rm.md, "Serving a reward model")."""
+
+    POSITIONAL = "model"  # `tether serve-rm DIR` reads as `--model DIR`
+    model: str
+    """The reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (given as the command's first argument)."""
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every interface; the API has no authentication)."""
+    port: int = 8000
+    """Port to listen on (0: any free one, named in the ready line)."""
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the model weights are loaded in (the in-process --reward-model uses the stage's --dtype)."""
+    batch_size: int = 16
+    """Rows per forward (a request of more rows is scored this many at a time)."""
+    trust_remote_code: bool = False
+    """Allow the model's repository to run its own Python code (off unless you trust the source)."""
+
+    def validate(self) -> None:
+        require_positive(self, "batch_size")
+        check_device(self.device)
+        if not 0 <= self.port <= 65535:
+            raise TetherError(f"--port {self.port} is not a port; give 0 to 65535 (0: any free one)")

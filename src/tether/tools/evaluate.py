@@ -51,6 +51,7 @@ from tether.rl.evaluation import (
     evaluate_policy,
     measure_responses,
 )
+from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.reward_functions import load_reward_functions, reward_from_functions
 from tether.rl.rewards import (
     check_reward_fn_timeout,
@@ -124,11 +125,15 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
                       ) -> tuple[Callable | None, Callable | None]:
     """The proxy and gold functions, imported (--reward-fn, --gold-fn) or as given; checked
     before any model loads, with the reward model's kind (read from its config alone)."""
-    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_fn, reward_fn)) > 1:
-        raise TetherError("give at most one proxy reward: --reward-model or --reward-fn")
+    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_url, cfg.reward_fn, reward_fn)) > 1:
+        raise TetherError("give at most one proxy reward: --reward-model, --reward-url or "
+                          "--reward-fn")
     if cfg.episodic:
-        check_episode_reward(cfg, bool(cfg.reward_model or cfg.reward_fn or reward_fn),
-                             env_given=bool(cfg.env))
+        check_episode_reward(cfg, bool(cfg.reward_model or cfg.reward_url or cfg.reward_fn
+                                       or reward_fn), env_given=bool(cfg.env))
+    if cfg.reward_url:
+        parse_urls(cfg.reward_url)  # the URLs' form; they answer before any model loads
+    check_url_timeout(cfg.reward_url_timeout, EvalConfig.reward_url_timeout, cfg.reward_url)
     if cfg.reward_model:
         check_reward_model(cfg.reward_model, cfg.trust_remote_code)
     if reward_fn is None and cfg.reward_fn:
@@ -141,10 +146,14 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
 
 
 def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
-             gold_fn: Callable | None) -> tuple[Reward | None, Reward | None]:
-    """The proxy (the reward model, loaded now, or `reward_fn`) and the gold reward."""
+             gold_fn: Callable | None, remote: Reward | None = None
+             ) -> tuple[Reward | None, Reward | None]:
+    """The proxy (`remote`, a served reward model, the reward model, loaded now, or
+    `reward_fn`) and the gold reward."""
     reward = None
-    if cfg.reward_model:
+    if remote is not None:  # --reward-url, checked before any model loaded (`run`)
+        reward = remote
+    elif cfg.reward_model:
         # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
         # micro_batch_rows (the whole chunk by default); a smaller one may differ in rounding.
         # A reward model that reads text gets each prompt as its row gave it (ppo_setup._reward).
@@ -213,6 +222,10 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
     _check_models(cfg, reference_path, prompt_ids)
+    remote = None
+    if cfg.reward_url:  # every endpoint answers, and the chat check is made, before any load
+        remote = reward_from_urls(connect(parse_urls(cfg.reward_url), cfg.reward_url_timeout),
+                                  prompt_originals(tokenizer, cfg.prompts), cfg.reward_url_timeout)
     if not cfg.episodic:  # what the engine needs of the model, from its config.json
         check_engine_settings(cfg, cfg.base or cfg.model, device=device,
                               longest_prompt=longest_prompt(cfg, prompt_ids),
@@ -222,7 +235,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     use_threads(cfg.threads, policy, device)
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
                                device, base=cfg.base if reference_path == cfg.model else "")
-    reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn)
+    reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn, remote)
     eos = policy_eos_ids(tokenizer, policy, cfg.model)
     inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not cfg.episodic else None
     limit = position_limit(policy.config, tokenizer) if cfg.episodic else None

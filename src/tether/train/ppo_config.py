@@ -91,6 +91,10 @@ class PPOConfig(RunConfig, EnvOptions):
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
     reward_model: str = ""
     """A reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (give this or --reward-fn)."""
+    reward_url: str = ""
+    """A reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas, each batch split over them (give this, --reward-model or --reward-fn; docs/rm.md)."""
+    reward_url_timeout: float = 300.0
+    """Seconds one --reward-url request may take; past it the run ends with one line, exit 2, its checkpoints intact."""
     reward_fn: str = ""
     """Python reward functions `file.py:function` (or `module:function`), several joined by commas: (prompts, responses) -> list[float], or TRL's (prompts, completions, completion_ids, **kwargs) with the prompt file's other columns as keywords (docs/ppo.md)."""
     reward_weights: list[float] = field(default_factory=list)
@@ -289,7 +293,7 @@ class PPOConfig(RunConfig, EnvOptions):
             raise TetherError(f"--advantage {self.advantage} compares the responses to one prompt: "
                               "pass --samples-per-prompt 2 or more (4 is usual)")
         require_positive(self, "batch_size", "max_new_tokens", "temperature", "ppo_epochs",
-                         "num_minibatches", "max_prompt_len", "kl_horizon")
+                         "num_minibatches", "max_prompt_len", "kl_horizon", "reward_url_timeout")
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
                          "max_grad_norm", "clip_range", "clip_high", "value_clip_range", "vf_coef",
                          "warmup_batches", "weight_decay", "max_kl", "beta_end", "anneal_batches",

@@ -43,6 +43,7 @@ from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
+from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.reward_functions import (
     RewardFunctions,
     load_reward_functions,
@@ -153,6 +154,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     prompts, prompt_ids, rows, eval_ids = _prompt_rows(cfg, tokenizer)
     lora = _config_checks(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids},
                           device)
+    remote = _remote_reward(cfg, tokenizer)  # every endpoint answers before any weights load
     lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
@@ -164,7 +166,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                                           cfg.trust_remote_code)).to(device)
     functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
                                        timeout=cfg.reward_fn_timeout) if reward_fn else None)
-    reward, reward_model, critic_init = _reward(cfg, lm, tokenizer, functions, device)
+    reward, reward_model, critic_init = ((remote, None, None) if remote is not None else
+                                         _reward(cfg, lm, tokenizer, functions, device))
     gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches,
                                   cfg.reward_fn_timeout) if gold_fn else None)
     critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
@@ -293,11 +296,14 @@ def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callabl
         if env is not None and cfg.env not in ("", function_name(env)):
             raise TetherError("give the environment once: --env or the Python env argument")
         check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn
-                                       or cfg.reward_model), env_given=True)
+                                       or cfg.reward_model or cfg.reward_url), env_given=True)
         env = env or load_environment(cfg.env)
     else:
         check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
-        check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model)
+        check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model, cfg.reward_url)
+    if cfg.reward_url:
+        parse_urls(cfg.reward_url)  # the URLs' form; they answer in `_remote_reward`
+    check_url_timeout(cfg.reward_url_timeout, type(cfg).reward_url_timeout, cfg.reward_url)
     if reward_fn is None and cfg.reward_fn:
         reward_fn = load_reward_functions(cfg.reward_fn)
     reward_fn = [] if reward_fn is None else (
@@ -333,6 +339,18 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctio
     loaded = load_reward_model(cfg.reward_model, tokenizer, originals, cfg.micro_batch_rows,
                                device, cfg.dtype, cfg.trust_remote_code)
     return loaded.reward, loaded.model, loaded.critic_init
+
+
+def _remote_reward(cfg: PPOConfig, tokenizer) -> Reward | None:
+    """--reward-url's reward (None without it): every endpoint's GET /info (a dead one, or two
+    serving different models, is one line), and the in-process checks of a reward model that
+    reads text (`tether.rl.remote_reward`). A critic cannot start from a served model (it has no
+    weights here): it starts from the policy's trunk, as with a reward function."""
+    if not cfg.reward_url or cfg.episodic:
+        return None
+    endpoints = connect(parse_urls(cfg.reward_url), cfg.reward_url_timeout)
+    originals = prompt_originals(tokenizer, cfg.prompts, cfg.eval_prompts)
+    return reward_from_urls(endpoints, originals, cfg.reward_url_timeout)
 
 
 def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:

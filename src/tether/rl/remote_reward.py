@@ -1,0 +1,203 @@
+"""A reward model served over HTTP (`tether serve-rm`) as the loop's `Reward` (`--reward-url`).
+
+The protocol (docs/rm.md, "Serving a reward model"), JSON both ways:
+
+    GET  /info   -> {"model", "kind", "chat_template", "max_length", "tokenizer", "fingerprint",
+                     "dtype", "batch_size"}
+    POST /score  {"prompts": [...], "responses": [...]} -> {"scores": [...]}
+    an error     -> HTTP 4xx or 5xx with {"error": "<one line>"}
+
+A served model always reads text, as a reward model that does not read the policy's ids does in
+process (`tether.rl.rewards.reward_from_texts`): each prompt as its row gave it (plain text, or
+the chat messages, which the server renders with the model's own template) and the decoded
+response. The checks are the in-process ones: chat prompts need a chat template (refused at
+start-up), a row past the model's positions is the server's one line, a non-finite score is
+`checked_model_scores`'. A batch is cut into one contiguous part per endpoint, posted at once
+(a thread each) and put back in order; a connection error or a 5xx is retried with backoff, and
+a score that never comes stops the run with one line naming the URL, never a silent zero.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tether.errors import TetherError
+from tether.rl.rewards import (
+    Prompt,
+    Reward,
+    RewardScores,
+    check_chat_prompts,
+    checked_model_scores,
+)
+
+RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
+BACKOFF_S = 0.5  # the first wait; it doubles each try (0.5, 1, 2 s)
+INFO_TIMEOUT_S = 10.0  # GET /info at start-up answers at once from a live server
+START_IT = "start it with tether serve-rm MODEL --port N, or check the address"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One `tether serve-rm` endpoint and what its GET /info said."""
+
+    url: str  # http://host:port, no trailing slash
+    info: dict
+
+    @property
+    def name(self) -> str:  # what error lines call the model
+        return f"{self.info.get('model', '?')} (served at {self.url})"
+
+
+def parse_urls(spec: str) -> list[str]:
+    """`--reward-url URL[,URL...]` as a list of `http://host:port` (a trailing slash dropped);
+    anything but an http(s) URL with a host, or a URL given twice, is one line."""
+    urls = [u.strip().rstrip("/") for u in spec.split(",")]
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise TetherError(f"--reward-url {url or spec} is not an http:// URL; give "
+                              "http://HOST:PORT of a tether serve-rm (several joined by commas)")
+    if len(set(urls)) != len(urls):
+        raise TetherError(f"--reward-url {spec} names an endpoint twice; give each once")
+    return urls
+
+
+def check_url_timeout(timeout: float, default: float, reward_url: str) -> None:
+    """--reward-url-timeout times the --reward-url requests: another value without them would be
+    accepted and ignored."""
+    if timeout != default and not reward_url:
+        raise TetherError(f"--reward-url-timeout {timeout:g} limits the requests to --reward-url, "
+                          "and this run has none; drop it (a --reward-fn function's calls have "
+                          "--reward-fn-timeout)")
+
+
+def _why(exc: BaseException) -> str:
+    """`Connection refused`, `Name or service not known`, ...: the reason of a failed request."""
+    reason = getattr(exc, "reason", exc)
+    text = getattr(reason, "strerror", None) or str(reason)
+    return text[:200] or type(reason).__name__
+
+
+def _error_line(exc: urllib.error.HTTPError) -> str:
+    """The server's own one line (`{"error": ...}`), or the HTTP status."""
+    try:
+        return str(json.loads(exc.read().decode("utf-8"))["error"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"HTTP {exc.code} {exc.reason}"
+
+
+def _request(url: str, path: str, body: dict | None, timeout: float, retries: int) -> dict:
+    """GET (body None) or POST `body` to url + path and return the JSON answer. A connection
+    error or a 5xx is tried again `retries` times with backoff; a 4xx (the server refused what
+    it was sent) and a timeout (a hung server would hang again) are not. Each is one line."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    for attempt in range(retries + 1):
+        request = urllib.request.Request(url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                return json.loads(answer.read().decode("utf-8"))
+        except urllib.error.HTTPError as exc:
+            problem, fix = (f"the server answered {path} with {_error_line(exc)}",
+                            "check the server's log")
+            if exc.code < 500:
+                raise TetherError(f"--reward-url {url}: {problem}") from None
+        except TimeoutError:
+            raise TetherError(f"--reward-url {url}: no answer to {path} within {timeout:g} s "
+                              "(--reward-url-timeout); check the server, or raise "
+                              "--reward-url-timeout; checkpoints written so far are intact"
+                              ) from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise TetherError(f"--reward-url {url}: no answer to {path} within {timeout:g} s "
+                                  "(--reward-url-timeout); check the server, or raise "
+                                  "--reward-url-timeout; checkpoints written so far are intact"
+                                  ) from None
+            problem, fix = f"cannot connect ({_why(exc)})", START_IT
+        except (OSError, ValueError) as exc:  # a reset connection, an answer that is not JSON
+            problem, fix = (f"a broken answer to {path} ({type(exc).__name__}: {_why(exc)})",
+                            "check the server's log")
+        if attempt < retries:
+            time.sleep(BACKOFF_S * 2 ** attempt)
+    tries = f" after {retries + 1} tries" if retries else ""
+    raise TetherError(f"--reward-url {url}: {problem}{tries}; {fix}")
+
+
+def connect(urls: list[str], timeout: float = INFO_TIMEOUT_S) -> list[Endpoint]:
+    """GET /info on every endpoint, before any model loads: a dead one is one line, and so are
+    endpoints that serve different models (another fingerprint: other weights, tokenizer or
+    dtype), whose scores would depend on which endpoint a row went to."""
+    endpoints = [Endpoint(url, _request(url, "/info", None, min(timeout, INFO_TIMEOUT_S), 0))
+                 for url in urls]
+    for endpoint in endpoints:
+        if not isinstance(endpoint.info.get("fingerprint"), str):
+            raise TetherError(f"--reward-url {endpoint.url}: /info answered without a model "
+                              "fingerprint; is it a tether serve-rm? " + START_IT)
+    first = endpoints[0]
+    for other in endpoints[1:]:
+        if other.info["fingerprint"] != first.info["fingerprint"]:
+            raise TetherError(
+                f"--reward-url endpoints serve different models: {first.name}, "
+                f"{first.info.get('dtype')}, and {other.name}, {other.info.get('dtype')} (other "
+                "weights, tokenizer or --dtype), so a score would depend on the endpoint a row "
+                "went to; serve one model, in one dtype, at every URL")
+    return endpoints
+
+
+def _parts(n_rows: int, n_parts: int) -> list[range]:
+    """Rows 0..n_rows-1 cut into at most `n_parts` contiguous parts, the first ones a row longer."""
+    size, extra = divmod(n_rows, n_parts)
+    bounds, start = [], 0
+    for k in range(n_parts):
+        stop = start + size + (k < extra)
+        if stop > start:
+            bounds.append(range(start, stop))
+        start = stop
+    return bounds
+
+
+def score_remote(endpoints: list[Endpoint], prompts: list[Prompt], responses: list[str],
+                 timeout: float, retries: int = RETRIES) -> torch.Tensor:
+    """Scores `[N]` of (prompt, response) pairs from the endpoints: one contiguous part each,
+    posted at once, put back in the rows' order."""
+    parts = _parts(len(prompts), len(endpoints))
+
+    def post(k: int) -> list:
+        endpoint, rows = endpoints[k], parts[k]
+        answer = _request(endpoint.url, "/score", {"prompts": [prompts[i] for i in rows],
+                                                   "responses": [responses[i] for i in rows]},
+                          timeout, retries)
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(scores, list) or len(scores) != len(rows) or not all(
+                isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
+            raise TetherError(f"--reward-url {endpoint.url}: /score answered {str(answer)[:80]}, "
+                              f"not {len(rows)} scores; is it a tether serve-rm? {START_IT}")
+        return scores
+
+    with ThreadPoolExecutor(max_workers=len(parts) or 1) as pool:
+        scores = [s for part in pool.map(post, range(len(parts))) for s in part]
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def reward_from_urls(endpoints: list[Endpoint], originals: dict[str, Prompt],
+                     timeout: float) -> Reward:
+    """The served reward model as a `Reward`: each prompt text looked up in `originals` (as
+    `reward_from_texts` does; one missing there is sent as plain text), the decoded responses,
+    the scores checked as an in-process reward model's are. Chat prompts are refused here, at
+    start-up, when the served model has no chat template."""
+    name = " and ".join([endpoints[0].name] + [e.url for e in endpoints[1:]])
+    check_chat_prompts(bool(endpoints[0].info.get("chat_template")), originals, name)
+
+    def reward(prompts, responses, rollout=None, rows=None) -> RewardScores:
+        scores = score_remote(endpoints, [originals.get(p, p) for p in prompts],
+                              list(responses), timeout)
+        return RewardScores(checked_model_scores(scores, name, prompts), {})
+    return reward
