@@ -127,6 +127,9 @@ class Workers:
             child.terminate()
         for child in self.children:
             child.join(5)
+            if child.is_alive():  # SIGTERM not acted on in 5 s (a loaded machine): SIGKILL
+                child.kill()
+                child.join(5)
 
 
 def _in_worker(stage: Stage, log: str) -> tuple[Any, float]:
