@@ -50,3 +50,23 @@ def mask_runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
         else:
             out.append((bit, [token]))
     return out
+
+
+# A reward model's own chat template, unlike the policy's (tether.models.tiny's Llama-3 style one)
+RM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n"
+               "{% endfor %}{{ eos_token }}")
+
+
+def other_weights(src: Path, dst: Path) -> None:
+    """A copy of the model at `src` with every weight moved a little (same names and shapes):
+    another model under the same files."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    save_file({k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in weights.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from conftest import sample_texts
-from offline_fixtures import write_jsonl
+from offline_fixtures import RM_TEMPLATE, write_jsonl
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -31,9 +31,6 @@ from tether.rl.rewards import load_reward_model, prompt_originals
 from tether.train.ppo import PPOConfig
 from tether.train.ppo_setup import build
 
-# The reward model's own template, unlike the policy's (tether.models.tiny's Llama-3 style one)
-RM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n"
-               "{% endfor %}{{ eos_token }}")
 CHATS = [[{"role": "user", "content": "the movie was"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a film with a long plot and"}],
          [{"role": "user", "content": "it"}],

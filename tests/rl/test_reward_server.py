@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import sample_texts
-from offline_fixtures import write_jsonl
+from offline_fixtures import RM_TEMPLATE, write_jsonl
 from refusals import refused
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
@@ -42,8 +42,6 @@ from tether.tools.config import ServeRMConfig
 from tether.tools.serve_rm import open_server, serve
 
 ROOT = Path(__file__).resolve().parents[2]
-RM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n"
-               "{% endfor %}{{ eos_token }}")
 CHATS = [[{"role": "user", "content": "the movie was"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a long plot and"}],
          [{"role": "user", "content": "it"}],

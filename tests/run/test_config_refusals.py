@@ -26,9 +26,8 @@ import shutil
 import pytest
 import torch
 import yaml
-from offline_fixtures import sft_rows, write_jsonl
+from offline_fixtures import other_weights, sft_rows, write_jsonl
 from refusals import refused
-from safetensors.torch import load_file, save_file
 
 from tether.cli import main
 from tether.errors import TetherError
@@ -272,13 +271,6 @@ def test_report_of_a_config_that_is_not_a_mapping(text, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- recorded paths
 
-def _other_weights(src, dst):
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(7)
-    save_file({k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in weights.items()},
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
-
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, tiny_model_dir, tiny_llama_dir):
@@ -288,7 +280,7 @@ def places(tmp_path_factory, tiny_model_dir, tiny_llama_dir):
     here, there = base / "here", base / "there"
     for family, model in (("gpt2", tiny_model_dir), ("llama", tiny_llama_dir)):
         shutil.copytree(model, here / family)
-        _other_weights(model, there / family)
+        other_weights(model, there / family)
     write_jsonl(here / "prompts.jsonl", [{"prompt": p} for p in ("the movie was", "it")])
     (here / "reward.py").write_text("def score(prompts, responses):\n"
                                     "    return [len(r) / 10 for r in responses]\n")

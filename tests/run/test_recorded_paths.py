@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 import yaml
-from offline_fixtures import sft_rows, write_jsonl
-from safetensors.torch import load_file, save_file
+from offline_fixtures import other_weights, sft_rows, write_jsonl
+from safetensors.torch import load_file
 
 from tether.cli import main
 from tether.run.config import resolved_paths
@@ -32,22 +32,13 @@ SAMPLING = ["--device", "cpu", "--max-new-tokens", "4", "--batch-size", "2"]
 FAMILIES = ["gpt2", "llama"]
 
 
-def _other_weights(src, dst):
-    """A copy of the model at `src` with every weight moved a little (same names and shapes)."""
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(7)
-    save_file({k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in weights.items()},
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, tiny_model_dir, tiny_llama_dir):
     root = tmp_path_factory.mktemp("places")
     here, there = root / "here", root / "there"
     for family, model in (("gpt2", tiny_model_dir), ("llama", tiny_llama_dir)):
         shutil.copytree(model, here / family)
-        _other_weights(model, there / family)
+        other_weights(model, there / family)
     (here / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (here / "reward.py").write_text("def score(prompts, responses):\n"
                                     "    return [len(r) / 10 for r in responses]\n")
