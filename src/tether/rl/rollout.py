@@ -58,6 +58,10 @@ class Rollout:
     # chat template forced a new segment: tether.rl.env.render); an episode's rows are
     # consecutive, in order. None: row i is episode i.
     episode: torch.Tensor | None = None
+    # [B, R] long, the policy version (optimizer steps taken) that sampled each token, 0
+    # elsewhere; set by an engine that samples ahead of the trainer (rl.engines.ahead), None
+    # when every token was sampled by the weights being trained.
+    versions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.action_mask is None:
@@ -88,7 +92,7 @@ class Rollout:
 
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
 ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "action_mask", "ended",
-              "engine_logprobs", "episode")
+              "engine_logprobs", "episode", "versions")
 
 
 def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
@@ -172,9 +176,10 @@ def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
     engine_logprobs = rollout.engine_logprobs
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs * response_mask
+    versions = rollout.versions * response_mask if rollout.versions is not None else None
     return replace(rollout, input_ids=input_ids, attention_mask=attention_mask,
                    response_mask=response_mask, action_mask=rollout.action_mask & response_mask,
-                   ended=ended, engine_logprobs=engine_logprobs)
+                   ended=ended, engine_logprobs=engine_logprobs, versions=versions)
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -67,6 +67,10 @@ class Collected:
 class RolloutSource(Protocol):
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected: ...
 
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        """Tell the engine about the batch a later `collect` with these arguments will ask for
+        (an engine sampling ahead of the trainer starts it now)."""
+
     def close(self) -> None: ...
 
 
@@ -91,15 +95,25 @@ class PromptSource:
         self.prompts, self.prompt_ids, self.rows = prompts, prompt_ids, rows
         self.sampling, self.device = sampling, device
 
-    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+    def request(self, rows: list[int], mine: slice, noise_seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """What the engine is asked for these rows: (prompt ids, their mask, the settings)."""
         s = self.sampling
         ids, mask = left_pad([self.prompt_ids[i] for i in rows[mine]], s.pad_token_id,
                              self.device)
         uniforms = sampling_uniforms(noise_seed, len(rows), s.max_new_tokens)[mine]
-        rollout = self.engine.sample(ids, mask, max_new_tokens=s.max_new_tokens,
-                                     temperature=s.temperature,
-                                     eos_token_ids=list(s.eos_token_ids),
-                                     pad_token_id=s.pad_token_id, uniforms=uniforms)
+        return ids, mask, {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
+                           "eos_token_ids": list(s.eos_token_ids),
+                           "pad_token_id": s.pad_token_id, "uniforms": uniforms}
+
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        ids, mask, settings = self.request(rows, mine, noise_seed)
+        self.engine.prefetch(ids, mask, **settings)
+
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        s = self.sampling
+        ids, mask, settings = self.request(rows, mine, noise_seed)
+        rollout = self.engine.sample(ids, mask, **settings)
         rollout = apply_stop_strings(rollout, self.tokenizer, s.stop_strings, s.pad_token_id)
         prompts = [self.prompts[i] for i in rows[mine]]
         table = [self.rows[i] for i in rows[mine]] if self.rows else None
@@ -143,6 +157,9 @@ class EnvSource:
         return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,
                          episodes.rewards, episodes.turn_rewards, episodes.stats,
                          episodes.records, table)
+
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        pass  # a turn's prompt holds the environment's last answer: nothing to ask for early
 
     def close(self) -> None:
         self.calls.close()

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from tether.errors import TetherError
 from tether.rl import engines
 from tether.rl.engines import ENGINES, OWN_LOGPROBS, native
+from tether.run.distributed import Dist
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
@@ -91,7 +92,10 @@ def test_the_engines_own_log_probs_are_said_alike_by_name_and_by_instance(tiny_m
     # before anything loads; the table and the engines agree on which those are.
     from tether.rl.engines.vllm_engine import VLLMEngine
 
-    assert engines.native.NativeEngine.own_logprobs is False and "native" not in OWN_LOGPROBS
+    # the native engine has its own log-probs only as the copy sampling ahead (--max-staleness)
+    assert engines.native.start(None, Dist()).own_logprobs is False
+    assert engines.native.start(None, Dist(), record_logprobs=True).own_logprobs is True
+    assert "native" not in OWN_LOGPROBS
     assert VLLMEngine.own_logprobs is True and "vllm" in OWN_LOGPROBS
     for name in ENGINES:
         cfg = PPOConfig(policy="p", prompts="x.jsonl", engine=name, engine_is_cap=2.0)

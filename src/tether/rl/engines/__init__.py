@@ -36,6 +36,9 @@ class RolloutEngine(Protocol):
                 (`Rollout.engine_logprobs`, pi_engine): the engine computes the policy with other
                 kernels, and the loop measures and may correct the gap (`mismatch`). False for an
                 engine that samples the trainer's own model: its log-probs are the trainer's.
+    prefetch    the same arguments as `sample`, nothing returned: a batch the loop will ask for
+                later, which an engine sampling ahead of the trainer starts now (`ahead`);
+                the others ignore it and sample when asked
     sleep       the update is about to run: free what the update needs (a GPU engine's KV cache)
     sync        take the policy's current weights (after each update, and after a resume)
     close       stop and free everything; also after a failed start or a stopped run
@@ -47,6 +50,8 @@ class RolloutEngine(Protocol):
                max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
                pad_token_id: int, uniforms: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> Rollout: ...
+
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None: ...
 
     def sleep(self) -> None: ...
 

@@ -34,16 +34,21 @@ class NativeEngine:
     stops when no row of any rank is alive, so every rank runs the same decoding steps (FSDP2's
     gathers must match) and the response width is the one-process width."""
 
-    own_logprobs = False
-
-    def __init__(self, run_model: Callable, d: Dist):
+    def __init__(self, run_model: Callable, d: Dist, record_logprobs: bool = False):
         self.run_model = run_model
         self.all_done = (None if not d.active else
                          lambda alive: distributed.global_sum(int(alive.sum()), d) == 0)
+        # On the trainer's model its log-probs are the trainer's; a copy of the policy sampling
+        # ahead of the trainer (rl.engines.ahead) records them: they are the behaviour policy's.
+        self.own_logprobs = record_logprobs
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.run_model(lambda policy: sample_responses(
-            policy, prompt_ids, prompt_mask, all_done=self.all_done, **settings))
+            policy, prompt_ids, prompt_mask, all_done=self.all_done,
+            record_logprobs=self.own_logprobs, **settings))
+
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        pass  # it samples the weights being trained: only when asked
 
     def sleep(self) -> None:  # nothing to free: the update uses the same model
         pass
@@ -55,9 +60,11 @@ class NativeEngine:
         pass
 
 
-def start(model: nn.Module, d: Dist, run_model: Callable | None = None) -> NativeEngine:
-    """The native engine on `model`: called through `run_model`, or directly (a frozen model)."""
-    return NativeEngine(run_model or (lambda fn: fn(model)), d)
+def start(model: nn.Module, d: Dist, run_model: Callable | None = None,
+          record_logprobs: bool = False) -> NativeEngine:
+    """The native engine on `model`: called through `run_model`, or directly (a frozen model);
+    `record_logprobs`: its rollouts carry the log-prob of each sampled token."""
+    return NativeEngine(run_model or (lambda fn: fn(model)), d, record_logprobs)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -79,7 +86,8 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
                      pad_token_id: int, generator: torch.Generator | None = None,
-                     uniforms: torch.Tensor | None = None, all_done=None) -> Rollout:
+                     uniforms: torch.Tensor | None = None, all_done=None,
+                     record_logprobs: bool = False) -> Rollout:
     """Sample up to `max_new_tokens` per prompt from softmax(logits / temperature), KV-cached.
 
     Plain ancestral sampling and nothing else: no top-k, top-p, repetition penalty or any of the
@@ -96,6 +104,9 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
             any split of a global batch (ranks, chunks) samples what the whole batch would.
         all_done: `alive [B] -> bool`, whether sampling may stop (default: no row is alive);
             under FSDP2 every rank must run the same number of steps, so it is a global "any".
+        record_logprobs: also return each sampled token's log-prob, log softmax(z / T)[y], as
+            `engine_logprobs` (0 after a row's end): the behaviour policy's, when this model is a
+            copy sampling ahead of the trainer.
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling")
@@ -112,11 +123,15 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     decoder = ModelForward(policy, cache, attention_mask, position_ids[:, -1:] + 1)
     eos = torch.tensor(list(eos_token_ids), device=device, dtype=torch.long)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
-    tokens, masks = [], []
+    tokens, masks, logprobs = [], [], []
     for step in range(max_new_tokens):
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
         token = inverse_cdf_sample(probs, uniforms[:, step])
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        if record_logprobs:  # from the logits, not log(probs): exact for tiny probabilities
+            scaled = logits.float() / temperature
+            picked = scaled.gather(1, token[:, None]).squeeze(1) - scaled.logsumexp(dim=-1)
+            logprobs.append(torch.where(alive, picked, 0.0))
         tokens.append(token)
         masks.append(alive)
         alive = alive & ~torch.isin(token, eos)
@@ -129,7 +144,8 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
                    attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
                    response_mask=response_mask, ended=ended, context_length=context_length,
-                   temperature=temperature)
+                   temperature=temperature,
+                   engine_logprobs=torch.stack(logprobs, dim=1) if record_logprobs else None)
 
 
 def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,

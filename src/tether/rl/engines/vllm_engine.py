@@ -325,6 +325,9 @@ class VLLMEngine:
         # never read, the adapter being registered under LORA_ID from memory.
         return LoRARequest(f"policy-v{self.version}", LORA_ID, f"in-memory/policy-v{self.version}")
 
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        pass  # it samples the synced weights, in the trainer's process: only when asked
+
     def sleep(self) -> None:
         """Free the KV cache and offload the weights during the update (GPU only)."""
         if self.device.type == "cuda" and not self.asleep:
