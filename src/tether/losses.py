@@ -197,7 +197,8 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
 def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                mask: torch.Tensor, estimator: str = "k3_ratio", aggregation: str = "sum",
-               denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+               denominator: float | None = None, weights: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict]:
     """The KL loss term (the KL-in-the-loss placement); the loop adds beta * penalty to the loss.
 
     On tokens y_t sampled from pi_old, with d_t = log pi(y_t) - log ref(y_t) and the importance
@@ -229,6 +230,10 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
         aggregation, denominator: the reduction, as in `reduce_tokens` ("sum", the default, is
             the per-sequence KL the controller and the reward placement use).
+        weights: [B, T] detached per-token weights w_t >= 0 multiplying c_t, or None. Decoupled
+            PPO's (Hilton et al. 2021): tokens sampled from a behaviour policy mu, not pi_old,
+            weigh w_t = min(pi_old(y_t) / mu(y_t), C), so that E_mu[w c] = E_{pi_old}[c] (up to
+            the truncation) and the term is the one above (`tether.rl.engines.mismatch`).
 
     Returns:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
@@ -252,6 +257,9 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
     if estimator == "k3_ratio":
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         per_token = torch.exp(log_ratio) * per_token
+    if weights is not None:
+        same_shape(logprobs=logprobs, weights=weights)
+        per_token = per_token * torch.where(real, weights.detach(), 0.0)
     return _reduced_penalty(per_token, mask, aggregation, denominator)
 
 

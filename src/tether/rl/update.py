@@ -45,7 +45,7 @@ from tether.errors import TetherError
 from tether.kl import KLPlacement
 from tether.losses import PolicyLoss, exact_kl_penalty, kl_penalty, policy_loss, value_loss
 from tether.models.forward import autocast
-from tether.rl.engines.mismatch import Correction, engine_mismatch
+from tether.rl.engines.mismatch import Correction, engine_mismatch, staleness_metrics
 from tether.rl.roles import Roles, sum_stats
 from tether.rl.rollout import Rollout
 from tether.rl.scoring import (
@@ -85,6 +85,7 @@ class UpdateSpec:
     kl: KLPlacement = KLPlacement()  # where the KL penalty acts
     advantage: AdvantageSpec = AdvantageSpec()  # the estimator
     correction: Correction = Correction()  # engine-mismatch corrections (off: the default)
+    max_staleness: int = 0  # > 0: rows sampled ahead, the decoupled loss (its KL term weighted)
 
     def for_batch(self, rows: int, d: Dist) -> UpdateSpec:
         """The sizes for a batch of `rows` rows: as configured, unless a chat template split
@@ -112,15 +113,17 @@ class LossBatch(NamedTuple):
     returns: torch.Tensor  # the critic's targets
     action_mask: torch.Tensor  # bool: the tokens the policy sampled (the value loss's)
     loss_mask: torch.Tensor  # bool: the sampled tokens that carry the policy's loss
+    # decoupled PPO's min(pi_old / mu, C) on rows sampled by an older policy mu (--max-staleness)
+    weights: torch.Tensor | None = None
 
     @classmethod
     def of(cls, rollout: Rollout, old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
-           mask_truncated: bool) -> LossBatch:
+           mask_truncated: bool, weights: torch.Tensor | None = None) -> LossBatch:
         return cls(old.logprobs, old.ref_logprobs, old.values, advantages, returns,
-                   rollout.action_mask, loss_mask(rollout, mask_truncated))
+                   rollout.action_mask, loss_mask(rollout, mask_truncated), weights)
 
     def select(self, index: torch.Tensor) -> LossBatch:
-        return LossBatch(*(t[index] for t in self))
+        return LossBatch(*(t[index] if t is not None else None for t in self))
 
 
 class Counts(NamedTuple):
@@ -185,10 +188,11 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
         if forward.exact_kl is not None:
             kl_term, _ = exact_kl_penalty(forward.exact_kl, carrying, aggregation,
                                           denominator=policy_denominator)
-        else:
+        else:  # tokens sampled ahead by a stale copy weigh as the surrogate's do (decoupled)
             kl_term, _ = kl_penalty(logprobs, batch.old_logprobs, batch.ref_logprobs, carrying,
                                     spec.kl.kl_estimator, aggregation,
-                                    denominator=policy_denominator)
+                                    denominator=policy_denominator,
+                                    weights=batch.weights if spec.max_staleness else None)
         loss = loss + kl_beta * kl_term
         stats["objective/kl_loss"] = kl_term.item()
     return loss, stats
@@ -253,17 +257,23 @@ class BatchUpdate:
     update_s: float  # seconds from the first forward with gradients to the last step
     loss_rows: int = 0  # rows with a token that carries the policy's loss (0: it learned nothing)
     zero_advantages: bool = False  # every advantage on those tokens is exactly 0 (no reward signal)
+    # [B, R] decoupled PPO's weights, with which the controller reads the KL (None: sampled by
+    # pi_old, or a vLLM correction the controller does not read)
+    kl_weights: torch.Tensor | None = None
 
 
 def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Optimizer,
                  rollout: Rollout, scores: torch.Tensor, beta: float, spec: UpdateSpec,
-                 generator: torch.Generator, placed: torch.Tensor | None = None) -> BatchUpdate:
+                 generator: torch.Generator, placed: torch.Tensor | None = None,
+                 version: int = 0) -> BatchUpdate:
     """Steps 2-4 on the global rollout batch (every rank holds all of it).
 
     Args:
         rollout: B rows. scores: [B] sequence scores (penalised, normalised, clipped).
         beta: the controller's coefficient for this batch. generator: later epochs' shuffles.
         placed: [B, R] rewards already on their tokens (--reward-per-turn), or None.
+        version: the optimizer steps taken before this update: what `rollout.versions` (rows
+            sampled ahead, --max-staleness) are measured against.
     """
     spec = spec.for_batch(len(rollout), roles.dist)
     mask = rollout.action_mask
@@ -294,20 +304,26 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
                                               rollout.episode)
     carrying = loss_mask(rollout, spec.mask_truncated)
     unsignalled = not bool(torch.any((advantages != 0) & carrying))  # before engine weights
-    engine_stats = {}
+    engine_stats, weights = {}, None
     if rollout.engine_logprobs is not None:
         # The engine sampled from pi_engine, the loss's ratio is against the trainer's pi_old:
         # the gap, and (when asked) weights min(pi_old / pi_engine, C) on the policy gradient or
         # far-off rows dropped (w >= 0, so weighting A is weighting the clipped surrogate).
+        # Sampled ahead (--max-staleness), pi_engine is the stale behaviour policy: decoupled
+        # PPO, the weight always on, the staleness measured apart from the kernels' mismatch.
         weights, engine_stats = engine_mismatch(old.logprobs, rollout.engine_logprobs, mask,
                                                 spec.correction)
         advantages = advantages * weights if weights is not None else advantages
+        if rollout.versions is not None:
+            engine_stats |= staleness_metrics(old.logprobs, rollout.engine_logprobs,
+                                              rollout.versions, mask, version, spec.max_staleness)
     # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
-    batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated)
+    batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated, weights)
     started = started or time.perf_counter()
     stats = ppo_update(roles, optimizer, forwards, batch, spec, loss_beta, generator)
     return BatchUpdate(old, kl, advantages, returns, stats | engine_stats,
-                       time.perf_counter() - started, int(carrying.any(dim=1).sum()), unsignalled)
+                       time.perf_counter() - started, int(carrying.any(dim=1).sum()), unsignalled,
+                       weights if spec.max_staleness else None)
 
 
 def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, forwards: Forwards,

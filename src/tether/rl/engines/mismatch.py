@@ -24,6 +24,15 @@ Sequence masking: rows whose summed k3 (the per-sequence term of engine_kl) pass
 get no policy gradient at all (w = 0 on the row), for rows the engine sampled from a distribution
 too far from the trainer's to correct.
 
+Staleness (--max-staleness, `tether.rl.engines.ahead`): the engine is then a copy of the policy
+some optimizer steps old, so pi_engine is the behaviour policy mu of decoupled PPO (Hilton et
+al. 2021, as AReaL uses it): the loss clips pi / pi_old, where pi_old (the proximal policy) is
+the trainer's recomputation at the start of the update, and the truncated weight
+w_t = min(pi_old(y_t) / mu(y_t), C) corrects the rest (the same weight as above: d_t now holds
+the versions' gap and the kernels' alike). `staleness_metrics` keeps the two apart: the
+mismatch on rows sampled by the trainer's current version, the KL between versions on the
+others.
+
 Every mean here is over real tokens (or rows), never over the padded [B, R] tensor: averaging
 padding in as zeros makes a ratio of 0.99 read as 0.57 on short responses.
 """
@@ -91,6 +100,7 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
     weights = (weights * keep[:, None] * mask).float()
     n_tokens = int(mask.sum())
     stats = {"rollout/engine_is_weight": weights[mask].mean().item() if n_tokens else 1.0,
+             "rollout/engine_is_ess": effective_sample_size(weights, mask),
              "rollout/engine_is_truncated": truncated.sum().item() / max(n_tokens, 1),
              "rollout/engine_masked_rows": (~keep).float().mean().item()}
     return weights, stats
@@ -107,3 +117,46 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tenso
         return None, stats
     weights, corrected = correction_weights(trainer_logprobs, engine_logprobs, mask, correction)
     return weights, stats | corrected
+
+
+def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
+    """Kish's effective sample size of importance weights over the real tokens, as a share of
+    them: (sum w)^2 / (n sum w^2), 1 when every weight is equal, 1/n when one token holds all
+    the weight (1.0 without tokens or weight)."""
+    w = weights[mask.bool()].double()
+    total = float((w * w).sum())
+    return float(w.sum() ** 2 / (len(w) * total)) if total > 0 else 1.0
+
+
+def staleness_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                      versions: torch.Tensor, mask: torch.Tensor, current: int,
+                      max_staleness: int) -> dict[str, float]:
+    """A batch sampled ahead of the trainer, measured apart (g = current - version of a token,
+    in optimizer steps; `current`: the version the update starts from):
+
+        async/staleness_mean, _max        g over the sampled tokens
+        async/staleness_<g>               share of the sampled tokens at each g in 0..S
+        async/overrun_tokens              share past S (trained, never dropped: flagged here)
+        rollout/engine_kl                 `sequence_k3`'s batch mean on rows sampled by the
+                                          current version: the engines' mismatch alone
+        async/version_kl                  the same on the other rows: KL(mu || pi_old) between
+                                          versions (with the mismatch in it)
+
+    A mean over no rows is left out."""
+    same_shape(trainer_logprobs=trainer_logprobs, engine_logprobs=engine_logprobs,
+               versions=versions, mask=mask)
+    mask = mask.bool()
+    gaps = current - versions[mask]
+    n = max(len(gaps), 1)
+    out = {"async/staleness_mean": float(gaps.double().mean()) if len(gaps) else 0.0,
+           "async/staleness_max": float(gaps.max()) if len(gaps) else 0.0,
+           "async/overrun_tokens": float((gaps > max_staleness).sum()) / n}
+    out |= {f"async/staleness_{g}": float((gaps == g).sum()) / n for g in range(max_staleness + 1)}
+    row_gap = (current - torch.where(mask, versions, current).min(dim=1).values)  # [B]
+    sampled = mask.any(dim=1)
+    k3 = sequence_k3(trainer_logprobs, engine_logprobs, mask)
+    for name, rows in (("rollout/engine_kl", sampled & (row_gap == 0)),
+                       ("async/version_kl", sampled & (row_gap > 0))):
+        if bool(rows.any()):
+            out[name] = float(k3[rows].mean())
+    return out
