@@ -231,12 +231,20 @@ VLLM_ONLY = {
 }
 
 
+# The vLLM options that also act with the native engine sampling ahead (--max-staleness): the
+# behaviour policy is then a stale copy of the trainer's, whose ratio the cap truncates.
+AHEAD_TOO = frozenset({"engine_is_cap"})
+
+
 def check_engine_options(cfg: Any) -> None:
     """Refuse a vLLM-only option given a value of its own with `--engine native`: it would be
     accepted and do nothing."""
     if getattr(cfg, "engine", "native") != "native":
         return
+    ahead = getattr(cfg, "max_staleness", 0) > 0
     for f in dataclasses.fields(cfg):
+        if ahead and f.name in AHEAD_TOO:
+            continue
         if f.name in VLLM_ONLY and getattr(cfg, f.name) != f.default:
             flag = "--" + f.name.replace("_", "-")
             raise TetherError(f"{flag} {getattr(cfg, f.name)} {VLLM_ONLY[f.name]}: pass "

@@ -4,7 +4,9 @@ The loop in `run` is the algorithm, top to bottom (Ziegler et al. 2019; Stiennon
 Ouyang et al. 2022):
 
     for each batch of prompts x:
-        y ~ pi_old(. | x)                          engine.sample (tether.rl.engines)
+        y ~ pi_old(. | x)                          engine.sample (tether.rl.engines); with
+                                                    --max-staleness sampled earlier by an older
+                                                    copy (rl.engines.ahead), decoupled PPO
         s = R(x, y)                                 reward model or Python function
         log pi_old, log pi_ref, V_old on (x, y)     score the same tokens (tether.rl.scoring)
         r_t = -beta * kl_t (+ s at the last token)  advantages.kl_shaped_rewards
@@ -80,12 +82,13 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
         for batch in range(start, cfg.n_batches):
             step = batch + 1
             started = time.perf_counter()
-            seed = cfg.seed * 1_000_003 + batch  # per batch: a resumed run draws the same noise
+            seed = batch_seed(cfg, batch)
             if setup.reward_functions is not None:  # TRL's trainer_state.global_step: steps done
                 setup.reward_functions.state.global_step = batch
             # 1. Rollout and reward (each rank samples its rows; every rank then holds the global
             #    batch); with --dynamic-sampling, groups of equal scores are replaced.
             drawn, drawn_stats = collect_batch(setup, cfg, batch, seed)
+            sample_ahead(setup, cfg, batch)  # --max-staleness: later batches, during the update
             prompts, rollout, raw_scores = drawn.prompts, drawn.rollout, drawn.raw_scores
             mine = rank_slice(len(prompts), d)
             scores = batch_scores(drawn, normalizer, cfg)
@@ -96,8 +99,10 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             done, lr = update(setup, rollout, scores, beta, seed,
                               drawn.turn_rewards if cfg.reward_per_turn else None)
 
-            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
-            seq_kl = done.kl.sum(dim=1).mean().item()
+            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size (rows
+            #    sampled ahead: each token's KL weighted as its surrogate is, decoupled PPO's w).
+            kl = done.kl if done.kl_weights is None else done.kl * done.kl_weights
+            seq_kl = kl.sum(dim=1).mean().item()
             setup.kl_ctl.update(seq_kl, len(rollout))
             check_same_beta(setup.kl_ctl.beta, d)
 
@@ -181,13 +186,30 @@ def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, se
     for the next rollout."""
     setup.engine.sleep()
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
-                        setup.spec, torch.Generator().manual_seed(seed), placed)
+                        setup.spec, torch.Generator().manual_seed(seed), placed,
+                        setup.steps.version)
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
     step_schedule(setup.scheduler)  # by batch, whether or not this one took a step
     synced = time.perf_counter()
     setup.engine.sync()  # the next rollout samples the policy just updated
     done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
     return done, lr
+
+
+def batch_seed(cfg: PPOConfig, batch: int) -> int:
+    """Batch `batch`'s noise seed: per batch, so a resumed run draws the same noise."""
+    return cfg.seed * 1_000_003 + batch
+
+
+def sample_ahead(setup: Setup, cfg: PPOConfig, batch: int) -> None:
+    """Ask the engine now for the batches after `batch` up to --max-staleness's reach
+    (`PPOConfig.batches_ahead`, none when synchronous): an engine sampling ahead samples them
+    while `batch` trains, by the weights it starts from (each once: a batch asked for before is
+    not asked again); the others ignore it. Their first round only: a --dynamic-sampling refill
+    is sampled when needed, by the weights of its time."""
+    for later in range(batch + 1, min(batch + 1 + cfg.batches_ahead, cfg.n_batches)):
+        rows = batch_rows(setup, cfg, later)
+        setup.source.prefetch(rows, rank_slice(len(rows), setup.dist), batch_seed(cfg, later))
 
 
 def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int

@@ -55,6 +55,9 @@ TOKEN_MEAN = Scope("--kl-in loss and no --loss-aggregation",
                    "pass --kl-in loss without --loss-aggregation (which replaces it)")
 EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
                    lambda c: "no --eval-prompts", "pass --eval-prompts")
+AHEAD = Scope("--max-staleness above 0", lambda c: c.max_staleness > 0,
+              lambda c: "--max-staleness 0, which starts no generator process",
+              "pass --max-staleness (docs/engine.md)")
 
 # The options that act only under another setting (GRPO's scaling, the critic's and GAE's,
 # the controllers'), each with where it acts: `PPOConfig.check_given` refuses one the user gave
@@ -68,7 +71,12 @@ SCOPED_OPTIONS = {
     "beta_end": ANNEALED, "anneal_batches": ANNEALED, "anneal_shape": ANNEALED,
     "kl_per_token_mean": TOKEN_MEAN,
     "eval_every": EVALUATION,
+    "generator_threads": AHEAD,
 }
+
+# The truncation of the decoupled importance weight when --max-staleness is on and
+# --engine-is-cap is not given (Yao et al. 2025 use 2 for the engine's mismatch alone).
+STALE_IS_CAP = 2.0
 
 
 @dataclass(kw_only=True)
@@ -143,6 +151,10 @@ class PPOConfig(RunConfig, EnvOptions):
     """vllm: truncated importance sampling, each token's policy gradient weighted by min(pi_old / pi_engine, C) (0: off; C >= 1, 2 is usual)."""
     engine_mask_kl: float = 0.0
     """vllm: rows whose engine-vs-trainer KL (summed k3, nats) passes this get no policy gradient (0: off)."""
+    max_staleness: int = 0
+    """Asynchronous generation (docs/engine.md): a copy of the policy in a second process samples later batches while the trainer updates, no token more than this many optimizer steps older than the weights it is trained from, with the decoupled PPO loss (a multiple of the --ppo-epochs x --num-minibatches steps a batch takes; 0: synchronous)."""
+    generator_threads: int = 0
+    """--max-staleness: the generator process's torch threads (0: half the cores, at least 1; the trainer then takes the rest unless --threads is given)."""
 
     # ---- reward shaping and the KL penalty
     reward_per_turn: bool = False
@@ -325,6 +337,7 @@ class PPOConfig(RunConfig, EnvOptions):
         if self.engine_is_cap and not self.engine_is_cap >= 1:
             raise TetherError(f"--engine-is-cap {self.engine_is_cap} must be 0 (off) or >= 1: a "
                               "cap below 1 shrinks the weight of tokens the engine matched exactly")
+        self._check_staleness()  # first: with it, --engine-is-cap acts with the native engine
         check_engine_options(self)
         if self.gold_fn and not self.eval_prompts:
             raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
@@ -343,6 +356,52 @@ class PPOConfig(RunConfig, EnvOptions):
         """The first of `inert_options(given)`, refused."""
         for line in self.inert_options(given).values():
             raise TetherError(line)
+
+    @property
+    def steps_per_batch(self) -> int:
+        """The most optimizer steps one rollout batch takes (fewer when --target-kl stops it)."""
+        return self.ppo_epochs * self.num_minibatches
+
+    @property
+    def batches_ahead(self) -> int:
+        """How many batches the generator samples ahead of the one being trained (--max-staleness
+        over the steps a batch takes): batch b + L is sampled by the weights batch b starts from
+        and trained L batches, at most --max-staleness steps, later."""
+        return self.max_staleness // self.steps_per_batch
+
+    @property
+    def resolved_engine_is_cap(self) -> float:
+        """C of the truncated importance weight: --engine-is-cap, or with --max-staleness and
+        none given `STALE_IS_CAP` (decoupled PPO needs the weight; uncapped it has no bound)."""
+        return self.engine_is_cap or (STALE_IS_CAP if self.max_staleness > 0 else 0.0)
+
+    def _check_staleness(self) -> None:
+        require_positive(self, "max_staleness", "generator_threads", allow_zero=True)
+        if not self.max_staleness:
+            return
+        steps = self.steps_per_batch
+        if self.max_staleness < steps:
+            raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
+                              f"optimizer steps each batch takes (--ppo-epochs {self.ppo_epochs} x "
+                              f"--num-minibatches {self.num_minibatches}), so no batch could be "
+                              f"sampled ahead within it; give {steps} (one batch ahead) or a "
+                              "multiple of it, or 0")
+        if self.engine != "native":
+            raise TetherError(f"--max-staleness samples in a second process with the native "
+                              f"engine; --engine {self.engine} runs in the trainer's process: "
+                              "pass --engine native, or --max-staleness 0")
+        if self.episodic:
+            raise TetherError("--max-staleness samples single-turn prompts ahead of the trainer; "
+                              "an episode needs each answer of the environment before its next "
+                              "turn: drop --max-staleness (or --env / --tools)")
+        if self.engine_mask_kl:
+            raise TetherError(f"--engine-mask-kl {self.engine_mask_kl} with --max-staleness would "
+                              "mask whole rows for the staleness the decoupled loss corrects "
+                              "(their KL grows with every step); use --engine-is-cap, or drop "
+                              "--engine-mask-kl")
+        if self.fsdp:
+            raise TetherError("--max-staleness sends the generator whole weights, which FSDP2 "
+                              "shards; drop --fsdp (DDP works), or pass --max-staleness 0")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:

@@ -40,7 +40,7 @@ from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
-from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
+from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
@@ -105,6 +105,7 @@ class Setup:
     eval: Evaluation | None  # the held-out evaluation (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
     engine: RolloutEngine  # who samples (--engine), synced after every update
+    steps: ahead.StepCounter  # the policy's version: optimizer steps taken by this process
     source: RolloutSource  # where a batch's rows come from: prompts, or episodes
 
 
@@ -161,7 +162,9 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     disable_dropout(policy)
     fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
     policy.eval().to(device)
-    use_threads(cfg.threads, policy, device)
+    trainer_threads, generator_threads = ahead.split_threads(cfg.threads, cfg.generator_threads,
+                                                             cfg.max_staleness > 0)
+    use_threads(trainer_threads, policy, device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
     functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
@@ -195,10 +198,13 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
     # An episode's context never outgrows the positions the policy reads.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
-    engine = make_engine(cfg, lm.model, peft=lm.peft, d=d, run_model=roles.run_policy,
-                         longest_prompt=longest_prompt(cfg, prompt_ids + (held_out.prompt_ids
-                                                                          if held_out else []),
-                                                       limit))
+    # With --max-staleness a copy of the policy samples ahead in a second process instead.
+    steps = ahead.StepCounter(optimizer)
+    engine = (ahead.start(lm.model, steps, generator_threads, device) if cfg.max_staleness else
+              make_engine(cfg, lm.model, peft=lm.peft, d=d, run_model=roles.run_policy,
+                          longest_prompt=longest_prompt(cfg, prompt_ids + (held_out.prompt_ids
+                                                                           if held_out else []),
+                                                        limit)))
     reward = roles.scorer(reward) if reward is not None else None
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
@@ -220,7 +226,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  reward_model=reward_model, gold=gold, reward_functions=functions,
                  eos_token_ids=eos, prompts=prompts,
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
-                 spec=update_spec(cfg, d), engine=engine,
+                 spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 

@@ -1,0 +1,290 @@
+"""Generation ahead of the trainer (--max-staleness S): a copy of the policy samples later
+batches in a second process while the trainer updates on the current one.
+
+    trainer process                               generator process (its own copy of the policy)
+    prefetch(prompts of batch b + L)   ------>    serves its inbox in order:
+    update batch b: optimizer steps                  weights v      load them: version v
+    sync(): the trained weights, version v' -->      sample j       sample with version v, tag
+    sample(prompts of batch b + 1)     <------                      each token v, record
+                                                                    log pi_v(y_t)
+
+Versions count optimizer steps (`StepCounter`, a hook on the optimizer's `step`), so gradient
+accumulation, several minibatches and several epochs per batch are all counted. The inbox is
+served in order, so a request is sampled by the last weights sent before it: which version
+samples which batch follows from the order of the trainer's calls alone, never from timing, and
+a run is as reproducible as the synchronous one. The loop asks for batch b + L before it updates
+batch b (L = S // the optimizer steps a batch takes, `PPOConfig.batches_ahead`): the weights the
+generator holds then are those batch b starts from, and batch b + L is trained L batches, at
+most S steps, later. Training takes batches in order, oldest first, and none is dropped.
+
+The recorded log-probs are the behaviour policy's (`Rollout.engine_logprobs`): the update
+recomputes the proximal policy's on the same tokens and weights each token by the truncated
+ratio pi_prox / pi_behaviour (decoupled PPO, Hilton et al. 2021; `tether.rl.engines.mismatch`).
+
+Weights travel in memory: the trainable parameters only (the whole model, or with LoRA the
+adapter alone: the base is frozen and the copy holds it already), flattened into one tensor per
+dtype, which the queue moves into shared memory; each sync is its own snapshot, so the trainer
+never writes over weights the generator has not read yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tether.errors import TetherError
+from tether.rl.rollout import Rollout
+
+# The generator is silent past start-up; a check of its liveness every this many seconds while
+# the trainer waits for it.
+POLL_S = 1.0
+START_TIMEOUT_S = 600.0  # a copy of a large model takes a while to arrive
+
+
+class StepCounter:
+    """The policy version: how many optimizer steps have been taken (a post-step hook)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
+        self.version = 0
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_args) -> None:
+        self.version += 1
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the trainer changes, in the model's order: what a sync sends."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flatten(params: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p.detach().reshape(-1).cpu())
+    return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+
+
+def unflatten_into(params: list[torch.Tensor], flat: dict[torch.dtype, torch.Tensor]) -> None:
+    """Copy `flatten`'s output back into `params` (the same order, shapes and dtypes)."""
+    offsets = dict.fromkeys(flat, 0)
+    with torch.no_grad():
+        for p in params:
+            start = offsets[p.dtype]
+            p.copy_(flat[p.dtype][start:start + p.numel()].view_as(p))
+            offsets[p.dtype] = start + p.numel()
+
+
+def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> str:
+    """What identifies a sampling request: the prompts, their mask, the noise and the settings
+    (a prefetched batch is taken only by the call that asks for exactly it)."""
+    digest = hashlib.sha256()
+    for t in (prompt_ids, prompt_mask, settings.get("uniforms")):
+        if t is not None:
+            digest.update(str((t.dtype, tuple(t.shape))).encode())
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    rest = {k: v for k, v in settings.items() if k not in ("uniforms", "generator")}
+    digest.update(repr(sorted((k, tuple(v) if isinstance(v, list) else v)
+                              for k, v in rest.items())).encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Sampled:
+    """A rollout the generator returned and the version that sampled it."""
+
+    rollout: Rollout
+    version: int
+
+
+# ----------------------------------------------------------------------------- generator side
+
+def serve(model: nn.Module, threads: int, inbox, outbox) -> None:
+    """The generator process: serve `inbox` in order until "close". Messages:
+    ("weights", version, flat) load them; ("sample", ticket, ids, mask, settings) sample with
+    the current weights and answer (ticket, version, rollout); ("logprobs", ticket, ids, mask)
+    answer the current weights' log-probs of the given sequences (`probe`)."""
+    from tether.rl.engines.native import sample_responses
+
+    try:
+        torch.set_num_threads(threads)
+        params, version = trainable(model), 0
+        outbox.put(("ready", os.getpid(), None))
+        while True:
+            message = inbox.get()
+            kind = message[0]
+            if kind == "close":
+                return
+            if kind == "weights":
+                _, version, flat = message
+                unflatten_into(params, flat)
+            elif kind == "sample":
+                _, ticket, ids, mask, settings = message
+                rollout = sample_responses(model, ids, mask, record_logprobs=True, **settings)
+                outbox.put((ticket, version, rollout))
+            elif kind == "logprobs":
+                _, ticket, ids, mask = message
+                outbox.put((ticket, version, sequence_logprobs(model, ids, mask)))
+    except Exception:  # noqa: BLE001 - any failure goes back to the trainer, which names it
+        outbox.put(("error", None, traceback.format_exc()))
+
+
+@torch.no_grad()
+def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L - 1] log p(ids[:, t + 1] | ids[:, :t + 1]) under `model` (right-padded `ids`)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+class AheadEngine:
+    """A `RolloutEngine` whose samples come from the generator process (see the module's
+    docstring). `prefetch` asks for a batch without waiting; `sample` takes a prefetched batch
+    when one matches, or asks for it now (a --dynamic-sampling refill, an evaluation: the
+    current weights sample it). Every rollout carries the behaviour log-probs and, per token,
+    the version that sampled it."""
+
+    own_logprobs = True
+
+    def __init__(self, process, inbox, outbox, counter: StepCounter, params: list[nn.Parameter],
+                 device: torch.device):
+        self.process, self.inbox, self.outbox = process, inbox, outbox
+        self.counter, self.params, self.device = counter, params, device
+        self.pending: dict[str, int] = {}  # request key -> ticket, asked for, not yet taken
+        self.ready: dict[int, tuple[int, object]] = {}  # ticket -> (version, answer), arrived
+        self.tickets = 0
+        self.waited_s = 0.0  # seconds the trainer has waited for the generator
+
+    # -- RolloutEngine
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
+        key = request_key(prompt_ids, prompt_mask, settings)
+        ticket = self.pending.pop(key, None)
+        if ticket is None:
+            ticket = self._ask(prompt_ids, prompt_mask, settings)
+        version, rollout = self._answer(ticket)
+        return tagged(rollout, version, self.device)
+
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        """Ask for this batch now, sampled by the weights last synced; `sample` takes it."""
+        key = request_key(prompt_ids, prompt_mask, settings)
+        if key not in self.pending:
+            self.pending[key] = self._ask(prompt_ids, prompt_mask, settings)
+
+    def sleep(self) -> None:  # the generator keeps sampling while the trainer updates
+        pass
+
+    def sync(self) -> None:
+        """Send the trained weights, tagged with the optimizer steps taken (also when none were:
+        a resumed run's weights changed without a step)."""
+        self._put(("weights", self.counter.version, flatten(self.params)))
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.inbox.put(("close",))
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+    # -- for tests and checks
+    def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(version, the generator's log-probs of `ids`): what its weights are now."""
+        self.tickets += 1
+        self._put(("logprobs", self.tickets, ids.cpu(), mask.cpu()))
+        return self._answer(self.tickets)
+
+    # -- plumbing
+    def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
+        self.tickets += 1
+        settings = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                    for k, v in settings.items() if k != "generator"}
+        self._put(("sample", self.tickets, prompt_ids.cpu(), prompt_mask.cpu(), settings))
+        return self.tickets
+
+    def _put(self, message: tuple) -> None:
+        if not self.process.is_alive():
+            raise self._ended()
+        self.inbox.put(message)
+
+    def _answer(self, ticket: int) -> tuple[int, object]:
+        started = time.perf_counter()
+        try:
+            while ticket not in self.ready:
+                try:
+                    got, version, answer = self.outbox.get(timeout=POLL_S)
+                except queue.Empty:
+                    if not self.process.is_alive():
+                        raise self._ended() from None
+                    continue
+                if got == "error":
+                    raise RuntimeError(f"the generator process failed:\n{answer}")
+                self.ready[got] = (version, answer)
+            return self.ready.pop(ticket)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def _ended(self) -> TetherError:
+        return TetherError(f"the generator process (--max-staleness) ended with exit code "
+                           f"{self.process.exitcode} (out of memory, or killed); lower "
+                           "--max-staleness or --batch-size, or pass --max-staleness 0")
+
+
+def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:
+    """`rollout` on `device`, each sampled token tagged with `version`."""
+    rollout = rollout.map_rows(lambda t: t.to(device))
+    rollout.versions = torch.where(rollout.action_mask, version, 0).long()
+    return rollout
+
+
+def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
+    """(the trainer's requested threads, the generator's): as given; with a generator and 0
+    given, it takes half the cores (at least 1) and the trainer the rest (its --threads 0, auto,
+    would otherwise take them all and the two processes would contend for every core)."""
+    if not ahead:
+        return trainer, 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    generator = generator or max(1, (cores or 1) // 2)
+    return trainer or max(1, (cores or 1) - generator), generator
+
+
+def start(model: nn.Module, counter: StepCounter, threads: int,
+          device: torch.device) -> AheadEngine:
+    """Start the generator process on a copy of `model` (the policy as prepared, before any
+    wrapper) and return the trainer's side; waits until the copy is ready, so a failure shows
+    here, before the first batch."""
+    ctx = torch.multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    replica = copy.deepcopy(model)  # its own weights: the queue shares what it sends
+    process = ctx.Process(target=serve, args=(replica, threads, inbox, outbox), daemon=True,
+                          name="tether-generator")
+    process.start()
+    del replica
+    engine = AheadEngine(process, inbox, outbox, counter, trainable(model), device)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:  # the copy arrives, or the process ends (its traceback is on stderr)
+        try:
+            answer = outbox.get(timeout=POLL_S)
+            break
+        except queue.Empty:
+            if not process.is_alive() or time.monotonic() > deadline:
+                engine.close()
+                raise TetherError(f"the generator process (--max-staleness) did not start "
+                                  f"(exit code {process.exitcode}); see the lines above, or pass "
+                                  "--max-staleness 0") from None
+    if answer[0] == "error":
+        engine.close()
+        raise RuntimeError(f"the generator process failed to start:\n{answer[2]}")
+    return engine
