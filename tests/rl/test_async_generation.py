@@ -1,0 +1,392 @@
+"""Asynchronous generation with bounded staleness (--max-staleness, `tether.rl.engines.ahead`)
+and the decoupled PPO loss it trains with, checked against independent truths:
+
+- the behaviour policy is the right one: each batch's recorded log-probs equal those of the
+  weights the trainer held L batches earlier (recomputed here from saved copies), not those of
+  the weights that train it, and every token's version gap is within S;
+- --max-staleness 0 is the synchronous loop bit for bit, and the decoupled weights of tokens
+  sampled by pi_old are exactly 1 (the loss is then the plain clipped loss, bit for bit);
+- the decoupled gradient is unbiased on a bandit whose behaviour, proximal and current policies
+  are known (Monte Carlo, within 3 standard errors of the exact gradient);
+- a schedule of random generation and update times on a simulated clock never trains a token
+  more than S steps stale, trains every batch once, in order (none dropped);
+- a LoRA adapter reaches the generator: its log-prob of a probe sequence changes at each sync
+  and equals the trainer's;
+- the settings that cannot work are refused with one line, before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from refusals import refused
+
+from tether.cli import main
+from tether.losses import PolicyLoss, policy_loss
+from tether.rl.engines import ahead
+from tether.rl.engines.mismatch import (
+    Correction,
+    correction_weights,
+    effective_sample_size,
+    staleness_metrics,
+)
+from tether.rl import update as update_module
+from tether.train import ppo
+from tether.train.ppo_config import GRPOConfig, PPOConfig
+
+PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very",
+           "music and", "the actor", "a scene", "very quite"]
+
+
+def length_reward(prompts, responses):
+    return [len(r) / 10.0 for r in responses]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ahead") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def grpo(model_dir, prompts_file, name, **overrides) -> GRPOConfig:
+    values = dict(run_name=name, output_dir=str(prompts_file.parent / "runs"),
+                  policy=str(model_dir), prompts=str(prompts_file), batch_size=4,
+                  samples_per_prompt=2, total_episodes=16, max_new_tokens=6, lr=3e-2,
+                  beta=0.1, device="cpu", save_every=0, sample_every=0, report_to="none",
+                  generator_threads=1, threads=1)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def recorded_run(cfg, monkeypatch):
+    """Run `cfg` and return, per batch, (the rollout it trained, a copy of the trainable
+    weights the update started from, the version it started from, its metrics)."""
+    seen = []
+    real = ppo.update_batch
+
+    def spy(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed=None,
+            version=0):
+        state = {k: v.detach().clone() for k, v in roles.policy.named_parameters()}
+        done = real(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed,
+                    version)
+        seen.append((rollout, state, version, done))
+        return done
+    monkeypatch.setattr(ppo, "update_batch", spy)
+    result = ppo.run(cfg, reward_fn=length_reward)
+    return seen, result
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(result.output_path.glob("*.safetensors"))))
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir"])
+def test_each_batch_is_sampled_by_the_weights_of_l_batches_before(model, request, prompts_file,
+                                                                  monkeypatch):
+    """S = 2 with 2 steps a batch (2 minibatches): one batch ahead. Batch b's behaviour
+    log-probs are those of the weights batch b - 1 started from (batch 0's: the start), to
+    float rounding, and differ from the weights that train it: the decoupled loss has the right
+    mu. Every token's gap is within S and the metrics say so."""
+    from tether.models.lora import LoraSpec
+    from tether.models.pretrained import load_tokenizer, load_trainable_lm
+    from tether.rl.scoring import score_rollout
+
+    cfg = grpo(request.getfixturevalue(model), prompts_file, f"ahead-{model}",
+               max_staleness=2, num_minibatches=2)
+    assert cfg.batches_ahead == 1
+    seen, _ = recorded_run(cfg, monkeypatch)
+    assert len(seen) == cfg.n_batches == 4
+    probe = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
+                              "float32", False).model.eval()  # as the trainer loads it
+    for b, (rollout, _state, version, done) in enumerate(seen):
+        behaviour = seen[max(b - 1, 0)][1]
+        probe.load_state_dict(behaviour, strict=False)
+        with torch.no_grad():
+            scored = score_rollout(probe, probe, None, rollout, cfg.temperature, len(rollout))
+        mask = rollout.action_mask
+        gap = (scored.logprobs - rollout.engine_logprobs).abs()[mask].max()
+        assert gap < 1e-4, (b, gap)
+        assert torch.equal(rollout.versions[mask],
+                           torch.full_like(rollout.versions[mask], seen[max(b - 1, 0)][2]))
+        assert int((version - rollout.versions[mask]).max()) <= cfg.max_staleness
+        if b >= 2:  # the trainer's own weights are another policy by now
+            stale = (done.old.logprobs - rollout.engine_logprobs).abs()[mask].max()
+            assert stale > 1e-3, (b, stale)
+        stats = done.stats
+        assert stats["async/overrun_tokens"] == 0.0
+        expected_gap = version - seen[max(b - 1, 0)][2]
+        assert stats["async/staleness_max"] == expected_gap
+        assert stats[f"async/staleness_{expected_gap}"] == 1.0
+        assert 0 < stats["rollout/engine_is_ess"] <= 1.0
+    assert [v for _, _, v, _ in seen] == [0, 2, 4, 6]  # versions count optimizer steps
+
+
+def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(tiny_model_dir, prompts_file):
+    """--max-staleness 0 given explicitly trains what the default does, to the bit."""
+    base = ppo.run(grpo(tiny_model_dir, prompts_file, "sync-default", total_episodes=8),
+                   reward_fn=length_reward)
+    given = ppo.run(grpo(tiny_model_dir, prompts_file, "sync-zero", total_episodes=8,
+                         max_staleness=0), reward_fn=length_reward)
+    a, b = final_weights(base), final_weights(given)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_weights_of_tokens_sampled_by_pi_old_are_exactly_one_and_the_loss_is_plain():
+    """mu = pi_old (the native engine, S = 0): every weight min(exp(0), C) is exactly 1, and the
+    clipped loss with the advantages so weighted equals the plain one bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 7, generator=g, dtype=torch.float64) * 3
+    new = (old + 0.3 * torch.randn(3, 7, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 7, generator=g) > 0.2
+    weights, stats = correction_weights(old, old.clone(), mask, Correction(engine_is_cap=2.0))
+    assert bool((weights[mask] == 1).all()) and stats["rollout/engine_is_ess"] == 1.0
+    plain, _ = policy_loss(new, old, adv, mask, PolicyLoss())
+    weighted, _ = policy_loss(new, old, adv * weights.double(), mask, PolicyLoss())
+    assert plain.item() == weighted.item()
+
+
+def test_the_decoupled_gradient_is_unbiased_on_a_bandit():
+    """A 5-armed bandit, softmax policies: behaviour mu (the stale copy), proximal pi_prox,
+    current pi_theta. The decoupled objective E_{a~mu}[w(a) min(r A, clip(r) A)], w = pi_prox / mu
+    (cap above every ratio), r = pi_theta / pi_prox, has the gradient of
+    E_{a~pi_prox}[min(r A, clip(r) A)], computed exactly over the arms. Monte Carlo through
+    tether's own weight and loss functions agrees within 3 standard errors in every coordinate,
+    and the gradient without the weight (the bug of recomputing mu as pi_prox) does not."""
+    torch.manual_seed(0)
+    arms, n = 5, 20000
+    mu = torch.softmax(torch.tensor([0.5, -0.2, 0.1, 0.9, -0.6], dtype=torch.float64), 0)
+    prox_logits = torch.tensor([0.2, 0.3, -0.4, 0.6, 0.0], dtype=torch.float64)
+    theta = (prox_logits + torch.tensor([0.15, -0.1, 0.05, -0.2, 0.1],
+                                        dtype=torch.float64)).requires_grad_()
+    reward = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.2], dtype=torch.float64)
+    prox = torch.softmax(prox_logits, 0)
+    advantage = reward - (prox * reward).sum()  # an advantage under pi_prox
+    spec = PolicyLoss(clip_range=0.2)
+
+    # exact: sum over arms of pi_prox(a) * per-arm clipped objective
+    logp = torch.log_softmax(theta, 0)
+    exact = torch.zeros(arms, dtype=torch.float64)
+    for a in range(arms):
+        one = torch.tensor([[True]])
+        loss, _ = policy_loss(logp[a].view(1, 1), prox.log()[a].view(1, 1),
+                              advantage[a].view(1, 1), one, spec, denominator=1.0)
+        exact = exact + prox[a] * torch.autograd.grad(loss, theta, retain_graph=True)[0]
+
+    # Monte Carlo: samples from mu, one loss per sample, weighted by tether's decoupled weight
+    actions = torch.multinomial(mu, n, replacement=True, generator=torch.Generator().manual_seed(1))
+    behaviour = mu.log()[actions].view(n, 1)
+    proximal = prox.log()[actions].view(n, 1)
+    mask = torch.ones(n, 1, dtype=torch.bool)
+    weights, _ = correction_weights(proximal, behaviour, mask, Correction(engine_is_cap=100.0))
+    per_sample, unweighted = [], []
+    jac = torch.autograd.functional.jacobian(
+        lambda t: torch.log_softmax(t, 0)[actions], theta.detach())  # [n, arms]
+    for w_on, out in ((True, per_sample), (False, unweighted)):
+        current = torch.log_softmax(theta, 0)[actions].view(n, 1).detach().requires_grad_()
+        adv = advantage[actions].view(n, 1) * (weights.double() if w_on else 1.0)
+        loss, _ = policy_loss(current, proximal, adv, mask, spec, denominator=1.0)  # the sum
+        (g_logp,) = torch.autograd.grad(loss, current)  # d loss_i / d log pi(a_i)
+        out.append(g_logp.view(n, 1) * jac)  # [n, arms]: each sample's gradient
+    grads = per_sample[0]
+    mean, se = grads.mean(0), grads.std(0) / n ** 0.5
+    assert bool(((mean - exact).abs() < 3 * se).all()), (mean, exact, se)
+    biased = unweighted[0].mean(0)
+    assert bool(((biased - exact).abs() > 3 * se).any())
+
+
+def test_a_simulated_clock_never_trains_a_token_more_than_s_steps_stale():
+    """The loop's order of calls (ask for batches b+1..b+L, train b, sync) on an event clock
+    with random generation and update times, and a random number of optimizer steps per batch
+    (--target-kl stops some early): every batch is trained once, in order, none dropped; its
+    tokens are at most S steps old; and the generator, serving its inbox in order, samples each
+    batch by the weights sent last before the request, whatever the timing."""
+    rng = random.Random(0)
+    for trial in range(200):
+        steps_max = rng.randint(1, 4)
+        ahead_batches = rng.randint(0, 3)
+        s = ahead_batches * steps_max
+        n_batches = rng.randint(1, 12)
+        inbox: list[tuple] = []  # the generator's, in order
+        weights_version, trained, version, clock = 0, [], 0, 0.0
+        asked: set[int] = set()
+        sampled: dict[int, int] = {}  # batch -> version that sampled it
+        gen_free = 0.0
+
+        def serve_until(t: float) -> None:  # the generator works through its inbox in order
+            nonlocal gen_free, weights_version
+            while inbox and gen_free <= t:
+                kind, value = inbox.pop(0)
+                if kind == "weights":
+                    weights_version = value
+                else:
+                    gen_free += rng.uniform(0.1, 3.0)
+                    sampled[value] = weights_version
+
+        def ask(batch: int) -> None:
+            if batch not in asked:
+                asked.add(batch)
+                inbox.append(("sample", batch))
+        for b in range(n_batches):
+            ask(b)  # collect: the batch itself (asked before, or now)
+            while b not in sampled:  # the trainer waits for it
+                gen_free = max(gen_free, clock)
+                serve_until(float("inf") if inbox and inbox[0] == ("sample", b) else gen_free)
+                if b not in sampled:
+                    serve_until(float("inf"))
+            clock = max(clock, gen_free)
+            for later in range(b + 1, min(b + 1 + ahead_batches, n_batches)):
+                ask(later)
+            start_version = version
+            version += rng.randint(1, steps_max)  # the update's optimizer steps
+            clock += rng.uniform(0.1, 3.0)
+            trained.append((b, start_version - sampled[b]))
+            inbox.append(("weights", version))
+        assert [b for b, _ in trained] == list(range(n_batches)), trial
+        assert all(0 <= gap <= s for _, gap in trained), (trial, trained, s)
+
+
+def test_the_staleness_metrics_keep_mismatch_and_versions_apart():
+    """Hand-made: row 0 sampled by the current version (its k3 is the mismatch), row 1 two
+    steps back (its k3 is the versions' KL), row 2 one step back; shares per gap."""
+    trainer = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0], [-0.5, 0.0, 0.0]])
+    engine = torch.tensor([[-1.1, -2.0, 0.0], [-1.5, -0.5, -1.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    versions = torch.tensor([[5, 5, 0], [3, 3, 3], [4, 0, 0]])
+    out = staleness_metrics(trainer, engine, versions, mask, current=5, max_staleness=2)
+
+    def k3(d):
+        return sum(torch.expm1(torch.tensor(x)).item() - x for x in d)
+    assert out["rollout/engine_kl"] == pytest.approx(k3([0.1, 0.0]), rel=1e-5)
+    assert out["async/version_kl"] == pytest.approx((k3([0.5, -0.5, 0.0]) + k3([0.0])) / 2,
+                                                    rel=1e-5)
+    assert out["async/staleness_0"] == pytest.approx(2 / 6)
+    assert out["async/staleness_1"] == pytest.approx(1 / 6)
+    assert out["async/staleness_2"] == pytest.approx(3 / 6)
+    assert out["async/staleness_max"] == 2 and out["async/overrun_tokens"] == 0
+    assert out["async/staleness_mean"] == pytest.approx((0 + 0 + 2 * 3 + 1) / 6)
+    late = staleness_metrics(trainer, engine, versions, mask, current=6, max_staleness=2)
+    assert late["async/overrun_tokens"] == pytest.approx(3 / 6)  # flagged, not dropped
+    assert "rollout/engine_kl" not in late  # no row at the current version
+
+
+def test_effective_sample_size_by_hand():
+    mask = torch.tensor([[True, True, True, False]])
+    assert effective_sample_size(torch.tensor([[1.0, 1.0, 1.0, 9.0]]), mask) == 1.0
+    assert effective_sample_size(torch.tensor([[2.0, 0.0, 0.0, 1.0]]), mask) == pytest.approx(1 / 3)
+    assert effective_sample_size(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), mask) == pytest.approx(
+        36 / (3 * 14))
+
+
+def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
+    """The adapter alone travels (the frozen base is not sent), and the generator's log-probs of
+    a probe sequence change at each sync and equal the trainer's, to float rounding."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval(),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    sent = ahead.trainable(model)
+    assert sent and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert sum(p.numel() for p in sent) < sum(p.numel() for p in model.parameters()) / 5
+    optimizer = torch.optim.AdamW(sent, lr=5e-2)
+    engine = ahead.start(model, ahead.StepCounter(optimizer), 1, torch.device("cpu"))
+    try:
+        ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        before = engine.probe(ids, mask)[1]
+        for step in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            engine.sync()
+            version, now = engine.probe(ids, mask)
+            assert version == step + 1
+            assert (now - before).abs().max() > 1e-4, step  # the new adapter, not the initial one
+            mine = ahead.sequence_logprobs(model, ids, mask)
+            assert (now - mine).abs().max() < 1e-5
+            before = now
+    finally:
+        engine.close()
+    assert engine.process.exitcode == 0
+
+
+def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_dir):
+    """A prefetched request is answered once, to the call that asks for exactly it; another
+    noise is another request (sampled then, by the weights of its time)."""
+    from transformers import AutoModelForCausalLM
+
+    from tether.rl.engines.native import sample_responses
+    from tether.rl.rollout import sampling_uniforms
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = ahead.start(model, ahead.StepCounter(optimizer), 1, torch.device("cpu"))
+    try:
+        ids = torch.randint(3, 250, (3, 4), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        kw = dict(max_new_tokens=5, temperature=1.0, eos_token_ids=[0], pad_token_id=1)
+        first, other = sampling_uniforms(1, 3, 5), sampling_uniforms(2, 3, 5)
+        engine.prefetch(ids, mask, uniforms=first, **kw)
+        before = sample_responses(model, ids, mask, uniforms=first, record_logprobs=True, **kw)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        engine.sync()
+        taken = engine.sample(ids, mask, uniforms=first, **kw)  # asked before the step
+        assert torch.equal(taken.input_ids, before.input_ids)
+        assert torch.allclose(taken.engine_logprobs, before.engine_logprobs, atol=1e-6)
+        assert int(taken.versions.max()) == 0
+        fresh = engine.sample(ids, mask, uniforms=other, **kw)  # asked now: version 1
+        assert int(fresh.versions[fresh.action_mask].min()) == 1
+        assert not engine.pending
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--max-staleness", "1", "--num-minibatches", "2"],
+     r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
+    (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
+    (["--max-staleness", "1", "--engine", "vllm"], r"--engine vllm runs in the trainer's process"),
+    (["--max-staleness", "1", "--engine-mask-kl", "2"], r"--engine-mask-kl 2.0 with --max-staleness"),
+    (["--max-staleness", "1", "--fsdp"], r"FSDP2 shards"),
+    (["--generator-threads", "2"], r"--generator-threads applies with --max-staleness above 0"),
+    (["--engine-is-cap", "2"], r"--engine-is-cap 2.0 corrects vLLM's sampling"),
+])
+def test_settings_that_cannot_work_are_refused_before_any_model_loads(
+        argv, pattern, tiny_model_dir, prompts_file, tmp_path, capsys, no_loads):
+    base = ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts_file),
+            "--reward-fn", "tests/rl/test_async_generation.py:length_reward",
+            "--output-dir", str(tmp_path / "runs"), "--batch-size", "4",
+            "--total-episodes", "8", "--device", "cpu"]
+    refused(tmp_path, base + argv, pattern, capsys)
+    assert no_loads == []
+
+
+def test_episodes_are_refused_with_staleness(tiny_model_dir, prompts_file):
+    from tether.errors import TetherError
+
+    with pytest.raises(TetherError, match="an episode needs each answer of the environment"):
+        replace(grpo(tiny_model_dir, prompts_file, "env", max_staleness=1),
+                env="envs.py:Counter").validate()
+
+
+def test_engine_is_cap_acts_with_staleness(tiny_model_dir, prompts_file):
+    """--engine-is-cap with the native engine is accepted once --max-staleness makes it act, and
+    without one given the decoupled weight is capped at 2."""
+    cfg = grpo(tiny_model_dir, prompts_file, "cap", max_staleness=1, engine_is_cap=3.0)
+    assert cfg.resolved_engine_is_cap == 3.0
+    assert grpo(tiny_model_dir, prompts_file, "cap2", max_staleness=1).resolved_engine_is_cap == 2.0
+    assert PPOConfig.resolved_engine_is_cap.fget(
+        grpo(tiny_model_dir, prompts_file, "cap3")) == 0.0
+    from tether.run.config import section  # what the update reads takes the resolved cap
+
+    assert section(update_module.UpdateSpec, cfg, micro_rows=1).correction.engine_is_cap == 3.0
