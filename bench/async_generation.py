@@ -1,0 +1,114 @@
+"""Asynchronous generation against the synchronous loop: the same `tether grpo` run with
+`--max-staleness 0` (the loop as it always was) and with `--max-staleness 1` (a copy of the
+policy samples batch b + 1 in a second process while the trainer updates batch b), on a
+GPT-2-shaped model built here from its config (no download), on CPU.
+
+Each run is a fresh process calling tether's CLI, timed as a whole: start-up, the generator
+process's start (the spawned interpreter, the copy of the model), every weight sync and the
+final save are in the figure, as a user pays them. On 2 cores the settings are:
+
+    sync, 2 threads   the synchronous loop with both cores for its one process
+    sync, 1 thread    the synchronous loop on one core
+    async             trainer 1 thread + generator 1 thread (the default split: half each)
+
+The settings alternate over `--repeats` rounds; the medians are reported as seconds per episode
+(a response), with the ratios sync / async: above 1 the asynchronous loop is faster. Absolute
+times on a shared machine are noisy; the ratio measured side by side is the figure to quote
+(docs/benchmarks.md, "Asynchronous generation"). On a GPU the comparison belongs in
+bench/gpu.sh, where generation and training would take separate devices.
+
+    python bench/async_generation.py [--size small] [--repeats 3] [--batches 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# name: (layers, width, heads); the vocabulary is the tokenizer's (~500 tokens)
+SIZES = {"tiny": (2, 64, 2), "small": (4, 256, 4), "medium": (6, 512, 8)}
+WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene film story "
+         "music ending long short loved hated it and but very quite").split()
+SETTINGS = {  # name: (extra argv)
+    "sync, 2 threads": ["--threads", "2"],
+    "sync, 1 thread": ["--threads", "1"],
+    "async": ["--max-staleness", "1", "--threads", "1", "--generator-threads", "1"],
+}
+
+
+def sentences(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(n)]
+
+
+def inputs(root: Path, size: str) -> Path:
+    """The model, the prompts and a reward function under `root`; returns the model's path."""
+    from tether.models.tiny import save_tiny
+
+    layers, width, heads = SIZES[size]
+    model = save_tiny(root / size, sentences(600, seed=0), 512, n_layer=layers, n_embd=width,
+                      n_head=heads)
+    with open(root / "prompts.jsonl", "w") as f:
+        for text in sentences(64, seed=2):
+            f.write(json.dumps({"prompt": " ".join(text.split()[:3])}) + "\n")
+    (root / "reward.py").write_text(
+        "def score(prompts, responses):\n    return [float(r.count('good')) for r in responses]\n")
+    return model
+
+
+def command(model: Path, root: Path, run: str, batches: int, batch_size: int,
+            new_tokens: int) -> list[str]:
+    return ["grpo", "--policy", str(model), "--reward-fn", f"{root / 'reward.py'}:score",
+            "--prompts", str(root / "prompts.jsonl"), "--total-episodes",
+            str(batches * batch_size), "--batch-size", str(batch_size), "--samples-per-prompt",
+            "4", "--max-new-tokens", str(new_tokens), "--save-every", "0", "--run-name", run,
+            "--output-dir", str(root / "runs"), "--device", "cpu"]
+
+
+def timed(argv: list[str]) -> float:
+    """Wall seconds of one run in a fresh process."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "tether", *argv], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = inputs(root, args.size)
+        times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        for repeat in range(args.repeats):
+            for i, (name, extra) in enumerate(SETTINGS.items()):
+                argv = command(model, root, f"r{repeat}-{i}", args.batches, args.batch_size,
+                               args.new_tokens) + extra
+                times[name].append(timed(argv))
+        episodes = args.batches * args.batch_size
+        layers, width, _ = SIZES[args.size]
+        print(f"tether grpo, GPT-2 {layers} x {width}, {args.batches} batches of "
+              f"{args.batch_size} responses (4 per prompt) of up to {args.new_tokens} tokens, "
+              f"medians of {args.repeats} (whole runs, start-up included)")
+        print(f"{'setting':<18} {'s per episode':>14} {'run s':>8}")
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        for name, median in medians.items():
+            print(f"{name:<18} {median / episodes:>14.4f} {median:>8.1f}")
+        for name in ("sync, 2 threads", "sync, 1 thread"):
+            print(f"{name} / async: {medians[name] / medians['async']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
