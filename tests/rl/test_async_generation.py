@@ -358,7 +358,6 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
     (["--max-staleness", "1", "--engine", "vllm"], r"--engine vllm runs in the trainer's process"),
     (["--max-staleness", "1", "--engine-mask-kl", "2"], r"--engine-mask-kl 2.0 with --max-staleness"),
     (["--max-staleness", "1", "--fsdp"], r"FSDP2 shards"),
-    (["--generator-threads", "2"], r"--generator-threads applies with --max-staleness above 0"),
     (["--engine-is-cap", "2"], r"--engine-is-cap 2.0 corrects vLLM's sampling"),
 ])
 def test_settings_that_cannot_work_are_refused_before_any_model_loads(

@@ -86,6 +86,8 @@ SCOPED_CASES = [  # (stage, flags, the one line's pattern)
     ("rloo", ["--kl-per-token-mean"], "tether rloo runs with --kl-in reward"),
     ("ppo", ["--eval-every", "2"], "--eval-every applies with --eval-prompts, and tether ppo runs "
      "with no --eval-prompts"),
+    ("grpo", ["--generator-threads", "2"], "--generator-threads applies with --max-staleness above "
+     "0, and tether grpo runs with --max-staleness 0"),
 ]
 
 

@@ -99,10 +99,8 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             done, lr = update(setup, rollout, scores, beta, seed,
                               drawn.turn_rewards if cfg.reward_per_turn else None)
 
-            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size (rows
-            #    sampled ahead: each token's KL weighted as its surrogate is, decoupled PPO's w).
-            kl = done.kl if done.kl_weights is None else done.kl * done.kl_weights
-            seq_kl = kl.sum(dim=1).mean().item()
+            # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
+            seq_kl = sequence_kl(done)
             setup.kl_ctl.update(seq_kl, len(rollout))
             check_same_beta(setup.kl_ctl.beta, d)
 
@@ -194,6 +192,14 @@ def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, se
     setup.engine.sync()  # the next rollout samples the policy just updated
     done.stats["perf/engine_sync_s"] = time.perf_counter() - synced
     return done, lr
+
+
+def sequence_kl(done: BatchUpdate) -> float:
+    """The batch mean of the per-sequence summed KL the rewards were shaped with, what the
+    controller reads; rows sampled ahead (--max-staleness) weigh each token as its surrogate
+    does (decoupled PPO's w), so the mean is pi_old's, not the stale copy's."""
+    kl = done.kl if done.kl_weights is None else done.kl * done.kl_weights
+    return kl.sum(dim=1).mean().item()
 
 
 def batch_seed(cfg: PPOConfig, batch: int) -> int:

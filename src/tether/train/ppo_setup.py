@@ -162,9 +162,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     disable_dropout(policy)
     fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
     policy.eval().to(device)
-    trainer_threads, generator_threads = ahead.split_threads(cfg.threads, cfg.generator_threads,
-                                                             cfg.max_staleness > 0)
-    use_threads(trainer_threads, policy, device)
+    threads = ahead.split_threads(cfg.threads, cfg.generator_threads, cfg.max_staleness > 0)
+    use_threads(threads[0], policy, device)  # [1]: a generator's (--max-staleness)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
     functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
@@ -198,13 +197,10 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
     # An episode's context never outgrows the positions the policy reads.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
-    # With --max-staleness a copy of the policy samples ahead in a second process instead.
     steps = ahead.StepCounter(optimizer)
-    engine = (ahead.start(lm.model, steps, generator_threads, device) if cfg.max_staleness else
-              make_engine(cfg, lm.model, peft=lm.peft, d=d, run_model=roles.run_policy,
-                          longest_prompt=longest_prompt(cfg, prompt_ids + (held_out.prompt_ids
-                                                                           if held_out else []),
-                                                        limit)))
+    engine = _engine(cfg, lm, roles, steps, threads[1],
+                     longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
+                                    limit))
     reward = roles.scorer(reward) if reward is not None else None
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
@@ -228,6 +224,17 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
                  spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCounter,
+            generator_threads: int, longest: int) -> RolloutEngine:
+    """Who samples: the engine --engine names, on the policy as prepared; with --max-staleness
+    a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`),
+    whose versions `steps` counts."""
+    if cfg.max_staleness:
+        return ahead.start(lm.model, steps, generator_threads, roles.dist.device)
+    return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
+                       longest_prompt=longest)
 
 
 def _config_checks(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]],
