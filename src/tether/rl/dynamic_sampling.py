@@ -22,7 +22,7 @@ rounds the batch is made of.
 
 The same refill replaces the groups that hold a row the reward pool could not score
 (tether.rl.reward_pool, --reward-workers): such a group is dropped, with or without
---dynamic-sampling, named in a warning and counted (reward/failed), and never used to top a
+--dynamic-sampling, named in a warning and counted (reward_pool/failed), and never used to top a
 batch up. Without --dynamic-sampling up to FAILURE_ROUNDS further draws replace them; a batch
 still short after its draws ends the run with one line (BatchUnscored) rather than train on
 fewer groups, or on a score that is not one.
@@ -120,7 +120,7 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
         if found >= groups or len(drawn_all) > max_rounds:
             break
         more = len(drawn_all)
-        if dynamic and time.monotonic() - noted >= NOTE_EVERY_S:
+        if dynamic and more > 1 and time.monotonic() - noted >= NOTE_EVERY_S:
             noted = time.monotonic()
             say(f"dynamic sampling round {more - 1} of {max_rounds} has found {found} of "
                 f"{groups} groups with differing rewards ({WHY_EQUAL})")
@@ -192,23 +192,23 @@ def _warn_failures(drawn: Drawn, k: int, warn: Callable[[str], None] | None) -> 
     dropped = int(_failed_groups(drawn, k).sum())
     more = f" (and {len(causes) - 1} more responses)" if len(causes) > 1 else ""
     warn(f"response {row}: {causes[row]}{more}; {dropped} group{'s' if dropped > 1 else ''} of "
-         f"{k} dropped and drawn again (counted in reward/failed)")
+         f"{k} dropped and drawn again (counted in reward_pool/failed)")
 
 
 def failure_stats(drawn_all: list[Drawn], k: int, redraws: int, dynamic: bool
                   ) -> dict[str, float]:
     """The reward pool's counts over every draw of a batch ({} without a pool):
-    `reward/failed` (responses without a score), `reward/failed_groups` (groups dropped for
-    them), `reward/retries` (calls made again), and without --dynamic-sampling
-    `reward/redraws` (draws made to replace the dropped groups; with it they are
+    `reward_pool/failed` (responses without a score), `reward_pool/failed_groups` (groups dropped for
+    them), `reward_pool/retries` (calls made again), and without --dynamic-sampling
+    `reward_pool/redraws` (draws made to replace the dropped groups; with it they are
     rollout/dynamic_rounds)."""
     if drawn_all[0].failed is None:
         return {}
-    stats = {"reward/failed": float(sum(int(d.failed.failed.sum()) for d in drawn_all)),
-             "reward/failed_groups": float(sum(int(_failed_groups(d, k).sum())
+    stats = {"reward_pool/failed": float(sum(int(d.failed.failed.sum()) for d in drawn_all)),
+             "reward_pool/failed_groups": float(sum(int(_failed_groups(d, k).sum())
                                                for d in drawn_all)),
-             "reward/retries": float(sum(int(d.failed.retries.sum()) for d in drawn_all))}
-    return stats if dynamic else stats | {"reward/redraws": float(redraws)}
+             "reward_pool/retries": float(sum(int(d.failed.retries.sum()) for d in drawn_all))}
+    return stats if dynamic else stats | {"reward_pool/redraws": float(redraws)}
 
 
 def _unscored(drawn_all: list[Drawn], k: int, have: int, groups: int) -> str:

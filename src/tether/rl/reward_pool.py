@@ -143,9 +143,12 @@ class RewardPool:
         return await result if inspect.isawaitable(result) else result
 
 
-def pool_for(workers: int, retries: int, timeout: float) -> RewardPool | None:
-    """The pool --reward-workers asks for, or None: 0 or 1 is one call per batch (no pool)."""
-    return RewardPool(workers, retries, timeout) if workers > 1 else None
+def pool_for(settings) -> RewardPool | None:
+    """The pool `settings` ask for (a config with `reward_workers`, `reward_retries` and
+    `reward_fn_timeout`: PPOConfig, EvalConfig), or None: 0 or 1 workers is one call per batch."""
+    workers = settings.reward_workers
+    return (RewardPool(workers, settings.reward_retries, settings.reward_fn_timeout)
+            if workers > 1 else None)
 
 
 def check_reward_pool(workers: int, retries: int, default_retries: int, has_functions: bool,
@@ -158,14 +161,14 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
     if retries < 0:
         raise TetherError(f"--reward-retries {retries} must be >= 0 (0: a failed call is not "
                           "tried again)")
-    if workers > 1 and not has_functions:
-        raise TetherError(f"--reward-workers {workers} scores the rows of --reward-fn and "
-                          "--gold-fn functions in parallel, and this run has none; drop it (a "
-                          "reward model scores a batch in one forward)")
     if workers > 1 and episodic:
         raise TetherError(f"--reward-workers {workers} scores a batch's responses in parallel; "
                           "an episode's reward is scored inside its environment's step, which "
                           "--env-workers already runs concurrently; drop it")
+    if workers > 1 and not has_functions:
+        raise TetherError(f"--reward-workers {workers} scores the rows of --reward-fn and "
+                          "--gold-fn functions in parallel, and this run has none; drop it (a "
+                          "reward model scores a batch in one forward)")
     if retries != default_retries and workers <= 1:
         raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
                           "there is none; pass --reward-workers N (N > 1) or drop it")

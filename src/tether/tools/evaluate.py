@@ -154,7 +154,7 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
     """The proxy (`remote`, a served reward model, the reward model, loaded now, or
     `reward_fn`) and the gold reward."""
     reward = None
-    pool = pool_for(cfg.reward_workers, cfg.reward_retries, cfg.reward_fn_timeout)
+    pool = pool_for(cfg)
     if remote is not None:  # --reward-url, checked before any model loaded (`run`)
         reward = remote
     elif cfg.reward_model:

@@ -165,14 +165,13 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     use_threads(cfg.threads, policy, device)
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
-    pool = pool_for(cfg.reward_workers, cfg.reward_retries, cfg.reward_fn_timeout)
     functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
-                                       timeout=cfg.reward_fn_timeout, pool=pool)
+                                       timeout=cfg.reward_fn_timeout, pool=pool_for(cfg))
                  if reward_fn else None)
     reward, reward_model, critic_init = ((remote, None, None) if remote is not None else
                                          _reward(cfg, lm, tokenizer, functions, device))
     gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches,
-                                  cfg.reward_fn_timeout, pool) if gold_fn else None)
+                                  cfg.reward_fn_timeout, pool_for(cfg)) if gold_fn else None)
     critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
                          cfg.reward_model)
     critic = critic.to(device) if critic is not None else None
