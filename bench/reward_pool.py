@@ -3,7 +3,8 @@ side by side, for rewards of four kinds.
 
     api        a plain function that waits --delay-ms per response (an HTTP judge: time.sleep)
     async_api  the same as `async def`, waiting with asyncio.sleep
-    verifier   a plain function that computes for --delay-ms per response in Python (holds the GIL)
+    verifier   a plain function that computes for --delay-ms per response in pure Python, a fixed
+               amount of work measured alone (it holds the GIL)
     instant    a plain function that returns at once: the pool's own cost per response
 
 Each kind is scored through `RewardFunctions.score`, the call the training loop makes, once per
@@ -27,6 +28,18 @@ from tether.rl.reward_functions import reward_from_functions
 from tether.rl.reward_pool import RewardPool
 
 
+def spin_count(seconds: float) -> int:
+    """The loop count that takes `seconds` of pure Python on this machine, alone."""
+    n, took = 100_000, 0.0
+    while took < 0.05:
+        n *= 2
+        started, total = time.perf_counter(), 0
+        for i in range(n):
+            total += i
+        took = time.perf_counter() - started
+    return max(1, int(n * seconds / took))
+
+
 def kinds(delay: float) -> dict:
     def api(prompts, responses):
         scores = []
@@ -42,12 +55,14 @@ def kinds(delay: float) -> dict:
             scores.append(len(r) / 10)
         return scores
 
-    def verifier(prompts, responses):
+    work = spin_count(delay)
+
+    def verifier(prompts, responses):  # a fixed amount of work, not a wall-clock wait
         scores = []
         for r in responses:
-            until, n = time.perf_counter() + delay, 0
-            while time.perf_counter() < until:
-                n += 1
+            total = 0
+            for i in range(work):
+                total += i
             scores.append(len(r) / 10)
         return scores
 
