@@ -473,3 +473,23 @@ def test_eval_scores_through_the_pool_as_without_it(files, tiny_model_dir, capsy
         "error: 1 of 4 responses of the held-out evaluation have no score: response 2: reward "
         "function fns:fails_on_it raised RuntimeError: judge unreachable (at ")
     assert "(prompt 'it'; 1 try); fix the function" in errors[0]
+
+
+def test_a_batch_has_a_backstop_deadline_for_a_blocked_event_loop(monkeypatch):
+    # An async def function that blocks the loop stops every per-call timeout; the batch's
+    # deadline is every call timing out on every try, wave after wave, plus a minute:
+    # 10 calls, 4 at a time = 3 waves; each 3 tries of 1 s and waits of 0.1 + 0.2 s.
+    from tether.rl import reward_pool
+    seen = []
+
+    class Spy(reward_pool.Deadline):
+        def __init__(self, seconds, message):
+            seen.append((seconds, message))
+            super().__init__(0, message)  # armed with no limit: this test only reads it
+    monkeypatch.setattr(reward_pool, "Deadline", Spy)
+    for timeout in (1.0, 0.0):
+        reward_from_functions([Flaky(0)], pool=RewardPool(4, 2, timeout, retry_delay=0.1)
+                              ).score(PROMPTS[:10], RESPONSES[:10], None, None)
+    assert seen[0][0] == pytest.approx(3 * (3 * 1.0 + 0.3) + 60.0)
+    assert seen[0][1].startswith("the reward pool did not finish a batch within 69.9 s")
+    assert seen[1][0] == 0  # no per-call limit: no batch limit either

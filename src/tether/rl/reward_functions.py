@@ -205,7 +205,7 @@ class RewardFunctions:
             trl = takes_trl_arguments(f.fn, columns)
             if trl and keywords is None:
                 keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
-            check = partial(one_score, f"{self.what} {function_name(f.fn)}")
+            check = partial(one_score, self.what, function_name(f.fn))
             for i in range(n):
                 run = (partial(f.fn, **row_keywords(keywords, i)) if trl
                        else partial(f.fn, [prompts[i]], [responses[i]]))
@@ -233,12 +233,11 @@ def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
     return {k: v if k == "trainer_state" else v[i:i + 1] for k, v in keywords.items()}
 
 
-def one_score(name: str, value: Any) -> float | None:
+def one_score(what: str, name: str, value: Any) -> float | None:
     """A pooled call's return (one response's): its score, None (the function does not apply),
     ScoreRefused when it is NaN, inf or out of range (a failed row), TetherError when it is not
-    one number (a bug: `returned_scores`). `name`: "reward function f"."""
-    what, _, fn_name = name.rpartition(" ")
-    [score] = returned_scores(value, 1, what, fn_name, allow_none=True)
+    one number (a bug: `returned_scores`). `what` and `name` name the function in errors."""
+    [score] = returned_scores(value, 1, what, name, allow_none=True)
     why = None if score is None else out_of_range(score)
     if why is not None:
         raise ScoreRefused(why)

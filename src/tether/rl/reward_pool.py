@@ -47,6 +47,7 @@ from tether.errors import TetherError
 from tether.rl.rewards import FailedRows, raised
 from tether.run.distributed import Dist, all_gather_objects, all_gather_rows
 from tether.run.event_loop import in_daemon_thread, run_coroutine
+from tether.run.watchdog import Deadline
 
 RETRY_DELAY_S = 0.1  # the wait before the first retry; each next one waits twice as long
 MAX_RETRY_DELAY_S = 10.0  # ... up to this
@@ -100,8 +101,22 @@ class RewardPool:
     retry_delay: float = RETRY_DELAY_S
 
     def run(self, calls: list[Call]) -> list[Outcome]:
-        """Every call's outcome, in the calls' order (a bug `Call.check` found: raised)."""
-        outcomes = run_coroutine(self._all(calls))
+        """Every call's outcome, in the calls' order (a bug `Call.check` found: raised).
+
+        The per-call timeouts need the loop to run; an `async def` function that blocks it (a
+        synchronous request or sleep inside it) stops them all. So the whole batch also has a
+        deadline, that of every call timing out on every try, one wave of `workers` after
+        another, plus a minute: past it the process ends with one line (tether.run.watchdog),
+        as a hung call without the pool does."""
+        waves = -(-len(calls) // self.workers)  # ceil
+        delays = sum(min(self.retry_delay * 2 ** j, MAX_RETRY_DELAY_S) for j in range(self.retries))
+        bound = (waves * ((self.retries + 1) * self.timeout + delays) + 60.0) if self.timeout else 0
+        hung = (f"the reward pool did not finish a batch within {bound:g} s, past every call's "
+                "--reward-fn-timeout: an async def reward function blocks the event loop (a "
+                "synchronous call inside it: use an async client, or a plain function); "
+                "checkpoints written so far are intact")
+        with Deadline(bound, hung):
+            outcomes = run_coroutine(self._all(calls))
         bug = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if bug is not None:  # the first bug, in the rows' order
             raise bug
