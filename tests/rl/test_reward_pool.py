@@ -493,3 +493,13 @@ def test_a_batch_has_a_backstop_deadline_for_a_blocked_event_loop(monkeypatch):
     assert seen[0][0] == pytest.approx(3 * (3 * 1.0 + 0.3) + 60.0)
     assert seen[0][1].startswith("the reward pool did not finish a batch within 69.9 s")
     assert seen[1][0] == 0  # no per-call limit: no batch limit either
+
+
+def test_an_object_with_an_async_call_method_is_awaited_in_and_out_of_the_pool():
+    class Judge:
+        async def __call__(self, prompts, responses):
+            await asyncio.sleep(0)
+            return [len(r) for r in responses]
+    for pool in (None, RewardPool(workers=4)):
+        scored = reward_from_functions([Judge()], pool=pool).score(PROMPTS, RESPONSES, None, None)
+        assert scored.scores.tolist() == [float(len(r)) for r in RESPONSES]

@@ -35,6 +35,7 @@ without the pool. Scores come back in the rows' order, whatever order the calls 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -84,7 +85,7 @@ class Outcome:
 
 def is_async_function(fn: Callable) -> bool:
     """`async def fn`, or an object whose `__call__` is one (a functools.partial of either)."""
-    while hasattr(fn, "func"):  # functools.partial
+    while isinstance(fn, functools.partial):
         fn = fn.func
     return (inspect.iscoroutinefunction(fn)
             or inspect.iscoroutinefunction(vars(type(fn)).get("__call__")))
