@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.dynamic_sampling import Drawn, collect
+from tether.rl.dynamic_sampling import BatchUnscored, Drawn, collect
 from tether.rl.reward_functions import reward_from_functions
 from tether.rl.reward_pool import RewardPool
-from tether.rl.rewards import BatchUnscored, FailedRows
+from tether.rl.rewards import FailedRows
 from tether.rl.rollout import Rollout
 from tether.train import ppo
 

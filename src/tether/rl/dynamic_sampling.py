@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from tether.advantages import varied_groups
 from tether.errors import TetherError
-from tether.rl.rewards import BatchUnscored, FailedRows
+from tether.rl.rewards import FailedRows, NonFiniteScore
 from tether.rl.rollout import Rollout, concat_rollouts
 
 NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got
@@ -47,6 +47,11 @@ NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got
 # could not score (a batch whose rows keep failing: an endpoint down, a bug that raises on every
 # response) before the run ends with one line
 FAILURE_ROUNDS = 4
+
+
+class BatchUnscored(NonFiniteScore):
+    """The reward pool's failures left a batch without enough scored groups after every draw
+    allowed; the loop names its batch, as it does for a NonFiniteScore (which this is)."""
 WHY_EQUAL = ("the reward may be constant: check it; or the prompts are too easy or too hard for "
              "the policy")
 
@@ -98,6 +103,33 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
         raise TetherError("--dynamic-sampling cannot regroup episodes that a chat template split "
                           "into segments; use an append-only template or drop --dynamic-sampling")
     groups = len(first.prompts) // k
+    drawn_all, rounds, keeps, spares = _search(draw, first, k, max_rounds, say, warn, dynamic)
+    chosen, varied_count = _choose(keeps, spares, groups)
+    if len(chosen) < groups:
+        raise BatchUnscored(_unscored(drawn_all, k, len(chosen), groups))
+    if dynamic and varied_count < groups:
+        say(f"--dynamic-sampling {max_rounds} drew all its rounds and found {varied_count} of "
+            f"{groups} groups with differing rewards: the batch is topped up with "
+            f"{groups - varied_count} groups of equal rewards, which add only the KL term's "
+            f"gradient ({WHY_EQUAL})")
+    batch = _joined(rounds, chosen, k, pad_token_id, first.stats)
+    stats = failure_stats(drawn_all, k, len(drawn_all) - 1, dynamic)
+    if dynamic:
+        stats |= {"rollout/dynamic_rounds": float(len(drawn_all) - 1),
+                  "rollout/varied_groups": varied_count / groups,
+                  # round 0's scored groups of equal scores (a failed group is neither)
+                  "rollout/equal_groups_first": float(spares[0].float().mean())}
+    return batch, stats
+
+
+def _search(draw: Callable[[int], Drawn], first: Drawn, k: int, max_rounds: int,
+            say: Callable[[str], None], warn: Callable[[str], None] | None, dynamic: bool
+            ) -> tuple[list[Drawn], list[Drawn | None], list[torch.Tensor], list[torch.Tensor]]:
+    """Rounds drawn until they hold a batch of groups to keep, or `max_rounds` further ones ran
+    out (`collect`): (every round, for the failure counts; the rounds kept for their groups,
+    None where nothing is; each round's [G] groups to keep; each round's spares, scored groups
+    of equal scores that may top a batch up)."""
+    groups = len(first.prompts) // k
     drawn_all = [first]  # every round, for the failure counts (failed rounds' tensors: freed)
     rounds: list[Drawn | None] = [first]
     keeps, spares = [], []
@@ -126,26 +158,19 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
                 f"{groups} groups with differing rewards ({WHY_EQUAL})")
         drawn_all.append(draw(more))
         drawn_all[-2] = _counts_only(drawn_all[-2])
+    return drawn_all, rounds, keeps, spares
+
+
+def _choose(keeps: list[torch.Tensor], spares: list[torch.Tensor], groups: int
+            ) -> tuple[list[tuple[int, int]], int]:
+    """(the (round, group) pairs of the batch, how many of them were kept rather than spares):
+    the kept groups in the order drawn, then spares in the order drawn, `groups` at most."""
     chosen = [(r, g) for r, keep in enumerate(keeps) for g in keep.nonzero().flatten().tolist()]
     chosen = chosen[:groups]
     varied_count = len(chosen)
     chosen += [(r, g) for r, spare in enumerate(spares)
                for g in spare.nonzero().flatten().tolist()][:groups - varied_count]
-    if len(chosen) < groups:
-        raise BatchUnscored(_unscored(drawn_all, k, len(chosen), groups))
-    if dynamic and varied_count < groups:
-        say(f"--dynamic-sampling {max_rounds} drew all its rounds and found {varied_count} of "
-            f"{groups} groups with differing rewards: the batch is topped up with "
-            f"{groups - varied_count} groups of equal rewards, which add only the KL term's "
-            f"gradient ({WHY_EQUAL})")
-    batch = _joined(rounds, chosen, k, pad_token_id, first.stats)
-    stats = failure_stats(drawn_all, k, len(drawn_all) - 1, dynamic)
-    if dynamic:
-        stats |= {"rollout/dynamic_rounds": float(len(drawn_all) - 1),
-                  "rollout/varied_groups": varied_count / groups,
-                  "rollout/equal_groups_first": float((~varied_groups(first.scores, k))
-                                                      .float().mean())}
-    return batch, stats
+    return chosen, varied_count
 
 
 def _joined(rounds: list[Drawn | None], chosen: list[tuple[int, int]], k: int,

@@ -15,11 +15,8 @@ Whatever it does wrong (raises, calls `sys.exit`, returns NaN, the wrong count, 
 or anything but numbers in order) stops the run with one line that names the function, where it
 failed and the fix, before anything of the batch reaches the optimiser; a call that does not
 return within --reward-fn-timeout seconds ends the process with one line (tether.run.watchdog).
-Ctrl-C inside it is the user's, not the function's: it stops the run as anywhere else.
-A function may be `async def`: its coroutine runs on the process's event loop
-(tether.run.event_loop), under the same deadline and the same checks. Scoring each row as its
-own call, concurrently, with retries, and a failed row as a counted failure instead of an error,
-is tether.rl.reward_pool (--reward-workers).
+Ctrl-C inside it is the user's, not the function's: it stops the run as anywhere else. An
+`async def` function runs on the process's event loop (tether.run.event_loop), checked alike.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ class RewardScores(NamedTuple):
     scores: torch.Tensor  # [B] the score of each response (several functions: their weighted sum)
     parts: dict[str, torch.Tensor]  # name -> [B] one function's scores, NaN where it returned
     # None (tether.rl.reward_functions); {} for a reward model
-    failed: FailedRows | None = None  # the reward pool's failed rows (NaN in `scores`), or None
-    # without a pool
+    failed: FailedRows | None = None  # the reward pool's failed rows (NaN in `scores`); None: no pool
 
 
 # The largest score magnitude a reward may give. Scores are float32 from here on, and the
@@ -86,11 +82,6 @@ MAX_SCORE = 1e15
 class NonFiniteScore(TetherError):
     """A reward model gave a score that is NaN, inf or past MAX_SCORE; the loop that catches it
     names its batch. Nothing of the batch reached the optimiser."""
-
-
-class BatchUnscored(NonFiniteScore):
-    """The reward pool's failures left a batch without enough scored groups after every draw
-    allowed (tether.rl.dynamic_sampling); the loop names its batch, as for NonFiniteScore."""
 
 
 def out_of_range(value: float) -> str | None:
@@ -195,7 +186,7 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
             scores = (fn(**keywords) if keywords is not None
                       else fn(list(prompts), list(responses)))
             if inspect.isawaitable(scores):  # an `async def` function: its coroutine, run now
-                scores = run_coroutine(_awaited(scores))
+                scores = run_coroutine(scores)
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
         raise TetherError(f"{what} {name} raised {raised(exc, own_file(fn))}; fix the function "
                           f"({fix}); checkpoints written so far are intact") from exc
@@ -205,10 +196,6 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
         raise TetherError(f"{what} {name} returned {bad[0][1]} for response {bad[0][0]}; {fix}, "
                           f"each within +-{MAX_SCORE:g}")
     return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 def own_file(fn: Callable) -> str | None:
@@ -221,8 +208,7 @@ def own_file(fn: Callable) -> str | None:
 def returned_scores(scores: Any, n: int, what: str, name: str, allow_none: bool = False
                     ) -> list[float | None]:
     """What a reward function returned for `n` responses, as floats (None kept with
-    `allow_none`), or a TetherError naming the function when it is not `n` numbers in the
-    responses' order (`_ordered_numbers`). Whether each is in range is the caller's question."""
+    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range."""
     fix = "it must return a list of one finite float per response, in their order"
     values = _ordered_numbers(scores, allow_none)
     if values is None:

@@ -18,7 +18,7 @@ import asyncio
 import inspect
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 _LOCK = threading.Lock()
@@ -37,15 +37,21 @@ def event_loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def run_coroutine(coroutine: Coroutine) -> Any:
-    """Run `coroutine` on the process's loop and return its result (or raise its exception),
-    blocking the calling thread. Ctrl-C while waiting cancels it and stays Ctrl-C."""
+def run_coroutine(awaitable: Awaitable) -> Any:
+    """Run `awaitable` (a coroutine, or any awaitable) on the process's loop and return its
+    result (or raise its exception), blocking the calling thread. Ctrl-C while waiting cancels
+    it and stays Ctrl-C."""
+    coroutine = awaitable if inspect.iscoroutine(awaitable) else _awaited(awaitable)
     future = asyncio.run_coroutine_threadsafe(coroutine, event_loop())
     try:
         return future.result()
     except KeyboardInterrupt:
         future.cancel()
         raise
+
+
+async def _awaited(awaitable: Awaitable) -> Any:
+    return await awaitable
 
 
 async def in_daemon_thread(call: Callable[[], Any]) -> Any:
