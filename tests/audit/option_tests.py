@@ -569,6 +569,19 @@ OPTION_TESTS |= {
     "eval:reward_url": [SERVED + "test_eval_with_reward_url_scores_as_with_reward_model"],
     "eval:reward_url_timeout": [SERVED + "test_a_hung_endpoint_stops_the_run_with_one_line[eval]"],
 }
+# The reward pool (issue 34): --reward-workers and --reward-retries
+POOL = "tests/rl/test_reward_pool.py::"
+OPTION_TESTS |= {
+    "online:reward_workers": [
+        POOL + "test_a_pooled_run_trains_the_sequential_runs_weights[tiny_model_dir]",
+        POOL + "test_bad_pool_settings_are_refused"],
+    "online:reward_retries": [
+        POOL + "test_failed_groups_are_dropped_counted_and_refilled_in_a_run",
+        POOL + "test_bad_pool_settings_are_refused"],
+    "eval:reward_workers": [POOL + "test_eval_scores_through_the_pool_as_without_it",
+                            POOL + "test_eval_refuses_a_pool_without_functions"],
+    "eval:reward_retries": [POOL + "test_eval_scores_through_the_pool_as_without_it"],
+}
 OPTION_TESTS |= {f"serve-rm:{name}": [SERVED + "test_serve_rm_loads_and_scores_as_told"]
                  for name in ("model", "host", "port", "device", "dtype", "batch_size",
                               "trust_remote_code")}

@@ -20,6 +20,7 @@ from torch import nn
 
 from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
+from tether.rl.reward_pool import check_scored
 from tether.rl.rewards import Reward
 from tether.rl.rollout import Rollout, sampled_ids
 from tether.rl.sources import RolloutSource
@@ -147,6 +148,9 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         last = part.rollout.episode_ids()
         last = torch.cat([last[1:] != last[:-1], last.new_ones(1, dtype=torch.bool)]).cpu()
         measured = per_episode(measure(part.rollout), part.rollout)
+        # Held-out prompts are fixed, so a row the reward pool could not score cannot be drawn
+        # again: one line, as a raising function is without the pool (tether.rl.reward_pool).
+        check_scored(part.failed, "the held-out evaluation")
         if part.scores is not None:
             measured["score"] = part.scores.float().cpu()[last]
         picked = [t for t, keep in zip(part.texts, last.tolist()) if keep]
@@ -156,8 +160,9 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         if gold is not None:
             table = ([r for r, keep in zip(part.rows, last.tolist()) if keep] if part.rows
                      else None)  # the prompt rows (`rows` above is the row indices)
-            measured["gold"] = gold(prompts[-len(picked):], picked, part.rollout,
-                                    table).scores.float().cpu()
+            scored = gold(prompts[-len(picked):], picked, part.rollout, table)
+            check_scored(scored.failed, "the held-out evaluation's gold reward")
+            measured["gold"] = scored.scores.float().cpu()
         for key, value in measured.items():
             parts.setdefault(key, []).append(value)
         for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes

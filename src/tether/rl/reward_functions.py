@@ -18,6 +18,11 @@ their weighted sum. A function may return None for a response it does not apply 
 convention): that entry is left out of the sum (NaN, summed with nansum), and a response that
 every function left out stops the run with one line, since it has no score to learn from. Each
 function's own scores come back beside the sum (`RewardScores.parts`), for `reward/<name>`.
+
+With a pool (--reward-workers N > 1, tether.rl.reward_pool) each function is called once per
+response, N calls at a time, every function's calls together; a response whose score failed in
+any function (after its retries) has a NaN score and is named in `RewardScores.failed`, for the
+loop to drop its group and draw again. Either way a function may be `async def`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +39,18 @@ from transformers import TrainerState
 
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
-from tether.rl.rewards import Prompt, RewardScores, call_reward_function, load_reward_function
+from tether.rl.reward_pool import Call, RewardPool, ScoreRefused, is_async_function
+from tether.rl.rewards import (
+    FailedRows,
+    Prompt,
+    RewardScores,
+    call_reward_function,
+    function_name,
+    load_reward_function,
+    out_of_range,
+    own_file,
+    returned_scores,
+)
 from tether.rl.rollout import sampled_ids
 
 # The keywords a TRL-style function is called with besides the prompt file's columns
@@ -130,12 +147,14 @@ class RewardFunctions:
     """Reward functions as the loop's `Reward` (tether.rl.rewards): called on every batch,
     checked, weighted and summed. `state` is what TRL-style functions get as `trainer_state`
     (the loop moves its `global_step`); `what` names them in errors; `timeout`: seconds each
-    call may take (--reward-fn-timeout; 0: no limit)."""
+    call may take (--reward-fn-timeout; 0: no limit); `pool`: each response its own call, N at
+    a time (--reward-workers; None: one call per batch)."""
 
     functions: list[RewardFunction]
     what: str = "reward function"
     state: TrainerState = field(default_factory=TrainerState)
     timeout: float = 0.0
+    pool: RewardPool | None = None
 
     def __call__(self, prompts: list[str], responses: list[str], rollout,
                  rows: list[dict] | None = None) -> RewardScores:
@@ -144,6 +163,8 @@ class RewardFunctions:
     def score(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
               completion_ids: list[list[int]] | None) -> RewardScores:
         """Each function's scores, and their weighted sum over the functions that applied."""
+        if self.pool is not None:
+            return self.pooled(prompts, responses, rows, completion_ids)
         columns = list(row_columns(rows)) if rows is not None else []
         keywords = None  # built once, for the first TRL-style function
         parts = {}
@@ -154,21 +175,80 @@ class RewardFunctions:
             parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what,
                                                  keywords if trl else None, allow_none=True,
                                                  timeout=self.timeout)
+        return self.summed(parts, prompts)
+
+    def summed(self, parts: dict[str, torch.Tensor], prompts: list[str],
+               failed: torch.Tensor | None = None) -> RewardScores:
+        """The weighted sum of the functions' scores `parts` (NaN: None, left out), NaN on the
+        `failed` rows; a row that no function scored, and none failed, stops the run."""
         stacked = torch.stack(list(parts.values()), dim=1)  # [B, F]
-        unscored = torch.isnan(stacked).all(dim=1)
+        failed = torch.zeros(len(stacked), dtype=torch.bool) if failed is None else failed
+        unscored = torch.isnan(stacked).all(dim=1) & ~failed
         if unscored.any():
             i = int(unscored.nonzero()[0])
             raise TetherError(f"every {self.what} returned None for response {i} (prompt "
                               f"{prompts[i][:60]!r}); make at least one function score every "
                               "response")
         weights = torch.tensor([f.weight for f in self.functions])
-        return RewardScores((stacked * weights).nansum(dim=1), parts)
+        scores = (stacked * weights).nansum(dim=1)
+        return RewardScores(scores.masked_fill(failed, math.nan), parts)
+
+    def pooled(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
+               completion_ids: list[list[int]] | None) -> RewardScores:
+        """`score` through the pool: every function on every response, one response per call
+        (tether.rl.reward_pool), the outcomes back in the rows' order."""
+        n = len(responses)
+        columns = list(row_columns(rows)) if rows is not None else []
+        keywords = None
+        calls = []
+        for f in self.functions:
+            trl = takes_trl_arguments(f.fn, columns)
+            if trl and keywords is None:
+                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
+            check = partial(one_score, self.what, function_name(f.fn))
+            for i in range(n):
+                run = (partial(f.fn, **row_keywords(keywords, i)) if trl
+                       else partial(f.fn, [prompts[i]], [responses[i]]))
+                calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn)))
+        outcomes = self.pool.run(calls)
+        parts, failed = {}, torch.zeros(n, dtype=torch.bool)
+        retries, causes = torch.zeros(n, dtype=torch.long), {}
+        for j, f in enumerate(self.functions):
+            mine = outcomes[j * n:(j + 1) * n]
+            parts[f.name] = torch.tensor([math.nan if o.value is None else o.value for o in mine],
+                                         dtype=torch.float32)
+            for i, o in enumerate(mine):
+                retries[i] += o.tries - 1
+                if o.cause is not None and i not in causes:
+                    failed[i] = True
+                    tries = f"{o.tries} tr{'y' if o.tries == 1 else 'ies'}"
+                    causes[i] = (f"{self.what} {function_name(f.fn)} {o.cause} (prompt "
+                                 f"{prompts[i][:40]!r}; {tries})")
+        scored = self.summed(parts, prompts, failed)
+        return scored._replace(failed=FailedRows(failed, retries, causes))
+
+
+def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
+    """TRL's keywords for row `i` alone: every list aligned with the batch cut to its item."""
+    return {k: v if k == "trainer_state" else v[i:i + 1] for k, v in keywords.items()}
+
+
+def one_score(what: str, name: str, value: Any) -> float | None:
+    """A pooled call's return (one response's): its score, None (the function does not apply),
+    ScoreRefused when it is NaN, inf or out of range (a failed row), TetherError when it is not
+    one number (a bug: `returned_scores`). `what` and `name` name the function in errors."""
+    [score] = returned_scores(value, 1, what, name, allow_none=True)
+    why = None if score is None else out_of_range(score)
+    if why is not None:
+        raise ScoreRefused(why)
+    return score
 
 
 def reward_from_functions(functions: Sequence[Callable], weights: Sequence[float] = (),
                           what: str = "reward function", max_steps: int = 0,
-                          timeout: float = 0.0) -> RewardFunctions:
+                          timeout: float = 0.0, pool: RewardPool | None = None
+                          ) -> RewardFunctions:
     """`functions` (with `weights`) as the loop's reward; `max_steps`: the run's batches;
-    `timeout`: seconds each call may take (0: no limit)."""
+    `timeout`: seconds each call may take (0: no limit); `pool`: the reward pool, or None."""
     return RewardFunctions(weighted(functions, list(weights)), what,
-                           TrainerState(global_step=0, max_steps=max_steps), timeout)
+                           TrainerState(global_step=0, max_steps=max_steps), timeout, pool)

@@ -15,13 +15,15 @@ Whatever it does wrong (raises, calls `sys.exit`, returns NaN, the wrong count, 
 or anything but numbers in order) stops the run with one line that names the function, where it
 failed and the fix, before anything of the batch reaches the optimiser; a call that does not
 return within --reward-fn-timeout seconds ends the process with one line (tether.run.watchdog).
-Ctrl-C inside it is the user's, not the function's: it stops the run as anywhere else.
+Ctrl-C inside it is the user's, not the function's: it stops the run as anywhere else. An
+`async def` function runs on the process's event loop (tether.run.event_loop), checked alike.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -43,11 +45,22 @@ from tether.models.hub_reward import TETHER, load_hub_reward_model, reward_model
 from tether.models.prepare import freeze, fuse_gelu
 from tether.models.pretrained import check_same_vocabulary
 from tether.models.reward_model import RewardModel
+from tether.run.event_loop import run_coroutine
 from tether.run.watchdog import Deadline
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 # A prompt as its row gave it: plain text, or a list of chat messages
 Prompt = str | list[dict]
+
+
+@dataclass
+class FailedRows:
+    """The rows of a batch whose score failed in the reward pool (tether.rl.reward_pool): raised
+    on every try, did not return in time, or gave a score that is NaN, inf or out of range."""
+
+    failed: torch.Tensor  # [B] bool: the row has no score (its entry in `scores` is NaN)
+    retries: torch.Tensor  # [B] int64: calls made again for the row (all its functions)
+    causes: dict[int, str]  # row -> "reward function f raised ... (prompt '...'; 3 tries)"
 
 
 class RewardScores(NamedTuple):
@@ -56,6 +69,7 @@ class RewardScores(NamedTuple):
     scores: torch.Tensor  # [B] the score of each response (several functions: their weighted sum)
     parts: dict[str, torch.Tensor]  # name -> [B] one function's scores, NaN where it returned
     # None (tether.rl.reward_functions); {} for a reward model
+    failed: FailedRows | None = None  # the reward pool's failed rows (NaN in `scores`); None: no pool
 
 
 # The largest score magnitude a reward may give. Scores are float32 from here on, and the
@@ -171,22 +185,39 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
         with Deadline(timeout, hung):
             scores = (fn(**keywords) if keywords is not None
                       else fn(list(prompts), list(responses)))
+            if inspect.isawaitable(scores):  # an `async def` function: its coroutine, run now
+                scores = run_coroutine(scores)
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
-        own = getattr(getattr(fn, "__code__", None), "co_filename", None)
-        raise TetherError(f"{what} {name} raised {raised(exc, own)}; fix the function ({fix}); "
-                          "checkpoints written so far are intact") from exc
-    values = _ordered_numbers(scores, allow_none)
-    if values is None:
-        raise TetherError(f"{what} {name} returned {_shown(scores)}, not a list of numbers in "
-                          f"the responses' order; {fix}")
-    if len(values) != len(responses):
-        raise TetherError(f"{what} {name} returned {len(values)} scores for {len(responses)} "
-                          f"responses; {fix}")
+        raise TetherError(f"{what} {name} raised {raised(exc, own_file(fn))}; fix the function "
+                          f"({fix}); checkpoints written so far are intact") from exc
+    values = returned_scores(scores, len(responses), what, name, allow_none)
     bad = [(i, why) for i, v in enumerate(values) if v is not None and (why := out_of_range(v))]
     if bad:
         raise TetherError(f"{what} {name} returned {bad[0][1]} for response {bad[0][0]}; {fix}, "
                           f"each within +-{MAX_SCORE:g}")
     return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+
+
+def own_file(fn: Callable) -> str | None:
+    """The file `fn` is written in (its traceback line worth naming, `raised`), or None."""
+    code = (getattr(fn, "__code__", None)  # a function; else a callable object's __call__
+            or getattr(vars(type(fn)).get("__call__"), "__code__", None))
+    return getattr(code, "co_filename", None)
+
+
+def returned_scores(scores: Any, n: int, what: str, name: str, allow_none: bool = False
+                    ) -> list[float | None]:
+    """What a reward function returned for `n` responses, as floats (None kept with
+    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range."""
+    fix = "it must return a list of one finite float per response, in their order"
+    values = _ordered_numbers(scores, allow_none)
+    if values is None:
+        raise TetherError(f"{what} {name} returned {_shown(scores)}, not a list of numbers in "
+                          f"the responses' order; {fix}")
+    if len(values) != n:
+        raise TetherError(f"{what} {name} returned {len(values)} scores for {n} "
+                          f"responses; {fix}")
+    return values
 
 
 def _ordered_numbers(scores: Any, allow_none: bool = False) -> list[float | None] | None:

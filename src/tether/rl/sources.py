@@ -30,7 +30,7 @@ from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
 from tether.rl.env.tools import tools_environment
-from tether.rl.rewards import Reward, load_reward_function
+from tether.rl.rewards import FailedRows, Reward, load_reward_function
 from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
 
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
@@ -62,6 +62,7 @@ class Collected:
     # reward function's over the responses it scored (reward/<name>)
     records: list[dict] | None = None  # each episode as data (tether.rl.env.episodes.record)
     rows: list[dict] | None = None  # the prompt row each row answers (what a gold function reads)
+    failed: FailedRows | None = None  # rows the reward pool could not score (NaN in `scores`)
 
 
 class RolloutSource(Protocol):
@@ -122,7 +123,7 @@ class PromptSource:
             return Collected(prompts, responses, rollout, None, None, {}, rows=table)
         scored = self.reward(prompts, responses, rollout, table)
         return Collected(prompts, responses, rollout, scored.scores.to(self.device), None,
-                         part_means(scored.parts), rows=table)
+                         part_means(scored.parts), rows=table, failed=scored.failed)
 
     def close(self) -> None:
         pass

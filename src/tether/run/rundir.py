@@ -63,7 +63,9 @@ class RunResult:
 # --resume-allow-changes); any other difference makes the resumed run a different run.
 HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
                       "threads", "report_to", "fsdp", "reward_fn_timeout", "reward_url",
-                      "reward_url_timeout")  # reward_url: the same model at another address
+                      "reward_url_timeout", "reward_workers", "reward_retries")
+# reward_url: the same model at another address; reward_workers, reward_retries: the same
+# scores (a failure they turn into a redraw stopped the run without them)
 NOT_COMPARED = ("resume", "resume_allow_changes", "stage")  # the stage: `_check_stage`
 # Defaults tether has changed: a run that recorded the former one, resumed with today's, is no
 # change (report_to was tensorboard until TensorBoard became an extra; auto still takes it where

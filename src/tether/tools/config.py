@@ -100,7 +100,11 @@ class EvalConfig(SamplingConfig):
     gold_fn: str = ""
     """A Python gold reward `module:function`, scored beside the proxy."""
     reward_fn_timeout: float = 600.0
-    """Seconds one call of the --reward-fn or --gold-fn function may take; past it the command ends with one line, exit 2 (0: no limit)."""
+    """Seconds one call of the --reward-fn or --gold-fn function may take; past it the command ends with one line, exit 2 (0: no limit). With --reward-workers N > 1 it is each call's limit inside the pool: past it the call fails and is retried."""
+    reward_workers: int = 0
+    """The reward pool: N > 1 scores each response with its own call of the --reward-fn and --gold-fn functions, N calls at a time; a response still without a score after --reward-retries ends the command with one line (0 or 1: one call per batch)."""
+    reward_retries: int = 2
+    """The reward pool: times a call that raised or passed --reward-fn-timeout is tried again, after 0.1 s, then twice as long each time."""
     output: str = ""
     """JSON file for the metrics, settings and samples (default: beside --model's directory, never inside it: runs/x/final -> runs/x/final.eval.json)."""
     chunked_lm_head: bool = True

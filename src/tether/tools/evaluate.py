@@ -53,6 +53,7 @@ from tether.rl.evaluation import (
 )
 from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.reward_functions import load_reward_functions, reward_from_functions
+from tether.rl.reward_pool import check_reward_pool, pool_for
 from tether.rl.rewards import (
     check_reward_fn_timeout,
     load_reward_function,
@@ -142,6 +143,8 @@ def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Call
         gold_fn = load_reward_function(cfg.gold_fn)
     check_reward_fn_timeout(cfg.reward_fn_timeout, EvalConfig.reward_fn_timeout,
                             reward_fn is not None or gold_fn is not None)
+    check_reward_pool(cfg.reward_workers, cfg.reward_retries, EvalConfig.reward_retries,
+                      reward_fn is not None or gold_fn is not None, cfg.episodic)
     return reward_fn, gold_fn
 
 
@@ -151,6 +154,7 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
     """The proxy (`remote`, a served reward model, the reward model, loaded now, or
     `reward_fn`) and the gold reward."""
     reward = None
+    pool = pool_for(cfg)
     if remote is not None:  # --reward-url, checked before any model loaded (`run`)
         reward = remote
     elif cfg.reward_model:
@@ -162,9 +166,10 @@ def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
                                    device, cfg.dtype, cfg.trust_remote_code).reward
     elif reward_fn is not None:  # several: summed with weight 1 each (TRL's default)
         reward = reward_from_functions(reward_fn if isinstance(reward_fn, (list, tuple))
-                                       else [reward_fn], timeout=cfg.reward_fn_timeout)
+                                       else [reward_fn], timeout=cfg.reward_fn_timeout,
+                                       pool=pool)
     gold = (reward_from_functions([gold_fn], (), "gold reward function",
-                                  timeout=cfg.reward_fn_timeout) if gold_fn else None)
+                                  timeout=cfg.reward_fn_timeout, pool=pool) if gold_fn else None)
     return reward, gold
 
 

@@ -51,8 +51,9 @@ TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval")
 
 # The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike.
 SHARED_EVAL_FIELDS = ("reward_model", "reward_url", "reward_url_timeout", "reward_fn", "gold_fn",
-                      "reward_fn_timeout", "max_prompt_len", "max_new_tokens", "temperature",
-                      "batch_size", "device", "dtype", "trust_remote_code")
+                      "reward_fn_timeout", "reward_workers", "reward_retries", "max_prompt_len",
+                      "max_new_tokens", "temperature", "batch_size", "device", "dtype",
+                      "trust_remote_code")
 
 
 @dataclass

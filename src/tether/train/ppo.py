@@ -40,8 +40,9 @@ from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
-from tether.rl.dynamic_sampling import Drawn, collect
+from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
+from tether.rl.reward_pool import gather_failed
 from tether.rl.rewards import NonFiniteScore, function_name
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, decode_responses
@@ -222,8 +223,9 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
                   ) -> tuple[Drawn, dict[str, float]]:
     """The global rollout batch `batch` on every rank (prompts, rollout, raw scores) and its
     stats: round 0 alone, or with --dynamic-sampling the groups whose scores vary, refilled from
-    further rounds (`tether.rl.dynamic_sampling`). `seed`: round 0's noise; round j's is offset
-    past every batch's, so each round draws its own."""
+    further rounds (`tether.rl.dynamic_sampling`); either way the groups with a row the reward
+    pool could not score are refilled so. `seed`: round 0's noise; round j's is offset past
+    every batch's, so each round draws its own."""
     d = setup.dist
 
     def draw(round_: int) -> Drawn:
@@ -242,15 +244,15 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
         return Drawn(all_gather_objects(part.prompts, d), rollout, raw_scores,
                      penalised_scores(raw_scores, rollout, cfg), turns,
                      {k: global_mean(v * len(part.prompts), len(part.prompts), d)
-                      for k, v in part.stats.items()})
-    if not cfg.dynamic_sampling:
-        drawn = draw(0)
-        return drawn, dict(drawn.stats)
-    def say(note: str) -> None:  # rank 0's: every rank draws the same global rows
+                      for k, v in part.stats.items()},
+                     gather_failed(part.failed, rank_slice(len(rows), d).start, d))
+
+    def say(note: str, kind: str = "note") -> None:  # rank 0's: every rank has the global rows
         if d.is_main:
-            print(f"note: batch {batch + 1}: {note}", file=sys.stderr, flush=True)
-    drawn, stats = collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling,
-                           setup.tokenizer.pad_token_id, say)
+            print(f"{kind}: batch {batch + 1}: {note}", file=sys.stderr, flush=True)
+    drawn, stats = collect(draw, cfg.samples_per_prompt, cfg.dynamic_sampling or FAILURE_ROUNDS,
+                           setup.tokenizer.pad_token_id, say,
+                           lambda line: say(line, "warning"), dynamic=cfg.dynamic_sampling > 0)
     return drawn, stats | drawn.stats
 
 

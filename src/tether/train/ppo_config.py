@@ -110,7 +110,11 @@ class PPOConfig(RunConfig, EnvOptions):
     gold_fn: str = ""
     """Optional second ("gold") reward function, used only to score --eval-prompts."""
     reward_fn_timeout: float = 600.0
-    """Seconds one call of a --reward-fn or --gold-fn function may take; past it the run ends with one line, exit 2, its checkpoints intact (0: no limit)."""
+    """Seconds one call of a --reward-fn or --gold-fn function may take; past it the run ends with one line, exit 2, its checkpoints intact (0: no limit). With --reward-workers N > 1 it is each call's limit inside the pool: past it the call fails and is retried."""
+    reward_workers: int = 0
+    """The reward pool: N > 1 scores each response with its own call of the --reward-fn and --gold-fn functions, N calls at a time (threads, or one event loop for async def functions); a response whose score fails after --reward-retries is counted (reward_pool/failed) and its group dropped and drawn again (0 or 1: one call per batch; docs/ppo.md)."""
+    reward_retries: int = 2
+    """The reward pool: times a call that raised or passed --reward-fn-timeout is tried again, after 0.1 s, then twice as long each time (a NaN or out-of-range score is not retried)."""
     critic: Literal["separate", "shared"] = "separate"
     """Value model: separate (initialised from the reward model) or shared (a head on the policy)."""
 

@@ -50,6 +50,7 @@ from tether.rl.reward_functions import (
     reward_from_functions,
     weighted,
 )
+from tether.rl.reward_pool import check_reward_pool, pool_for
 from tether.rl.rewards import (
     Reward,
     check_one_reward,
@@ -167,11 +168,12 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
                                           cfg.trust_remote_code)).to(device)
     functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
-                                       timeout=cfg.reward_fn_timeout) if reward_fn else None)
+                                       timeout=cfg.reward_fn_timeout, pool=pool_for(cfg))
+                 if reward_fn else None)
     reward, reward_model, critic_init = ((remote, None, None) if remote is not None else
                                          _reward(cfg, lm, tokenizer, functions, device))
     gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches,
-                                  cfg.reward_fn_timeout) if gold_fn else None)
+                                  cfg.reward_fn_timeout, pool_for(cfg)) if gold_fn else None)
     critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
                          cfg.reward_model)
     critic = critic.to(device) if critic is not None else None
@@ -329,6 +331,8 @@ def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callabl
         gold_fn = load_reward_function(cfg.gold_fn)
     check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout,
                             bool(reward_fn) or gold_fn is not None)
+    check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries,
+                      bool(reward_fn) or gold_fn is not None, cfg.episodic)
     return reward_fn, gold_fn, env, load_tools(cfg.tools)
 
 
