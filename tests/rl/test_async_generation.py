@@ -25,8 +25,8 @@ import pytest
 import torch
 from refusals import refused
 
-from tether.cli import main
 from tether.losses import PolicyLoss, policy_loss
+from tether.rl import update as update_module
 from tether.rl.engines import ahead
 from tether.rl.engines.mismatch import (
     Correction,
@@ -34,7 +34,6 @@ from tether.rl.engines.mismatch import (
     effective_sample_size,
     staleness_metrics,
 )
-from tether.rl import update as update_module
 from tether.train import ppo
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
@@ -202,55 +201,75 @@ def test_the_decoupled_gradient_is_unbiased_on_a_bandit():
     assert bool(((biased - exact).abs() > 3 * se).any())
 
 
-def test_a_simulated_clock_never_trains_a_token_more_than_s_steps_stale():
-    """The loop's order of calls (ask for batches b+1..b+L, train b, sync) on an event clock
-    with random generation and update times, and a random number of optimizer steps per batch
-    (--target-kl stops some early): every batch is trained once, in order, none dropped; its
-    tokens are at most S steps old; and the generator, serving its inbox in order, samples each
-    batch by the weights sent last before the request, whatever the timing."""
+class ClockGenerator:
+    """The generator's contract on an event clock: its inbox served in order, each request
+    taking a random time from when it is both asked for and reached; weights load at their
+    place in the inbox. Each batch gets a random number of tokens when sampled."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.inbox, self.version, self.free_at = rng, [], 0, 0.0
+        self.sampled: dict[int, tuple[int, float, int]] = {}  # batch -> (version, ready, tokens)
+        self.asked: set[int] = set()
+
+    def prefetch(self, rows, mine, noise_seed) -> None:  # the RolloutSource call sample_ahead makes
+        self.ask(rows[0], self.now)
+
+    def ask(self, batch: int, now: float) -> None:
+        if batch not in self.asked:
+            self.asked.add(batch)
+            self.inbox.append(("sample", batch, now))
+
+    def sync(self, version: int, now: float) -> None:
+        self.inbox.append(("weights", version, now))
+
+    def take(self, batch: int, now: float) -> tuple[int, float, int]:
+        self.ask(batch, now)
+        while batch not in self.sampled:
+            kind, value, asked_at = self.inbox.pop(0)
+            if kind == "weights":
+                self.version = value
+                continue
+            self.free_at = max(self.free_at, asked_at) + self.rng.expovariate(1.0)
+            self.sampled[value] = (self.version, self.free_at, self.rng.randint(1, 64))
+        return self.sampled.pop(batch)
+
+
+def test_a_simulated_clock_never_trains_a_token_more_than_s_steps_stale(monkeypatch):
+    """The loop's calls (`ppo.sample_ahead` asks for the batches after b, with the real
+    `batches_ahead`; b trains for a random number of optimizer steps, up to --ppo-epochs x
+    --num-minibatches, as --target-kl stopping early would; then the sync) against a generator
+    with random sampling and update times: every batch is trained once, in order, none dropped;
+    no token is more than S steps stale; the trained token counts are the generated ones."""
+    from types import SimpleNamespace
+
+    from tether.run.distributed import Dist
+
     rng = random.Random(0)
-    for trial in range(200):
-        steps_max = rng.randint(1, 4)
-        ahead_batches = rng.randint(0, 3)
-        s = ahead_batches * steps_max
-        n_batches = rng.randint(1, 12)
-        inbox: list[tuple] = []  # the generator's, in order
-        weights_version, trained, version, clock = 0, [], 0, 0.0
-        asked: set[int] = set()
-        sampled: dict[int, int] = {}  # batch -> version that sampled it
-        gen_free = 0.0
-
-        def serve_until(t: float) -> None:  # the generator works through its inbox in order
-            nonlocal gen_free, weights_version
-            while inbox and gen_free <= t:
-                kind, value = inbox.pop(0)
-                if kind == "weights":
-                    weights_version = value
-                else:
-                    gen_free += rng.uniform(0.1, 3.0)
-                    sampled[value] = weights_version
-
-        def ask(batch: int) -> None:
-            if batch not in asked:
-                asked.add(batch)
-                inbox.append(("sample", batch))
-        for b in range(n_batches):
-            ask(b)  # collect: the batch itself (asked before, or now)
-            while b not in sampled:  # the trainer waits for it
-                gen_free = max(gen_free, clock)
-                serve_until(float("inf") if inbox and inbox[0] == ("sample", b) else gen_free)
-                if b not in sampled:
-                    serve_until(float("inf"))
-            clock = max(clock, gen_free)
-            for later in range(b + 1, min(b + 1 + ahead_batches, n_batches)):
-                ask(later)
-            start_version = version
-            version += rng.randint(1, steps_max)  # the update's optimizer steps
-            clock += rng.uniform(0.1, 3.0)
-            trained.append((b, start_version - sampled[b]))
-            inbox.append(("weights", version))
-        assert [b for b, _ in trained] == list(range(n_batches)), trial
-        assert all(0 <= gap <= s for _, gap in trained), (trial, trained, s)
+    monkeypatch.setattr(ppo, "batch_rows", lambda setup, cfg, batch, round_=0: [batch])
+    for trial in range(300):
+        epochs, minibatches = rng.randint(1, 3), rng.choice([1, 2, 4])
+        steps = epochs * minibatches
+        cfg = GRPOConfig(policy="p", prompts="x.jsonl", batch_size=4, ppo_epochs=epochs,
+                         num_minibatches=minibatches, total_episodes=4 * rng.randint(1, 10),
+                         max_staleness=steps * rng.randint(0, 3) + rng.randint(0, steps - 1))
+        generator = ClockGenerator(rng)
+        setup = SimpleNamespace(source=generator, dist=Dist())
+        version, now, trained, generated = 0, 0.0, [], []
+        for b in range(cfg.n_batches):
+            sampled_by, ready, tokens = generator.take(b, now)
+            now = max(now, ready)  # the trainer waits for its batch
+            generated.append(tokens)
+            generator.now = now
+            ppo.sample_ahead(setup, cfg, b)  # before the update: sampled by the weights b starts from
+            trained.append((b, version - sampled_by, tokens))
+            version += rng.randint(1, steps)
+            now += rng.expovariate(1.0)
+            generator.sync(version, now)
+        assert [b for b, _, _ in trained] == list(range(cfg.n_batches)), trial
+        assert all(0 <= gap <= cfg.max_staleness for _, gap, _ in trained), (trial, trained)
+        assert sorted(t for _, _, t in trained) == sorted(generated)
+        if cfg.batches_ahead and cfg.n_batches > 1:  # batch 1 really was sampled ahead
+            assert trained[1][1] > 0, trial
 
 
 def test_the_staleness_metrics_keep_mismatch_and_versions_apart():
