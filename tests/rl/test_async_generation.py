@@ -64,9 +64,15 @@ def grpo(model_dir, prompts_file, name, **overrides) -> GRPOConfig:
 
 def recorded_run(cfg, monkeypatch):
     """Run `cfg` and return, per batch, (the rollout it trained, a copy of the trainable
-    weights the update started from, the version it started from, its metrics)."""
-    seen = []
-    real = ppo.update_batch
+    weights the update started from, the version it started from, its metrics), and the
+    generator's thread count as it reported it."""
+    seen, started = [], []
+    real, real_start = ppo.update_batch, ahead.start
+
+    def start(*args):
+        started.append(real_start(*args))
+        return started[-1]
+    monkeypatch.setattr(ahead, "start", start)
 
     def spy(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed=None,
             version=0):
@@ -77,7 +83,7 @@ def recorded_run(cfg, monkeypatch):
         return done
     monkeypatch.setattr(ppo, "update_batch", spy)
     result = ppo.run(cfg, reward_fn=length_reward)
-    return seen, result
+    return seen, started[0].threads if started else None
 
 
 def final_weights(result) -> dict[str, torch.Tensor]:
@@ -98,9 +104,10 @@ def test_each_batch_is_sampled_by_the_weights_of_l_batches_before(model, request
     from tether.rl.scoring import score_rollout
 
     cfg = grpo(request.getfixturevalue(model), prompts_file, f"ahead-{model}",
-               max_staleness=2, num_minibatches=2)
+               max_staleness=2, num_minibatches=2, generator_threads=2)
     assert cfg.batches_ahead == 1
-    seen, _ = recorded_run(cfg, monkeypatch)
+    seen, threads = recorded_run(cfg, monkeypatch)
+    assert threads == 2  # --generator-threads reached the generator process
     assert len(seen) == cfg.n_batches == 4
     probe = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
                               "float32", False).model.eval()  # as the trainer loads it
@@ -294,6 +301,18 @@ def test_the_staleness_metrics_keep_mismatch_and_versions_apart():
     late = staleness_metrics(trainer, engine, versions, mask, current=6, max_staleness=2)
     assert late["async/overrun_tokens"] == pytest.approx(3 / 6)  # flagged, not dropped
     assert "rollout/engine_kl" not in late  # no row at the current version
+
+
+def test_threads_split_between_trainer_and_generator(monkeypatch):
+    """Auto (0, 0) on 4 cores: 2 and 2; on 1 core 1 and 1; what is given is kept; no generator:
+    the trainer's request as given."""
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda _pid: set(range(4)))
+    assert ahead.split_threads(0, 0, True) == (2, 2)
+    assert ahead.split_threads(3, 0, True) == (3, 2)
+    assert ahead.split_threads(0, 1, True) == (3, 1)
+    assert ahead.split_threads(0, 0, False) == (0, 0)
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda _pid: {0})
+    assert ahead.split_threads(0, 0, True) == (1, 1)
 
 
 def test_effective_sample_size_by_hand():

@@ -118,7 +118,7 @@ def serve(model: nn.Module, threads: int, inbox, outbox) -> None:
     try:
         torch.set_num_threads(threads)
         params, version = trainable(model), 0
-        outbox.put(("ready", os.getpid(), None))
+        outbox.put(("ready", os.getpid(), torch.get_num_threads()))
         while True:
             message = inbox.get()
             kind = message[0]
@@ -163,6 +163,7 @@ class AheadEngine:
         self.pending: dict[str, int] = {}  # request key -> ticket, asked for, not yet taken
         self.ready: dict[int, tuple[int, object]] = {}  # ticket -> (version, answer), arrived
         self.tickets = 0
+        self.threads = 0  # the generator's torch threads, as it reports them once started
         self.waited_s = 0.0  # seconds the trainer has waited for the generator
 
     # -- RolloutEngine
@@ -287,4 +288,5 @@ def start(model: nn.Module, counter: StepCounter, threads: int,
     if answer[0] == "error":
         engine.close()
         raise RuntimeError(f"the generator process failed to start:\n{answer[2]}")
+    engine.threads = answer[2]
     return engine
