@@ -427,3 +427,44 @@ def test_engine_is_cap_acts_with_staleness(tiny_model_dir, prompts_file):
     from tether.run.config import section  # what the update reads takes the resolved cap
 
     assert section(update_module.UpdateSpec, cfg, micro_rows=1).correction.engine_is_cap == 3.0
+
+
+def test_a_resumed_run_samples_from_the_restored_weights(tiny_model_dir, prompts_file,
+                                                         monkeypatch):
+    """A run that died in its third batch, resumed with --max-staleness: the generator gets the
+    checkpoint's weights before the first batch (they changed with no optimizer step), so the
+    resumed batch's behaviour log-probs are the restored policy's, not the starting model's."""
+    from tether.errors import TetherError
+
+    calls = {"n": 0}
+
+    def crashes_on_third_batch(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("reward server went away")
+        return length_reward(prompts, responses)
+
+    kw = dict(max_staleness=1, save_every=1)
+    with pytest.raises(TetherError, match="reward server went away"):
+        ppo.run(grpo(tiny_model_dir, prompts_file, "cut", **kw), reward_fn=crashes_on_third_batch)
+    seen, _ = recorded_run(grpo(tiny_model_dir, prompts_file, "cut", resume=True, **kw),
+                           monkeypatch)
+    assert len(seen) == 2  # batches 3 and 4
+    rollout, _state, version, done = seen[0]
+    mask = rollout.action_mask
+    assert version == 0 and int(rollout.versions[mask].max()) == 0  # this process's first
+    assert (done.old.logprobs - rollout.engine_logprobs).abs()[mask].max() < 1e-4
+    start = start_logprobs(grpo(tiny_model_dir, prompts_file, "cut", **kw), rollout)
+    assert (start - rollout.engine_logprobs).abs()[mask].max() > 1e-3  # not the initial policy
+
+
+def start_logprobs(cfg, rollout) -> torch.Tensor:
+    """The starting model's log-probs of the rollout's tokens, loaded as the trainer loads it."""
+    from tether.models.lora import LoraSpec
+    from tether.models.pretrained import load_tokenizer, load_trainable_lm
+    from tether.rl.scoring import score_rollout
+
+    model = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
+                              "float32", False).model.eval()
+    with torch.no_grad():
+        return score_rollout(model, model, None, rollout, 1.0, len(rollout)).logprobs

@@ -50,15 +50,18 @@ START_TIMEOUT_S = 600.0  # a copy of a large model takes a while to arrive
 
 
 class StepCounter:
-    """The policy version: how many optimizer steps have been taken (a post-step hook)."""
+    """The policy version: how many optimizer steps have been taken (a post-step hook). A step
+    with every learning rate 0 changes no weight and is not counted: torch's distributed
+    checkpoint takes one to create the optimizer's state when a run resumes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None = None):
         self.version = 0
         if optimizer is not None:
             optimizer.register_step_post_hook(self._stepped)
 
-    def _stepped(self, *_args) -> None:
-        self.version += 1
+    def _stepped(self, optimizer: torch.optim.Optimizer, *_args) -> None:
+        if any(float(group["lr"]) != 0 for group in optimizer.param_groups):
+            self.version += 1
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
