@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tether.data.packing import token_budget_cut
 from tether.run import distributed
 from tether.run.checkpoint import reshard
 from tether.run.distributed import Dist
@@ -117,6 +118,16 @@ def micro_rows(micro_batch_size: int, minibatch_size: int, d: Dist) -> int:
     """Rows per forward on a rank: `micro_batch_size` (--micro-batch-size, per rank), or 0 for the
     rank's whole share of a minibatch of `minibatch_size` global rows."""
     return micro_batch_size or minibatch_size // d.world_size
+
+
+def micro_parts(lengths: list[int], micro_rows: int, micro_tokens: int) -> list[list[int]]:
+    """A rank's share of a minibatch (rows with `lengths` real tokens each) cut into micro-batches:
+    consecutive runs of `micro_rows` rows, or with `micro_tokens` > 0 (--micro-batch-tokens)
+    micro-batches of at most that many tokens (`tether.data.packing.token_budget_cut`; a row
+    longer than the budget alone is a micro-batch of its own). Positions into `lengths`."""
+    if micro_tokens:
+        return token_budget_cut(lengths, micro_tokens)
+    return [list(range(len(lengths)))[part] for part in chunks(len(lengths), micro_rows)]
 
 
 def epoch0_rows(batch: int, minibatch: int, d: Dist, rank: int | None = None) -> torch.Tensor:

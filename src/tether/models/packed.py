@@ -1,0 +1,125 @@
+"""Forwards on packed rows: a padded batch's real tokens run as one row [1, N] with `position_ids`
+restarting per sequence (`tether.data.packing`), the outputs put back in the padded layout, so
+every caller downstream (the chunked LM head, the masks, the loss) reads what the padded forward
+gives.
+
+Notation: B rows, L padded width, N real tokens, d hidden size, V vocabulary.
+
+How the model keeps the sequences apart, checked once per model (`packing_mode`):
+- "positions": `attention_mask=None`, the restarting `position_ids` and no cache. transformers 5
+  then finds the sequence boundaries itself (`masking_utils.find_packed_sequence_indices`: a
+  position that is not the previous one + 1 opens a sequence) and builds the block-diagonal
+  causal mask for sdpa and eager; flash-attention kernels take the same positions as varlen
+  boundaries. Verified on GPT-2 (absolute positions) and Llama (rotary) in tests/data/test_packing.py.
+  A cache disables the detection (`use_cache=False` is passed for that reason).
+- "block_mask": an explicit [1, 1, N, N] block-diagonal causal mask in the attention
+  implementation's own form (bool for sdpa, 0 / -inf added for eager), for a model whose
+  attention does not read the positions that way.
+A model for which neither gives what its padded forward gives is refused (`--pack`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from tether.data.packing import Packing, pack_rows
+from tether.errors import TetherError
+
+_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "positions" | ...
+
+
+def block_causal_mask(packing: Packing, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+    """[1, 1, N, N] the causal mask of packed sequences: token i sees token j when both are in one
+    sequence and j <= i. `boolean`: True where seen (sdpa's form); else 0 where seen and the
+    dtype's lowest value elsewhere (eager's additive form)."""
+    rows = torch.arange(packing.rows, device=packing.index.device)
+    sequence = torch.repeat_interleave(rows, packing.lengths)  # [N]
+    order = torch.arange(packing.tokens, device=sequence.device)
+    seen = (sequence[:, None] == sequence[None, :]) & (order[None, :] <= order[:, None])
+    if boolean:
+        return seen[None, None]
+    low = torch.finfo(dtype).min
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, low)[None, None]
+
+
+def _packed_call(model: nn.Module, mode: str, input_ids: torch.Tensor, packing: Packing,
+                 **kwargs):
+    """`model` on the packed tokens of `input_ids`, keeping the sequences apart by `mode`."""
+    mask = None
+    if mode == "block_mask":
+        dtype = next(model.parameters()).dtype
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+        mask = block_causal_mask(packing, dtype, boolean=implementation != "eager")
+    return model(input_ids=packing.pack(input_ids), attention_mask=mask,
+                 position_ids=packing.position_ids, use_cache=False, **kwargs)
+
+
+def _output(out, hidden: bool) -> torch.Tensor:
+    if hidden:
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.hidden_states[-1]
+    return out.logits
+
+
+def _probe(model: nn.Module, mode: str, hidden: bool) -> bool:
+    """Do two packed sequences give what each gives alone? One no-grad forward of 7 tokens and
+    two of 4 and 3, eval mode (modes restored), autocast off."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(7, device=device) * 5 + 3) % vocab
+    alone = [ids[None, :4], ids[None, 4:]]
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            expected = torch.cat([_output(model(input_ids=part, use_cache=False), hidden)[0]
+                                  for part in alone])
+            padded = torch.stack([ids[:4], torch.cat([ids[4:], ids[:1]])])  # [2, 4]
+            real = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], device=device)
+            got = _output(_packed_call(model, mode, padded, pack_rows(real)), hidden)[0]
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    tolerance = 2e-2 if expected.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    scale = max(1.0, float(expected.abs().max()))
+    return expected.shape == got.shape and bool((expected - got).abs().max() <= tolerance * scale)
+
+
+def packing_mode(model: nn.Module, hidden: bool) -> str:
+    """How `model` keeps packed sequences apart ("positions" or "block_mask"), found once by a
+    probe and remembered; a model for which neither works is refused. `hidden`: the model is a
+    trunk returning `last_hidden_state` (else a causal LM returning logits)."""
+    if model not in _MODES:
+        found = next((mode for mode in ("positions", "block_mask") if _probe(model, mode, hidden)),
+                     None)
+        _MODES[model] = found
+    if _MODES[model] is None:
+        raise TetherError(f"--pack: {type(model).__name__} does not keep packed sequences apart "
+                          "(neither restarting position ids nor a block-diagonal mask give its "
+                          "padded outputs); drop --pack for this model")
+    return _MODES[model]
+
+
+def packed_final_hidden(trunk: nn.Module, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor) -> torch.Tensor:
+    """The trunk's final normed hidden state at every slot of the padded batch, [B, L, d] (zeros in
+    the padding), computed on the packed row [1, N, d]: what `final_hidden` gives with positions
+    from the mask, without the padding's FLOPs."""
+    packing = pack_rows(attention_mask)
+    out = _packed_call(trunk, packing_mode(trunk, hidden=True), input_ids, packing)
+    return packing.unpack(_output(out, hidden=True))
+
+
+def packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A causal LM's logits at every slot of the padded batch, [B, L, V] (zeros in the padding),
+    and with `with_hidden` its last hidden states [B, L, d], from one forward over the packed row:
+    the plain path's counterpart of `packed_final_hidden` (it unpacks the full logits, so it
+    saves the trunk's FLOPs, not the logits' memory)."""
+    packing = pack_rows(attention_mask)
+    out = _packed_call(model, packing_mode(model, hidden=False), input_ids, packing,
+                       output_hidden_states=with_hidden)
+    hidden = packing.unpack(out.hidden_states[-1]) if with_hidden else None
+    return packing.unpack(out.logits), hidden
