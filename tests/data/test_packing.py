@@ -29,23 +29,38 @@ MASK = torch.tensor([[0, 0, 1, 1, 1],
                      [1, 0, 1, 0, 0]])
 
 
-def test_pack_lays_rows_end_to_end_with_restarting_positions():
-    packing = pack_rows(MASK)
+def test_pack_fills_rows_of_the_longest_length_with_restarting_positions():
+    packing = pack_rows(MASK)  # lengths 3, 2, 5, 2; rows of S = 5 slots
+    # FFD into rows of 5: row 2 (5) fills packed row 0; row 0 (3) opens packed row 1, row 1 (2)
+    # fills it; row 3 (2) opens packed row 2, whose last 3 slots are a tail
+    assert (packing.packed_rows, packing.packed_width) == (3, 5)
     # real slots row-major: row 0 cols 2-4 (flat 2, 3, 4), row 1 cols 0-1 (5, 6), row 2 all
     # (10..14), row 3 cols 0 and 2 (15, 17)
     assert packing.index.tolist() == [2, 3, 4, 5, 6, 10, 11, 12, 13, 14, 15, 17]
-    assert packing.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1]]
+    assert packing.slot.tolist() == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 10, 11]
+    assert packing.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert packing.sequence_ids.tolist() == [[2, 2, 2, 2, 2], [0, 0, 0, 1, 1], [3, 3, -3, -3, -3]]
     assert packing.lengths.tolist() == [3, 2, 5, 2]
     # each real token's packed position is what the padded forward gives it
     padded_positions = position_ids_from_mask(MASK)
-    assert packing.pack(padded_positions).tolist() == packing.position_ids.tolist()
+    assert torch.equal(packing.pack(padded_positions).reshape(-1)[packing.slot],
+                       packing.position_ids.reshape(-1)[packing.slot])
+
+
+def test_one_row_of_every_token():
+    packing = pack_rows(MASK, width=12)
+    assert packing.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1]]
+    assert packing.slot.tolist() == list(range(12))
+    assert pack_rows(MASK, width=2).packed_width == 5  # never narrower than a sequence
 
 
 def test_unpack_inverts_pack_and_fills_the_padding():
     values = torch.arange(20.0).reshape(4, 5, 1) * torch.tensor([1.0, -1.0])  # [B, L, 2]
     packing = pack_rows(MASK)
-    packed = packing.pack(values)
-    assert packed.shape == (1, 12, 2)
+    packed = packing.pack(values, fill=99.0)
+    assert packed.shape == (3, 5, 2)
+    assert packed[0, :, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]  # row 2, all of it
+    assert packed[2, :, 0].tolist() == [15.0, 17.0, 99.0, 99.0, 99.0]  # row 3, then the tail
     back = packing.unpack(packed, fill=-7.0)
     real = MASK.bool()
     assert torch.equal(back[real], values[real])
@@ -54,14 +69,16 @@ def test_unpack_inverts_pack_and_fills_the_padding():
 
 def test_unpack_passes_gradients_to_the_packed_values_only():
     packing = pack_rows(MASK)
-    packed = torch.randn(1, 12, dtype=torch.float64, requires_grad=True)
+    packed = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     weights = torch.randn(4, 5, dtype=torch.float64)
     (packing.unpack(packed) * weights).sum().backward()
-    assert torch.equal(packed.grad[0], weights.reshape(-1)[packing.index])
+    expected = torch.zeros(15, dtype=torch.float64)
+    expected[packing.slot] = weights.reshape(-1)[packing.index]  # tails get none
+    assert torch.equal(packed.grad.reshape(-1), expected)
 
 
 def test_block_causal_mask_by_hand():
-    packing = pack_rows(torch.tensor([[1, 1, 0], [1, 1, 1]]))  # sequences of 2 and 3 tokens
+    packing = pack_rows(torch.tensor([[1, 1, 0], [1, 1, 1]]), width=5)  # 2 and 3 tokens
     seen = block_causal_mask(packing, torch.float64, boolean=True)[0, 0].int()
     assert seen.tolist() == [[1, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0],

@@ -1,9 +1,10 @@
-"""Forwards on packed rows: a padded batch's real tokens run as one row [1, N] with `position_ids`
-restarting per sequence (`tether.data.packing`), the outputs put back in the padded layout, so
+"""Forwards on packed rows: a padded batch's real tokens run as n < B rows [n, S] of several
+sequences each, `position_ids` restarting per sequence (`tether.data.packing`), the outputs put back in the padded layout, so
 every caller downstream (the chunked LM head, the masks, the loss) reads what the padded forward
 gives.
 
-Notation: B rows, L padded width, N real tokens, d hidden size, V vocabulary.
+Notation: B rows, L padded width, n packed rows of S slots, N real tokens, d hidden size,
+V vocabulary.
 
 How the model keeps the sequences apart, checked once per model (`packing_mode`):
 - "positions": `attention_mask=None`, the restarting `position_ids` and no cache. transformers 5
@@ -12,7 +13,7 @@ How the model keeps the sequences apart, checked once per model (`packing_mode`)
   causal mask for sdpa and eager; flash-attention kernels take the same positions as varlen
   boundaries. Verified on GPT-2 (absolute positions) and Llama (rotary) in tests/data/test_packing.py.
   A cache disables the detection (`use_cache=False` is passed for that reason).
-- "block_mask": an explicit [1, 1, N, N] block-diagonal causal mask in the attention
+- "block_mask": an explicit [n, 1, S, S] block-diagonal causal mask in the attention
   implementation's own form (bool for sdpa, 0 / -inf added for eager), for a model whose
   attention does not read the positions that way.
 A model for which neither gives what its padded forward gives is refused (`--pack`).
@@ -32,17 +33,16 @@ _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "pos
 
 
 def block_causal_mask(packing: Packing, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
-    """[1, 1, N, N] the causal mask of packed sequences: token i sees token j when both are in one
-    sequence and j <= i. `boolean`: True where seen (sdpa's form); else 0 where seen and the
-    dtype's lowest value elsewhere (eager's additive form)."""
-    rows = torch.arange(packing.rows, device=packing.index.device)
-    sequence = torch.repeat_interleave(rows, packing.lengths)  # [N]
-    order = torch.arange(packing.tokens, device=sequence.device)
-    seen = (sequence[:, None] == sequence[None, :]) & (order[None, :] <= order[:, None])
+    """[n, 1, S, S] the causal mask of packed sequences: in each packed row, slot i sees slot j
+    when both hold one sequence and j <= i. `boolean`: True where seen (sdpa's form); else 0 where
+    seen and the dtype's lowest value elsewhere (eager's additive form)."""
+    sequence = packing.sequence_ids  # [n, S]
+    order = torch.arange(packing.packed_width, device=sequence.device)
+    seen = (sequence[:, :, None] == sequence[:, None, :]) & (order[None, :] <= order[:, None])
     if boolean:
-        return seen[None, None]
+        return seen[:, None]
     low = torch.finfo(dtype).min
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, low)[None, None]
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, low)[:, None]
 
 
 def _packed_call(model: nn.Module, mode: str, input_ids: torch.Tensor, packing: Packing,
@@ -78,7 +78,7 @@ def _probe(model: nn.Module, mode: str, hidden: bool) -> bool:
                                   for part in alone])
             padded = torch.stack([ids[:4], torch.cat([ids[4:], ids[:1]])])  # [2, 4]
             real = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], device=device)
-            got = _output(_packed_call(model, mode, padded, pack_rows(real)), hidden)[0]
+            got = _output(_packed_call(model, mode, padded, pack_rows(real, width=7)), hidden)[0]
     finally:
         for module, training in modes.items():
             module.training = training
@@ -105,7 +105,7 @@ def packing_mode(model: nn.Module, hidden: bool) -> str:
 def packed_final_hidden(trunk: nn.Module, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor) -> torch.Tensor:
     """The trunk's final normed hidden state at every slot of the padded batch, [B, L, d] (zeros in
-    the padding), computed on the packed row [1, N, d]: what `final_hidden` gives with positions
+    the padding), computed on the packed rows [n, S, d]: what `final_hidden` gives with positions
     from the mask, without the padding's FLOPs."""
     packing = pack_rows(attention_mask)
     out = _packed_call(trunk, packing_mode(trunk, hidden=True), input_ids, packing)
@@ -115,7 +115,7 @@ def packed_final_hidden(trunk: nn.Module, input_ids: torch.Tensor,
 def packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A causal LM's logits at every slot of the padded batch, [B, L, V] (zeros in the padding),
-    and with `with_hidden` its last hidden states [B, L, d], from one forward over the packed row:
+    and with `with_hidden` its last hidden states [B, L, d], from one forward over the packed rows:
     the plain path's counterpart of `packed_final_hidden` (it unpacks the full logits, so it
     saves the trunk's FLOPs, not the logits' memory)."""
     packing = pack_rows(attention_mask)
