@@ -154,7 +154,19 @@ def test_token_budget_micro_batches_are_the_forwards(env, tiny_model_dir, monkey
 
 # ----------------------------------------------------------------------------- the CLI
 
-def test_grpo_cli_with_pack_and_token_budget(env, tiny_llama_dir, capsys):
+def test_grpo_cli_with_pack_and_token_budget(env, tiny_llama_dir, capsys, monkeypatch):
+    """Both options reach the update through the config: every update forward is packed, and a
+    minibatch of 2 prompts x 2 samples runs as more than one micro-batch (a budget of 24 tokens
+    holds at most a row or two of ~10-token prompts and 6-token responses)."""
+    from tether.rl import update
+
+    calls = []
+    original = update.update_forward
+
+    def recording(policy, critic, reference, sub, chunked, exact, keep_hidden, packed=False):
+        calls.append((len(sub), packed))
+        return original(policy, critic, reference, sub, chunked, exact, keep_hidden, packed)
+    monkeypatch.setattr(update, "update_forward", recording)
     code = main(["grpo", "--policy", str(tiny_llama_dir), "--prompts", str(env / "prompts.jsonl"),
                  "--output-dir", str(env / "runs"), "--run-name", "cli_pack",
                  "--reward-fn", f"{env / 'rewards.py'}:length_reward", "--batch-size", "4",
@@ -166,6 +178,9 @@ def test_grpo_cli_with_pack_and_token_budget(env, tiny_llama_dir, capsys):
     metrics = [json.loads(line) for line in
                (env / "runs" / "cli_pack" / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all("policy/loss" in m for m in metrics)
+    assert calls and all(packed for _, packed in calls)
+    # 2 batches x 2 epochs x 1 minibatch: more forwards than that, none of all 4 rows
+    assert len(calls) > 4 and max(rows for rows, _ in calls) < 4
 
 
 @pytest.mark.parametrize("flags, pattern", [

@@ -74,13 +74,28 @@ def test_a_per_micro_batch_mean_would_depend_on_the_cut(tiny_model_dir):
     assert float((grads[0] - grads[1]).abs().max()) > 1e-4
 
 
-def test_sft_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_dir, tmp_path):
+def test_sft_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_dir, tmp_path,
+                                                                   monkeypatch):
+    """The same losses as the padded run, and both options acted: the packed run's forwards were
+    packed, and each step ran as several micro-batches (8 rows of ~12 tokens, 40 per part)."""
+    from tether.train import sft
+
+    calls = []
+    original = sft.sft_loss
+
+    def recording(model, batch, batch_tokens=None, chunked=True, packed=False):
+        calls.append((len(batch["input_ids"]), packed))
+        return original(model, batch, batch_tokens, chunked, packed)
+    monkeypatch.setattr(sft, "sft_loss", recording)
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(16))
     base = ["sft", "--model", str(tiny_llama_dir), "--data", str(data), "--output-dir",
             str(tmp_path / "runs"), "--max-steps", "2", "--batch-size", "8", "--lr", "1e-3",
             "--log-every", "1", "--device", "cpu"]
     assert main([*base, "--run-name", "padded"]) == 0
+    assert calls == [(8, False)] * 2
+    calls.clear()
     assert main([*base, "--run-name", "packed", "--pack", "--micro-batch-tokens", "40"]) == 0
+    assert len(calls) > 2 and all(packed and rows < 8 for rows, packed in calls)
     runs = {}
     for name in ("padded", "packed"):
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
