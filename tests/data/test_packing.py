@@ -246,16 +246,23 @@ def test_rank_cuts_give_every_rank_as_many_micro_batches():
 
 
 @pytest.mark.parametrize("family", MODELS)
-def test_block_mask_fallback_equals_padded(family):
+def test_block_mask_fallback_equals_padded(family, monkeypatch):
     """The explicit block-diagonal mask (for a model that does not read restarting positions)
     gives the padded numbers too, to 1e-12."""
     from tether.models import packed as packed_module
 
+    masks = []
+    original = packed_module.block_causal_mask
+
+    def recording(packing, dtype, boolean):
+        masks.append(boolean)
+        return original(packing, dtype, boolean)
+    monkeypatch.setattr(packed_module, "packing_mode", lambda model, hidden: "block_mask")
+    monkeypatch.setattr(packed_module, "block_causal_mask", recording)
     model = MODELS[family]()
-    trunk, _ = trunk_and_head(model)
     ids, mask, action = _rollout_batch(3)
     padded = score_responses(model, ids, mask, 5, 1.0, chunked=True, mask=action).logprobs
-    packed_module._MODES[trunk] = "block_mask"
     forced = score_responses(model, ids, mask, 5, 1.0, chunked=True, mask=action,
                              packed=True).logprobs
+    assert masks == [True]  # sdpa's boolean form, used once
     torch.testing.assert_close(forced, padded, rtol=0, atol=1e-12)

@@ -192,3 +192,24 @@ def test_bad_packing_options_are_refused(env, tiny_model_dir, flags, pattern, ca
                   str(env / "prompts.jsonl"), "--output-dir", str(env / "runs"),
                   "--run-name", "bad", "--batch-size", "4", "--samples-per-prompt", "2",
                   *flags], pattern, capsys)
+
+
+def test_lora_roles_and_the_exact_kl_run_packed(env, tiny_llama_dir):
+    """With LoRA every role is a view of one shared model (no parameters of its own, a fresh
+    trunk module per call) and the exact KL scores the reference packed too: the first batch's
+    losses and KL equal the padded run's (float32: to rounding)."""
+    metrics = {}
+    for name, pack in (("lora_padded", []), ("lora_packed", ["--pack"])):
+        code = main(["grpo", "--policy", str(tiny_llama_dir), "--prompts",
+                     str(env / "prompts.jsonl"), "--output-dir", str(env / "runs"),
+                     "--run-name", name, "--reward-fn", f"{env / 'rewards.py'}:length_reward",
+                     "--batch-size", "4", "--samples-per-prompt", "2", "--total-episodes", "4",
+                     "--max-new-tokens", "6", "--device", "cpu", "--save-every", "0",
+                     "--sample-every", "0", "--lora-r", "4", "--kl-in", "loss",
+                     "--kl-estimator", "exact", "--beta", "0.5", "--ppo-epochs", "2", *pack])
+        assert code == 0
+        lines = (env / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        metrics[name] = json.loads(lines[0])
+    padded, packed = metrics["lora_padded"], metrics["lora_packed"]
+    for key in ("policy/loss", "objective/kl_loss", "policy/grad_norm", "objective/kl_k1"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key

@@ -21,15 +21,16 @@ A model for which neither gives what its padded forward gives is refused (`--pac
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
 from tether.data.packing import Packing, pack_rows
 from tether.errors import TetherError
 
-_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "positions" | ...
+# (model class, its part, config class, attention implementation, hidden) -> "positions",
+# "block_mask" or None: how a kind of model keeps packed sequences apart depends on its code and
+# its attention implementation, not on its weights; a LoRA role's view is a fresh module per call
+_MODES: dict[tuple, str | None] = {}
 
 
 def block_causal_mask(packing: Packing, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _packed_call(model: nn.Module, mode: str, input_ids: torch.Tensor, packing: 
     """`model` on the packed tokens of `input_ids`, keeping the sequences apart by `mode`."""
     mask = None
     if mode == "block_mask":
-        dtype = next(model.parameters()).dtype
+        dtype = model.get_input_embeddings().weight.dtype
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         mask = block_causal_mask(packing, dtype, boolean=implementation != "eager")
     return model(input_ids=packing.pack(input_ids), attention_mask=mask,
@@ -66,8 +67,8 @@ def _output(out, hidden: bool) -> torch.Tensor:
 def _probe(model: nn.Module, mode: str, hidden: bool) -> bool:
     """Do two packed sequences give what each gives alone? One no-grad forward of 7 tokens and
     two of 4 and 3, eval mode (modes restored), autocast off."""
-    device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().num_embeddings
+    embeddings = model.get_input_embeddings()  # a LoRA role's view registers no parameters
+    device, vocab = embeddings.weight.device, embeddings.num_embeddings
     ids = (torch.arange(7, device=device) * 5 + 3) % vocab
     alone = [ids[None, :4], ids[None, 4:]]
     modes = {module: module.training for module in model.modules()}
@@ -88,18 +89,21 @@ def _probe(model: nn.Module, mode: str, hidden: bool) -> bool:
 
 
 def packing_mode(model: nn.Module, hidden: bool) -> str:
-    """How `model` keeps packed sequences apart ("positions" or "block_mask"), found once by a
-    probe and remembered; a model for which neither works is refused. `hidden`: the model is a
+    """How `model` keeps packed sequences apart ("positions" or "block_mask"), found by a probe
+    once per kind of model (class, config class, attention implementation) and remembered; a
+    model for which neither works is refused. `hidden`: the model is a
     trunk returning `last_hidden_state` (else a causal LM returning logits)."""
-    if model not in _MODES:
-        found = next((mode for mode in ("positions", "block_mask") if _probe(model, mode, hidden)),
-                     None)
-        _MODES[model] = found
-    if _MODES[model] is None:
+    config = getattr(model, "config", None)
+    key = (type(model), getattr(model, "part", None), type(config),
+           getattr(config, "_attn_implementation", None), hidden)
+    if key not in _MODES:
+        _MODES[key] = next((mode for mode in ("positions", "block_mask")
+                            if _probe(model, mode, hidden)), None)
+    if _MODES[key] is None:
         raise TetherError(f"--pack: {type(model).__name__} does not keep packed sequences apart "
                           "(neither restarting position ids nor a block-diagonal mask give its "
                           "padded outputs); drop --pack for this model")
-    return _MODES[model]
+    return _MODES[key]
 
 
 def packed_final_hidden(trunk: nn.Module, input_ids: torch.Tensor,
