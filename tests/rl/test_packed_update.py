@@ -213,3 +213,25 @@ def test_lora_roles_and_the_exact_kl_run_packed(env, tiny_llama_dir):
     padded, packed = metrics["lora_padded"], metrics["lora_packed"]
     for key in ("policy/loss", "objective/kl_loss", "policy/grad_norm", "objective/kl_k1"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("model, advantage", [("tiny_model_dir", "gae"),
+                                              ("tiny_llama_dir", "grpo")])
+def test_one_pass_packed_equals_one_pass_padded(env, model, advantage, request, monkeypatch):
+    """One epoch, one minibatch, one micro-batch: the update's own forward also scores pi_old
+    (`one_pass`), packed as padded; the same weights to 1e-12 (float64, full-logits head) and the
+    same pi_old."""
+    from tether.models import shared_prompt
+    from tether.rl import update
+
+    monkeypatch.setattr(shared_prompt, "can_share", lambda model: False)
+    setup, rollout = fp64_setup(env, request.getfixturevalue(model), advantage)
+    spec = replace(setup.spec, ppo_epochs=1, num_minibatches=1, minibatch_size=8, micro_rows=8,
+                   chunked_lm_head=False)
+    assert update.one_pass(spec, len(rollout), setup.roles.dist)
+    base, base_out = trained(setup, rollout, spec)
+    after, out = trained(setup, rollout, replace(spec, pack=True))
+    torch.testing.assert_close(after, base, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.old.logprobs, base_out.old.logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.old.entropy, base_out.old.entropy, rtol=0, atol=1e-6)
+    assert out.stats["policy/ratio_mean"] == 1.0
