@@ -157,7 +157,7 @@ def response_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
     Positions come from the mask (tether.models.forward.position_ids_from_mask), as in the plain
     path, so left padding does not move them. Rows that repeat a prompt run it once
-    (tether.models.shared_prompt). `packed`: the batch's real tokens run as one row without
+    (tether.models.shared_prompt). `packed`: the batch's real tokens run as packed rows without
     padding (tether.models.packed), which gives the same states.
     """
     if packed:
@@ -190,7 +190,7 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     `mask` [B, R]: score only these positions (the tokens the policy sampled), 0 elsewhere: only
     they go through the LM head, so the other positions cost nothing there and whatever their
     logits would be (an environment's observation, padding; NaN included) reaches no number and
-    no gradient. `packed`: the forward runs on the batch's real tokens as one row, without
+    no gradient. `packed`: the forward runs on the batch's real tokens as packed rows, without
     padding (tether.models.packed; prompts are then not shared); the same numbers.
     """
     tokens = input_ids[:, context_length:]  # [B, R]
@@ -245,7 +245,7 @@ def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked:
     log p(input_ids[:, t+1]) where `mask[:, t]` (= response_mask[:, t+1]) is 1, and 0 elsewhere.
     `chunked`: only the response positions' hidden states go through the LM head, in chunks
     (tether.lm_head; no [N, T, V] logits); else the plain path through the full logits.
-    `packed`: the rows' real tokens run as one row without padding (tether.models.packed).
+    `packed`: the rows' real tokens run as packed rows without padding (tether.models.packed).
     """
     mask = batch["response_mask"][:, 1:]
     tokens = batch["input_ids"][:, 1:]  # [N, T-1]

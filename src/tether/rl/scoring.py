@@ -80,7 +80,7 @@ def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: to
     1. `chunked`: log-probs through the LM head in chunks (tether.lm_head, no [B, R, V] logits);
     the shared critic reads the same hidden states. `mask`: the positions to score (the tokens
     the policy sampled; `score_responses`). `packed`: the policy's forward on the rows' real
-    tokens as one row (tether.models.packed); a separate critic keeps the padded forward.
+    tokens in packed rows (tether.models.packed); a separate critic keeps the padded forward.
     """
     shared = isinstance(critic, ValueHead)
     scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
@@ -180,7 +180,7 @@ def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Mo
     `exact`: also KL(pi || ref) over the vocabulary at each position, differentiable in the
     policy (the reference scored here, without a gradient). `keep_hidden`: return the policy's
     hidden states, to read pi_old's entropy and exact KL off this forward. `packed`: the forwards
-    on the micro-batch's real tokens as one row (tether.models.packed)."""
+    on the micro-batch's real tokens in packed rows (tether.models.packed)."""
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length, sub.temperature, chunked=chunked,
                                        hidden=exact or keep_hidden, mask=sub.action_mask,

@@ -28,8 +28,8 @@ Memory knobs: a minibatch runs as micro-batches of `micro_rows` rows (or of at m
 `micro_batch_tokens` tokens), forward and backward each, gradients summed; every loss term is
 divided by the minibatch's token (or row) count, never a micro-batch's, so the sum is the
 minibatch's gradient however it is cut (the bug of prime-rl PR #583 and open-instruct PR #1137).
-`pack` runs each forward on the micro-batch's real tokens as one row (tether.data.packing). With --mixed-precision bf16 the forwards run under autocast;
-log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
+`pack` runs each forward on the micro-batch's real tokens in packed rows (tether.data.packing).
+With --mixed-precision bf16 the forwards run under autocast; log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
 """
 
 from __future__ import annotations
@@ -375,8 +375,7 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     Every loss is divided by the whole minibatch's `counts` and multiplied by `grad_scale` (the
     world size: DDP and FSDP2 average the ranks' gradients), so the reduced gradient is the
     one-process gradient, however the minibatch is cut. Only the last micro-batch's backward
-    reduces (`no_sync`). Each forward
-    runs under bf16 autocast when `spec.mixed_precision` asks; the backward outside it (as
+    reduces (`no_sync`). Each forward runs under bf16 autocast when `spec.mixed_precision` asks; the backward outside it (as
     torch.autocast recommends). A NaN or inf loss on any rank stops every rank before its
     backward (`tether.run.optim.backward`).
     """

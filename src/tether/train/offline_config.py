@@ -71,7 +71,7 @@ class SFTConfig(TrainConfig):
     loss_on: Literal["all", "last"] = "all"
     """Which assistant turns of a multi-turn chat carry loss: all of them, or the last only."""
     pack: bool = False
-    """Run each micro-batch as one packed row: its rows' tokens end to end, positions restarting per row (no padding; same loss)."""
+    """Run each micro-batch as packed rows: several sequences end to end per row, positions restarting per sequence (no padding; the same loss)."""
     micro_batch_tokens: int = 0
     """Tokens (prompt + response) per forward/backward instead of --grad-accum-steps: rows grouped longest first to fit (a longer row runs alone); 0: off."""
 

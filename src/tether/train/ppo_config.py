@@ -186,7 +186,7 @@ class PPOConfig(RunConfig, EnvOptions):
     micro_batch_tokens: int = 0
     """Tokens (prompt + response) per forward/backward instead of a row count: rows grouped longest first to fit (a longer row runs alone); 0: --micro-batch-size rows."""
     pack: bool = False
-    """Run the update's and the scoring pass's forwards on packed rows: each micro-batch's real tokens as one row, positions restarting per sequence (no padding; same numbers)."""
+    """Run the update's and the scoring pass's forwards on packed rows: several sequences end to end per row, positions restarting per sequence (no padding; the same numbers)."""
     lr: float = 1e-5
     """Peak learning rate (AdamW) for policy and critic."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"

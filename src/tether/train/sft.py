@@ -6,7 +6,7 @@ With --grad-accum-steps k the batch runs as k micro-batches (or, with --micro-ba
 micro-batches of at most C tokens); each divides its token sum by the whole batch's token count,
 so the summed gradients are the full batch's, not a mean of per-micro-batch means, and the step
 does not depend on the cut (the bug of prime-rl PR #583 and open-instruct PR #1137, which
-tether's SFT never had). --pack runs each micro-batch as one row without padding
+tether's SFT never had). --pack runs each micro-batch as packed rows without padding
 (tether.data.packing); the loss is the same.
 Under torchrun each rank takes its slice of the same global batch and divides by the global token
 count (summed over ranks), times the world size because DDP / FSDP2 average the ranks' gradients.
@@ -54,7 +54,7 @@ def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True
     """Negative log-likelihood summed over response tokens, divided by `batch_tokens` (the whole
     step's count when this is one of its micro-batches; default: this batch's own count, a token
     mean). Returns (loss, n_tokens of this batch). `chunked`: log-probs through the LM head in
-    chunks (tether.lm_head), never the full logits. `packed`: the rows run as one packed row."""
+    chunks (tether.lm_head), never the full logits. `packed`: the rows run packed, no padding."""
     logprobs, mask = response_logprobs(model, batch, chunked, packed)  # [N, T-1] each
     n_tokens = mask.sum()
     denominator = n_tokens if batch_tokens is None else batch_tokens
