@@ -181,6 +181,16 @@ def test_transformers_detects_packing_from_positions(family):
         trunk, _ = trunk_and_head(model)
         assert packing_mode(trunk, hidden=True) == "positions"
         assert packing_mode(model, hidden=False) == "positions"
+    # with a cache (transformers' default in eval mode) the positions are not read as boundaries:
+    # the second sequence attends to the first, and its logits change
+    model = MODELS[family]()
+    first, second = torch.arange(3, 8)[None], torch.arange(10, 14)[None]
+    alone = model(input_ids=second, use_cache=False).logits[0]
+    ids, positions = torch.cat([first, second], 1), torch.cat([torch.arange(5), torch.arange(4)])
+    packed = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits[0, 5:]
+    cached = model(input_ids=ids, position_ids=positions[None], use_cache=True).logits[0, 5:]
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+    assert float((cached - alone).detach().abs().max()) > 1e-3
 
 
 def test_eager_llama_packed_has_no_fully_masked_pad_rows():
