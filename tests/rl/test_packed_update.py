@@ -235,3 +235,30 @@ def test_one_pass_packed_equals_one_pass_padded(env, model, advantage, request, 
     torch.testing.assert_close(out.old.logprobs, base_out.old.logprobs, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.old.entropy, base_out.old.entropy, rtol=0, atol=1e-6)
     assert out.stats["policy/ratio_mean"] == 1.0
+
+
+def test_token_budget_cut_over_two_ranks_by_hand():
+    """The cut each rank of 2 runs (`micro_batches_of`): rows dealt for even token sums, as many
+    micro-batches on both ranks, an empty turn a borrowed row marked not real. Lengths 10 3 3 3,
+    budget 1 (every row alone): LPT gives rank 0 row 0 (10) and rank 1 rows 1-3 (3 + 3 + 3 = 9),
+    so rank 0 runs its row and then the borrowed row twice."""
+    from tether.rl.rollout import Rollout
+    from tether.rl.update import UpdateSpec, micro_batches_of
+    from tether.run.distributed import Dist
+
+    attention = torch.zeros(4, 12, dtype=torch.long)
+    for row, length in enumerate([10, 3, 3, 3]):
+        attention[row, 12 - length:] = 1
+    rollout = Rollout(torch.zeros(4, 12, dtype=torch.long), attention,
+                      torch.ones(4, 2, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 10)
+    index = torch.tensor([4, 5, 6, 7]) - 4  # the minibatch's global rows
+    spec = UpdateSpec(micro_batch_tokens=1)
+    cuts = [[(rows.tolist(), real) for rows, real in
+             micro_batches_of(rollout, index, spec, Dist(rank=r, world_size=2))] for r in (0, 1)]
+    assert cuts == [[([0], True), ([0], False), ([0], False)],
+                    [([1], True), ([2], True), ([3], True)]]
+    # a budget of 6 lets rank 1 take rows 1 and 2 together: 2 micro-batches; rank 0 borrows one
+    spec = UpdateSpec(micro_batch_tokens=6)
+    cuts = [[(rows.tolist(), real) for rows, real in
+             micro_batches_of(rollout, index, spec, Dist(rank=r, world_size=2))] for r in (0, 1)]
+    assert cuts == [[([0], True), ([0], False)], [([1, 2], True), ([3], True)]]

@@ -1,8 +1,9 @@
-"""--pack under torchrun (2 gloo processes): each rank packs the rows of its own micro-batches
-inside the wrapped forward, so a 2-process packed run equals the 1-process padded run of the same
-config (DDP with full fine-tuning; FSDP2 with the LoRA shared base, where every role is a view of
-one sharded model); and --micro-batch-tokens, which would need as many micro-batches on every
-rank, is refused there with one line.
+"""--pack and --micro-batch-tokens under torchrun (2 gloo processes): each rank packs the rows of
+its own micro-batches inside the wrapped forward, and a token budget deals each minibatch's rows
+to the ranks for even token sums, with as many micro-batches on every rank (a borrowed row, its
+loss counting 0, where one has fewer). Either way a 2-process run equals the 1-process padded
+run of the same config, row-count micro-batches (DDP with full fine-tuning; FSDP2 with the LoRA
+shared base, where every role is a view of one sharded model).
 
 Independent truth: the 1-process padded loop, in this process. That the forwards really are
 packed when --pack is on is checked in one process (tests/rl/test_packed_update.py).
@@ -17,22 +18,36 @@ import pytest
 from safetensors.torch import load_file
 from torchrun_helpers import ROOT, torchrun
 
-from tether.errors import TetherError
-from tether.run.distributed import Dist
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
-from tether.train.ppo_setup import check_world
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
+# One prompt far longer than the others: a minibatch holding it once gives that row to one rank
+# alone under a token budget, the other three rows to the other (fillers on the first).
+PROMPTS = ["it", "a film with a long plot and the actor and the music were quite long and the "
+           "ending was very fine and the scene was fun", "fun", "music"]
 CASES = {  # name: (stage, model fixture, extra config)
     "ppo-gpt2-ddp-pack": ("ppo", "tiny_model_dir", {"num_minibatches": 2, "ppo_epochs": 2,
                                                     "micro_batch_size": 2}),
     "grpo-llama-fsdp-lora-pack": ("grpo", "tiny_llama_dir", {"fsdp": True, "lora_r": 4,
                                                              "samples_per_prompt": 2,
                                                              "ppo_epochs": 2}),
+    # 8 rows of ~8-16 tokens, 4 a minibatch, 2 a rank: a budget of 20 gives a rank one or two
+    # micro-batches, so the ranks' counts differ unless equalised
+    "ppo-gpt2-ddp-tokens": ("ppo", "tiny_model_dir", {"num_minibatches": 2, "ppo_epochs": 2,
+                                                      "micro_batch_tokens": 20}),
+    # every row alone (budget 1): a rank dealt the longest row alone runs borrowed rows while
+    # the other runs its several
+    "ppo-gpt2-ddp-tokens-1": ("ppo", "tiny_model_dir", {"num_minibatches": 2,
+                                                        "micro_batch_tokens": 1}),
+    "grpo-llama-fsdp-tokens-pack": ("grpo", "tiny_llama_dir", {"fsdp": True,
+                                                               "samples_per_prompt": 2,
+                                                               "ppo_epochs": 2,
+                                                               "micro_batch_tokens": 30}),
 }
+# What the 1-process reference run drops: it is the plain padded loop
+TWO_PROCESS_ONLY = ("fsdp", "micro_batch_tokens")
 CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
 
@@ -65,7 +80,7 @@ def test_two_processes_packed_equal_one_padded(tmp_path, request):
     assert result.returncode == 0, result.stderr[-4000:]
     for name, (stage, model, extra) in CASES.items():
         values = config(tmp_path, request.getfixturevalue(model), f"{name}-1", extra)
-        run(CONFIGS[stage](**{k: v for k, v in values.items() if k != "fsdp"}))
+        run(CONFIGS[stage](**{k: v for k, v in values.items() if k not in TWO_PROCESS_ONLY}))
         one, two = (final_weights(tmp_path / "runs" / f"{name}-{n}") for n in (1, 2))
         worst = max(float((one[k] - two[k]).abs().max()) for k in one)
         assert worst < 1e-5, (name, worst)
@@ -75,9 +90,3 @@ def test_two_processes_packed_equal_one_padded(tmp_path, request):
             a, b = json.loads(a), json.loads(b)
             for key in ("policy/loss", "policy/grad_norm", "objective/kl"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, key)
-
-
-def test_a_token_budget_under_torchrun_is_refused(tmp_path, tiny_model_dir):
-    cfg = GRPOConfig(**config(tmp_path, tiny_model_dir, "x", {"micro_batch_tokens": 64}))
-    with pytest.raises(TetherError, match="--micro-batch-tokens runs in one process"):
-        check_world(cfg, Dist(rank=0, world_size=2))

@@ -37,7 +37,8 @@ from tether.models.trunk_head import (
 )
 from tether.rl.roles import Roles, gather_in_order
 from tether.rl.rollout import Rollout
-from tether.run.slicing import chunks, epoch0_rows, micro_parts
+from tether.run import distributed
+from tether.run.slicing import chunks, epoch0_rows, token_parts
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -140,13 +141,13 @@ def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_
                 micro_tokens: int = 0) -> Scored:
     """pi_old, the reference and the critic on the global rollout's tokens: each rank scores the
     rows it updates in the first epoch, in its micro-batches of `micro_rows` rows (so that
-    epoch's ratio is exactly 1), and every rank gets all rows back in order. `micro_tokens` > 0
-    (one process): each minibatch in the micro-batches of that many tokens the first epoch's
-    update cuts (`tether.run.slicing.micro_parts`), for the same reason."""
+    epoch's ratio is exactly 1), and every rank gets all rows back in order. `micro_tokens` > 0:
+    each minibatch in the micro-batches of that many tokens the first epoch's update cuts, on
+    the ranks it deals them to (`tether.run.slicing.token_parts`), for the same reason."""
+    d = roles.dist
     if micro_tokens:
         return roles.peek(lambda policy, critic: _score_by_tokens(
-            policy, reference, critic, rollout, minibatch_size, micro_tokens, chunked, packed))
-    d = roles.dist
+            policy, reference, critic, rollout, minibatch_size, micro_tokens, chunked, packed, d))
     rows = epoch0_rows(len(rollout), minibatch_size, d).to(rollout.input_ids.device)
     mine = roles.peek(lambda policy, critic: score_rollout(
         policy, reference, critic, rollout.select(rows), None, micro_rows, chunked, packed))
@@ -156,21 +157,29 @@ def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_
 
 def _score_by_tokens(policy: nn.Module, reference: nn.Module, critic: nn.Module | None,
                      rollout: Rollout, minibatch_size: int, micro_tokens: int, chunked: bool,
-                     packed: bool) -> Scored:
+                     packed: bool, d) -> Scored:
     """`score_rollout` over each minibatch of the rollout order in its token-budget micro-batches
-    (rows regrouped by length), the rows put back in order."""
+    (rows regrouped by length; this rank's, a borrowed row for an empty one), every rank's rows
+    gathered and put back in order."""
     device = rollout.input_ids.device
     lengths = rollout.attention_mask.sum(dim=1).tolist()
-    order, parts = [], []
+    scored_by: list[list[int]] = [[] for _ in range(d.world_size)]  # each rank's rows, in turn
+    parts = []  # this rank's scores
     for rows in chunks(len(rollout), minibatch_size):
         index = list(range(len(rollout)))[rows]
-        for part in micro_parts([lengths[i] for i in index], 0, micro_tokens):
-            micro = torch.tensor([index[j] for j in part], device=device)
-            order.append(micro)
-            parts.append(score_rollout(policy, reference, critic, rollout.select(micro), None,
-                                       len(micro), chunked, packed))
-    back = torch.argsort(torch.cat(order))  # row i's place among the scored rows
-    return Scored(*(torch.cat([getattr(p, name) for p in parts])[back] for name in SCORED))
+        cuts = token_parts([lengths[i] for i in index], micro_tokens, d)
+        for rank, cut in enumerate(cuts):
+            scored_by[rank] += [index[j] for part in cut for j in part]
+        for part in cuts[d.rank]:
+            micro = torch.tensor([index[j] for j in part or [0]], device=device)
+            scored = score_rollout(policy, reference, critic, rollout.select(micro), None,
+                                   len(micro), chunked, packed)
+            if part:
+                parts.append(scored)
+    local = [torch.cat([getattr(p, name) for p in parts]) for name in SCORED]
+    order = torch.tensor([i for rows in scored_by for i in rows], device=device)
+    back = torch.argsort(order)  # row i's place among the gathered rows
+    return Scored(*(distributed.all_gather_rows(t, d)[back] for t in local))
 
 
 def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,

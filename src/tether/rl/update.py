@@ -60,7 +60,7 @@ from tether.rl.scoring import (
 )
 from tether.run.distributed import Dist
 from tether.run.optim import backward, clip_and_step
-from tether.run.slicing import chunks, micro_parts, rank_slice
+from tether.run.slicing import chunks, rank_slice, token_parts
 
 
 @dataclass(frozen=True)
@@ -368,7 +368,7 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
                          counts: Counts, spec: UpdateSpec, kl_beta: float) -> dict[str, float]:
     """Forward and backward over this rank's share of the minibatch `index` (global rows; all of
     it with one process) in micro-batches of `spec.micro_rows` rows, or of at most
-    `spec.micro_batch_tokens` tokens (`tether.run.slicing.micro_parts`), adding to the gradients;
+    `spec.micro_batch_tokens` tokens (`micro_batches_of`), adding to the gradients;
     returns the stats the whole minibatch would give (loss shares summed over micro-batches and
     ranks, token means weighted by each micro-batch's tokens).
 
@@ -380,18 +380,18 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     backward (`tether.run.optim.backward`).
     """
     d = roles.dist
-    mine = index[rank_slice(len(index), d)]
-    lengths = forwards.rollout.attention_mask.sum(dim=1)[mine].tolist()
-    parts = micro_parts(lengths, spec.micro_rows, spec.micro_batch_tokens)
     sums: dict[str, float] = {}
-    for number, rows in enumerate(parts):
-        micro = mine[torch.tensor(rows, dtype=torch.long, device=mine.device)]
+    parts = micro_batches_of(forwards.rollout, index, spec, d)
+    for number, (micro, real) in enumerate(parts):
         part = batch.select(micro)
         with roles.no_sync(skip=number < len(parts) - 1):
             with autocast(spec.mixed_precision, micro.device):
                 loss, stats = update_loss(forwards(micro), part, spec, kl_beta, counts,
                                           roles.critic is not None)
+            loss = loss if real else loss * 0.0  # a borrowed row: the call, not the gradient
             backward(loss * d.grad_scale if d.active else loss, d)
+        if not real:
+            continue
         weights = {key: int(part.loss_mask.sum()) for key in POLICY_MEANS}
         weights |= {key: int(part.action_mask.sum()) for key in VALUE_MEANS}
         for key, value in stats.items():  # losses are already shares; weight the token means
@@ -400,6 +400,21 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     totals = {key: counts.tokens for key in POLICY_MEANS} | {key: counts.value_tokens
                                                               for key in VALUE_MEANS}
     return {key: value / max(totals.get(key, 1), 1) for key, value in sums.items()}
+
+
+def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec: UpdateSpec, d: Dist
+                     ) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's micro-batches of the minibatch `index` (global rows), as (rows, real): its
+    contiguous share in runs of `spec.micro_rows` rows; or with `spec.micro_batch_tokens` the
+    token-budget cut, rows dealt to the ranks for even token sums (`token_parts`, the cut
+    `score_batch` scored the first epoch in), where a rank's empty turn runs a borrowed row that
+    is not real (its loss counts 0)."""
+    if not spec.micro_batch_tokens:
+        mine = index[rank_slice(len(index), d)]
+        return [(mine[rows], True) for rows in chunks(len(mine), spec.micro_rows)]
+    lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
+    cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
+    return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]
 
 
 @contextlib.contextmanager

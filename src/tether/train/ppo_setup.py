@@ -130,9 +130,6 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
     world = d.world_size
     if world == 1:
         return
-    if cfg.micro_batch_tokens:
-        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
-                          "as many micro-batches each); under torchrun use --micro-batch-size")
     per_rank = cfg.batch_size // world
     if cfg.batch_size % world or per_rank % cfg.samples_per_prompt:
         raise TetherError(f"--batch-size {cfg.batch_size} must split over {world} processes in "
