@@ -272,6 +272,14 @@ class PPOConfig(RunConfig, EnvOptions):
             return self.kl_estimator
         return "k1" if self.kl_in == "reward" else "k3_ratio"
 
+    def check_micro_batches(self) -> None:
+        """A minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)."""
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.micro_batch_size:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
+                              "pass one of them")
+
     def validate(self) -> None:
         super().validate()
         self.check_env()
@@ -314,11 +322,7 @@ class PPOConfig(RunConfig, EnvOptions):
             raise TetherError(f"--micro-batch-size {self.micro_batch_size} must divide the minibatch "
                               f"of {self.minibatch_size} rows (--batch-size {self.batch_size} / "
                               f"--num-minibatches {self.num_minibatches}); or 0 for the whole minibatch")
-        require_positive(self, "micro_batch_tokens", allow_zero=True)
-        if self.micro_batch_tokens and self.micro_batch_size:
-            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
-                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
-                              "pass one of them")
+        self.check_micro_batches()
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")

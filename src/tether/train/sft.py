@@ -72,6 +72,14 @@ def step_micro_batches(examples, indices: list[int], cfg: SFTConfig, d) -> list[
             for part in token_budget_cut(lengths, cfg.micro_batch_tokens)]
 
 
+def check_world(cfg: SFTConfig, d) -> None:
+    """A token budget cuts each step in one process only for now: under torchrun every rank must
+    run as many micro-batches as the others (the online stages deal rows to ranks for that)."""
+    if cfg.micro_batch_tokens and d.active:
+        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
+                          "as many micro-batches each); under torchrun use --grad-accum-steps")
+
+
 def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
@@ -86,9 +94,7 @@ def run(cfg: SFTConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
-    if cfg.micro_batch_tokens and d.active:
-        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
-                          "as many micro-batches each); under torchrun use --grad-accum-steps")
+    check_world(cfg, d)
 
     seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
