@@ -104,6 +104,12 @@ OPTION_TESTS: dict[str, list[str]] = {
     "sft:loss_on": [
         "tests/data/test_multiturn.py::test_sft_cli_loss_on_all_or_last",
     ],
+    "sft:pack": [
+        "tests/train/test_sft_packing.py::test_sft_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
+    "sft:micro_batch_tokens": [
+        "tests/train/test_sft_packing.py::test_sft_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
     "sft:grad_accum_steps": [
         OFFLINE + "test_grad_accum_steps_splits_each_batch[sft]",
         "tests/train/test_offline_memory.py::test_accumulation_and_checkpointing_give_the_plain_update[tiny_model_dir-sft]",
@@ -388,6 +394,10 @@ OPTION_TESTS: dict[str, list[str]] = {
         ONLINE + "test_epochs_minibatches_and_micro_batches",
         "tests/train/test_ppo_memory.py::test_bf16_end_to_end_with_reward_model_and_critic",
     ],
+    "online:micro_batch_tokens": [
+        "tests/rl/test_packed_update.py::test_grpo_cli_with_pack_and_token_budget",
+    ],
+    "online:pack": ["tests/rl/test_packed_update.py::test_grpo_cli_with_pack_and_token_budget"],
     "online:lr": [
         ONLINE + "test_online_first_adamw_step_lr_warmup_decay_and_clip",
         ONLINE + "test_online_lr_schedule_by_hand",

@@ -29,6 +29,7 @@ from tether.lm_head import (
     vocab_size,
 )
 from tether.models.forward import position_ids_from_mask, response_logits
+from tether.models.packed import packed_final_hidden, packed_logits
 from tether.models.shared_prompt import shared_response_hidden, shared_response_logits, sharing
 
 
@@ -151,13 +152,16 @@ def final_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 
 
 def response_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    context_length: int) -> torch.Tensor:
+                    context_length: int, packed: bool = False) -> torch.Tensor:
     """Hidden states at the positions that predict the response (P - 1 + t for token t): [B, R, d].
 
     Positions come from the mask (tether.models.forward.position_ids_from_mask), as in the plain
     path, so left padding does not move them. Rows that repeat a prompt run it once
-    (tether.models.shared_prompt).
+    (tether.models.shared_prompt). `packed`: the batch's real tokens run as packed rows without
+    padding (tether.models.packed), which gives the same states.
     """
+    if packed:
+        return packed_final_hidden(trunk, input_ids, attention_mask)[:, context_length - 1:-1]
     groups = sharing(trunk, input_ids, attention_mask, context_length)
     if groups is not None:
         return shared_response_hidden(trunk, input_ids, attention_mask, context_length, groups)
@@ -177,7 +181,7 @@ class ResponseScores:
 def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     context_length: int, temperature: float, *, chunked: bool,
                     entropy: bool = False, hidden: bool = False,
-                    mask: torch.Tensor | None = None) -> ResponseScores:
+                    mask: torch.Tensor | None = None, packed: bool = False) -> ResponseScores:
     """Log-probs (and entropies, hidden states) of the response tokens in rollout layout.
 
     chunked: hidden states through the LM head in chunks (no [B, R, V] tensor); else the plain
@@ -186,13 +190,18 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     `mask` [B, R]: score only these positions (the tokens the policy sampled), 0 elsewhere: only
     they go through the LM head, so the other positions cost nothing there and whatever their
     logits would be (an environment's observation, padding; NaN included) reaches no number and
-    no gradient.
+    no gradient. `packed`: the forward runs on the batch's real tokens as packed rows, without
+    padding (tether.models.packed; prompts are then not shared); the same numbers.
     """
     tokens = input_ids[:, context_length:]  # [B, R]
     split = chunked_split(model, chunked)
     if split is None:
-        groups = sharing(model, input_ids, attention_mask, context_length)
-        if groups is not None:
+        groups = None if packed else sharing(model, input_ids, attention_mask, context_length)
+        if packed:
+            logits, states = packed_logits(model, input_ids, attention_mask, with_hidden=hidden)
+            logits = logits[:, context_length - 1:-1]  # [B, R, V]
+            states = states[:, context_length - 1:-1] if hidden else None
+        elif groups is not None:
             logits, states = shared_response_logits(model, input_ids, attention_mask,
                                                     context_length, groups, with_hidden=hidden)
         else:
@@ -205,7 +214,7 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                               _masked(logprobs_lib.entropy(logits, temperature), mask)
                               if entropy else None, states)
     trunk, head = split
-    states = response_hidden(trunk, input_ids, attention_mask, context_length)  # [B, R, d]
+    states = response_hidden(trunk, input_ids, attention_mask, context_length, packed)  # [B, R, d]
     picked, targets = (states, tokens) if mask is None else (states[mask.bool()],
                                                              tokens[mask.bool()])
     if entropy:
@@ -228,24 +237,28 @@ def _masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return values if mask is None else torch.where(mask.bool(), values, 0.0)
 
 
-def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked: bool = True,
+                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each next token of the response and the mask of those tokens.
 
     Logits at position t predict token t+1, so both outputs are `[N, T-1]`: `logprobs[:, t]` is
     log p(input_ids[:, t+1]) where `mask[:, t]` (= response_mask[:, t+1]) is 1, and 0 elsewhere.
     `chunked`: only the response positions' hidden states go through the LM head, in chunks
     (tether.lm_head; no [N, T, V] logits); else the plain path through the full logits.
+    `packed`: the rows' real tokens run as packed rows without padding (tether.models.packed).
     """
     mask = batch["response_mask"][:, 1:]
     tokens = batch["input_ids"][:, 1:]  # [N, T-1]
+    ids, real = batch["input_ids"], batch["attention_mask"]
     split = chunked_split(model, chunked)
     if split is None:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = (packed_logits(model, ids, real)[0] if packed
+                  else model(input_ids=ids, attention_mask=real).logits)
         logprobs = logprobs_lib.token_logprobs(logits[:, :-1], tokens) * mask  # [N, T-1]
     else:
         trunk, head = split
-        hidden = final_hidden(trunk, batch["input_ids"], batch["attention_mask"])  # [N, T, d]
+        hidden = (packed_final_hidden(trunk, ids, real) if packed
+                  else final_hidden(trunk, ids, real))  # [N, T, d]
         logprobs = masked_head_token_logprobs(hidden[:, :-1], head, tokens, mask)
     return logprobs, mask.to(logprobs.dtype)
 

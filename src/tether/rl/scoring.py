@@ -37,7 +37,8 @@ from tether.models.trunk_head import (
 )
 from tether.rl.roles import Roles, gather_in_order
 from tether.rl.rollout import Rollout
-from tether.run.slicing import chunks, epoch0_rows
+from tether.run import distributed
+from tether.run.slicing import chunks, epoch0_rows, token_parts
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -70,7 +71,7 @@ class Forward(NamedTuple):
 def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, context_length: int, temperature: float, *,
                       chunked: bool = True, entropy: bool = False, hidden: bool = False,
-                      mask: torch.Tensor | None = None):
+                      mask: torch.Tensor | None = None, packed: bool = False):
     """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
     of the critic, in one call.
 
@@ -79,11 +80,13 @@ def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: to
     the very code that computes the new ones, and the first epoch's probability ratio is exactly
     1. `chunked`: log-probs through the LM head in chunks (tether.lm_head, no [B, R, V] logits);
     the shared critic reads the same hidden states. `mask`: the positions to score (the tokens
-    the policy sampled; `score_responses`).
+    the policy sampled; `score_responses`). `packed`: the policy's forward on the rows' real
+    tokens in packed rows (tether.models.packed); a separate critic keeps the padded forward.
     """
     shared = isinstance(critic, ValueHead)
     scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
-                             chunked=chunked, entropy=entropy, hidden=shared or hidden, mask=mask)
+                             chunked=chunked, entropy=entropy, hidden=shared or hidden, mask=mask,
+                             packed=packed)
     if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
         values = torch.zeros_like(scores.logprobs)
     elif shared:  # the head reads the positions scored, as the LM head does
@@ -105,13 +108,14 @@ def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> 
 
 @torch.no_grad()
 def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, rollout: Rollout,
-                  temperature: float | None, chunk_size: int, chunked: bool = True) -> Scored:
+                  temperature: float | None, chunk_size: int, chunked: bool = True,
+                  packed: bool = False) -> Scored:
     """Policy, reference and critic on the sampled tokens, in chunks of `chunk_size` rows.
 
     The chunks are the first epoch's micro-batches (`cfg.micro_batch_rows`), and the forward is
     `policy_and_values`, the one the update uses: same rows, same code, so the first epoch's ratio
     is exactly 1. `chunked`: log-probs and entropies through the LM head in chunks
-    (tether.lm_head; no [B, R, V] logits).
+    (tether.lm_head; no [B, R, V] logits). `packed`: each chunk's forwards on packed rows.
     """
     temperature = sampling_temperature(rollout, temperature)
     parts = []
@@ -121,9 +125,9 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
         mask = sub.action_mask
         scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                            context, temperature, chunked=chunked, entropy=True,
-                                           hidden=True, mask=mask)
+                                           hidden=True, mask=mask, packed=packed)
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
-                              chunked=chunked, hidden=True, mask=mask)
+                              chunked=chunked, hidden=True, mask=mask, packed=packed)
         exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature, mask)
         parts.append(Scored(logprobs=scores.logprobs, ref_logprobs=ref.logprobs,
                             values=_kept(values.float(), mask), entropy=scores.entropy,
@@ -133,39 +137,75 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
 
 
 def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_size: int,
-                micro_rows: int, chunked: bool) -> Scored:
+                micro_rows: int, chunked: bool, packed: bool = False,
+                micro_tokens: int = 0) -> Scored:
     """pi_old, the reference and the critic on the global rollout's tokens: each rank scores the
     rows it updates in the first epoch, in its micro-batches of `micro_rows` rows (so that
-    epoch's ratio is exactly 1), and every rank gets all rows back in order."""
+    epoch's ratio is exactly 1), and every rank gets all rows back in order. `micro_tokens` > 0:
+    each minibatch in the micro-batches of that many tokens the first epoch's update cuts, on
+    the ranks it deals them to (`tether.run.slicing.token_parts`), for the same reason."""
     d = roles.dist
+    if micro_tokens:
+        return roles.peek(lambda policy, critic: _score_by_tokens(
+            policy, reference, critic, rollout, minibatch_size, micro_tokens, chunked, packed, d))
     rows = epoch0_rows(len(rollout), minibatch_size, d).to(rollout.input_ids.device)
     mine = roles.peek(lambda policy, critic: score_rollout(
-        policy, reference, critic, rollout.select(rows), None, micro_rows, chunked))
+        policy, reference, critic, rollout.select(rows), None, micro_rows, chunked, packed))
     return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch_size, d)
                     for name in SCORED))
 
 
+def _score_by_tokens(policy: nn.Module, reference: nn.Module, critic: nn.Module | None,
+                     rollout: Rollout, minibatch_size: int, micro_tokens: int, chunked: bool,
+                     packed: bool, d) -> Scored:
+    """`score_rollout` over each minibatch of the rollout order in its token-budget micro-batches
+    (rows regrouped by length; this rank's, a borrowed row for an empty one), every rank's rows
+    gathered and put back in order."""
+    device = rollout.input_ids.device
+    lengths = rollout.attention_mask.sum(dim=1).tolist()
+    scored_by: list[list[int]] = [[] for _ in range(d.world_size)]  # each rank's rows, in turn
+    parts = []  # this rank's scores
+    for rows in chunks(len(rollout), minibatch_size):
+        index = list(range(len(rollout)))[rows]
+        cuts = token_parts([lengths[i] for i in index], micro_tokens, d)
+        for rank, cut in enumerate(cuts):
+            scored_by[rank] += [index[j] for part in cut for j in part]
+        for part in cuts[d.rank]:
+            micro = torch.tensor([index[j] for j in part or [0]], device=device)
+            scored = score_rollout(policy, reference, critic, rollout.select(micro), None,
+                                   len(micro), chunked, packed)
+            if part:
+                parts.append(scored)
+    local = [torch.cat([getattr(p, name) for p in parts]) for name in SCORED]
+    order = torch.tensor([i for rows in scored_by for i in rows], device=device)
+    back = torch.argsort(order)  # row i's place among the gathered rows
+    return Scored(*(distributed.all_gather_rows(t, d)[back] for t in local))
+
+
 def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,
-                   sub: Rollout, chunked: bool, exact: bool, keep_hidden: bool) -> Forward:
+                   sub: Rollout, chunked: bool, exact: bool, keep_hidden: bool,
+                   packed: bool = False) -> Forward:
     """The current policy and critic on the micro-batch `sub`, with gradients (`Forward`).
     `exact`: also KL(pi || ref) over the vocabulary at each position, differentiable in the
     policy (the reference scored here, without a gradient). `keep_hidden`: return the policy's
-    hidden states, to read pi_old's entropy and exact KL off this forward."""
+    hidden states, to read pi_old's entropy and exact KL off this forward. `packed`: the forwards
+    on the micro-batch's real tokens in packed rows (tether.models.packed)."""
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length, sub.temperature, chunked=chunked,
-                                       hidden=exact or keep_hidden, mask=sub.action_mask)
-    exact_kl = _exact_kl(policy, reference, sub, scores.hidden, chunked) if exact else None
+                                       hidden=exact or keep_hidden, mask=sub.action_mask,
+                                       packed=packed)
+    exact_kl = _exact_kl(policy, reference, sub, scores.hidden, chunked, packed) if exact else None
     return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
 
 
 def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: torch.Tensor,
-              chunked: bool) -> torch.Tensor:
+              chunked: bool, packed: bool = False) -> torch.Tensor:
     """KL(pi || ref) over the vocabulary at each response position [b, R], differentiable in the
     policy's `hidden` states; the reference is scored here, without a gradient."""
     with torch.no_grad():
         ref = score_responses(reference, sub.input_ids, sub.attention_mask, sub.context_length,
                               sub.temperature, chunked=chunked, hidden=True,
-                              mask=sub.action_mask)
+                              mask=sub.action_mask, packed=packed)
     per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature,
                                sub.action_mask)
     if per_position is None:
@@ -175,11 +215,12 @@ def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: tor
 
 
 @torch.no_grad()
-def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool) -> ResponseScores:
+def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool,
+                    packed: bool = False) -> ResponseScores:
     """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""
     return score_responses(reference, rollout.input_ids, rollout.attention_mask,
                            rollout.context_length, rollout.temperature, chunked=chunked,
-                           hidden=True, mask=rollout.action_mask)
+                           hidden=True, mask=rollout.action_mask, packed=packed)
 
 
 @torch.no_grad()

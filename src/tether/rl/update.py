@@ -24,10 +24,12 @@ it; the forward is kept (`Forwards.keep`) and the update's first micro-batch tak
 running the models again. The shaping, the advantages, the loss and the step are the same code
 either way, because the loss reads tensors, not models.
 
-Memory knobs: a minibatch runs as micro-batches of `micro_rows` rows, forward and backward each,
-gradients summed; every loss term is divided by the minibatch's token (or row) count, so the sum
-is the minibatch's gradient. With --mixed-precision bf16 the forwards run under autocast;
-log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
+Memory knobs: a minibatch runs as micro-batches of `micro_rows` rows (or of at most
+`micro_batch_tokens` tokens), forward and backward each, gradients summed; every loss term is
+divided by the minibatch's token (or row) count, never a micro-batch's, so the sum is the
+minibatch's gradient however it is cut (the bug of prime-rl PR #583 and open-instruct PR #1137).
+`pack` runs each forward on the micro-batch's real tokens in packed rows (tether.data.packing).
+With --mixed-precision bf16 the forwards run under autocast; log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from tether.rl.scoring import (
 )
 from tether.run.distributed import Dist
 from tether.run.optim import backward, clip_and_step
-from tether.run.slicing import chunks, rank_slice
+from tether.run.slicing import chunks, rank_slice, token_parts
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class UpdateSpec:
     minibatch_size: int = 1  # global rows per optimizer step (of a batch of the configured size)
     micro_batch_size: int = 0  # rows per forward on a rank (0: its share of a minibatch)
     micro_rows: int = 1  # derived: rows per forward and backward on this rank
+    micro_batch_tokens: int = 0  # tokens per forward and backward (0: micro_rows rows)
+    pack: bool = False  # forwards on packed rows: real tokens only, positions restarting
     value_clip_range: float = 0.2
     vf_coef: float = 0.1
     max_grad_norm: float = 1.0  # 0: no clipping
@@ -220,7 +224,7 @@ class Forwards:
 
     def run(self, rows: torch.Tensor, keep_hidden: bool = False) -> Forward:
         return self.roles.call(update_forward, self.reference, self.rollout.select(rows),
-                               self.spec.chunked_lm_head, self.exact, keep_hidden)
+                               self.spec.chunked_lm_head, self.exact, keep_hidden, self.spec.pack)
 
     def keep(self, rows: torch.Tensor, forward: Forward) -> None:
         self.kept = (rows, forward)
@@ -240,7 +244,7 @@ def one_pass(spec: UpdateSpec, rows: int, d: Dist) -> bool:
     on one process, so that the update's forward also scores pi_old. Under torchrun each rank
     scores its rows and all are gathered before the shaping, so the two passes stay."""
     return (spec.ppo_epochs == 1 and spec.minibatch_size == rows and spec.micro_rows == rows
-            and not d.active)
+            and not spec.micro_batch_tokens and not d.active)
 
 
 # ----------------------------------------------------------------------------- steps 2-4
@@ -283,7 +287,7 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
     # 2. pi_old, the reference and V_old on the sampled tokens.
     if one_pass(spec, len(rollout), roles.dist):
         with autocast(spec.mixed_precision, device):
-            ref = score_reference(reference, rollout, spec.chunked_lm_head)
+            ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
         started = time.perf_counter()  # the update's forward is this batch's scoring pass too
         everything = torch.arange(len(rollout), device=device)
         with update_mode(spec.gradient_checkpointing, roles.policy, roles.critic):
@@ -295,7 +299,7 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
     else:
         with autocast(spec.mixed_precision, device):
             old = score_batch(roles, reference, rollout, spec.minibatch_size, spec.micro_rows,
-                              spec.chunked_lm_head)
+                              spec.chunked_lm_head, spec.pack, spec.micro_batch_tokens)
         started = None
     # 3. Per-token rewards: -beta * kl_t, the score on the last sampled token; the advantages.
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, reward_beta,
@@ -379,29 +383,31 @@ def ppo_update(roles: Roles, optimizer: torch.optim.Optimizer, forwards: Forward
 def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, index: torch.Tensor,
                          counts: Counts, spec: UpdateSpec, kl_beta: float) -> dict[str, float]:
     """Forward and backward over this rank's share of the minibatch `index` (global rows; all of
-    it with one process) in micro-batches of `spec.micro_rows` rows, adding to the gradients;
+    it with one process) in micro-batches of `spec.micro_rows` rows, or of at most
+    `spec.micro_batch_tokens` tokens (`micro_batches_of`), adding to the gradients;
     returns the stats the whole minibatch would give (loss shares summed over micro-batches and
     ranks, token means weighted by each micro-batch's tokens).
 
     Every loss is divided by the whole minibatch's `counts` and multiplied by `grad_scale` (the
     world size: DDP and FSDP2 average the ranks' gradients), so the reduced gradient is the
-    one-process gradient; only the last micro-batch's backward reduces (`no_sync`). Each forward
-    runs under bf16 autocast when `spec.mixed_precision` asks; the backward outside it (as
+    one-process gradient, however the minibatch is cut. Only the last micro-batch's backward
+    reduces (`no_sync`). Each forward runs under bf16 autocast when `spec.mixed_precision` asks; the backward outside it (as
     torch.autocast recommends). A NaN or inf loss on any rank stops every rank before its
     backward (`tether.run.optim.backward`).
     """
     d = roles.dist
-    mine = index[rank_slice(len(index), d)]
-    parts = chunks(len(mine), spec.micro_rows)
     sums: dict[str, float] = {}
-    for number, rows in enumerate(parts):
-        micro = mine[rows]
+    parts = micro_batches_of(forwards.rollout, index, spec, d)
+    for number, (micro, real) in enumerate(parts):
         part = batch.select(micro)
         with roles.no_sync(skip=number < len(parts) - 1):
             with autocast(spec.mixed_precision, micro.device):
                 loss, stats = update_loss(forwards(micro), part, spec, kl_beta, counts,
                                           roles.critic is not None)
+            loss = loss if real else loss * 0.0  # a borrowed row: the call, not the gradient
             backward(loss * d.grad_scale if d.active else loss, d)
+        if not real:
+            continue
         weights = {key: int(part.loss_mask.sum()) for key in POLICY_MEANS}
         weights |= {key: int(part.action_mask.sum()) for key in VALUE_MEANS}
         for key, value in stats.items():  # losses are already shares; weight the token means
@@ -410,6 +416,21 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     totals = {key: counts.tokens for key in POLICY_MEANS} | {key: counts.value_tokens
                                                               for key in VALUE_MEANS}
     return {key: value / max(totals.get(key, 1), 1) for key, value in sums.items()}
+
+
+def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec: UpdateSpec, d: Dist
+                     ) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's micro-batches of the minibatch `index` (global rows), as (rows, real): its
+    contiguous share in runs of `spec.micro_rows` rows; or with `spec.micro_batch_tokens` the
+    token-budget cut, rows dealt to the ranks for even token sums (`token_parts`, the cut
+    `score_batch` scored the first epoch in), where a rank's empty turn runs a borrowed row that
+    is not real (its loss counts 0)."""
+    if not spec.micro_batch_tokens:
+        mine = index[rank_slice(len(index), d)]
+        return [(mine[rows], True) for rows in chunks(len(mine), spec.micro_rows)]
+    lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
+    cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
+    return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]
 
 
 @contextlib.contextmanager

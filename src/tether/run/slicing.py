@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tether.data.packing import rank_token_cuts
 from tether.run import distributed
 from tether.run.checkpoint import reshard
 from tether.run.distributed import Dist
@@ -117,6 +118,16 @@ def micro_rows(micro_batch_size: int, minibatch_size: int, d: Dist) -> int:
     """Rows per forward on a rank: `micro_batch_size` (--micro-batch-size, per rank), or 0 for the
     rank's whole share of a minibatch of `minibatch_size` global rows."""
     return micro_batch_size or minibatch_size // d.world_size
+
+
+def token_parts(lengths: list[int], budget: int, d: Dist) -> list[list[list[int]]]:
+    """Every rank's micro-batches of a minibatch whose rows hold `lengths` real tokens, under the
+    token budget `budget` (--micro-batch-tokens), as positions into the minibatch: rows dealt to
+    the ranks for even token sums, each rank's cut first-fit decreasing, and as many micro-batches
+    on every rank (`tether.data.packing.rank_token_cuts`). An empty micro-batch is a rank's turn
+    to run a borrowed row whose loss counts 0 (every rank calls the wrapped model equally often).
+    One process: `token_budget_cut` of the whole minibatch."""
+    return rank_token_cuts(lengths, budget, d.world_size)
 
 
 def epoch0_rows(batch: int, minibatch: int, d: Dist, rank: int | None = None) -> torch.Tensor:

@@ -70,6 +70,18 @@ class SFTConfig(TrainConfig):
     """Peak learning rate (AdamW)."""
     loss_on: Literal["all", "last"] = "all"
     """Which assistant turns of a multi-turn chat carry loss: all of them, or the last only."""
+    pack: bool = False
+    """Run each micro-batch as packed rows: several sequences end to end per row, positions restarting per sequence (no padding; the same loss)."""
+    micro_batch_tokens: int = 0
+    """Tokens (prompt + response) per forward/backward instead of --grad-accum-steps: rows grouped longest first to fit (a longer row runs alone); 0: off."""
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.grad_accum_steps > 1:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--grad-accum-steps {self.grad_accum_steps} both cut a batch; pass "
+                              "one of them")
 
 
 @dataclass(kw_only=True)

@@ -199,6 +199,10 @@ class PPOConfig(RunConfig, EnvOptions):
     """Minibatches per epoch; must divide --batch-size."""
     micro_batch_size: int = 0
     """Rows per forward/backward inside a minibatch, gradients accumulated (0: the whole minibatch; must divide it)."""
+    micro_batch_tokens: int = 0
+    """Tokens (prompt + response) per forward/backward instead of a row count: rows grouped longest first to fit (a longer row runs alone); 0: --micro-batch-size rows."""
+    pack: bool = False
+    """Run the update's and the scoring pass's forwards on packed rows: several sequences end to end per row, positions restarting per sequence (no padding; the same numbers)."""
     lr: float = 1e-5
     """Peak learning rate (AdamW) for policy and critic."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
@@ -284,6 +288,14 @@ class PPOConfig(RunConfig, EnvOptions):
             return self.kl_estimator
         return "k1" if self.kl_in == "reward" else "k3_ratio"
 
+    def check_micro_batches(self) -> None:
+        """A minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)."""
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.micro_batch_size:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
+                              "pass one of them")
+
     def validate(self) -> None:
         super().validate()
         self.check_env()
@@ -326,6 +338,7 @@ class PPOConfig(RunConfig, EnvOptions):
             raise TetherError(f"--micro-batch-size {self.micro_batch_size} must divide the minibatch "
                               f"of {self.minibatch_size} rows (--batch-size {self.batch_size} / "
                               f"--num-minibatches {self.num_minibatches}); or 0 for the whole minibatch")
+        self.check_micro_batches()
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")

@@ -2,8 +2,12 @@
 
     L = - sum_{t in response} log p(y_t | y_<t) / (number of response tokens in the batch)
 
-With --grad-accum-steps k the batch runs as k micro-batches; each divides its token sum by the
-whole batch's token count, so the summed gradients are the full batch's (not a mean of k means).
+With --grad-accum-steps k the batch runs as k micro-batches (or, with --micro-batch-tokens C, as
+micro-batches of at most C tokens); each divides its token sum by the whole batch's token count,
+so the summed gradients are the full batch's, not a mean of per-micro-batch means, and the step
+does not depend on the cut (the bug of prime-rl PR #583 and open-instruct PR #1137, which
+tether's SFT never had). --pack runs each micro-batch as packed rows without padding
+(tether.data.packing); the loss is the same.
 Under torchrun each rank takes its slice of the same global batch and divides by the global token
 count (summed over ranks), times the world size because DDP / FSDP2 average the ranks' gradients.
 
@@ -20,6 +24,7 @@ import sys
 
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
+from tether.data.packing import token_budget_cut
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.forward import autocast
@@ -44,15 +49,35 @@ def response_tokens(batch) -> int:
     return int(batch["response_mask"][:, 1:].sum())
 
 
-def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True) -> tuple:
+def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True,
+             packed: bool = False) -> tuple:
     """Negative log-likelihood summed over response tokens, divided by `batch_tokens` (the whole
     step's count when this is one of its micro-batches; default: this batch's own count, a token
     mean). Returns (loss, n_tokens of this batch). `chunked`: log-probs through the LM head in
-    chunks (tether.lm_head), never the full logits."""
-    logprobs, mask = response_logprobs(model, batch, chunked)  # [N, T-1] each
+    chunks (tether.lm_head), never the full logits. `packed`: the rows run packed, no padding."""
+    logprobs, mask = response_logprobs(model, batch, chunked, packed)  # [N, T-1] each
     n_tokens = mask.sum()
     denominator = n_tokens if batch_tokens is None else batch_tokens
     return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
+
+
+def step_micro_batches(examples, indices: list[int], cfg: SFTConfig, d) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of the step's rows `indices`: (rows, real). --grad-accum-steps
+    equal parts (`rank_micro_batches`), or with --micro-batch-tokens parts of at most that many
+    tokens (`tether.data.packing.token_budget_cut`; one process)."""
+    if not cfg.micro_batch_tokens:
+        return rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    lengths = [len(examples[i].prompt) + len(examples[i].responses[0]) for i in indices]
+    return [([indices[j] for j in part], True)
+            for part in token_budget_cut(lengths, cfg.micro_batch_tokens)]
+
+
+def check_world(cfg: SFTConfig, d) -> None:
+    """A token budget cuts each step in one process only for now: under torchrun every rank must
+    run as many micro-batches as the others (the online stages deal rows to ranks for that)."""
+    if cfg.micro_batch_tokens and d.active:
+        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
+                          "as many micro-batches each); under torchrun use --grad-accum-steps")
 
 
 def run(cfg: SFTConfig) -> RunResult:
@@ -69,6 +94,7 @@ def run(cfg: SFTConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    check_world(cfg, d)
 
     seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
@@ -89,7 +115,7 @@ def run(cfg: SFTConfig) -> RunResult:
         for step in range(state["step"] + 1, total_steps + 1):
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
             micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
-                     for rows, real in rank_micro_batches(indices, cfg.grad_accum_steps, d)]
+                     for rows, real in step_micro_batches(examples, indices, cfg, d)]
             # the whole global batch's tokens: every rank's part of the loss divides by it
             n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
             loss = 0.0
@@ -97,7 +123,7 @@ def run(cfg: SFTConfig) -> RunResult:
                 with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
                     with autocast(cfg.mixed_precision, d.device):
                         part, _ = wrapped(sft_loss, to_device(batch, d.device), n_tokens,
-                                          cfg.chunked_lm_head)
+                                          cfg.chunked_lm_head, cfg.pack)
                     backward(part * (d.grad_scale if real else 0.0), d)
                 loss += part.item() if real else 0.0
             loss = distributed.global_sum(loss, d)
