@@ -23,8 +23,6 @@ bench/gpu.sh, where generation and training would take separate devices.
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import statistics
 import subprocess
 import sys
@@ -32,35 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# name: (layers, width, heads); the vocabulary is the tokenizer's (~500 tokens)
-SIZES = {"tiny": (2, 64, 2), "small": (4, 256, 4), "medium": (6, 512, 8)}
-WORDS = ("the movie was good bad great awful fine dull fun boring plot actor scene film story "
-         "music ending long short loved hated it and but very quite").split()
+from threads import SIZES, inputs  # bench/threads.py: the same models, prompts and reward
+
 SETTINGS = {  # name: (extra argv)
     "sync, 2 threads": ["--threads", "2"],
     "sync, 1 thread": ["--threads", "1"],
     "async": ["--max-staleness", "1", "--threads", "1", "--generator-threads", "1"],
 }
-
-
-def sentences(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(n)]
-
-
-def inputs(root: Path, size: str) -> Path:
-    """The model, the prompts and a reward function under `root`; returns the model's path."""
-    from tether.models.tiny import save_tiny
-
-    layers, width, heads = SIZES[size]
-    model = save_tiny(root / size, sentences(600, seed=0), 512, n_layer=layers, n_embd=width,
-                      n_head=heads)
-    with open(root / "prompts.jsonl", "w") as f:
-        for text in sentences(64, seed=2):
-            f.write(json.dumps({"prompt": " ".join(text.split()[:3])}) + "\n")
-    (root / "reward.py").write_text(
-        "def score(prompts, responses):\n    return [float(r.count('good')) for r in responses]\n")
-    return model
 
 
 def command(model: Path, root: Path, run: str, batches: int, batch_size: int,
@@ -82,7 +58,7 @@ def timed(argv: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    parser.add_argument("--size", default="small", choices=sorted(SIZES))  # threads.py's
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -90,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = inputs(root, args.size)
+        model = inputs(root, [args.size])[args.size]
         times: dict[str, list[float]] = {name: [] for name in SETTINGS}
         for repeat in range(args.repeats):
             for i, (name, extra) in enumerate(SETTINGS.items()):
