@@ -222,9 +222,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
                  reward_model=reward_model, gold=gold, reward_functions=functions,
-                 eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
-                 spec=update_spec(cfg, d), engine=engine, steps=steps,
+                 eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids, n_rows=len(rows),
+                 eval=evaluation, spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 
