@@ -12,7 +12,9 @@ final save are in the figure, as a user pays them. On 2 cores the settings are:
     async             trainer 1 thread + generator 1 thread (the default split: half each)
 
 The settings alternate over `--repeats` rounds; the medians are reported as seconds per episode
-(a response), with the ratios sync / async: above 1 the asynchronous loop is faster. Absolute
+(a response), with the ratios sync / async: above 1 the asynchronous loop is faster. Beside the
+whole run, the batches alone (the sum of each batch's time from its rollout to its metrics, from
+metrics.jsonl): what a long run converges to, once start-up is paid. Absolute
 times on a shared machine are noisy; the ratio measured side by side is the figure to quote
 (docs/benchmarks.md, "Asynchronous generation"). On a GPU the comparison belongs in
 bench/gpu.sh, where generation and training would take separate devices.
@@ -23,6 +25,7 @@ bench/gpu.sh, where generation and training would take separate devices.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -48,12 +51,15 @@ def command(model: Path, root: Path, run: str, batches: int, batch_size: int,
             "--output-dir", str(root / "runs"), "--device", "cpu"]
 
 
-def timed(argv: list[str]) -> float:
-    """Wall seconds of one run in a fresh process."""
+def timed(argv: list[str], metrics: Path) -> tuple[float, float]:
+    """(wall seconds of one run in a fresh process, seconds of its batches alone: the sum of each
+    batch's time from its rollout to its metrics, start-up and the final save left out)."""
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "tether", *argv], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return wall, sum(r["perf/rollout_s"] + r["perf/update_s"] for r in rows if "perf/update_s" in r)
 
 
 def main() -> None:
@@ -68,22 +74,29 @@ def main() -> None:
         root = Path(tmp)
         model = inputs(root, [args.size])[args.size]
         times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        loops: dict[str, list[float]] = {name: [] for name in SETTINGS}
         for repeat in range(args.repeats):
             for i, (name, extra) in enumerate(SETTINGS.items()):
                 argv = command(model, root, f"r{repeat}-{i}", args.batches, args.batch_size,
                                args.new_tokens) + extra
-                times[name].append(timed(argv))
+                wall, loop = timed(argv, root / "runs" / f"r{repeat}-{i}" / "metrics.jsonl")
+                times[name].append(wall)
+                loops[name].append(loop)
         episodes = args.batches * args.batch_size
         layers, width, _ = SIZES[args.size]
         print(f"tether grpo, GPT-2 {layers} x {width}, {args.batches} batches of "
               f"{args.batch_size} responses (4 per prompt) of up to {args.new_tokens} tokens, "
               f"medians of {args.repeats} (whole runs, start-up included)")
-        print(f"{'setting':<18} {'s per episode':>14} {'run s':>8}")
+        print(f"{'setting':<18} {'s per episode':>14} {'run s':>8} {'batches s':>10} "
+              f"{'s per episode, batches alone':>29}")
         medians = {name: statistics.median(t) for name, t in times.items()}
+        loop = {name: statistics.median(t) for name, t in loops.items()}
         for name, median in medians.items():
-            print(f"{name:<18} {median / episodes:>14.4f} {median:>8.1f}")
+            print(f"{name:<18} {median / episodes:>14.4f} {median:>8.1f} {loop[name]:>10.1f} "
+                  f"{loop[name] / episodes:>29.4f}")
         for name in ("sync, 2 threads", "sync, 1 thread"):
-            print(f"{name} / async: {medians[name] / medians['async']:.2f}x")
+            print(f"{name} / async: whole runs {medians[name] / medians['async']:.2f}x, "
+                  f"batches alone {loop[name] / loop['async']:.2f}x")
 
 
 if __name__ == "__main__":

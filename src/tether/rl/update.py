@@ -29,7 +29,8 @@ Memory knobs: a minibatch runs as micro-batches of `micro_rows` rows (or of at m
 divided by the minibatch's token (or row) count, never a micro-batch's, so the sum is the
 minibatch's gradient however it is cut (the bug of prime-rl PR #583 and open-instruct PR #1137).
 `pack` runs each forward on the micro-batch's real tokens in packed rows (tether.data.packing).
-With --mixed-precision bf16 the forwards run under autocast; log-probs (`token_logprobs` upcasts), values, KL and the losses stay fp32.
+With --mixed-precision bf16 the forwards run under autocast; log-probs (`token_logprobs`
+upcasts), values, KL and the losses stay fp32.
 """
 
 from __future__ import annotations
