@@ -131,6 +131,9 @@ def test_each_batch_is_sampled_by_the_weights_of_l_batches_before(model, request
         assert stats["async/staleness_max"] == expected_gap
         assert stats[f"async/staleness_{expected_gap}"] == 1.0
         assert 0 < stats["rollout/engine_is_ess"] <= 1.0
+        # the engines' mismatch is measured on rows of the current version alone: batch 0's
+        assert ("rollout/engine_kl" in stats) == (expected_gap == 0)
+        assert ("async/version_kl" in stats) == (expected_gap > 0)
     assert [v for _, _, v, _ in seen] == [0, 2, 4, 6]  # versions count optimizer steps
 
 

@@ -319,7 +319,8 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
         weights, engine_stats = engine_mismatch(old.logprobs, rollout.engine_logprobs, mask,
                                                 spec.correction)
         advantages = advantages * weights if weights is not None else advantages
-        if rollout.versions is not None:
+        if rollout.versions is not None:  # engine_kl again, on the current version's rows only
+            engine_stats = {k: v for k, v in engine_stats.items() if k != "rollout/engine_kl"}
             engine_stats |= staleness_metrics(old.logprobs, rollout.engine_logprobs,
                                               rollout.versions, mask, version, spec.max_staleness)
     # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
