@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from tether.rl.engines.mismatch import (
 from tether.train import ppo
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
+NATIVE = SimpleNamespace(engine="native")  # the settings a generator of the native engine reads
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very",
            "music and", "the actor", "a scene", "very quite"]
 
@@ -82,7 +84,7 @@ def recorded_run(cfg, monkeypatch):
         seen.append((rollout, state, version, done))
         return done
     monkeypatch.setattr(ppo, "update_batch", spy)
-    result = ppo.run(cfg, reward_fn=length_reward)
+    ppo.run(cfg, reward_fn=length_reward)
     return seen, started[0].threads if started else None
 
 
@@ -250,8 +252,6 @@ def test_a_simulated_clock_never_trains_a_token_more_than_s_steps_stale(monkeypa
     --num-minibatches, as --target-kl stopping early would; then the sync) against a generator
     with random sampling and update times: every batch is trained once, in order, none dropped;
     no token is more than S steps stale; the trained token counts are the generated ones."""
-    from types import SimpleNamespace
-
     from tether.run.distributed import Dist
 
     rng = random.Random(0)
@@ -338,7 +338,8 @@ def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
     assert sent and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert sum(p.numel() for p in sent) < sum(p.numel() for p in model.parameters()) / 5
     optimizer = torch.optim.AdamW(sent, lr=5e-2)
-    engine = ahead.start(model, ahead.StepCounter(optimizer), 1, torch.device("cpu"))
+    engine = ahead.start(NATIVE, model, None, ahead.StepCounter(optimizer), 1, 0,
+                         torch.device("cpu"))
     try:
         ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
@@ -370,7 +371,8 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = ahead.start(model, ahead.StepCounter(optimizer), 1, torch.device("cpu"))
+    engine = ahead.start(NATIVE, model, None, ahead.StepCounter(optimizer), 1, 0,
+                         torch.device("cpu"))
     try:
         ids = torch.randint(3, 250, (3, 4), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
@@ -396,7 +398,6 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
     (["--max-staleness", "1", "--num-minibatches", "2"],
      r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
     (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
-    (["--max-staleness", "1", "--engine", "vllm"], r"--engine vllm runs in the trainer's process"),
     (["--max-staleness", "1", "--engine-mask-kl", "2"], r"--engine-mask-kl 2.0 with --max-staleness"),
     (["--max-staleness", "1", "--fsdp"], r"FSDP2 shards"),
     (["--engine-is-cap", "2"], r"--engine-is-cap 2.0 corrects vLLM's sampling"),

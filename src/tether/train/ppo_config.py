@@ -403,10 +403,6 @@ class PPOConfig(RunConfig, EnvOptions):
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
                               f"sampled ahead within it; give {steps} (one batch ahead) or a "
                               "multiple of it, or 0")
-        if self.engine != "native":
-            raise TetherError(f"--max-staleness samples in a second process with the native "
-                              f"engine; --engine {self.engine} runs in the trainer's process: "
-                              "pass --engine native, or --max-staleness 0")
         if self.episodic:
             raise TetherError("--max-staleness samples single-turn prompts ahead of the trainer; "
                               "an episode needs each answer of the environment before its next "

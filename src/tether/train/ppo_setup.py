@@ -233,7 +233,8 @@ def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCoun
     a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`),
     whose versions `steps` counts."""
     if cfg.max_staleness:
-        return ahead.start(lm.model, steps, generator_threads, roles.dist.device)
+        return ahead.start(cfg, lm.model, lm.peft, steps, generator_threads, longest,
+                           roles.dist.device)
     return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
                        longest_prompt=longest)
 

@@ -42,6 +42,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.rl.rollout import Rollout
+from tether.run.distributed import Dist
 
 # The generator is silent past start-up; a check of its liveness every this many seconds while
 # the trainer waits for it.
@@ -111,15 +112,36 @@ class Sampled:
 
 # ----------------------------------------------------------------------------- generator side
 
-def serve(model: nn.Module, threads: int, inbox, outbox) -> None:
-    """The generator process: serve `inbox` in order until "close". Messages:
-    ("weights", version, flat) load them; ("sample", ticket, ids, mask, settings) sample with
-    the current weights and answer (ticket, version, rollout); ("logprobs", ticket, ids, mask)
-    answer the current weights' log-probs of the given sequences (`probe`)."""
-    from tether.rl.engines.native import sample_responses
+def _native(settings, model: nn.Module, peft, longest_prompt: int, d: Dist):
+    from tether.rl.engines.native import start as start_native
 
+    return start_native(model, d, record_logprobs=True)  # the behaviour policy's log-probs
+
+
+def _named(settings, model: nn.Module, peft, longest_prompt: int, d: Dist):
+    from tether.rl.engines import make_engine  # vLLM reports its own log-probs
+
+    return make_engine(settings, model, peft=peft, longest_prompt=longest_prompt, d=d)
+
+
+# --engine -> the generator process's engine on its copy of the policy: (settings, model, peft,
+# longest prompt, Dist) -> a RolloutEngine whose rollouts carry their own log-probs
+GENERATORS = {"native": _native, "vllm": _named}
+
+
+def serve(replica: tuple, settings, longest_prompt: int, device: torch.device, threads: int,
+          inbox, outbox) -> None:
+    """The generator process: its engine (`GENERATORS[settings.engine]`) on `replica`, the
+    (model, peft) copy of the policy, serving `inbox` in order until "close". Messages:
+    ("weights", version, flat) load them into the copy and the engine; ("sample", ticket, ids,
+    mask, settings) sample with the current weights and answer (ticket, version, rollout);
+    ("logprobs", ticket, ids, mask) answer the copy's log-probs of those sequences (`probe`)."""
+    engine = None
     try:
         torch.set_num_threads(threads)
+        model, peft = replica
+        engine = GENERATORS[settings.engine](settings, model, peft, longest_prompt,
+                                             Dist(device=device))
         params, version = trainable(model), 0
         outbox.put(("ready", os.getpid(), torch.get_num_threads()))
         while True:
@@ -130,15 +152,20 @@ def serve(model: nn.Module, threads: int, inbox, outbox) -> None:
             if kind == "weights":
                 _, version, flat = message
                 unflatten_into(params, flat)
+                engine.sync()  # vLLM takes them from the copy; the native engine samples it
             elif kind == "sample":
-                _, ticket, ids, mask, settings = message
-                rollout = sample_responses(model, ids, mask, record_logprobs=True, **settings)
-                outbox.put((ticket, version, rollout))
+                _, ticket, ids, mask, asked = message
+                rollout = engine.sample(ids.to(device), mask.to(device), **asked)
+                outbox.put((ticket, version, rollout.map_rows(lambda t: t.cpu())))
             elif kind == "logprobs":
                 _, ticket, ids, mask = message
-                outbox.put((ticket, version, sequence_logprobs(model, ids, mask)))
+                outbox.put((ticket, version,
+                            sequence_logprobs(model, ids.to(device), mask.to(device)).cpu()))
     except Exception:  # noqa: BLE001 - any failure goes back to the trainer, which names it
         outbox.put(("error", None, traceback.format_exc()))
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 @torch.no_grad()
@@ -264,16 +291,19 @@ def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
     return trainer or max(1, (cores or 1) - generator), generator
 
 
-def start(model: nn.Module, counter: StepCounter, threads: int,
-          device: torch.device) -> AheadEngine:
-    """Start the generator process on a copy of `model` (the policy as prepared, before any
-    wrapper) and return the trainer's side; waits until the copy is ready, so a failure shows
-    here, before the first batch."""
+def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCounter,
+          threads: int, longest_prompt: int, device: torch.device) -> AheadEngine:
+    """Start the generator process, with the engine `settings.engine` names, on a copy of
+    `model` (the policy as prepared, before any wrapper) and `peft` (the PeftModel holding its
+    adapter, or None), and return the trainer's side; waits until the engine is ready, so a
+    failure shows here, before the first batch."""
     ctx = torch.multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    replica = copy.deepcopy(model)  # its own weights: the queue shares what it sends
-    process = ctx.Process(target=serve, args=(replica, threads, inbox, outbox), daemon=True,
-                          name="tether-generator")
+    replica = copy.deepcopy((model, peft))  # its own weights (the queue shares what it sends),
+    # and one copy: peft holds the model, which stays the same object in the copy
+    process = ctx.Process(target=serve, args=(replica, settings, longest_prompt, device, threads,
+                                              inbox, outbox),
+                          daemon=True, name="tether-generator")
     process.start()
     del replica
     engine = AheadEngine(process, inbox, outbox, counter, trainable(model), device)
