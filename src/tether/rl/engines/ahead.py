@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import multiprocessing
 import os
 import queue
 import time
@@ -122,8 +123,16 @@ def serve(model: nn.Module, threads: int, inbox, outbox) -> None:
         torch.set_num_threads(threads)
         params, version = trainable(model), 0
         outbox.put(("ready", os.getpid(), torch.get_num_threads()))
+        trainer = multiprocessing.parent_process()
         while True:
-            message = inbox.get()
+            try:
+                message = inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                # A trainer killed outside its `close` (SIGKILL, out of memory) sends no
+                # "close": without this the copy would wait, and hold its memory, forever.
+                if trainer is not None and not trainer.is_alive():
+                    return
+                continue
             kind = message[0]
             if kind == "close":
                 return
