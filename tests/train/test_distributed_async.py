@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_distributed_ppo import assert_same_run, final_weights, metrics, one_process
+from safetensors.torch import load_file
+from test_distributed_ppo import assert_same_run, metrics, one_process
 from torchrun_helpers import ROOT, torchrun_command
 
 from tether.rl.engines import ahead
@@ -36,6 +37,17 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor"]
 REWARDS = "def length_reward(prompts, responses):\n    return [len(r) / 10.0 for r in responses]\n"
+# Rank 1 alone fails at its second batch, as a rank-local fault would (rank 0 waits in the
+# next collective until torchrun ends it).
+REWARDS += """
+import os
+CALLS = []
+def failing_reward(prompts, responses):
+    CALLS.append(1)
+    if os.environ.get("RANK") == "1" and len(CALLS) == 2:
+        raise RuntimeError("rank 1 fails on its own")
+    return [len(r) / 10.0 for r in responses]
+"""
 MARK = "TETHER_ASYNC_TEST_MARK"
 # The staleness metrics of the batches sampled ahead: computed on the global batch on every rank.
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/version_kl",
@@ -106,26 +118,59 @@ def launch_watched(specs: list[dict], spec_path: Path, timeout: float = 600
     return result, most, marked(mark)
 
 
-def test_ddp_with_staleness_equals_one_process_and_leaves_no_process(env, tiny_model_dir):
-    specs = [{"stage": "grpo", "config": config(env, tiny_model_dir, "async-ddp-2")}]
+CASES = {  # model, extra config
+    "ddp-gpt2-full": ("gpt2", {}),
+    # Each sync gathers every shard whole on every rank, in the same order, before it sends.
+    "fsdp-gpt2-full": ("gpt2", {"fsdp": True}),
+    # Only the adapter travels (the generator's copy holds the base, frozen).
+    "fsdp-llama-lora": ("llama", {"fsdp": True, "lora_r": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
+    """Every case's 2-process run in one launch, watched: (model dirs, most generators seen
+    alive at once, the marked processes left after it)."""
+    dirs = {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
+    specs = [{"stage": "grpo", "config": config(env, dirs[model], f"{case}-2", **extra)}
+             for case, (model, extra) in CASES.items()]
     result, most, left = launch_watched(specs, env / "spec.json")
     assert result.returncode == 0, result.stderr[-4000:]
+    return dirs, most, left
+
+
+def test_each_rank_runs_its_own_generator_and_none_is_left(two_process_runs):
+    _, most, left = two_process_runs
     assert most == 2, most  # each rank ran its own generator, both at once
     assert left == [], left
 
-    one_process("grpo", config(env, tiny_model_dir, "async-ddp-1"))
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_with_staleness_equal_one(env, two_process_runs, case):
+    dirs, _, _ = two_process_runs
+    model, extra = CASES[case]
+    one_process("grpo", config(env, dirs[model], f"{case}-1", **extra))
     runs = env / "runs"
-    from safetensors.torch import load_file
-    start = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert_same_run(runs / "async-ddp-1", runs / "async-ddp-2", start)
-    m1, m2 = metrics(runs / "async-ddp-1"), metrics(runs / "async-ddp-2")
+    lora = bool(extra.get("lora_r"))
+    start = None if lora else load_file(str(dirs[model] / "model.safetensors"))
+    assert_same_run(runs / f"{case}-1", runs / f"{case}-2", start)
+    m1, m2 = metrics(runs / f"{case}-1"), metrics(runs / f"{case}-2")
     # The batches were sampled ahead: batch 3's tokens are 4 steps stale, on both runs alike.
     assert [m["async/staleness_max"] for m in m2] == [0.0, 2.0, 4.0]
     for a, b in zip(m1, m2, strict=True):
         for key in ASYNC_KEYS:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    assert final_weights(runs / "async-ddp-2").keys() == final_weights(runs / "async-ddp-1").keys()
+
+
+def test_a_failed_rank_leaves_no_generator(env, tiny_model_dir):
+    values = config(env, tiny_model_dir, "async-fails",
+                    reward_fn=f"{env / 'rewards.py'}:failing_reward")
+    result, most, left = launch_watched([{"stage": "grpo", "config": values}],
+                                        env / "fail.json")
+    assert result.returncode != 0 and "rank 1 fails on its own" in result.stderr
+    assert most == 2, most
+    assert left == [], left
 
 
 def alive(pid: int) -> bool:

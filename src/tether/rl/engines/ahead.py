@@ -24,7 +24,9 @@ ratio pi_prox / pi_behaviour (decoupled PPO, Hilton et al. 2021; `tether.rl.engi
 Weights travel in memory: the trainable parameters only (the whole model, or with LoRA the
 adapter alone: the base is frozen and the copy holds it already), flattened into one tensor per
 dtype, which the queue moves into shared memory; each sync is its own snapshot, so the trainer
-never writes over weights the generator has not read yet.
+never writes over weights the generator has not read yet. Under torchrun each rank runs its own
+generator on its slice of the rows; under FSDP2 its copy is made before the policy is sharded,
+and each sync gathers the shards whole (`flatten`, on every rank alike).
 """
 
 from __future__ import annotations
@@ -71,10 +73,13 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def flatten(params: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each."""
+    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each. An
+    FSDP2 shard is gathered whole first (a collective: every rank flattens its params in the
+    same order)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p.detach().reshape(-1).cpu())
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        by_dtype.setdefault(p.dtype, []).append(whole.detach().reshape(-1).cpu())
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
 
 
@@ -273,14 +278,17 @@ def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
     return trainer or max(1, (cores or 1) - generator), generator
 
 
-def start(model: nn.Module, counter: StepCounter, threads: int,
-          device: torch.device) -> AheadEngine:
-    """Start the generator process on a copy of `model` (the policy as prepared, before any
-    wrapper) and return the trainer's side; waits until the copy is ready, so a failure shows
-    here, before the first batch."""
+def start(model: nn.Module, counter: StepCounter, threads: int, device: torch.device,
+          replica: nn.Module | None = None) -> AheadEngine:
+    """Start the generator process on `replica`, by default a copy of `model` (the policy as
+    prepared), and return the trainer's side; waits until the copy is ready, so a failure shows
+    here, before the first batch. Under FSDP2 `model`'s parameters are shards: `replica` is then
+    a copy made before the model was sharded (`copy.deepcopy`), with its trainable parameters in
+    `model`'s order."""
     ctx = torch.multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    replica = copy.deepcopy(model)  # its own weights: the queue shares what it sends
+    if replica is None:
+        replica = copy.deepcopy(model)  # its own weights: the queue shares what it sends
     process = ctx.Process(target=serve, args=(replica, threads, inbox, outbox), daemon=True,
                           name="tether-generator")
     process.start()
