@@ -197,9 +197,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     held_out = (eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg)
                 if cfg.eval_prompts and not cfg.episodic else None)
-    # The engine starts from the policy as prepared (after the wrapper: FSDP2 shards are
-    # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
-    # An episode's context never outgrows the positions the policy reads.
+    # The engine on the policy as prepared (`_engine`; vLLM gathers FSDP2 shards at each sync,
+    # the native one samples inside the wrapper). An episode's context fits the policy's positions.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
     steps = ahead.StepCounter(optimizer)
     engine = _engine(cfg, lm, roles, steps, threads[1],
@@ -224,9 +223,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
                  reward_model=reward_model, gold=gold, reward_functions=functions,
-                 eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
-                 spec=update_spec(cfg, d), engine=engine, steps=steps,
+                 eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids, n_rows=len(rows),
+                 eval=evaluation, spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 
