@@ -11,7 +11,9 @@ another rank's rows, changes them). The run moves the weights far past the toler
 Processes: every process of the launch carries a marker in its environment; while it runs the
 test counts the generators (spawned children of the ranks, 2 at once), and after it no process
 with the marker is left (a generator that outlived its rank would be an orphan, reparented away
-from torchrun and never reaped).
+from torchrun and never reaped); the same when one rank fails mid-run. Outside torchrun, a
+trainer killed with SIGKILL (no `close`, no exit handlers) leaves a generator that must notice
+and end on its own.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor"]
 REWARDS = "def length_reward(prompts, responses):\n    return [len(r) / 10.0 for r in responses]\n"
-# Rank 1 alone fails at its second batch, as a rank-local fault would (rank 0 waits in the
-# next collective until torchrun ends it).
+# Rank 1 alone fails at its second batch, as a rank-local fault would (rank 0 is then ended by
+# its broken collective or by torchrun).
 REWARDS += """
 import os
 CALLS = []
