@@ -399,7 +399,6 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
      r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
     (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
     (["--max-staleness", "1", "--engine-mask-kl", "2"], r"--engine-mask-kl 2.0 with --max-staleness"),
-    (["--max-staleness", "1", "--fsdp"], r"FSDP2 shards"),
     (["--engine-is-cap", "2"], r"--engine-is-cap 2.0 corrects vLLM's sampling"),
 ])
 def test_settings_that_cannot_work_are_refused_before_any_model_loads(

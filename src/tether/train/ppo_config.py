@@ -412,9 +412,6 @@ class PPOConfig(RunConfig, EnvOptions):
                               "mask whole rows for the staleness the decoupled loss corrects "
                               "(their KL grows with every step); use --engine-is-cap, or drop "
                               "--engine-mask-kl")
-        if self.fsdp:
-            raise TetherError("--max-staleness sends the generator whole weights, which FSDP2 "
-                              "shards; drop --fsdp (DDP works), or pass --max-staleness 0")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:

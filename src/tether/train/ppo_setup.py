@@ -11,6 +11,7 @@ anything is written.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -180,6 +181,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
         _checkpoint_trunks(lm, critic)
 
+    replica = copy.deepcopy((policy, lm.peft)) if cfg.max_staleness and d.fsdp else None  # _engine
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
     frozen = {"reference": reference} | ({"reward": reward_model} if reward_model else {})
@@ -195,14 +197,13 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
     held_out = (eval_inputs(tokenizer, cfg.eval_prompts, eos, cfg)
                 if cfg.eval_prompts and not cfg.episodic else None)
-    # The engine starts from the policy as prepared (after the wrapper: FSDP2 shards are
-    # gathered at each sync); the native one samples it inside the wrapper (Roles.generate).
-    # An episode's context never outgrows the positions the policy reads.
+    # The engine on the policy as prepared (`_engine`; vLLM gathers FSDP2 shards at each sync,
+    # the native one samples inside the wrapper). An episode's context fits the policy's positions.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
     steps = ahead.StepCounter(optimizer)
     engine = _engine(cfg, lm, roles, steps, threads[1],
                      longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
-                                    limit))
+                                    limit), replica)
     reward = roles.scorer(reward) if reward is not None else None
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
@@ -228,13 +229,16 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
 
 
 def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCounter,
-            generator_threads: int, longest: int) -> RolloutEngine:
+            generator_threads: int, longest: int, replica: tuple | None) -> RolloutEngine:
     """Who samples: the engine --engine names, on the policy as prepared; with --max-staleness
     a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`),
-    whose versions `steps` counts."""
+    whose versions `steps` counts. Under FSDP2 it starts on `replica`, the copy of the policy
+    made before the wrapper sharded it (a sharded module cannot be copied whole); the spawn
+    moves the copy's tensors into memory the generator shares, so the trainer holds no second
+    copy once it has started."""
     if cfg.max_staleness:
         return ahead.start(cfg, lm.model, lm.peft, steps, generator_threads, longest,
-                           roles.dist.device)
+                           roles.dist.device, replica)
     return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
                        longest_prompt=longest)
 

@@ -24,13 +24,16 @@ ratio pi_prox / pi_behaviour (decoupled PPO, Hilton et al. 2021; `tether.rl.engi
 Weights travel in memory: the trainable parameters only (the whole model, or with LoRA the
 adapter alone: the base is frozen and the copy holds it already), flattened into one tensor per
 dtype, which the queue moves into shared memory; each sync is its own snapshot, so the trainer
-never writes over weights the generator has not read yet.
+never writes over weights the generator has not read yet. Under torchrun each rank runs its own
+generator on its slice of the rows; under FSDP2 its copy is made before the policy is sharded,
+and each sync gathers the shards whole (`flatten`, on every rank alike).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import multiprocessing
 import os
 import queue
 import time
@@ -71,10 +74,13 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def flatten(params: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each."""
+    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each. An
+    FSDP2 shard is gathered whole first (a collective: every rank flattens its params in the
+    same order)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p.detach().reshape(-1).cpu())
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        by_dtype.setdefault(p.dtype, []).append(whole.detach().reshape(-1).cpu())
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
 
 
@@ -144,8 +150,16 @@ def serve(replica: tuple, settings, longest_prompt: int, device: torch.device, t
                                              Dist(device=device))
         params, version = trainable(model), 0
         outbox.put(("ready", os.getpid(), torch.get_num_threads()))
+        trainer = multiprocessing.parent_process()
         while True:
-            message = inbox.get()
+            try:
+                message = inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                # A trainer killed outside its `close` (SIGKILL, out of memory) sends no
+                # "close": without this the copy would wait, and hold its memory, forever.
+                if trainer is not None and not trainer.is_alive():
+                    return
+                continue
             kind = message[0]
             if kind == "close":
                 return
@@ -292,15 +306,18 @@ def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
 
 
 def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCounter,
-          threads: int, longest_prompt: int, device: torch.device) -> AheadEngine:
-    """Start the generator process, with the engine `settings.engine` names, on a copy of
-    `model` (the policy as prepared, before any wrapper) and `peft` (the PeftModel holding its
-    adapter, or None), and return the trainer's side; waits until the engine is ready, so a
-    failure shows here, before the first batch."""
+          threads: int, longest_prompt: int, device: torch.device,
+          replica: tuple | None = None) -> AheadEngine:
+    """Start the generator process, with the engine `settings.engine` names, on `replica`: by
+    default a copy of (`model`, the policy as prepared, before any wrapper; `peft`, the
+    PeftModel holding its adapter, or None). Returns the trainer's side; waits until the engine
+    is ready, so a failure shows here, before the first batch. Under FSDP2 `model`'s parameters
+    are shards: `replica` is then such a copy made before the model was sharded, with its
+    trainable parameters in `model`'s order."""
     ctx = torch.multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    replica = copy.deepcopy((model, peft))  # its own weights (the queue shares what it sends),
-    # and one copy: peft holds the model, which stays the same object in the copy
+    if replica is None:  # its own weights (the queue shares what it sends), and one copy: peft
+        replica = copy.deepcopy((model, peft))  # holds the model, the same object in the copy
     process = ctx.Process(target=serve, args=(replica, settings, longest_prompt, device, threads,
                                               inbox, outbox),
                           daemon=True, name="tether-generator")
