@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from async_helpers import check_behaviour_policy, logprobs_under, policy_as_loaded, recorded_run
 from refusals import refused
 
 from tether.losses import PolicyLoss, policy_loss
@@ -64,30 +65,6 @@ def grpo(model_dir, prompts_file, name, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def recorded_run(cfg, monkeypatch):
-    """Run `cfg` and return, per batch, (the rollout it trained, a copy of the trainable
-    weights the update started from, the version it started from, its metrics), and the
-    generator's thread count as it reported it."""
-    seen, started = [], []
-    real, real_start = ppo.update_batch, ahead.start
-
-    def start(*args):
-        started.append(real_start(*args))
-        return started[-1]
-    monkeypatch.setattr(ahead, "start", start)
-
-    def spy(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed=None,
-            version=0):
-        state = {k: v.detach().clone() for k, v in roles.policy.named_parameters()}
-        done = real(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed,
-                    version)
-        seen.append((rollout, state, version, done))
-        return done
-    monkeypatch.setattr(ppo, "update_batch", spy)
-    ppo.run(cfg, reward_fn=length_reward)
-    return seen, started[0].threads if started else None
-
-
 def final_weights(result) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -101,32 +78,17 @@ def test_each_batch_is_sampled_by_the_weights_of_l_batches_before(model, request
     log-probs are those of the weights batch b - 1 started from (batch 0's: the start), to
     float rounding, and differ from the weights that train it: the decoupled loss has the right
     mu. Every token's gap is within S and the metrics say so."""
-    from tether.models.lora import LoraSpec
-    from tether.models.pretrained import load_tokenizer, load_trainable_lm
-    from tether.rl.scoring import score_rollout
-
     cfg = grpo(request.getfixturevalue(model), prompts_file, f"ahead-{model}",
                max_staleness=2, num_minibatches=2, generator_threads=2)
     assert cfg.batches_ahead == 1
-    seen, threads = recorded_run(cfg, monkeypatch)
+    seen, threads = recorded_run(cfg, monkeypatch, length_reward)
     assert threads == 2  # --generator-threads reached the generator process
     assert len(seen) == cfg.n_batches == 4
-    probe = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
-                              "float32", False).model.eval()  # as the trainer loads it
+    check_behaviour_policy(seen, cfg, policy_as_loaded(cfg), tolerance=1e-4)
     for b, (rollout, _state, version, done) in enumerate(seen):
-        behaviour = seen[max(b - 1, 0)][1]
-        probe.load_state_dict(behaviour, strict=False)
-        with torch.no_grad():
-            scored = score_rollout(probe, probe, None, rollout, cfg.temperature, len(rollout))
         mask = rollout.action_mask
-        gap = (scored.logprobs - rollout.engine_logprobs).abs()[mask].max()
-        assert gap < 1e-4, (b, gap)
         assert torch.equal(rollout.versions[mask],
                            torch.full_like(rollout.versions[mask], seen[max(b - 1, 0)][2]))
-        assert int((version - rollout.versions[mask]).max()) <= cfg.max_staleness
-        if b >= 2:  # the trainer's own weights are another policy by now
-            stale = (done.old.logprobs - rollout.engine_logprobs).abs()[mask].max()
-            assert stale > 1e-3, (b, stale)
         stats = done.stats
         assert stats["async/overrun_tokens"] == 0.0
         expected_gap = version - seen[max(b - 1, 0)][2]
@@ -451,23 +413,12 @@ def test_a_resumed_run_samples_from_the_restored_weights(tiny_model_dir, prompts
     with pytest.raises(TetherError, match="reward server went away"):
         ppo.run(grpo(tiny_model_dir, prompts_file, "cut", **kw), reward_fn=crashes_on_third_batch)
     seen, _ = recorded_run(grpo(tiny_model_dir, prompts_file, "cut", resume=True, **kw),
-                           monkeypatch)
+                           monkeypatch, length_reward)
     assert len(seen) == 2  # batches 3 and 4
     rollout, _state, version, done = seen[0]
     mask = rollout.action_mask
     assert version == 0 and int(rollout.versions[mask].max()) == 0  # this process's first
     assert (done.old.logprobs - rollout.engine_logprobs).abs()[mask].max() < 1e-4
-    start = start_logprobs(grpo(tiny_model_dir, prompts_file, "cut", **kw), rollout)
+    start = logprobs_under(policy_as_loaded(grpo(tiny_model_dir, prompts_file, "cut", **kw)),
+                           None, rollout)
     assert (start - rollout.engine_logprobs).abs()[mask].max() > 1e-3  # not the initial policy
-
-
-def start_logprobs(cfg, rollout) -> torch.Tensor:
-    """The starting model's log-probs of the rollout's tokens, loaded as the trainer loads it."""
-    from tether.models.lora import LoraSpec
-    from tether.models.pretrained import load_tokenizer, load_trainable_lm
-    from tether.rl.scoring import score_rollout
-
-    model = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
-                              "float32", False).model.eval()
-    with torch.no_grad():
-        return score_rollout(model, model, None, rollout, 1.0, len(rollout)).logprobs

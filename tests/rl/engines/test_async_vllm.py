@@ -15,7 +15,6 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("TETHER_REQUIRE_VLLM"):
@@ -23,14 +22,11 @@ if importlib.util.find_spec("vllm") is None:
                            "pip install -e '.[vllm]'")
     pytest.skip("vllm is not installed (pip install -e '.[vllm]')", allow_module_level=True)
 
+from async_helpers import check_behaviour_policy, policy_as_loaded, recorded_run  # noqa: E402
 from conftest import sample_texts  # noqa: E402
 from offline_fixtures import sft_rows, write_jsonl  # noqa: E402
 
-from tether.models.lora import LoraSpec  # noqa: E402
-from tether.models.pretrained import load_tokenizer, load_trainable_lm  # noqa: E402
 from tether.models.tiny import save_tiny_llama  # noqa: E402
-from tether.rl.scoring import score_rollout  # noqa: E402
-from tether.train import ppo  # noqa: E402
 from tether.train.ppo_config import GRPOConfig  # noqa: E402
 
 TOLERANCE = 1e-4  # fp32 on CPU: vLLM and the trainer agree to ~1e-5 per token
@@ -59,27 +55,6 @@ def test_vllm_behind_the_trainer_samples_with_the_weights_of_l_batches_before(
                      total_episodes=12, max_new_tokens=6, lr=3e-2, lora_r=lora, device="cpu",
                      save_every=0, sample_every=0, report_to="none", threads=1,
                      generator_threads=1)
-    seen = []
-    real = ppo.update_batch
-
-    def spy(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed=None,
-            version=0):
-        state = {k: v.detach().clone() for k, v in roles.policy.named_parameters()}
-        done = real(roles, reference, optimizer, rollout, scores, beta, spec, generator, placed,
-                    version)
-        seen.append((rollout, state, version, done))
-        return done
-    monkeypatch.setattr(ppo, "update_batch", spy)
-    ppo.run(cfg, reward_fn=length_reward)
+    seen, _ = recorded_run(cfg, monkeypatch, length_reward)
     assert [v for _, _, v, _ in seen] == [0, 2, 4]
-    probe = load_trainable_lm(cfg.policy, load_tokenizer(cfg.policy), LoraSpec.from_config(cfg),
-                              "float32", False).model.eval()
-    for b, (rollout, _state, version, done) in enumerate(seen):
-        probe.load_state_dict(seen[max(b - 1, 0)][1], strict=False)
-        with torch.no_grad():
-            scored = score_rollout(probe, probe, None, rollout, cfg.temperature, len(rollout))
-        mask = rollout.action_mask
-        assert (scored.logprobs - rollout.engine_logprobs).abs()[mask].max() < TOLERANCE, b
-        assert int((version - rollout.versions[mask]).max()) <= cfg.max_staleness
-        if b >= 2:  # the trainer's weights have moved on: the weight corrects a real gap
-            assert (done.old.logprobs - rollout.engine_logprobs).abs()[mask].max() > 1e-3, b
+    check_behaviour_policy(seen, cfg, policy_as_loaded(cfg), TOLERANCE)
