@@ -11,7 +11,10 @@ with an attention mask that keeps the two responses apart (`tether.models.pair_r
 `--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training. DPO and IPO losses are means over pairs, so with
---grad-accum-steps each micro-batch contributes its pairs' loss sum divided by the batch's pairs.
+--grad-accum-steps, or --micro-batch-tokens (pairs cut by their tokens), each micro-batch
+contributes its pairs' loss sum divided by the batch's pairs. --pack runs the two-row layout's
+forwards (policy and reference) on packed rows, the same log-probs; the shared-prompt row is not
+packed (docs/dpo.md says why).
 Under torchrun each rank takes its slice of the global batch (its loss divided by the global pair
 count, times the world size: DDP / FSDP2 average the gradients), and the metrics come from every
 rank's log-probs gathered. Every model call goes through a wrapper (`wrapped(fn, batch)`), also
@@ -128,7 +131,8 @@ def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_lo
                      cfg: DPOConfig, d: distributed.Dist, pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
     micro-batches; returns the global batch's policy (chosen, rejected, chosen_len,
-    rejected_len) and reference (chosen, rejected) log-probs, `[B]` each, gathered from every
+    rejected_len) and reference (chosen, rejected) log-probs, `[B]` each (pair by pair, in the
+    micro-batches' order), gathered from every
     rank for the metrics. `ref_logps(rows, batch)`: the reference's (chosen, rejected). With
     --micro-batch-tokens the cut is by each pair's tokens in its layout (`pair_lengths`)."""
     lengths = pair_lengths(layout_model, examples, indices, cfg.share_prompt)

@@ -8,7 +8,9 @@ et al. 2023, "Helping or Herding?", sec. 3), which pins the otherwise free offse
 near zero. Accuracy is measured on a held-out split. Optionally the scores are normalised so SFT
 samples score mean 0, std 1; the constants are stored with the model and applied by `score`.
 Both terms are means over pairs, so with --grad-accum-steps each micro-batch's loss is weighted by
-its share of the batch's pairs and the accumulated gradient is the full batch's. Under torchrun
+its share of the batch's pairs and the accumulated gradient is the full batch's; so also with
+--micro-batch-tokens, which cuts the batch by each pair's tokens instead, and with --pack, whose
+forward on packed rows reads each score at the same last real token. Under torchrun
 the share is of the global batch (times the world size: DDP / FSDP2 average the ranks'
 gradients), and the logged metrics and held-out accuracy come from every rank's scores gathered.
 """
@@ -127,8 +129,8 @@ def pair_lengths(examples, indices: list[int]) -> list[int]:
 def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,
                      pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
-    micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each,
-    gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
+    micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each
+    (pair by pair, in the micro-batches' order), gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
     cut is by each pair's tokens, chosen row plus rejected row (`step_micro_batches`)."""
     micro = step_micro_batches(indices, pair_lengths(train, indices), cfg, d)
     parts = []
