@@ -143,11 +143,12 @@ def test_a_per_micro_batch_mean_would_depend_on_the_cut(tiny_model_dir):
     assert float((_grad(model) - truth).abs().max()) > 1e-4
 
 
+@pytest.mark.parametrize("extra", [[], ["--precompute-ref-logprobs"]])
 def test_dpo_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_dir, tmp_path,
-                                                                   monkeypatch):
-    """The same losses and rewards as the padded run (live reference), and both options acted:
-    every policy and reference forward of the packed run was packed, and each step ran as several
-    micro-batches."""
+                                                                   monkeypatch, extra):
+    """The same losses and rewards as the padded run (reference live, or scored once before
+    training), and both options acted: every policy and reference forward of the packed run was
+    packed, and each step ran as several micro-batches."""
     from tether.train import dpo
 
     calls = []
@@ -160,12 +161,13 @@ def test_dpo_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_di
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16, seed=2))
     base = ["dpo", "--model", str(tiny_llama_dir), "--data", str(data), "--output-dir",
             str(tmp_path / "runs"), "--max-steps", "2", "--batch-size", "8", "--lr", "1e-3",
-            "--beta", "0.5", "--no-share-prompt", "--log-every", "1", "--device", "cpu"]
+            "--beta", "0.5", "--no-share-prompt", "--log-every", "1", "--device", "cpu", *extra]
     assert main([*base, "--run-name", "padded"]) == 0
-    assert calls == [(8, False)] * 4  # policy and reference, two steps
+    assert calls == [(8, False)] * 4  # two steps' policy and reference (or the 16 pairs scored)
     calls.clear()
     assert main([*base, "--run-name", "packed", "--pack", "--micro-batch-tokens", "80"]) == 0
-    assert len(calls) > 4 and all(packed and pairs < 8 for pairs, packed in calls)
+    assert len(calls) > 4 and all(packed for _, packed in calls)
+    assert max(pairs for pairs, _ in calls[-3:]) < 8  # the last step ran as several micro-batches
     runs = {}
     for name in ("padded", "packed"):
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()

@@ -17,9 +17,11 @@ from tether.cli import main
 from tether.data.batches import collate_pairs
 from tether.data.encoding import encode_preferences
 from tether.data.packing import token_budget_cut
+from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run.distributed import Dist, Parallel
+from tether.train.offline import check_budget_world
 from tether.train.offline_config import RMConfig
 from tether.train.reward import accumulate_pairs, pair_lengths, rm_loss
 
@@ -118,11 +120,12 @@ def test_a_per_micro_batch_mean_would_depend_on_the_cut(tiny_model_dir):
     assert float((_grad(model) - truth).abs().max()) > 1e-4
 
 
+@pytest.mark.parametrize("extra", [[], ["--lora-r", "4"]])
 def test_rm_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_dir, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, extra):
     """The same losses and held-out accuracy as the padded run, and both options acted: the
     packed run's forwards were packed (training and evaluation), and each step ran as several
-    micro-batches."""
+    micro-batches. With LoRA the trunk packs with the adapter's layers in it."""
     from tether.train import reward
 
     calls = []
@@ -135,7 +138,7 @@ def test_rm_cli_with_pack_and_token_budget_matches_the_padded_run(tiny_llama_dir
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(20, seed=2))
     base = ["rm", "--model", str(tiny_llama_dir), "--data", str(data), "--output-dir",
             str(tmp_path / "runs"), "--max-steps", "2", "--batch-size", "8", "--lr", "1e-3",
-            "--eval-fraction", "0.2", "--log-every", "1", "--device", "cpu"]
+            "--eval-fraction", "0.2", "--log-every", "1", "--device", "cpu", *extra]
     assert main([*base, "--run-name", "padded"]) == 0
     assert all(not packed for _, packed in calls) and (8, False) in calls
     calls.clear()
@@ -164,3 +167,13 @@ def test_bad_rm_packing_options_are_refused(tiny_model_dir, tmp_path, flags, pat
                        "--output-dir", str(tmp_path / "runs"), "--run-name", "bad",
                        "--batch-size", "4", *flags],
             pattern, capsys)
+
+
+def test_a_token_budget_under_torchrun_is_refused():
+    """Every rank must run as many micro-batches as the others; the offline stages' budget cut
+    does not deal pairs to ranks yet, so two ranks with a budget are refused (one line)."""
+    budget = RMConfig(model="m", data="d", run_name="r", micro_batch_tokens=64)
+    with pytest.raises(TetherError, match="runs in one process for now.*use --grad-accum-steps"):
+        check_budget_world(budget, Dist(world_size=2))
+    check_budget_world(budget, Dist())  # one process
+    check_budget_world(RMConfig(model="m", data="d", run_name="r"), Dist(world_size=2))
