@@ -110,6 +110,18 @@ OPTION_TESTS: dict[str, list[str]] = {
     "sft:micro_batch_tokens": [
         "tests/train/test_sft_packing.py::test_sft_cli_with_pack_and_token_budget_matches_the_padded_run",
     ],
+    "rm:pack": [
+        "tests/train/test_rm_packing.py::test_rm_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
+    "rm:micro_batch_tokens": [
+        "tests/train/test_rm_packing.py::test_rm_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
+    "dpo:pack": [
+        "tests/train/test_dpo_packing.py::test_dpo_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
+    "dpo:micro_batch_tokens": [
+        "tests/train/test_dpo_packing.py::test_dpo_cli_with_pack_and_token_budget_matches_the_padded_run",
+    ],
     "sft:grad_accum_steps": [
         OFFLINE + "test_grad_accum_steps_splits_each_batch[sft]",
         "tests/train/test_offline_memory.py::test_accumulation_and_checkpointing_give_the_plain_update[tiny_model_dir-sft]",

@@ -48,6 +48,7 @@ from tether.models.lora import (
     load_adapter,
     set_trainable,
 )
+from tether.models.packed import packed_final_hidden
 from tether.models.pretrained import (
     TrainableLM,
     _from_pretrained,
@@ -230,23 +231,40 @@ class RewardModel(nn.Module):
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                context_length: int | None = None) -> torch.Tensor:
+                context_length: int | None = None, packed: bool = False) -> torch.Tensor:
         """Raw scores `[B]`, read at each row's last non-pad token (left or right padding).
 
         `context_length` P: the rows are a rollout (prompt in the first P columns, the response
         after), so rows that repeat a prompt run it once (tether.models.shared_prompt); same scores.
+        `packed`: the rows' real tokens run as packed rows without padding
+        (tether.models.packed); the hidden state put back in its padded slot, so the same scores.
         """
+        if packed:
+            hidden = packed_final_hidden(self.backbone, input_ids, attention_mask)  # [B, T, d]
+            return self._score(self._last(hidden, attention_mask))
         if context_length is not None:
             groups = sharing(self.backbone, input_ids, attention_mask, context_length)
             last_hidden = None if groups is None else shared_last_hidden(
                 self.backbone, input_ids, attention_mask, context_length, groups)
             if last_hidden is not None:
-                return self.head(last_hidden).squeeze(-1).float()
+                return self._score(last_hidden)
         hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self._score(self._last(hidden, attention_mask))
+
+    def _score(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """`[B]` the head on `[B, d]` states, in float32 at least: a half-precision model's
+        scores are compared and summed in float32; a float64 model (the tests' truth) keeps
+        float64."""
+        scores = self.head(last_hidden).squeeze(-1)
+        return scores.to(torch.promote_types(scores.dtype, torch.float32))
+
+    @staticmethod
+    def _last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`[B, d]`: each row's hidden state at its last real token."""
+        positions = torch.arange(hidden.shape[1], device=hidden.device)
         last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return self.head(hidden[rows, last]).squeeze(-1).float()
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden[rows, last]
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               context_length: int | None = None) -> torch.Tensor:

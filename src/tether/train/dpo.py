@@ -11,7 +11,10 @@ with an attention mask that keeps the two responses apart (`tether.models.pair_r
 `--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
 `--precompute-ref-logprobs` the reference is scored once before training and then dropped, so
 only one model is in memory while training. DPO and IPO losses are means over pairs, so with
---grad-accum-steps each micro-batch contributes its pairs' loss sum divided by the batch's pairs.
+--grad-accum-steps, or --micro-batch-tokens (pairs cut by their tokens), each micro-batch
+contributes its pairs' loss sum divided by the batch's pairs. --pack runs the two-row layout's
+forwards (policy and reference) on packed rows, the same log-probs; the shared-prompt row is not
+packed (docs/dpo.md says why).
 Under torchrun each rank takes its slice of the global batch (its loss divided by the global pair
 count, times the world size: DDP / FSDP2 average the gradients), and the metrics come from every
 rank's log-probs gathered. Every model call goes through a wrapper (`wrapped(fn, batch)`), also
@@ -47,9 +50,15 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
-from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
-from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
+from tether.train.offline import (
+    check_budget_world,
+    maybe_checkpoint,
+    save_final_lm,
+    start_training,
+    step_micro_batches,
+)
 from tether.train.offline_config import DPOConfig
 
 
@@ -60,12 +69,16 @@ def collate(model, examples, pad_id: int, share_prompt: bool) -> dict[str, torch
     return collate_pairs(examples, pad_id)
 
 
-def pair_logprobs(model, batch, chunked: bool = True) -> tuple[torch.Tensor, ...]:
+def pair_logprobs(model, batch, chunked: bool = True, packed: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
     """Summed response log-probs and lengths: (chosen, rejected, chosen_len, rejected_len), `[B]` each.
-    `chunked`: through the LM head in chunks (tether.lm_head), never the full logits."""
+    `chunked`: through the LM head in chunks (tether.lm_head), never the full logits. `packed`:
+    the two-row layout's real tokens run as packed rows without padding (tether.models.packed;
+    the shared-prompt row is never packed: DPOConfig refuses --pack with it)."""
     if "segment" in batch:
         return shared_pair_logprobs(model, batch, chunked)
-    logprobs, mask = response_logprobs(model, batch, chunked)  # [2B, T-1]: chosen rows, then rejected rows
+    # [2B, T-1]: chosen rows, then rejected rows
+    logprobs, mask = response_logprobs(model, batch, chunked, packed)
     summed, lengths = (logprobs * mask).sum(-1), mask.sum(-1)  # [2B]
     half = summed.shape[0] // 2
     return summed[:half], summed[half:], lengths[:half], lengths[half:]
@@ -95,24 +108,35 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
         # Before any update (and before a resumed checkpoint is loaded) the policy *is* the
         # reference: scored once through its own wrapper, no copy made.
         return lm.model, lambda wrapped: lambda batch: wrapped(pair_logprobs, batch,
-                                                               cfg.chunked_lm_head)
+                                                               cfg.chunked_lm_head, cfg.pack)
     reference = reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
     if lm.peft is not None and not cfg.ref_model:
         # LoRA: a view of the policy's own model, so it is called through the policy's wrapper.
         return reference, lambda wrapped: lambda batch: wrapped(
-            lambda _model, b: pair_logprobs(reference, b, cfg.chunked_lm_head), batch)
+            lambda _model, b: pair_logprobs(reference, b, cfg.chunked_lm_head, cfg.pack), batch)
     ref_wrapped = wrap_frozen(reference.to(d.device), d)
     return reference, lambda _wrapped: lambda batch: ref_wrapped(pair_logprobs, batch,
-                                                                 cfg.chunked_lm_head)
+                                                                 cfg.chunked_lm_head, cfg.pack)
+
+
+def pair_lengths(model, examples, indices: list[int], share_prompt: bool) -> list[int]:
+    """The tokens each pair of `indices` puts through the model: P + C + R in one shared-prompt
+    row (when `collate` builds those for these pairs), else 2 P + C + R in two rows."""
+    shared = share_prompt and can_share(model, [examples[k] for k in indices])
+    return [(1 if shared else 2) * len(examples[k].prompt)
+            + sum(len(r) for r in examples[k].responses[:2]) for k in indices]
 
 
 def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_logps,
                      cfg: DPOConfig, d: distributed.Dist, pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
     micro-batches; returns the global batch's policy (chosen, rejected, chosen_len,
-    rejected_len) and reference (chosen, rejected) log-probs, `[B]` each, gathered from every
-    rank for the metrics. `ref_logps(rows, batch)`: the reference's (chosen, rejected)."""
-    micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    rejected_len) and reference (chosen, rejected) log-probs, `[B]` each (pair by pair, in the
+    micro-batches' order), gathered from every
+    rank for the metrics. `ref_logps(rows, batch)`: the reference's (chosen, rejected). With
+    --micro-batch-tokens the cut is by each pair's tokens in its layout (`pair_lengths`)."""
+    lengths = pair_lengths(layout_model, examples, indices, cfg.share_prompt)
+    micro = step_micro_batches(indices, lengths, cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
@@ -120,10 +144,10 @@ def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_lo
         with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
             with autocast(cfg.mixed_precision, d.device):
                 # chosen, rejected and their lengths: [b] each
-                policy_logps = wrapped(pair_logprobs, batch, cfg.chunked_lm_head)
+                policy_logps = wrapped(pair_logprobs, batch, cfg.chunked_lm_head, cfg.pack)
                 ref_chosen, ref_rejected = ref_logps(rows, batch)
             losses, _, _ = pair_losses(cfg, policy_logps, ref_chosen, ref_rejected)
-            # the loss is a mean over the global batch's pairs
+            # the loss is a mean over the global batch's pairs, whatever the cut
             backward(losses.sum() / len(indices) * (d.grad_scale if real else 0.0), d)
         if real:
             parts.append(torch.stack([t.detach().float() for t in
@@ -183,6 +207,7 @@ def run(cfg: DPOConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    check_budget_world(cfg, d)
 
     seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)

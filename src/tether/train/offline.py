@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from tether.data.packing import token_budget_cut
+from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import TrainableLM, load_trainable_lm, save_trained_lm
@@ -19,6 +21,7 @@ from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_chec
 from tether.run.config import RunConfig
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.rundir import RunDir
+from tether.run.slicing import rank_micro_batches
 from tether.train.offline_config import TrainConfig
 
 
@@ -108,3 +111,23 @@ def save_final_lm(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, lm: 
     save_final(run_dir, wrapped, d, lm, rebuild, lambda owner: save_trained_lm(
         owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
     run_dir.close()
+
+
+def step_micro_batches(indices: list[int], lengths: list[int], cfg, d: distributed.Dist
+                       ) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of the step's rows (SFT) or pairs (RM, DPO) `indices`: (rows,
+    real). --grad-accum-steps equal parts (`rank_micro_batches`), or with --micro-batch-tokens
+    parts of at most that many tokens (`tether.data.packing.token_budget_cut` on `lengths`, the
+    tokens each of `indices` puts through the model; one process)."""
+    if not cfg.micro_batch_tokens:
+        return rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    return [([indices[j] for j in part], True)
+            for part in token_budget_cut(lengths, cfg.micro_batch_tokens)]
+
+
+def check_budget_world(cfg, d: distributed.Dist) -> None:
+    """A token budget cuts each step in one process only for now: under torchrun every rank must
+    run as many micro-batches as the others (the online stages deal rows to ranks for that)."""
+    if cfg.micro_batch_tokens and d.active:
+        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
+                          "as many micro-batches each); under torchrun use --grad-accum-steps")

@@ -60,6 +60,15 @@ class TrainConfig(RunConfig):
                               "grad_accum_steps rows)")
 
 
+def check_token_budget(cfg) -> None:
+    """`micro_batch_tokens` >= 0, and not together with --grad-accum-steps (both cut a batch)."""
+    require_positive(cfg, "micro_batch_tokens", allow_zero=True)
+    if cfg.micro_batch_tokens and cfg.grad_accum_steps > 1:
+        raise TetherError(f"--micro-batch-tokens {cfg.micro_batch_tokens} and "
+                          f"--grad-accum-steps {cfg.grad_accum_steps} both cut a batch; pass "
+                          "one of them")
+
+
 @dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on {prompt, response}, {prompt, completion}, {messages} or {text} rows."""
@@ -77,11 +86,7 @@ class SFTConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "micro_batch_tokens", allow_zero=True)
-        if self.micro_batch_tokens and self.grad_accum_steps > 1:
-            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
-                              f"--grad-accum-steps {self.grad_accum_steps} both cut a batch; pass "
-                              "one of them")
+        check_token_budget(self)
 
 
 @dataclass(kw_only=True)
@@ -106,9 +111,14 @@ class RMConfig(TrainConfig):
     """Steps between held-out evaluations (0: only at the end)."""
     normalize_data: str = ""
     """SFT-format rows ({prompt, response}); after training, scores are normalised to mean 0, std 1 on them."""
+    pack: bool = False
+    """Run each micro-batch's chosen and rejected rows packed: several sequences end to end per row, positions restarting per sequence (no padding; the same scores)."""
+    micro_batch_tokens: int = 0
+    """Tokens per forward/backward instead of --grad-accum-steps: whole pairs (chosen + rejected rows) grouped longest first to fit (a longer pair runs alone); 0: off."""
 
     def validate(self) -> None:
         super().validate()
+        check_token_budget(self)
         require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
         if self.lora_dropout > 0:
             raise TetherError("--lora-dropout must be 0 for a reward model: dropout stays off so a "
@@ -138,9 +148,18 @@ class DPOConfig(TrainConfig):
     """Score the reference once before training and drop it (one model in memory, no ref forward per step)."""
     share_prompt: bool = True
     """One row per pair, [prompt | chosen | rejected], masked so the responses never see each other (same log-probs, fewer tokens)."""
+    pack: bool = False
+    """Run each micro-batch's chosen and rejected rows packed (policy and reference): sequences end to end, positions restarting per sequence (no padding; the same log-probs); needs --no-share-prompt."""
+    micro_batch_tokens: int = 0
+    """Tokens per forward/backward instead of --grad-accum-steps: whole pairs grouped longest first to fit (a longer pair runs alone); 0: off."""
 
     def validate(self) -> None:
         super().validate()
+        check_token_budget(self)
+        if self.pack and self.share_prompt:
+            raise TetherError("--pack packs the two-row pair layout, not the shared-prompt row "
+                              "(its mask is not a packed sequence's); pass --no-share-prompt with "
+                              "--pack")
         require_positive(self, "beta")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise TetherError(f"config field 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")

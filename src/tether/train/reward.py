@@ -8,7 +8,9 @@ et al. 2023, "Helping or Herding?", sec. 3), which pins the otherwise free offse
 near zero. Accuracy is measured on a held-out split. Optionally the scores are normalised so SFT
 samples score mean 0, std 1; the constants are stored with the model and applied by `score`.
 Both terms are means over pairs, so with --grad-accum-steps each micro-batch's loss is weighted by
-its share of the batch's pairs and the accumulated gradient is the full batch's. Under torchrun
+its share of the batch's pairs and the accumulated gradient is the full batch's; so also with
+--micro-batch-tokens, which cuts the batch by each pair's tokens instead, and with --pack, whose
+forward on packed rows reads each score at the same last real token. Under torchrun
 the share is of the global batch (times the world size: DDP / FSDP2 average the ranks'
 gradients), and the logged metrics and held-out accuracy come from every rank's scores gathered.
 """
@@ -35,15 +37,23 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
-from tether.run.slicing import gather_outputs, rank_micro_batches
+from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
-from tether.train.offline import maybe_checkpoint, save_final, start_training
+from tether.train.offline import (
+    check_budget_world,
+    maybe_checkpoint,
+    save_final,
+    start_training,
+    step_micro_batches,
+)
 from tether.train.offline_config import RMConfig
 
 
-def pair_scores(model: RewardModel, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen and rejected scores `[B]` each, from one forward pass over the `[2B, T]` batch."""
-    scores = model(batch["input_ids"], batch["attention_mask"])
+def pair_scores(model: RewardModel, batch, packed: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen and rejected scores `[B]` each, from one forward pass over the `[2B, T]` batch.
+    `packed`: its real tokens run as packed rows without padding (`RewardModel.forward`)."""
+    scores = model(batch["input_ids"], batch["attention_mask"], packed=packed)
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]
 
@@ -57,13 +67,13 @@ def rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor |
 
 
 @torch.no_grad()
-def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dist
-             ) -> dict[str, float]:
+def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dist,
+             packed: bool = False) -> dict[str, float]:
     """Pairwise accuracy (ties count half) and mean Bradley-Terry loss on held-out pairs, over
-    every rank's share of them."""
+    every rank's share of them (`packed`: the forwards on packed rows)."""
     def score(rows):
         batch = to_device(collate_pairs([examples[k] for k in rows], pad_id), d.device)
-        return torch.stack(wrapped(pair_scores, batch), dim=-1)  # [b, 2]: chosen, rejected
+        return torch.stack(wrapped(pair_scores, batch, packed), dim=-1)  # [b, 2]: chosen, rejected
     was_training = wrapped.training
     wrapped.eval()
     chosen, rejected = gather_outputs(score, len(examples), batch_size, d, wrapped).unbind(-1)
@@ -110,21 +120,28 @@ def _load_data(cfg: RMConfig, tokenizer):
     return examples, held_out, norm, stats
 
 
+def pair_lengths(examples, indices: list[int]) -> list[int]:
+    """The tokens each pair of `indices` puts through the model as two rows: 2 P + C + R."""
+    return [2 * len(examples[k].prompt) + sum(len(r) for r in examples[k].responses[:2])
+            for k in indices]
+
+
 def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,
                      pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
-    micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each,
-    gathered from every rank (the logged loss is the full batch's)."""
-    micro = rank_micro_batches(indices, cfg.grad_accum_steps, d)
+    micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each
+    (pair by pair, in the micro-batches' order), gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
+    cut is by each pair's tokens, chosen row plus rejected row (`step_micro_batches`)."""
+    micro = step_micro_batches(indices, pair_lengths(train, indices), cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
         with distributed.no_sync(wrapped, skip=i < len(micro) - 1):
             with autocast(cfg.mixed_precision, d.device):
-                chosen, rejected = wrapped(pair_scores, batch)  # [b], [b]
+                chosen, rejected = wrapped(pair_scores, batch, cfg.pack)  # [b], [b]
             margin = batch["margin"] if cfg.margin_column else None
             part, _ = rm_loss(chosen, rejected, margin, cfg.center_rewards_coef)
-            # a mean over this share of the global batch's pairs
+            # a mean over this share of the global batch's pairs, whatever the cut
             backward(part * len(rows) / len(indices) * (d.grad_scale if real else 0.0), d)
         if real:
             parts.append(torch.stack([chosen.detach(), rejected.detach(), batch["margin"]], -1))
@@ -140,6 +157,7 @@ def run(cfg: RMConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    check_budget_world(cfg, d)
 
     seed_everything(cfg.seed)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
@@ -171,7 +189,7 @@ def run(cfg: RMConfig) -> RunResult:
                        "rewards/accuracy": (chosen > rejected).float().mean().item(),
                        "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
             if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-                metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
+                metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
             if step % cfg.log_every == 0 or step == total_steps:
                 run_dir.log(step, metrics)
             maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
@@ -185,7 +203,7 @@ def run(cfg: RMConfig) -> RunResult:
 
     final = stats.as_metrics()
     if held_out:
-        final |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d)
+        final |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
     if norm_examples:
         final |= fit_normalization(wrapped, norm_examples, pad_id, cfg.batch_size, d)
     run_dir.log(total_steps, final)

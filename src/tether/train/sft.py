@@ -24,7 +24,6 @@ import sys
 
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
-from tether.data.packing import token_budget_cut
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.forward import autocast
@@ -38,9 +37,14 @@ from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, backward, optimizer_step
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
-from tether.run.slicing import rank_micro_batches
 from tether.run.threads import use_threads
-from tether.train.offline import maybe_checkpoint, save_final_lm, start_training
+from tether.train.offline import (
+    check_budget_world,
+    maybe_checkpoint,
+    save_final_lm,
+    start_training,
+    step_micro_batches,
+)
 from tether.train.offline_config import SFTConfig
 
 
@@ -61,23 +65,9 @@ def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True
     return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
 
 
-def step_micro_batches(examples, indices: list[int], cfg: SFTConfig, d) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of the step's rows `indices`: (rows, real). --grad-accum-steps
-    equal parts (`rank_micro_batches`), or with --micro-batch-tokens parts of at most that many
-    tokens (`tether.data.packing.token_budget_cut`; one process)."""
-    if not cfg.micro_batch_tokens:
-        return rank_micro_batches(indices, cfg.grad_accum_steps, d)
-    lengths = [len(examples[i].prompt) + len(examples[i].responses[0]) for i in indices]
-    return [([indices[j] for j in part], True)
-            for part in token_budget_cut(lengths, cfg.micro_batch_tokens)]
-
-
-def check_world(cfg: SFTConfig, d) -> None:
-    """A token budget cuts each step in one process only for now: under torchrun every rank must
-    run as many micro-batches as the others (the online stages deal rows to ranks for that)."""
-    if cfg.micro_batch_tokens and d.active:
-        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
-                          "as many micro-batches each); under torchrun use --grad-accum-steps")
+def sft_lengths(examples, indices: list[int]) -> list[int]:
+    """The tokens (prompt + response) of each row of `indices`: what a token budget cuts by."""
+    return [len(examples[i].prompt) + len(examples[i].responses[0]) for i in indices]
 
 
 def run(cfg: SFTConfig) -> RunResult:
@@ -94,7 +84,7 @@ def run(cfg: SFTConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
-    check_world(cfg, d)
+    check_budget_world(cfg, d)
 
     seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
@@ -115,7 +105,8 @@ def run(cfg: SFTConfig) -> RunResult:
         for step in range(state["step"] + 1, total_steps + 1):
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
             micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
-                     for rows, real in step_micro_batches(examples, indices, cfg, d)]
+                     for rows, real in step_micro_batches(
+                         indices, sft_lengths(examples, indices), cfg, d)]
             # the whole global batch's tokens: every rank's part of the loss divides by it
             n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
             loss = 0.0
