@@ -422,3 +422,24 @@ def test_a_resumed_run_samples_from_the_restored_weights(tiny_model_dir, prompts
     start = logprobs_under(policy_as_loaded(grpo(tiny_model_dir, prompts_file, "cut", **kw)),
                            None, rollout)
     assert (start - rollout.engine_logprobs).abs()[mask].max() > 1e-3  # not the initial policy
+
+
+def test_a_build_that_fails_after_the_generator_started_ends_it(tiny_model_dir, prompts_file,
+                                                               tmp_path, capsys, monkeypatch):
+    """The generator process starts before the models load (its imports overlap the loading);
+    a bad input found after that (a reward function that is not in its file) is still one line,
+    and leaves no generator behind."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    launched, real = [], ahead.launch
+    monkeypatch.setattr(ahead, "launch", lambda threads: launched.append(real(threads)) or
+                        launched[-1])
+    refused(tmp_path, ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts_file),
+                       "--reward-fn", "tests/rl/test_async_generation.py:no_such_function",
+                       "--output-dir", str(tmp_path / "runs"), "--batch-size", "4",
+                       "--total-episodes", "8", "--device", "cpu", "--max-staleness", "1"],
+            r"no_such_function", capsys)
+    assert len(launched) == 1  # it had started when the bad input was found
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert not left and not launched[0].process.is_alive(), left

@@ -147,7 +147,21 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
 
 
 def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
-    """Load and check everything; any bad input fails here, before the first batch."""
+    """Load and check everything; any bad input fails here, before the first batch. With
+    --max-staleness the generator process starts first, so that its imports overlap the
+    loading (`tether.rl.engines.ahead.launch`); a failed build ends it."""
+    launched = (ahead.launch(ahead.split_threads(cfg.threads, cfg.generator_threads, True)[1])
+                if cfg.max_staleness else None)
+    try:
+        return _build(cfg, reward_fn, gold_fn, env, launched)
+    except BaseException:
+        if launched is not None:
+            launched.close()
+        raise
+
+
+def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | None) -> Setup:
+    """`build`'s work, the generator process (if any) already `launched`."""
     reward_fn, gold_fn, env, tools = _user_code(cfg, reward_fn, gold_fn, env)
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
@@ -201,7 +215,7 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     # the native one samples inside the wrapper). An episode's context fits the policy's positions.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
     steps = ahead.StepCounter(optimizer)
-    engine = _engine(cfg, lm, roles, steps, threads[1],
+    engine = _engine(cfg, lm, roles, steps, (threads[1], launched),
                      longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
                                     limit), replica)
     reward = roles.scorer(reward) if reward is not None else None
@@ -229,16 +243,18 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
 
 
 def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCounter,
-            generator_threads: int, longest: int, replica: tuple | None) -> RolloutEngine:
+            generator: tuple[int, ahead.Launched | None], longest: int,
+            replica: tuple | None) -> RolloutEngine:
     """Who samples: the engine --engine names, on the policy as prepared; with --max-staleness
     a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`),
     whose versions `steps` counts. Under FSDP2 it starts on `replica`, the copy of the policy
     made before the wrapper sharded it (a sharded module cannot be copied whole); the spawn
     moves the copy's tensors into memory the generator shares, so the trainer holds no second
-    copy once it has started."""
+    copy once it has started. `generator`: its threads, and its process if already launched."""
     if cfg.max_staleness:
-        return ahead.start(cfg, lm.model, lm.peft, steps, generator_threads, longest,
-                           roles.dist.device, replica)
+        threads, launched = generator
+        return ahead.start(cfg, lm.model, lm.peft, steps, threads, longest, roles.dist.device,
+                           replica, launched)
     return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
                        longest_prompt=longest)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import multiprocessing
 import os
 import queue
@@ -50,7 +51,9 @@ from tether.run.distributed import Dist
 # The generator is silent past start-up; a check of its liveness every this many seconds while
 # the trainer waits for it.
 POLL_S = 1.0
-START_TIMEOUT_S = 600.0  # a copy of a large model takes a while to arrive
+START_TIMEOUT_S = 600.0
+# What the generator imports as soon as it starts: the copy of the policy needs them to arrive.
+PRELOAD = ("transformers", "tether.rl.engines.native", "tether.models.forward")  # a copy of a large model takes a while to arrive
 
 
 class StepCounter:
@@ -135,31 +138,29 @@ def _named(settings, model: nn.Module, peft, longest_prompt: int, d: Dist):
 GENERATORS = {"native": _native, "vllm": _named}
 
 
-def serve(replica: tuple, settings, longest_prompt: int, device: torch.device, threads: int,
-          inbox, outbox) -> None:
-    """The generator process: its engine (`GENERATORS[settings.engine]`) on `replica`, the
-    (model, peft) copy of the policy, serving `inbox` in order until "close". Messages:
-    ("weights", version, flat) load them into the copy and the engine; ("sample", ticket, ids,
-    mask, settings) sample with the current weights and answer (ticket, version, rollout);
+def serve(threads: int, inbox, outbox) -> None:
+    """The generator process. It starts before the trainer has loaded its models (`launch`),
+    so its imports overlap the loading, and waits for ("start", replica, settings, longest
+    prompt, device): its engine (`GENERATORS[settings.engine]`) on `replica`, the (model, peft)
+    copy of the policy. It then serves `inbox` in order until "close". Messages: ("weights",
+    version, flat) load them into the copy and the engine; ("sample", ticket, ids, mask,
+    settings) sample with the current weights and answer (ticket, version, rollout);
     ("logprobs", ticket, ids, mask) answer the copy's log-probs of those sequences (`probe`)."""
     engine = None
+    trainer = multiprocessing.parent_process()
     try:
         torch.set_num_threads(threads)
-        model, peft = replica
+        for name in PRELOAD:  # while the trainer loads its models, not after
+            importlib.import_module(name)
+        message = next_message(inbox, trainer)
+        if message is None or message[0] != "start":
+            return
+        _, (model, peft), settings, longest_prompt, device = message
         engine = GENERATORS[settings.engine](settings, model, peft, longest_prompt,
                                              Dist(device=device))
         params, version = trainable(model), 0
         outbox.put(("ready", os.getpid(), torch.get_num_threads()))
-        trainer = multiprocessing.parent_process()
-        while True:
-            try:
-                message = inbox.get(timeout=POLL_S)
-            except queue.Empty:
-                # A trainer killed outside its `close` (SIGKILL, out of memory) sends no
-                # "close": without this the copy would wait, and hold its memory, forever.
-                if trainer is not None and not trainer.is_alive():
-                    return
-                continue
+        while (message := next_message(inbox, trainer)) is not None:
             kind = message[0]
             if kind == "close":
                 return
@@ -180,6 +181,18 @@ def serve(replica: tuple, settings, longest_prompt: int, device: torch.device, t
     finally:
         if engine is not None:
             engine.close()
+
+
+def next_message(inbox, trainer) -> tuple | None:
+    """The inbox's next message, or None once the trainer is gone: a trainer killed outside its
+    `close` (SIGKILL, out of memory) sends no "close", and without this the copy would wait,
+    and hold its memory, forever."""
+    while True:
+        try:
+            return inbox.get(timeout=POLL_S)
+        except queue.Empty:
+            if trainer is not None and not trainer.is_alive():
+                return None
 
 
 @torch.no_grad()
@@ -234,15 +247,7 @@ class AheadEngine:
         self._put(("weights", self.counter.version, flatten(self.params)))
 
     def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.inbox.put(("close",))
-            except (OSError, ValueError):
-                pass
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
+        Launched(self.process, self.inbox, self.outbox).close()
 
     # -- for tests and checks
     def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -305,25 +310,55 @@ def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
     return trainer or max(1, (cores or 1) - generator), generator
 
 
-def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCounter,
-          threads: int, longest_prompt: int, device: torch.device,
-          replica: tuple | None = None) -> AheadEngine:
-    """Start the generator process, with the engine `settings.engine` names, on `replica`: by
-    default a copy of (`model`, the policy as prepared, before any wrapper; `peft`, the
-    PeftModel holding its adapter, or None). Returns the trainer's side; waits until the engine
-    is ready, so a failure shows here, before the first batch. Under FSDP2 `model`'s parameters
-    are shards: `replica` is then such a copy made before the model was sharded, with its
-    trainable parameters in `model`'s order."""
+@dataclass
+class Launched:
+    """A generator process started ahead of its copy of the policy (`launch`), and its queues."""
+
+    process: object
+    inbox: object
+    outbox: object
+
+    def close(self) -> None:
+        """Ask it to end, and end it if it does not."""
+        if self.process.is_alive():
+            try:
+                self.inbox.put(("close",))
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+def launch(threads: int) -> Launched:
+    """Start the generator process now, before the policy it will copy is loaded: a fresh
+    interpreter importing torch and transformers takes seconds, which the trainer's own loading
+    then hides. `start` sends it the copy."""
     ctx = torch.multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
     inbox, outbox = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=serve, args=(threads, inbox, outbox), daemon=True,
+                          name="tether-generator")
+    process.start()
+    return Launched(process, inbox, outbox)
+
+
+def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCounter,
+          threads: int, longest_prompt: int, device: torch.device,
+          replica: tuple | None = None, launched: Launched | None = None) -> AheadEngine:
+    """The generator process (`launched`, or one started now), with the engine
+    `settings.engine` names, on `replica`: by default a copy of (`model`, the policy as
+    prepared, before any wrapper; `peft`, the PeftModel holding its adapter, or None). Returns
+    the trainer's side; waits until the engine is ready, so a failure shows here, before the
+    first batch. Under FSDP2 `model`'s parameters are shards: `replica` is then such a copy made
+    before the model was sharded, with its trainable parameters in `model`'s order."""
+    launched = launched or launch(threads)
     if replica is None:  # its own weights (the queue shares what it sends), and one copy: peft
         replica = copy.deepcopy((model, peft))  # holds the model, the same object in the copy
-    process = ctx.Process(target=serve, args=(replica, settings, longest_prompt, device, threads,
-                                              inbox, outbox),
-                          daemon=True, name="tether-generator")
-    process.start()
+    launched.inbox.put(("start", replica, settings, longest_prompt, device))
     del replica
-    engine = AheadEngine(process, inbox, outbox, counter, trainable(model), device)
+    process, outbox = launched.process, launched.outbox
+    engine = AheadEngine(process, launched.inbox, outbox, counter, trainable(model), device)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:  # the copy arrives, or the process ends (its traceback is on stderr)
         try:
