@@ -75,19 +75,27 @@ def child(args) -> dict:
         loss.backward()
         return float(loss)
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    times, cpu, loss = [], [], step()  # warm-up (and the probe of how the model packs)
-    for _ in range(args.repeats):
+    measured = timed_steps(step, args.repeats)
+    packing = pack_rows(rollout.attention_mask)
+    slots = (packing.packed_rows * packing.packed_width if packed
+             else int(rollout.attention_mask.numel()))
+    return measured | {"tokens": int(rollout.attention_mask.sum()), "slots": slots}
+
+
+def timed_steps(step, repeats: int) -> dict:
+    """A warm-up `step()` (whose value is the loss reported; it also probes how the model packs),
+    then `repeats` timed ones: their median wall and CPU seconds, and the peak resident memory
+    all of them added (ru_maxrss, KiB on Linux), in MiB. bench/pair_packing.py uses it too."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times, cpu, value = [], [], step()
+    for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    packing = pack_rows(rollout.attention_mask)
-    slots = (packing.packed_rows * packing.packed_width if packed
-             else int(rollout.attention_mask.numel()))
-    return {"seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu), "tokens": int(rollout.attention_mask.sum()),
-            "slots": slots, "peak_mib": (peak - before) / 1024, "loss": loss}
+    return {"seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu),
+            "peak_mib": (peak - before) / 1024, "loss": value}
 
 
 def main() -> None:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import statistics
 import subprocess
 import sys
-import time
+
+from packing import timed_steps  # bench/packing.py: the same warm-up, timing and memory
 
 VARIANTS = ["rm padded", "rm packed", "dpo shared", "dpo padded", "dpo packed"]
 
@@ -87,22 +87,13 @@ def child(args) -> dict:
         value.backward()
         return float(value)
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    times, cpu, value = [], [], step()  # warm-up (and the probe of how the model packs)
-    for _ in range(args.repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    measured = timed_steps(step, args.repeats)
     tokens = sum(len(e.prompt) + len(e.responses[0]) + len(e.responses[1]) for e in examples)
     slots = int(batch["input_ids"].numel())
     if packed:
         packing = pack_rows(batch["attention_mask"])
         slots = packing.packed_rows * packing.packed_width
-    return {"seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu),
-            "tokens": tokens, "slots": slots,
-            "peak_mib": (peak - before) / 1024, "loss": value}
+    return measured | {"tokens": tokens, "slots": slots}
 
 
 def main() -> None:
