@@ -98,6 +98,21 @@ def timed_steps(step, repeats: int) -> dict:
             "peak_mib": (peak - before) / 1024, "loss": value}
 
 
+def alternated(script: str, variants: list[str], rounds: int, argv: list[str]) -> dict:
+    """Each variant measured by `script --child VARIANT argv` in a fresh process, the variants
+    alternated over `rounds` (a load change on the machine hits every one); per variant, its
+    first result with the medians of the timings and memory. bench/pair_packing.py uses it too."""
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant in runs:
+            result = subprocess.run([sys.executable, script, "--child", variant, *argv],
+                                    capture_output=True, text=True, check=True)
+            runs[variant].append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return {variant: {**results[0], **{key: statistics.median(r[key] for r in results)
+                                       for key in ("seconds", "cpu_seconds", "peak_mib")}}
+            for variant, results in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -110,17 +125,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    runs: dict[str, list[dict]] = {"padded": [], "packed": []}
-    for _ in range(args.rounds):  # alternated, so a load change on the machine hits both
-        for variant in runs:
-            command = [sys.executable, __file__, "--child", variant, "--rows", str(args.rows),
-                       "--layers", str(args.layers), "--width", str(args.width),
-                       "--repeats", str(args.repeats)]
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
-            runs[variant].append(json.loads(result.stdout.strip().splitlines()[-1]))
-    out = {variant: {**results[0], **{key: statistics.median(r[key] for r in results)
-                                      for key in ("seconds", "cpu_seconds", "peak_mib")}}
-           for variant, results in runs.items()}
+    out = alternated(__file__, ["padded", "packed"], args.rounds,
+                     ["--rows", str(args.rows), "--layers", str(args.layers), "--width",
+                      str(args.width), "--repeats", str(args.repeats)])
     padded, packed = out["padded"], out["packed"]
     print(f"batch: {args.rows} rows, responses U(8, 256) + 16 prompt tokens; "
           f"{padded['tokens']} real tokens in {padded['slots']} padded slots "

@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
-import subprocess
-import sys
 
-from packing import timed_steps  # bench/packing.py: the same warm-up, timing and memory
+from packing import alternated, timed_steps  # bench/packing.py: the same runs and timing
 
 VARIANTS = ["rm padded", "rm packed", "dpo shared", "dpo padded", "dpo packed"]
 
@@ -108,17 +105,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.rounds):  # alternated, so a load change on the machine hits every one
-        for variant in runs:
-            command = [sys.executable, __file__, "--child", variant, "--pairs", str(args.pairs),
-                       "--layers", str(args.layers), "--width", str(args.width),
-                       "--repeats", str(args.repeats)]
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
-            runs[variant].append(json.loads(result.stdout.strip().splitlines()[-1]))
-    out = {variant: {**results[0], **{key: statistics.median(r[key] for r in results)
-                                      for key in ("seconds", "cpu_seconds", "peak_mib")}}
-           for variant, results in runs.items()}
+    out = alternated(__file__, VARIANTS, args.rounds,
+                     ["--pairs", str(args.pairs), "--layers", str(args.layers), "--width",
+                      str(args.width), "--repeats", str(args.repeats)])
     tokens = out["rm padded"]["tokens"]
     print(f"batch: {args.pairs} pairs, prompts U(8, 64), responses U(8, 256); {tokens} real "
           f"tokens (prompt once); GPT-2 {args.layers} layers x {args.width}; medians of "
