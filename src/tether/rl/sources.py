@@ -75,6 +75,11 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
+def _batch_key(rows: list[int], mine: slice, noise_seed: int) -> tuple:
+    """What identifies a batch a source is asked for (a slice is not hashable)."""
+    return tuple(rows), (mine.start, mine.stop, mine.step), noise_seed
+
+
 def part_means(parts: dict[str, torch.Tensor]) -> dict[str, float]:
     """`reward/<name>`: each reward function's mean over the responses it scored (not None)."""
     return {f"reward/{name}": float(scores.nanmean()) for name, scores in parts.items()}
@@ -139,15 +144,33 @@ class EnvSource:
         self.rows, self.limits, self.sampling = rows, limits, sampling
         self.run_seed, self.tokenizer, self.device = run_seed, tokenizer, device
         self.source_name = source_name
+        self.pending: dict[tuple, object] = {}  # a batch's key -> its episodes, submitted
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        """The batch's episodes: sampled ahead (`prefetch`) when they were, else now."""
+        started = self.pending.pop(_batch_key(rows, mine, noise_seed), None)
+        if started is not None:
+            return started.result()
+        return self._episodes(self.engine, rows, mine, noise_seed)
+
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        """Hand this batch's episodes to the engine (`RolloutEngine.submit`): one sampling ahead
+        of the trainer runs them now, environment and all, while the trainer updates; `collect`
+        takes them."""
+        key = _batch_key(rows, mine, noise_seed)
+        if key not in self.pending:
+            self.pending[key] = self.engine.submit(
+                lambda engine: self._episodes(engine, rows, mine, noise_seed))
+
+    def _episodes(self, engine: RolloutEngine, rows: list[int], mine: slice,
+                  noise_seed: int) -> Collected:
         s = self.sampling
         indices = rows[mine]
 
         def noise(turn: int) -> torch.Tensor:
             return sampling_uniforms(noise_seed + turn * TURN_SEED_STRIDE, len(rows),
                                      s.max_new_tokens)[mine]
-        episodes = run_episodes(self.engine, self.calls, self.renderer,
+        episodes = run_episodes(engine, self.calls, self.renderer,
                                 [self.rows[i] for i in indices],
                                 [env_seed(self.run_seed, i) for i in indices], noise, self.limits,
                                 tokenizer=self.tokenizer, temperature=s.temperature,
@@ -158,9 +181,6 @@ class EnvSource:
         return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,
                          episodes.rewards, episodes.turn_rewards, episodes.stats,
                          episodes.records, table)
-
-    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
-        pass  # a turn's prompt holds the environment's last answer: nothing to ask for early
 
     def close(self) -> None:
         self.calls.close()

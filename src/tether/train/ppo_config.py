@@ -403,10 +403,6 @@ class PPOConfig(RunConfig, EnvOptions):
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
                               f"sampled ahead within it; give {steps} (one batch ahead) or a "
                               "multiple of it, or 0")
-        if self.episodic:
-            raise TetherError("--max-staleness samples single-turn prompts ahead of the trainer; "
-                              "an episode needs each answer of the environment before its next "
-                              "turn: drop --max-staleness (or --env / --tools)")
         if self.engine_mask_kl:
             raise TetherError(f"--engine-mask-kl {self.engine_mask_kl} with --max-staleness would "
                               "mask whole rows for the staleness the decoupled loss corrects "

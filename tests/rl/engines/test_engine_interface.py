@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from tether.errors import TetherError
 from tether.rl import engines
 from tether.rl.engines import ENGINES, OWN_LOGPROBS, native
+from tether.rl.engines.jobs import Deferred
 from tether.run.distributed import Dist
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
@@ -26,6 +27,7 @@ class Recorder:
     """The native engine, every call written down."""
 
     own_logprobs = False
+    lockstep = True
 
     def __init__(self, inner, calls: list[str]):
         self.inner, self.calls = inner, calls
@@ -33,6 +35,13 @@ class Recorder:
     def sample(self, prompt_ids, prompt_mask, **settings):
         self.calls.append("sample")
         return self.inner.sample(prompt_ids, prompt_mask, **settings)
+
+    def prefetch(self, prompt_ids, prompt_mask, **settings):
+        self.calls.append("prefetch")
+
+    def submit(self, work):
+        self.calls.append("submit")
+        return Deferred(lambda: work(self))
 
     def sleep(self):
         self.calls.append("sleep")

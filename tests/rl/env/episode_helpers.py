@@ -22,6 +22,7 @@ class InProcess:
     to put to sleep, sync or close."""
 
     own_logprobs = False
+    lockstep = True
 
     def sleep(self):
         pass

@@ -16,13 +16,16 @@ methods below and a `start` function, plus one line in `ENGINES`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from tether.rl.engines.jobs import Background, Deferred
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
+
+T = TypeVar("T")
 
 
 class RolloutEngine(Protocol):
@@ -39,12 +42,21 @@ class RolloutEngine(Protocol):
     prefetch    the same arguments as `sample`, nothing returned: a batch the loop will ask for
                 later, which an engine sampling ahead of the trainer starts now (`ahead`);
                 the others ignore it and sample when asked
+    submit      work(engine) that samples through an engine several times (a batch of episodes,
+                turn by turn) -> a handle whose `result()` is what the work returns
+                (`jobs`): an engine sampling ahead runs the work now, in the background, with
+                the weights last synced, and its next sync waits for it; the others run it
+                when its result is asked for
+    lockstep    True when `sample` is collective under torchrun (the native sampler's decoding
+                steps): every rank calls it together, to the same width, even with nothing of
+                its own left to sample
     sleep       the update is about to run: free what the update needs (a GPU engine's KV cache)
     sync        take the policy's current weights (after each update, and after a resume)
     close       stop and free everything; also after a failed start or a stopped run
     """
 
     own_logprobs: bool
+    lockstep: bool
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
@@ -52,6 +64,8 @@ class RolloutEngine(Protocol):
                generator: torch.Generator | None = None) -> Rollout: ...
 
     def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None: ...
+
+    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T] | Background[T]: ...
 
     def sleep(self) -> None: ...
 

@@ -39,12 +39,15 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tether.errors import TetherError
+from tether.rl.engines.jobs import Background
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
 
@@ -52,6 +55,7 @@ from tether.run.distributed import Dist
 # the trainer waits for it.
 POLL_S = 1.0
 START_TIMEOUT_S = 600.0
+T = TypeVar("T")
 # What the generator imports as soon as it starts: the copy of the policy needs them to arrive.
 PRELOAD = ("transformers", "tether.rl.engines.native", "tether.models.forward")  # a copy of a large model takes a while to arrive
 
@@ -212,6 +216,7 @@ class AheadEngine:
     the version that sampled it."""
 
     own_logprobs = True
+    lockstep = False  # each rank's generator is a process of its own: no collective in sampling
 
     def __init__(self, process, inbox, outbox, counter: StepCounter, params: list[nn.Parameter],
                  device: torch.device):
@@ -222,21 +227,29 @@ class AheadEngine:
         self.tickets = 0
         self.threads = 0  # the generator's torch threads, as it reports them once started
         self.waited_s = 0.0  # seconds the trainer has waited for the generator
+        self.jobs: list[Background] = []  # work submitted and not yet waited for, in order
 
     # -- RolloutEngine
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
-        key = request_key(prompt_ids, prompt_mask, settings)
-        ticket = self.pending.pop(key, None)
-        if ticket is None:
-            ticket = self._ask(prompt_ids, prompt_mask, settings)
-        version, rollout = self._answer(ticket)
-        return tagged(rollout, version, self.device)
+        self._drain()
+        return self._sample(prompt_ids, prompt_mask, settings)
 
     def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
         """Ask for this batch now, sampled by the weights last synced; `sample` takes it."""
+        self._drain()
         key = request_key(prompt_ids, prompt_mask, settings)
         if key not in self.pending:
             self.pending[key] = self._ask(prompt_ids, prompt_mask, settings)
+
+    def submit(self, work: Callable[[Turns], T]) -> Background[T]:
+        """Run `work` now in a thread of this process (after the work submitted before it),
+        sampling through the generator with the weights last synced: the trainer updates
+        meanwhile. Every other call waits for the work first (`_drain`), so the requests of a
+        job reach the generator before any weights sent after it: all its turns are sampled by
+        one version, whatever the timing."""
+        job = Background(lambda: work(Turns(self)), self.jobs[-1] if self.jobs else None)
+        self.jobs.append(job)
+        return job
 
     def sleep(self) -> None:  # the generator keeps sampling while the trainer updates
         pass
@@ -244,19 +257,39 @@ class AheadEngine:
     def sync(self) -> None:
         """Send the trained weights, tagged with the optimizer steps taken (also when none were:
         a resumed run's weights changed without a step)."""
+        self._drain()
         self._put(("weights", self.counter.version, flatten(self.params)))
 
-    def close(self) -> None:
+    def close(self) -> None:  # a job still running ends on its next request: the process is gone
         Launched(self.process, self.inbox, self.outbox).close()
 
     # -- for tests and checks
     def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(version, the generator's log-probs of `ids`): what its weights are now."""
+        self._drain()
         self.tickets += 1
         self._put(("logprobs", self.tickets, ids.cpu(), mask.cpu()))
         return self._answer(self.tickets)
 
     # -- plumbing
+    def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict
+                ) -> Rollout:
+        """The prefetched batch when one matches, or one asked for now; each token tagged."""
+        key = request_key(prompt_ids, prompt_mask, settings)
+        ticket = self.pending.pop(key, None)
+        if ticket is None:
+            ticket = self._ask(prompt_ids, prompt_mask, settings)
+        version, rollout = self._answer(ticket)
+        return tagged(rollout, version, self.device)
+
+    def _drain(self) -> None:
+        """Wait until the submitted work is over (a job's error is raised by its `result`)."""
+        waiting, self.jobs = self.jobs, []
+        started = time.perf_counter()
+        for job in waiting:
+            job.wait()
+        self.waited_s += time.perf_counter() - started
+
     def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
         self.tickets += 1
         settings = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
@@ -290,6 +323,20 @@ class AheadEngine:
         return TetherError(f"the generator process (--max-staleness) ended with exit code "
                            f"{self.process.exitcode} (out of memory, or killed); lower "
                            "--max-staleness or --batch-size, or pass --max-staleness 0")
+
+
+class Turns:
+    """The engine a submitted job samples through: `AheadEngine`'s requests without its wait for
+    the submitted work (the job is that work)."""
+
+    own_logprobs = True
+    lockstep = False
+
+    def __init__(self, engine: AheadEngine):
+        self.engine = engine
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
+        return self.engine._sample(prompt_ids, prompt_mask, settings)
 
 
 def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:

@@ -17,16 +17,19 @@ would, and a resumed run draws what the uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tether.models import shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
+from tether.rl.engines.jobs import Deferred
 from tether.rl.rollout import Rollout
 from tether.run import distributed
 from tether.run.distributed import Dist
 
+T = TypeVar("T")
 
 class NativeEngine:
     """`sample_responses` on the policy, reached through `run_model(fn) -> fn(policy)` (in
@@ -41,6 +44,7 @@ class NativeEngine:
         # On the trainer's model its log-probs are the trainer's; a copy of the policy sampling
         # ahead of the trainer (rl.engines.ahead) records them: they are the behaviour policy's.
         self.own_logprobs = record_logprobs
+        self.lockstep = True  # its decoding steps are collective (`all_done`, FSDP2's gathers)
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.run_model(lambda policy: sample_responses(
@@ -49,6 +53,9 @@ class NativeEngine:
 
     def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
         pass  # it samples the weights being trained: only when asked
+
+    def submit(self, work: Callable[[NativeEngine], T]) -> Deferred[T]:
+        return Deferred(lambda: work(self))  # the same: when its result is asked for
 
     def sleep(self) -> None:  # nothing to free: the update uses the same model
         pass

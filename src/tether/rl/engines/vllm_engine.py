@@ -38,15 +38,17 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tether.errors import TetherError
 from tether.rl.engines import vllm_private
+from tether.rl.engines.jobs import Deferred
 from tether.rl.engines.vllm_limits import (
     check_head_size,
     check_kv_cache,
@@ -59,6 +61,8 @@ from tether.rl.engines.vllm_limits import (
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist, global_max
 from tether.run.extras import VLLM_HINT
+
+T = TypeVar("T")
 
 INSTALL_HINT = VLLM_HINT
 # The LoRA ranks vLLM accepts for max_lora_rank.
@@ -298,6 +302,7 @@ class VLLMEngine:
         return kwargs
 
     own_logprobs = True
+    lockstep = True  # under torchrun every rank's engine is one process of the launch
 
     # ---- weights
 
@@ -327,6 +332,9 @@ class VLLMEngine:
 
     def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
         pass  # it samples the synced weights, in the trainer's process: only when asked
+
+    def submit(self, work: Callable[[VLLMEngine], T]) -> Deferred[T]:
+        return Deferred(lambda: work(self))  # the same: when its result is asked for
 
     def sleep(self) -> None:
         """Free the KV cache and offload the weights during the update (GPU only)."""

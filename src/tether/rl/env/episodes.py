@@ -62,6 +62,7 @@ class Segment:
     ids: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
     engine_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each
     turn_rewards: dict[int, float] = field(default_factory=dict)  # index in ids -> reward
 
 
@@ -158,14 +159,16 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
     sampling = dict(temperature=temperature, eos_token_ids=list(eos_token_ids),
                     pad_token_id=pad_token_id)
     eos = set(eos_token_ids)
-    first_turn = None
+    first_turn, versioned = None, False  # versioned: the engine tags tokens (sampling ahead)
     for turn in range(limits.max_turns):
         live = [i for i, e in enumerate(episodes) if not e.over]
         budget = [min(limits.max_new_tokens, limits.room(episodes[i])) for i in live]
         # Under torchrun every rank samples each turn, to the same width, while any rank has a
         # live episode: the native engine's decoding steps are collective (FSDP2's gathers, its
-        # all-done vote), so every rank must take them together.
-        width = global_max(max(budget, default=0))
+        # all-done vote), so every rank must take them together. A row's tokens do not depend
+        # on the width, only on its own noise: an engine that is not collective samples the same.
+        width = max(budget, default=0)
+        width = global_max(width) if engine.lockstep else width
         if width == 0:
             break
         if not live:  # this rank's episodes are over: a context it has, sampled and dropped
@@ -177,6 +180,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
         sampled = engine.sample(ids, mask, max_new_tokens=width,
                                 uniforms=noise(turn)[live][:, :width], **sampling)
         sampled = apply_stop_strings(sampled, tokenizer, stop_strings, pad_token_id)
+        versioned = sampled.versions is not None
         if turn == 0:
             first_turn = sampled
         actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
@@ -191,7 +195,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                      eos, label)
     if first_turn is not None and all(len(e.rewards) == 1 for e in episodes):
         return _one_turn(first_turn, episodes)
-    return _laid_out(episodes, pad_token_id, device, temperature, engine.own_logprobs)
+    return _laid_out(episodes, pad_token_id, device, temperature, engine.own_logprobs, versioned)
 
 
 def _bound(method, *args) -> Callable:
@@ -199,26 +203,31 @@ def _bound(method, *args) -> Callable:
 
 
 def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],
-          tokenizer) -> tuple[str, list[int], list[float], bool]:
-    """(decoded action, its ids, the engine's log-probs of them, whether the turn ended) of row
-    `j` of a turn's sample, cut at the episode's `budget`."""
-    ids = sampled.responses[j][sampled.response_mask[j]].tolist()
-    logprobs = (sampled.engine_logprobs[j][sampled.response_mask[j]].tolist()
+          tokenizer) -> tuple[str, list[int], list[float], list[int], bool]:
+    """(decoded action, its ids, the engine's log-probs of them, the versions that sampled
+    them, whether the turn ended) of row `j` of a turn's sample, cut at the episode's
+    `budget`."""
+    kept = sampled.response_mask[j]
+    ids = sampled.responses[j][kept].tolist()
+    logprobs = (sampled.engine_logprobs[j][kept].tolist()
                 if sampled.engine_logprobs is not None else [0.0] * len(ids))
+    versions = (sampled.versions[j][kept].tolist() if sampled.versions is not None
+                else [0] * len(ids))
     ended = bool(sampled.ended[j])
     if len(ids) > budget:
-        ids, logprobs, ended = ids[:budget], logprobs[:budget], False
-    return tokenizer.decode(ids, skip_special_tokens=True), ids, logprobs, ended
+        ids, logprobs, versions, ended = ids[:budget], logprobs[:budget], versions[:budget], False
+    return tokenizer.decode(ids, skip_special_tokens=True), ids, logprobs, versions, ended
 
 
 def _advance(episode: Episode, action: tuple, observation, reward: float, done: bool, turn: int,
              limits: EpisodeLimits, renderer: Renderer, eos: set[int], where: str) -> None:
     """Append the turn `action` and, if the episode goes on, the observation's tokens."""
-    text, ids, logprobs, ended = action
+    text, ids, logprobs, versions, ended = action
     segment = episode.segment
     segment.ids += ids
     segment.sampled += [True] * len(ids)
     segment.engine_logprobs += logprobs
+    segment.versions += versions
     if ids:
         segment.turn_rewards[len(segment.ids) - 1] = reward
     episode.rewards.append(reward)
@@ -246,6 +255,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
         segment.ids += appended.ids
         segment.sampled += [False] * len(appended.ids)
         segment.engine_logprobs += [0.0] * len(appended.ids)
+        segment.versions += [0] * len(appended.ids)
     episode.text += renderer.tokenizer.decode(appended.ids, skip_special_tokens=True)
 
 
@@ -258,15 +268,16 @@ def _one_turn(sampled: Rollout, episodes: list[Episode]) -> Episodes:
     ended = torch.tensor([e.done for e in episodes], device=sampled.ended.device)
     rollout = Rollout(sampled.input_ids, sampled.attention_mask, sampled.response_mask, ended,
                       sampled.context_length, sampled.temperature, sampled.engine_logprobs,
-                      sampled.action_mask)
+                      sampled.action_mask, versions=sampled.versions)
     return Episodes(rollout, rewards.to(sampled.input_ids.device),
                     turn_rewards.to(sampled.input_ids.device), [e.prompt for e in episodes],
                     [e.text for e in episodes], _stats(episodes), [record(e) for e in episodes])
 
 
 def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
-              temperature: float, own_logprobs: bool) -> Episodes:
-    """The episodes' segments as rows of the rollout layout."""
+              temperature: float, own_logprobs: bool, versioned: bool) -> Episodes:
+    """The episodes' segments as rows of the rollout layout (with the engine's log-probs when
+    it reports them, and each sampled token's version when it tags them)."""
     segments = [(e_index, s) for e_index, e in enumerate(episodes) for s in e.segments]
     context = max(len(s.prompt) for _, s in segments)
     width = max(max(len(s.ids) for _, s in segments), 1)
@@ -276,6 +287,7 @@ def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
     response_mask = torch.zeros((rows, width), dtype=torch.bool)
     action_mask = torch.zeros((rows, width), dtype=torch.bool)
     engine = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.zeros((rows, width), dtype=torch.long)
     turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
     rewards = torch.zeros(rows, dtype=torch.float32)
     ended = torch.zeros(rows, dtype=torch.bool)
@@ -288,6 +300,7 @@ def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
             response_mask[r, :n] = True
             action_mask[r, :n] = torch.tensor(s.sampled)
             engine[r, :n] = torch.tensor(s.engine_logprobs)
+            versions[r, :n] = torch.tensor(s.versions, dtype=torch.long)
         for position, reward in s.turn_rewards.items():
             turn_rewards[r, position] = reward
         episode = episodes[e_index]
@@ -302,7 +315,7 @@ def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
     rollout = Rollout(input_ids.to(device), attention.to(device), response_mask.to(device),
                       ended.to(device), context, temperature,
                       engine.to(device) if own_logprobs else None, action_mask.to(device),
-                      episode=episode_index)
+                      episode=episode_index, versions=versions.to(device) if versioned else None)
     return Episodes(rollout, rewards.to(device), turn_rewards.to(device),
                     [episodes[e].prompt for e, _ in segments],
                     [episodes[e].text for e, _ in segments], _stats(episodes),
