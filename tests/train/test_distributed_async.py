@@ -50,6 +50,17 @@ def failing_reward(prompts, responses):
         raise RuntimeError("rank 1 fails on its own")
     return [len(r) / 10.0 for r in responses]
 """
+# Two turns with an observation between them, for the episodes sampled ahead.
+ENVS = """
+class Hint:
+    def reset(self, row, seed):
+        self.seed, self.turn = seed, 0
+        return row["prompt"]
+
+    def step(self, action):
+        self.turn += 1
+        return [" warmer", " colder and"][(self.seed + self.turn) % 2], len(action) % 3, self.turn == 2
+"""
 MARK = "TETHER_ASYNC_TEST_MARK"
 # The staleness metrics of the batches sampled ahead: computed on the global batch on every rank.
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/version_kl",
@@ -61,6 +72,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_async")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (root / "rewards.py").write_text(REWARDS)
+    (root / "envs.py").write_text(ENVS)
     return root
 
 
@@ -73,6 +85,12 @@ def config(env: Path, model_dir: Path, name: str, **extra) -> dict[str, object]:
             "max_new_tokens": 6, "lr": 3e-4, "device": "cpu", "save_every": 0,
             "sample_every": 0, "output_dir": str(env / "runs"), "run_name": name,
             "max_staleness": 4, "threads": 1, "generator_threads": 1} | extra
+
+
+def placed(env: Path, extra: dict) -> dict:
+    """`extra` with its --env file named by its path in `env` (`config` takes no "env" key:
+    that name is its first argument's)."""
+    return extra | ({"env": f"{env / extra['env']}"} if "env" in extra else {})
 
 
 def marked(mark: str) -> list[tuple[int, str]]:
@@ -126,6 +144,10 @@ CASES = {  # model, extra config
     "fsdp-gpt2-full": ("gpt2", {"fsdp": True}),
     # Only the adapter travels (the generator's copy holds the base, frozen).
     "fsdp-llama-lora": ("llama", {"fsdp": True, "lora_r": 4}),
+    # Episodes sampled ahead: each rank's run in a thread while it updates, its turns sampled by
+    # its own generator, no collective among them (the ranks' turns may take different widths).
+    "ddp-llama-env": ("llama", {"env": "envs.py:Hint", "reward_fn": "", "max_turns": 2,
+                                "stop_strings": ["a", "e"]}),
 }
 
 
@@ -134,7 +156,7 @@ def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
     """Every case's 2-process run in one launch, watched: (model dirs, most generators seen
     alive at once, the marked processes left after it)."""
     dirs = {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
-    specs = [{"stage": "grpo", "config": config(env, dirs[model], f"{case}-2", **extra)}
+    specs = [{"stage": "grpo", "config": config(env, dirs[model], f"{case}-2") | placed(env, extra)}
              for case, (model, extra) in CASES.items()]
     result, most, left = launch_watched(specs, env / "spec.json")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -151,7 +173,7 @@ def test_each_rank_runs_its_own_generator_and_none_is_left(two_process_runs):
 def test_two_processes_with_staleness_equal_one(env, two_process_runs, case):
     dirs, _, _ = two_process_runs
     model, extra = CASES[case]
-    one_process("grpo", config(env, dirs[model], f"{case}-1", **extra))
+    one_process("grpo", config(env, dirs[model], f"{case}-1") | placed(env, extra))
     runs = env / "runs"
     lora = bool(extra.get("lora_r"))
     start = None if lora else load_file(str(dirs[model] / "model.safetensors"))
