@@ -222,14 +222,16 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Module], optimizer,
                     scheduler, state: dict[str, Any], keep: int = 2,
-                    config: dict[str, Any] | None = None) -> Path:
+                    config: dict[str, Any] | None = None,
+                    tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `ckpt_root/step_<step>/` atomically and keep only the newest `keep` checkpoints.
 
     Contents: `<name>.safetensors` per model (its trainable parameters, whole tensors, by their
     one-process names), `optimizer.pt` (state keyed by parameter name), `scheduler.pt`,
     `rng.safetensors`, and `state.json` (the trainer's `state`, the RNG metadata, and `config`:
-    the run's recorded config, so a resume can be checked even without config.yaml). Nothing
-    but the RNG states depends on the world size, so a run resumes on any number of ranks.
+    the run's recorded config, so a resume can be checked even without config.yaml); and
+    `tensors.safetensors` when the trainer has other `tensors` to keep (rank 0's). Nothing but
+    the RNG states depends on the world size, so a run resumes on any number of ranks.
 
     Under torchrun every rank calls this (FSDP2 gathers the shards); rank 0 alone writes, and
     every rank returns once the checkpoint is complete. `models` may be wrapped (DDP, FSDP2).
@@ -252,8 +254,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
             rng_tensors |= {f"rank{rank}/{key}": value for key, value in tensors.items()}
         payload = {"step": step, "state": state, "config": config, "world_size": d.world_size,
                    "rng": rngs[0][0], "rng_ranks": [meta for meta, _ in rngs[1:]]}
-        _write_checkpoint(Path(ckpt_root), step, weights, optim, scheduler, rng_tensors, payload,
-                          keep)
+        _write_checkpoint(Path(ckpt_root), step, weights | ({"tensors": tensors} if tensors else {}),
+                          optim, scheduler, rng_tensors, payload, keep)
     distributed.barrier(d)
     return final
 
@@ -292,8 +294,8 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     visible to every rank, e.g. a shared filesystem across machines); rank 0 chooses the
     checkpoint, every rank restores it (FSDP2: each its own shards), and every rank's RNGs take
     its own saved state when the world size is the one that wrote it (`own_rng_state`), rank 0's
-    otherwise. Returns the trainer `state` saved with it (with `step` added), or None when there
-    is none.
+    otherwise. Returns the trainer `state` saved with it (with `step` added, and `tensors`: the
+    other tensors saved with it, when there are any), or None when there is none.
     """
     from tether.run import distributed
 
@@ -334,6 +336,8 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
         set_rng_state(*own_rng_state(payload, contents["rng"], d.rank, d.world_size))
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])
+    if contents["tensors"]:
+        state["tensors"] = contents["tensors"]
     return state
 
 
@@ -370,7 +374,9 @@ def _read_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, schedu
     weights = {name: load_file(str(path / f"{name}.safetensors")) for name in models}
     for name, model in models.items():
         _check_names(model, weights[name])
+    extra = path / "tensors.safetensors"
     return {"payload": payload, "weights": weights,
+            "tensors": load_file(str(extra)) if extra.exists() else {},
             "rng": load_file(str(path / "rng.safetensors")),
             "optimizer": None if optimizer is None else
             torch.load(path / "optimizer.pt", weights_only=True),
