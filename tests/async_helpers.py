@@ -19,8 +19,8 @@ def recorded_run(cfg, monkeypatch, reward_fn):
     seen, started = [], []
     real, real_start = ppo.update_batch, ahead.start
 
-    def start(*args):
-        started.append(real_start(*args))
+    def start(*args, **kwargs):
+        started.append(real_start(*args, **kwargs))
         return started[-1]
     monkeypatch.setattr(ahead, "start", start)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -65,6 +66,24 @@ class Breaks(Hint):
     def __init__(self):
         Breaks.made += 1
         self.late = Breaks.made > 8
+
+    def step(self, action):
+        if self.late:
+            raise ValueError("the simulator crashed")
+        return super().step(action)
+'''
+ENV += '''
+
+class Flaky(Hint):
+    """Hint that raises from the third batch on when TETHER_TEST_CRASH is set."""
+
+    made = 0
+
+    def __init__(self):
+        import os
+
+        Flaky.made += 1
+        self.late = Flaky.made > 8 and os.environ.get("TETHER_TEST_CRASH") == "1"
 
     def step(self, action):
         if self.late:
@@ -176,6 +195,30 @@ def test_an_environment_failing_in_the_background_is_one_line(tiny_model_dir, en
     assert "tether-ahead-episodes" not in {t.name for t in threading.enumerate()} - before
 
 
+def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tiny_llama_dir, env_dir,
+                                                                 monkeypatch):
+    """Episodes in flight when the run died (batch 3's, sampled by batch 2's starting weights)
+    are sampled again by those weights on resume: the final weights and metrics are the
+    uninterrupted run's, bit for bit."""
+    from safetensors.torch import load_file
+
+    kw = dict(env="Flaky", save_every=1, max_staleness=2, num_minibatches=2)
+    whole = ppo.run(grpo(tiny_llama_dir, env_dir, "whole", **kw))
+    monkeypatch.setenv("TETHER_TEST_CRASH", "1")
+    with pytest.raises(TetherError, match="the simulator crashed"):
+        ppo.run(grpo(tiny_llama_dir, env_dir, "cut", **kw))
+    monkeypatch.delenv("TETHER_TEST_CRASH")
+    resumed = ppo.run(grpo(tiny_llama_dir, env_dir, "cut", resume=True, **kw))
+    a, b = (load_file(str(next(r.output_path.glob("*.safetensors")))) for r in (whole, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = [[json.loads(x) for x in (r.output_path.parent / "metrics.jsonl").read_text()
+              .splitlines()] for r in (whole, resumed)]
+    assert [x["step"] for x in lines[1]] == [1, 2, 3, 4]
+    for x, y in zip(*lines, strict=True):
+        assert ({k: v for k, v in x.items() if not k.startswith("perf/")}
+                == {k: v for k, v in y.items() if not k.startswith("perf/")}), x["step"]
+
+
 def test_background_jobs_run_in_order_and_raise_in_the_caller():
     order: list[int] = []
 
@@ -205,7 +248,7 @@ def test_the_engine_waits_for_its_jobs_before_anything_else(monkeypatch):
     the generator before any weights sent after it."""
     sent: list[str] = []
     engine = ahead.AheadEngine.__new__(ahead.AheadEngine)
-    engine.jobs, engine.waited_s, engine.pending = [], 0.0, {}
+    engine.jobs, engine.waited_s, engine.pending, engine.history = [], 0.0, {}, deque()
     monkeypatch.setattr(ahead.AheadEngine, "_put", lambda self, message: sent.append(message[0]))
     monkeypatch.setattr(ahead, "flatten", lambda params: {})
     engine.counter, engine.params = ahead.StepCounter(), []

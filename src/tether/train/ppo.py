@@ -41,6 +41,7 @@ from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
+from tether.rl.engines import ahead
 from tether.rl.evaluation import evaluate_policy, measure_responses
 from tether.rl.reward_pool import gather_failed
 from tether.rl.rewards import NonFiniteScore, function_name
@@ -124,7 +125,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             stopping = any_rank(interrupt.requested(), d)
             due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.n_batches)
             if due or stopping:
-                checkpoint(rundir, setup, models, step, normalizer, watch)
+                checkpoint(rundir, setup, cfg, models, step, normalizer, watch)
             if stopping:  # Ctrl-C or SIGTERM: stop here, resumable
                 raise interrupt.stop(step, str(rundir.checkpoint_dir))
         watch.check_trained(cfg)  # before final/: the starting policy is not a trained one
@@ -152,7 +153,7 @@ def begin(rundir: RunDir, setup: Setup, cfg: PPOConfig, watch: Watch
     rundir.save_config(cfg)
     models = {"policy": setup.policy} | ({"critic": setup.critic} if setup.critic else {})
     normalizer = ScoreNormalizer(cfg.score_norm)
-    start = restore(rundir, setup, models, normalizer, watch) if cfg.resume else 0
+    start = restore(rundir, setup, cfg, models, normalizer, watch) if cfg.resume else 0
     if start > 0:
         setup.engine.sync()  # the resumed weights
     if cfg.eval_prompts and cfg.eval_every and start == 0:
@@ -217,6 +218,27 @@ def sample_ahead(setup: Setup, cfg: PPOConfig, batch: int) -> None:
     for later in range(batch + 1, min(batch + 1 + cfg.batches_ahead, cfg.n_batches)):
         rows = batch_rows(setup, cfg, later)
         setup.source.prefetch(rows, rank_slice(len(rows), setup.dist), batch_seed(cfg, later))
+
+
+def resample_ahead(setup: Setup, cfg: PPOConfig, start: int,
+                   held: list[tuple[int, dict]]) -> None:
+    """A resumed run's batches in flight, asked for again as the uninterrupted run asked for
+    them, so that a resume with --max-staleness trains what the run would have: batch p (start
+    <= p < start + L) was asked for at the start of batch q = max(0, p - L) and is sampled by
+    the weights of that time. `held`: the checkpoint's weights of the last batch starts, the
+    oldest first, the last being batch `start`'s (what was restored; the sync after this sends
+    it). Weights older than `held` reaches (a checkpoint that holds none) are its oldest."""
+    if not held:
+        return
+    first, asked = start + 1 - len(held), None  # the batch whose start weights held[0] are
+    for p in range(start, min(start + cfg.batches_ahead, cfg.n_batches)):
+        q = max(p - cfg.batches_ahead, first)
+        if q != asked:
+            setup.engine.load(*held[q - first])
+            asked = q
+        rows = batch_rows(setup, cfg, p)
+        setup.source.prefetch(rows, rank_slice(len(rows), setup.dist), batch_seed(cfg, p))
+    setup.engine.remember(held[:-1])
 
 
 def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
@@ -348,11 +370,12 @@ def final_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> dict[str, 
     return metrics
 
 
-def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormalizer,
-            watch: Watch) -> int:
+def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
+            normalizer: ScoreNormalizer, watch: Watch) -> int:
     """With --resume: the latest checkpoint into every rank's models, optimizer, schedule,
-    controller, normaliser and `watch`'s count of trained batches; returns the batch to start
-    from (0 without one)."""
+    controller, normaliser, policy version and `watch`'s count of trained batches, and with
+    --max-staleness the batches in flight asked for again (`resample_ahead`); returns the batch
+    to start from (0 without one)."""
     state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
                                    setup.scheduler)
     if state is not None:
@@ -360,6 +383,11 @@ def restore(rundir: RunDir, setup: Setup, models: dict, normalizer: ScoreNormali
         setup.kl_ctl.load_state_dict(state["kl_ctl"])
         normalizer.load_state_dict(state["score_norm"])
         watch.trained = state.get("trained_batches")  # None: an older checkpoint did not count
+        setup.steps.version = state.get("policy_version", 0)
+        if cfg.batches_ahead:
+            resample_ahead(setup, cfg, state["batch"],
+                           ahead.held_from(state.get("ahead_versions", []),
+                                           state.get("tensors", {})))
     # Lines logged after the checkpoint will be logged again.
     rundir.announce_resume(state["batch"] if state is not None else None)
     rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
@@ -385,13 +413,18 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
     barrier(setup.dist)
 
 
-def checkpoint(rundir: RunDir, setup: Setup, models: dict, step: int,
+def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step: int,
                normalizer: ScoreNormalizer, watch: Watch) -> None:
-    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size)."""
+    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size). With
+    --max-staleness, the weights the batches in flight are sampled by go with it
+    (`resample_ahead`)."""
+    versions, held = ahead.held_tensors(setup.engine.held()) if cfg.batches_ahead else ([], {})
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
-             "score_norm": normalizer.state_dict(), "trained_batches": watch.trained}
+             "score_norm": normalizer.state_dict(), "trained_batches": watch.trained,
+             "policy_version": setup.steps.version, "ahead_versions": versions}
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
-                    with_base_record(state, models["policy"]), config=rundir.checkpoint_config)
+                    with_base_record(state, models["policy"]), config=rundir.checkpoint_config,
+                    tensors=held)
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],

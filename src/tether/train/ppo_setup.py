@@ -254,7 +254,7 @@ def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCoun
     if cfg.max_staleness:
         threads, launched = generator
         return ahead.start(cfg, lm.model, lm.peft, steps, threads, longest, roles.dist.device,
-                           replica, launched)
+                           replica, launched, keep=cfg.batches_ahead + 1)  # for checkpoints
     return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
                        longest_prompt=longest)
 

@@ -39,6 +39,7 @@ import os
 import queue
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -219,7 +220,7 @@ class AheadEngine:
     lockstep = False  # each rank's generator is a process of its own: no collective in sampling
 
     def __init__(self, process, inbox, outbox, counter: StepCounter, params: list[nn.Parameter],
-                 device: torch.device):
+                 device: torch.device, keep: int = 0):
         self.process, self.inbox, self.outbox = process, inbox, outbox
         self.counter, self.params, self.device = counter, params, device
         self.pending: dict[str, int] = {}  # request key -> ticket, asked for, not yet taken
@@ -228,6 +229,9 @@ class AheadEngine:
         self.threads = 0  # the generator's torch threads, as it reports them once started
         self.waited_s = 0.0  # seconds the trainer has waited for the generator
         self.jobs: list[Background] = []  # work submitted and not yet waited for, in order
+        # (version, flat weights) of the last `keep` the generator was given, the oldest first
+        # (`held`): what a checkpoint needs to sample the batches in flight again on resume
+        self.history: deque[tuple[int, dict[torch.dtype, torch.Tensor]]] = deque(maxlen=keep)
 
     # -- RolloutEngine
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
@@ -257,8 +261,22 @@ class AheadEngine:
     def sync(self) -> None:
         """Send the trained weights, tagged with the optimizer steps taken (also when none were:
         a resumed run's weights changed without a step)."""
+        self.load(self.counter.version, flatten(self.params))
+
+    def load(self, version: int, flat: dict[torch.dtype, torch.Tensor]) -> None:
+        """Give the generator these weights (`flatten`'s form), as version `version`: what
+        `sync` sends, and a resumed run's older weights (`resample_ahead`)."""
         self._drain()
-        self._put(("weights", self.counter.version, flatten(self.params)))
+        self._put(("weights", version, flat))
+        self.history.append((version, flat))
+
+    def held(self) -> list[tuple[int, dict[torch.dtype, torch.Tensor]]]:
+        """The weights the generator was given last (`keep` of them), the oldest first."""
+        return list(self.history)
+
+    def remember(self, held: list[tuple[int, dict[torch.dtype, torch.Tensor]]]) -> None:
+        """Take `held` as the weights given last (a resumed run's, from its checkpoint)."""
+        self.history = deque(held, maxlen=self.history.maxlen)
 
     def close(self) -> None:  # a job still running ends on its next request: the process is gone
         Launched(self.process, self.inbox, self.outbox).close()
@@ -339,6 +357,25 @@ class Turns:
         return self.engine._sample(prompt_ids, prompt_mask, settings)
 
 
+def held_tensors(held: list[tuple[int, dict[torch.dtype, torch.Tensor]]]
+                 ) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """`AheadEngine.held()` as a checkpoint keeps it: (the versions, oldest first; the flat
+    tensors, named `<index>/<dtype>`)."""
+    tensors = {f"{i}/{str(dtype).removeprefix('torch.')}": flat
+               for i, (_, by_dtype) in enumerate(held) for dtype, flat in by_dtype.items()}
+    return [version for version, _ in held], tensors
+
+
+def held_from(versions: list[int], tensors: dict[str, torch.Tensor]
+              ) -> list[tuple[int, dict[torch.dtype, torch.Tensor]]]:
+    """`held_tensors`' inverse."""
+    held: list[tuple[int, dict[torch.dtype, torch.Tensor]]] = [(v, {}) for v in versions]
+    for name, flat in tensors.items():
+        index, _, dtype = name.partition("/")
+        held[int(index)][1][getattr(torch, dtype)] = flat
+    return held
+
+
 def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:
     """`rollout` on `device`, each sampled token tagged with `version`."""
     rollout = rollout.map_rows(lambda t: t.to(device))
@@ -392,20 +429,25 @@ def launch(threads: int) -> Launched:
 
 def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCounter,
           threads: int, longest_prompt: int, device: torch.device,
-          replica: tuple | None = None, launched: Launched | None = None) -> AheadEngine:
+          replica: tuple | None = None, launched: Launched | None = None,
+          keep: int = 0) -> AheadEngine:
     """The generator process (`launched`, or one started now), with the engine
     `settings.engine` names, on `replica`: by default a copy of (`model`, the policy as
     prepared, before any wrapper; `peft`, the PeftModel holding its adapter, or None). Returns
     the trainer's side; waits until the engine is ready, so a failure shows here, before the
     first batch. Under FSDP2 `model`'s parameters are shards: `replica` is then such a copy made
-    before the model was sharded, with its trainable parameters in `model`'s order."""
+    before the model was sharded, with its trainable parameters in `model`'s order. `keep`: how
+    many of the weights it is given the engine remembers (`AheadEngine.held`), the first being
+    those the copy starts with."""
     launched = launched or launch(threads)
     if replica is None:  # its own weights (the queue shares what it sends), and one copy: peft
         replica = copy.deepcopy((model, peft))  # holds the model, the same object in the copy
     launched.inbox.put(("start", replica, settings, longest_prompt, device))
     del replica
     process, outbox = launched.process, launched.outbox
-    engine = AheadEngine(process, launched.inbox, outbox, counter, trainable(model), device)
+    engine = AheadEngine(process, launched.inbox, outbox, counter, trainable(model), device, keep)
+    if keep:  # the weights the copy holds: every batch until the first sync samples them
+        engine.history.append((counter.version, flatten(engine.params)))
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:  # the copy arrives, or the process ends (its traceback is on stderr)
         try:
