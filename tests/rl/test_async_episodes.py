@@ -219,6 +219,34 @@ def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tiny_llama_dir, 
                 == {k: v for k, v in y.items() if not k.startswith("perf/")}), x["step"]
 
 
+def test_a_run_failing_while_episodes_run_ahead_reports_its_own_error(tiny_model_dir, env_dir,
+                                                                      monkeypatch):
+    """The update of batch 2 fails while batch 3's episodes are still running ahead (each step
+    sleeps): the error raised is the update's, the episodes' thread and the generator end, and
+    the environments' event loop is closed once nothing runs on it."""
+    import multiprocessing
+
+    real = ppo.update_batch
+    calls = {"n": 0}
+
+    def breaks(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            time.sleep(0.05)  # batch 3's episodes are under way
+            raise RuntimeError("the update broke")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ppo, "update_batch", breaks)
+    with pytest.raises(RuntimeError, match="the update broke"):
+        ppo.run(grpo(tiny_model_dir, env_dir, "update-breaks", env="Slow"))
+    deadline = time.monotonic() + 10
+    while (multiprocessing.active_children() or any(
+            t.name == "tether-ahead-episodes" for t in threading.enumerate())) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+    assert not any(t.name == "tether-ahead-episodes" for t in threading.enumerate())
+
+
 def test_background_jobs_run_in_order_and_raise_in_the_caller():
     order: list[int] = []
 

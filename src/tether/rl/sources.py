@@ -33,6 +33,7 @@ from tether.rl.env.tools import tools_environment
 from tether.rl.rewards import FailedRows, Reward, load_reward_function
 from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
 
+CLOSE_WAIT_S = 30.0  # how long `EnvSource.close` waits for episodes still running ahead
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
 ENV_SEED_STRIDE = 1_000_033  # an episode's environment seed: the run's seed and its prompt row
 
@@ -183,7 +184,11 @@ class EnvSource:
                          episodes.records, table)
 
     def close(self) -> None:
-        self.calls.close()
+        """Close the environments' event loop once the episodes running ahead are over (the
+        engine closed first: they end at their next turn). One still inside the environment's
+        code past the wait keeps the loop, a daemon thread that ends with the process."""
+        if all(job.wait(CLOSE_WAIT_S) for job in self.pending.values()):
+            self.calls.close()
 
 
 def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str],

@@ -172,11 +172,13 @@ def finish(rundir: RunDir, setup: Setup, cfg: PPOConfig, metrics: dict[str, floa
 
 
 def close_sources(setup: Setup) -> None:
-    """Stop the engine and the environments' event loops."""
+    """Stop the engine, then the environments' event loops: episodes still running ahead of the
+    trainer (a run that failed meanwhile) end at their next turn once the engine is gone, and
+    a loop is closed only when nothing runs on it."""
+    setup.engine.close()
     setup.source.close()
     if setup.eval is not None:
         setup.eval.source.close()
-    setup.engine.close()
 
 
 def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, seed: int,

@@ -25,6 +25,9 @@ class Deferred(Generic[T]):
         self.work: Callable[[], T] | None = work
         self.value: T | None = None
 
+    def wait(self, timeout: float | None = None) -> bool:  # nothing runs before `result`
+        return True
+
     def result(self) -> T:
         if self.work is not None:
             work, self.work = self.work, None
@@ -56,9 +59,10 @@ class Background(Generic[T]):
         finally:
             self.done.set()
 
-    def wait(self) -> None:
-        """Until the work is over (its error, if any, kept for `result`)."""
-        self.done.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the work is over (its error, if any, kept for `result`), or `timeout` seconds;
+        whether it is over."""
+        return self.done.wait(timeout)
 
     def result(self) -> T:
         self.wait()
