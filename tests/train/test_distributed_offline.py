@@ -88,6 +88,16 @@ def equivalence_items(models: dict[str, str], data: dict[str, Path], out: Path) 
              ("sft-llama-short", "sft", common | {"model": models["llama"], "max_steps": 0,
                                                   "data": str(data["sft14"]), "batch_size": 4,
                                                   "grad_accum_steps": 2})]
+    # A token budget: each step's rows or pairs dealt to the ranks by tokens, each rank's cut
+    # first-fit decreasing, as many micro-batches on both (packed, for sft and rm; dpo on its
+    # shared-prompt rows, padded)
+    runs += [("sft-llama-tokens", "sft", common | {"model": models["llama"],
+                                                   "data": str(data["sft"]),
+                                                   "micro_batch_tokens": 40, "pack": True}),
+             ("rm-gpt2-tokens", "rm", common | rm | {"model": models["gpt2"],
+                                                     "micro_batch_tokens": 60, "pack": True}),
+             ("dpo-gpt2-tokens", "dpo", common | dpo | {"model": models["gpt2"],
+                                                        "micro_batch_tokens": 60})]
     return runs
 
 
@@ -129,7 +139,8 @@ def runs(tiny_model_dir, tiny_llama_dir, tmp_path_factory):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["sft-gpt2", "rm-gpt2", "dpo-gpt2", "sft-llama", "rm-llama",
                                   "dpo-llama", "dpo-llama-lora", "rm-gpt2-lora",
-                                  "sft-llama-short"])
+                                  "sft-llama-short", "sft-llama-tokens", "rm-gpt2-tokens",
+                                  "dpo-gpt2-tokens"])
 def test_two_ranks_equal_one(runs, name, mode):
     assert_same_run(runs["out"] / f"{name}-{mode}", runs["out"] / f"{name}-one", atol=1e-5)
 

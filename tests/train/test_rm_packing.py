@@ -17,11 +17,10 @@ from tether.cli import main
 from tether.data.batches import collate_pairs
 from tether.data.encoding import encode_preferences
 from tether.data.packing import token_budget_cut
-from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run.distributed import Dist, Parallel
-from tether.train.offline import check_budget_world
+from tether.train.offline import step_micro_batches
 from tether.train.offline_config import RMConfig
 from tether.train.reward import accumulate_pairs, pair_lengths, rm_loss
 
@@ -169,11 +168,34 @@ def test_bad_rm_packing_options_are_refused(tiny_model_dir, tmp_path, flags, pat
             pattern, capsys)
 
 
-def test_a_token_budget_under_torchrun_is_refused():
-    """Every rank must run as many micro-batches as the others; the offline stages' budget cut
-    does not deal pairs to ranks yet, so two ranks with a budget are refused (one line)."""
-    budget = RMConfig(model="m", data="d", run_name="r", micro_batch_tokens=64)
-    with pytest.raises(TetherError, match="runs in one process for now.*use --grad-accum-steps"):
-        check_budget_world(budget, Dist(world_size=2))
-    check_budget_world(budget, Dist())  # one process
-    check_budget_world(RMConfig(model="m", data="d", run_name="r"), Dist(world_size=2))
+def budget_of(tokens: int) -> RMConfig:
+    return RMConfig(model="m", data="d", run_name="r", micro_batch_tokens=tokens)
+
+
+def test_a_token_budget_under_torchrun_deals_every_pair_once_with_equal_counts():
+    """Under torchrun each rank runs its micro-batches of the step's pairs: together the ranks'
+    real micro-batches hold every pair exactly once, each within the budget (a pair over it
+    alone), every rank runs as many micro-batches (a rank short of pairs runs a borrowed one,
+    not real), and the ranks' token sums are as even as the longest-first rule makes them."""
+    indices = [7, 3, 11, 0, 5, 9, 2]
+    lengths = [90, 10, 12, 14, 40, 41, 8]
+    budget = budget_of(50)
+    ranks = [step_micro_batches(indices, lengths, budget, Dist(rank=r, world_size=2))
+             for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1])
+    real = [rows for rank in ranks for rows, is_real in rank if is_real]
+    assert sorted(k for rows in real for k in rows) == sorted(indices)
+    tokens = dict(zip(indices, lengths, strict=True))
+    assert all(sum(tokens[k] for k in rows) <= 50 or len(rows) == 1 for rows in real)
+    # By hand, longest first to the lighter rank: 90 | 41, 40, 14 | then 12 to rank 0 (90 <
+    # 95), 10 to rank 1 (95 < 102), 8 to rank 0; rank 0's {90} {12, 8} is split to match rank
+    # 1's three micro-batches.
+    assert ranks[0] == [([7], True), ([11], True), ([2], True)]
+    assert ranks[1] == [([9], True), ([3, 5], True), ([0], True)]
+    # A rank whose micro-batches are single rows and fewer runs a borrowed one, not real.
+    short = [step_micro_batches([1, 2, 3], [100, 30, 30], budget_of(40),
+                                Dist(rank=r, world_size=2)) for r in range(2)]
+    assert short == [[([1], True), ([1], False)], [([2], True), ([3], True)]]
+    # One process: the whole step cut first-fit decreasing, as before.
+    one = step_micro_batches(indices, lengths, budget, Dist())
+    assert one == [([7], True), ([9, 2], True), ([3, 5], True), ([11, 0], True)]

@@ -11,8 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from tether.data.packing import token_budget_cut
-from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import TrainableLM, load_trainable_lm, save_trained_lm
@@ -21,7 +19,7 @@ from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_chec
 from tether.run.config import RunConfig
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.rundir import RunDir
-from tether.run.slicing import rank_micro_batches
+from tether.run.slicing import rank_micro_batches, token_parts
 from tether.train.offline_config import TrainConfig
 
 
@@ -117,17 +115,15 @@ def step_micro_batches(indices: list[int], lengths: list[int], cfg, d: distribut
                        ) -> list[tuple[list[int], bool]]:
     """This rank's micro-batches of the step's rows (SFT) or pairs (RM, DPO) `indices`: (rows,
     real). --grad-accum-steps equal parts (`rank_micro_batches`), or with --micro-batch-tokens
-    parts of at most that many tokens (`tether.data.packing.token_budget_cut` on `lengths`, the
-    tokens each of `indices` puts through the model; one process)."""
+    parts of at most that many tokens, by `lengths` (the tokens each of `indices` puts through
+    the model): under torchrun the rows dealt to the ranks for even token sums and as many
+    micro-batches on every rank, an empty one run as a borrowed row whose loss counts 0
+    (`tether.run.slicing.token_parts`; one process: the whole step cut first-fit decreasing).
+    Every loss divides by the step's global count, so the cut changes no gradient."""
     if not cfg.micro_batch_tokens:
         return rank_micro_batches(indices, cfg.grad_accum_steps, d)
-    return [([indices[j] for j in part], True)
-            for part in token_budget_cut(lengths, cfg.micro_batch_tokens)]
+    mine = token_parts(lengths, cfg.micro_batch_tokens, d)[d.rank]
+    return [([indices[j] for j in part], True) if part else ([indices[0]], False)
+            for part in mine]
 
 
-def check_budget_world(cfg, d: distributed.Dist) -> None:
-    """A token budget cuts each step in one process only for now: under torchrun every rank must
-    run as many micro-batches as the others (the online stages deal rows to ranks for that)."""
-    if cfg.micro_batch_tokens and d.active:
-        raise TetherError("--micro-batch-tokens runs in one process for now (the ranks would need "
-                          "as many micro-batches each); under torchrun use --grad-accum-steps")

@@ -40,7 +40,6 @@ from tether.run.rundir import RunDir, RunResult, announce, print_result, progres
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
-    check_budget_world,
     maybe_checkpoint,
     save_final,
     start_training,
@@ -157,7 +156,6 @@ def run(cfg: RMConfig) -> RunResult:
     check_targets(cfg.model, lora, cfg.trust_remote_code)
     run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
-    check_budget_world(cfg, d)
 
     seed_everything(cfg.seed)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
