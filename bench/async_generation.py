@@ -19,7 +19,12 @@ times on a shared machine are noisy; the ratio measured side by side is the figu
 (docs/benchmarks.md, "Asynchronous generation"). On a GPU the comparison belongs in
 bench/gpu.sh, where generation and training would take separate devices.
 
+With `--task episodes` the runs are environment episodes (`--env`) of two turns instead: the
+environment answers each turn after `--env-latency-ms` (a sandbox, a tool, a simulator), and
+the episodes of batch b + 1, environment and all, run while batch b trains.
+
     python bench/async_generation.py [--size small] [--repeats 3] [--batches 8]
+    python bench/async_generation.py --task episodes --env-latency-ms 200
 """
 
 from __future__ import annotations
@@ -42,9 +47,31 @@ SETTINGS = {  # name: (extra argv)
 }
 
 
+# Two turns: the environment answers the first after its latency with a hint, and scores
+# each turn as the reward function of the prompt runs does.
+ENV = """
+import time
+
+LATENCY_S = {latency}
+
+
+class Turns:
+    def reset(self, row, seed):
+        self.turn = 0
+        return row["prompt"]
+
+    def step(self, action):
+        time.sleep(LATENCY_S)
+        self.turn += 1
+        return " then good", float(action.count("good")), self.turn == 2
+"""
+
+
 def command(model: Path, root: Path, run: str, batches: int, batch_size: int,
-            new_tokens: int) -> list[str]:
-    return ["grpo", "--policy", str(model), "--reward-fn", f"{root / 'reward.py'}:score",
+            new_tokens: int, task: str) -> list[str]:
+    scored = (["--reward-fn", f"{root / 'reward.py'}:score"] if task == "prompts" else
+              ["--env", f"{root / 'env.py'}:Turns", "--max-turns", "2", "--stop-strings", "."])
+    return ["grpo", "--policy", str(model), *scored,
             "--prompts", str(root / "prompts.jsonl"), "--total-episodes",
             str(batches * batch_size), "--batch-size", str(batch_size), "--samples-per-prompt",
             "4", "--max-new-tokens", str(new_tokens), "--save-every", "0", "--run-name", run,
@@ -69,24 +96,29 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--task", default="prompts", choices=("prompts", "episodes"))
+    parser.add_argument("--env-latency-ms", type=float, default=200.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = inputs(root, [args.size])[args.size]
+        (root / "env.py").write_text(ENV.format(latency=args.env_latency_ms / 1000))
         times: dict[str, list[float]] = {name: [] for name in SETTINGS}
         loops: dict[str, list[float]] = {name: [] for name in SETTINGS}
         for repeat in range(args.repeats):
             for i, (name, extra) in enumerate(SETTINGS.items()):
                 argv = command(model, root, f"r{repeat}-{i}", args.batches, args.batch_size,
-                               args.new_tokens) + extra
+                               args.new_tokens, args.task) + extra
                 wall, loop = timed(argv, root / "runs" / f"r{repeat}-{i}" / "metrics.jsonl")
                 times[name].append(wall)
                 loops[name].append(loop)
         episodes = args.batches * args.batch_size
         layers, width, _ = SIZES[args.size]
+        what = ("responses" if args.task == "prompts" else
+                f"episodes of 2 turns, the environment answering after {args.env_latency_ms:g} ms,")
         print(f"tether grpo, GPT-2 {layers} x {width}, {args.batches} batches of "
-              f"{args.batch_size} responses (4 per prompt) of up to {args.new_tokens} tokens, "
-              f"medians of {args.repeats} (whole runs, start-up included)")
+              f"{args.batch_size} {what} (4 per prompt) of up to {args.new_tokens} tokens a "
+              f"turn, medians of {args.repeats} (whole runs, start-up included)")
         print(f"{'setting':<18} {'s per episode':>14} {'run s':>8} {'batches s':>10} "
               f"{'s per episode, batches alone':>29}")
         medians = {name: statistics.median(t) for name, t in times.items()}
