@@ -192,7 +192,7 @@ def test_an_environment_failing_in_the_background_is_one_line(tiny_model_dir, en
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
-    assert "tether-ahead-episodes" not in {t.name for t in threading.enumerate()} - before
+    assert "tether-ahead" not in {t.name for t in threading.enumerate()} - before
 
 
 def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tiny_llama_dir, env_dir,
@@ -240,11 +240,11 @@ def test_a_run_failing_while_episodes_run_ahead_reports_its_own_error(tiny_model
         ppo.run(grpo(tiny_model_dir, env_dir, "update-breaks", env="Slow"))
     deadline = time.monotonic() + 10
     while (multiprocessing.active_children() or any(
-            t.name == "tether-ahead-episodes" for t in threading.enumerate())) \
+            t.name == "tether-ahead" for t in threading.enumerate())) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
-    assert not any(t.name == "tether-ahead-episodes" for t in threading.enumerate())
+    assert not any(t.name == "tether-ahead" for t in threading.enumerate())
 
 
 def test_background_jobs_run_in_order_and_raise_in_the_caller():

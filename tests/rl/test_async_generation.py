@@ -424,6 +424,42 @@ def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tiny_model_dir, 
     assert lines[0][-1]["async/staleness_max"] == staleness  # the gap was there to keep
 
 
+def test_pooled_rewards_of_batches_sampled_ahead_are_scored_in_the_background(
+        tiny_model_dir, prompts_file, monkeypatch):
+    """With the reward pool (its calls run off the main thread anyway) a batch sampled ahead is
+    scored in the background job too, while the trainer updates; what it trains is the run
+    that scores it on the main thread when it is taken, bit for bit. A reward function called
+    directly (no pool) is scored on the main thread, where SIGALRM works."""
+    import threading
+
+    from tether.rl import sources
+
+    scorers: list[str] = []
+    real = sources.PromptSource._answered
+
+    def answered(self, engine, rows, mine, noise_seed):
+        scorers.append(threading.current_thread().name)
+        return real(self, engine, rows, mine, noise_seed)
+    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    kw = dict(max_staleness=1, reward_workers=4)
+    ahead_run = ppo.run(grpo(tiny_model_dir, prompts_file, "scored-ahead", **kw),
+                        reward_fn=length_reward)
+    assert scorers == ["MainThread"] + ["tether-ahead"] * 3  # batch 0, then 3 sampled ahead
+    scorers.clear()
+    monkeypatch.setattr(sources, "PromptsScoredAhead", sources.PromptSource)
+    taken = ppo.run(grpo(tiny_model_dir, prompts_file, "scored-when-taken", **kw),
+                    reward_fn=length_reward)
+    assert scorers == ["MainThread"] * 4
+    a, b = final_weights(ahead_run), final_weights(taken)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    scorers.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    ppo.run(grpo(tiny_model_dir, prompts_file, "no-pool", max_staleness=1, total_episodes=8),
+            reward_fn=length_reward)
+    assert scorers == ["MainThread"] * 2
+
+
 def test_a_build_that_fails_after_the_generator_started_ends_it(tiny_model_dir, prompts_file,
                                                                tmp_path, capsys, monkeypatch):
     """The generator process starts before the models load (its imports overlap the loading);

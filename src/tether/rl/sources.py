@@ -3,7 +3,8 @@ an environment. The loop draws its batches from one `RolloutSource` (`make_sourc
 once) and never asks which.
 
     PromptSource   each prompt row answered once by the engine, cut at the stop strings, scored
-                   by the reward (a reward model or a Python function)
+                   by the reward (a reward model or a Python function); `PromptsScoredAhead`
+                   scores the batches sampled ahead in the background too
     EnvSource      each prompt row the start of an episode (tether.rl.env): reset, then turns of
                    the policy and answers of the environment, rewarded by it
 
@@ -118,9 +119,14 @@ class PromptSource:
         self.engine.prefetch(ids, mask, **settings)
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        return self._answered(self.engine, rows, mine, noise_seed)
+
+    def _answered(self, engine: RolloutEngine, rows: list[int], mine: slice,
+                  noise_seed: int) -> Collected:
+        """The rows answered by `engine`, cut at the stop strings, and scored."""
         s = self.sampling
         ids, mask, settings = self.request(rows, mine, noise_seed)
-        rollout = self.engine.sample(ids, mask, **settings)
+        rollout = engine.sample(ids, mask, **settings)
         rollout = apply_stop_strings(rollout, self.tokenizer, s.stop_strings, s.pad_token_id)
         prompts = [self.prompts[i] for i in rows[mine]]
         table = [self.rows[i] for i in rows[mine]] if self.rows else None
@@ -133,6 +139,31 @@ class PromptSource:
 
     def close(self) -> None:
         pass
+
+
+class PromptsScoredAhead(PromptSource):
+    """`PromptSource` for an engine sampling ahead of the trainer and a reward that does not run
+    on the trainer's main thread anyway (the reward pool's workers, a reward server): a batch
+    asked for ahead is sampled and scored in the background (`RolloutEngine.submit`), so
+    neither the sampling nor the reward holds up the step. A reward function called directly
+    stays on the main thread (`PromptSource`): one that times itself with SIGALRM
+    (math_verify) can only run there."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: dict[tuple, object] = {}  # a batch's key -> its scored rows, submitted
+
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        key = _batch_key(rows, mine, noise_seed)
+        if key not in self.pending:
+            self.pending[key] = self.engine.submit(
+                lambda engine: self._answered(engine, rows, mine, noise_seed))
+
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        started = self.pending.pop(_batch_key(rows, mine, noise_seed), None)
+        if started is not None:
+            return started.result()
+        return self._answered(self.engine, rows, mine, noise_seed)
 
 
 class EnvSource:
@@ -195,18 +226,21 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
                 prompt_ids: list[list[int]], rows: Sequence[dict], reward: Reward | None,
                 env, tools: list, eos_token_ids: Sequence[int], device: torch.device,
                 source_name: str, context_limit: int | None = None,
-                env_seed_base: int | None = None) -> RolloutSource:
+                env_seed_base: int | None = None, score_ahead: bool = False) -> RolloutSource:
     """The source the settings ask for, the one place that decides: episodes of `env` (a
     factory) or of `tools` (Python functions, scored by `reward`), else the prompts answered once
     and scored by `reward`. `settings`: a config with the sampling and environment fields
     (PPOConfig; `tether eval` and `tether generate`'s). `context_limit`: the most tokens the
     policy reads (`tether.models.reward_model.position_limit`), which no episode outgrows.
     `env_seed_base`: the run seed the environment seeds derive from (`env_seed`; the settings'
-    seed by default), so that held-out episodes meet other environments than training's."""
+    seed by default), so that held-out episodes meet other environments than training's.
+    `score_ahead`: prompts sampled ahead are scored in the background too (`PromptsScoredAhead`:
+    the engine samples ahead, and `reward` runs off the main thread)."""
     sampling = Sampling(settings.max_new_tokens, settings.temperature, tuple(eos_token_ids),
                         tokenizer.pad_token_id, tuple(settings.stop_strings))
     if not (env or tools):
-        return PromptSource(engine, tokenizer, prompts, prompt_ids, reward, sampling, device, rows)
+        kind = PromptsScoredAhead if score_ahead else PromptSource
+        return kind(engine, tokenizer, prompts, prompt_ids, reward, sampling, device, rows)
     schemas = None
     if tools:  # each tool call has --env-timeout (a hang goes back to the model), the reward
         # function on the answer --reward-fn-timeout: the step, tether's own code, none of its own

@@ -218,14 +218,20 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     engine = _engine(cfg, lm, roles, steps, (threads[1], launched),
                      longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
                                     limit), replica)
-    reward = roles.scorer(reward) if reward is not None else None
+    # A reward model runs inside the wrapper (under FSDP2 every rank calls it alike); functions
+    # and a server need none. Those that run off the main thread anyway (the pool's workers, a
+    # server) score the batches sampled ahead in the background too (`PromptsScoredAhead`).
+    reward = roles.scorer(reward) if reward_model is not None else reward
+    pooled = functions is not None and functions.pool is not None
+    score_ahead = bool(cfg.max_staleness and reward_model is None and (remote or pooled))
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
                env_seed_base: int | None = None):
         return make_source(cfg, engine, tokenizer, prompts=texts, prompt_ids=ids, rows=table,
                            reward=reward if reward is not None else functions, env=env,
                            tools=tools, eos_token_ids=eos, device=device, source_name=name,
-                           context_limit=limit, env_seed_base=env_seed_base)
+                           context_limit=limit, env_seed_base=env_seed_base,
+                           score_ahead=score_ahead)
     evaluation = None
     if cfg.eval_prompts:  # the same kind of source as training's, on the held-out rows
         table = load_rows(cfg.eval_prompts)

@@ -46,7 +46,7 @@ class Background(Generic[T]):
         self.value: T | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(work, after), daemon=True,
-                                       name="tether-ahead-episodes")
+                                       name="tether-ahead")
         self.thread.start()
 
     def _run(self, work: Callable[[], T], after: Background | None) -> None:
