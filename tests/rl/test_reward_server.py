@@ -205,11 +205,17 @@ def _run(stage_argv: list[str], root: Path) -> tuple[list[dict], dict]:
     return metrics, load_file(str(run / "final" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("stage, policy, rm, chat", [("grpo", "tiny_model_dir", "gpt2", False),
-                                                     ("grpo", "tiny_llama_dir", "llama", True),
-                                                     ("ppo", "tiny_model_dir", "gpt2", False)])
-def test_online_run_with_reward_url_is_the_run_with_reward_model(stage, policy, rm, chat, rms,
-                                                                 request, tmp_path):
+@pytest.mark.parametrize("stage, policy, rm, chat, extra", [
+    ("grpo", "tiny_model_dir", "gpt2", False, []),
+    ("grpo", "tiny_llama_dir", "llama", True, []),
+    ("ppo", "tiny_model_dir", "gpt2", False, []),
+    # sampled ahead: the server scores batch 2 in the background, during batch 1's update; the
+    # reward model in process scores it when the batch is taken
+    ("grpo", "tiny_model_dir", "gpt2", False, ["--max-staleness", "1",
+                                               "--generator-threads", "1"]),
+])
+def test_online_run_with_reward_url_is_the_run_with_reward_model(stage, policy, rm, chat, extra,
+                                                                 rms, request, tmp_path):
     # ppo: gae with a separate critic, which starts from the policy's trunk with either reward
     # (this reward model reads another vocabulary, so in process it cannot seed the critic either)
     rows = [{"messages": c} for c in CHATS] if chat else [{"prompt": p} for p in PLAIN]
@@ -217,7 +223,7 @@ def test_online_run_with_reward_url_is_the_run_with_reward_model(stage, policy, 
     argv = [stage, "--policy", str(request.getfixturevalue(policy)), "--prompts", str(prompts),
             "--run-name", "r", "--batch-size", "4", "--total-episodes", "8",
             "--max-new-tokens", "6", "--device", "cpu", "--save-every", "0", "--report-to",
-            "none"] + (["--samples-per-prompt", "2"] if stage == "grpo" else [])
+            "none"] + (["--samples-per-prompt", "2"] if stage == "grpo" else []) + extra
     local = _run(argv + ["--reward-model", str(rms[rm])], tmp_path / "local")
     # the server scores 4 rows per forward: the stage's micro-batch (the whole batch of 4)
     with served(rms[rm], batch_size=4) as server:
