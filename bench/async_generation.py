@@ -19,12 +19,17 @@ times on a shared machine are noisy; the ratio measured side by side is the figu
 (docs/benchmarks.md, "Asynchronous generation"). On a GPU the comparison belongs in
 bench/gpu.sh, where generation and training would take separate devices.
 
+With `--reward-delay-ms D --reward-workers N` the prompts are scored by a reward that waits D ms
+per response (an API judge), N calls at a time (the reward pool); sampled ahead, a batch is
+then scored in the background too, while the trainer updates.
+
 With `--task episodes` the runs are environment episodes (`--env`) of two turns instead: the
 environment answers each turn after `--env-latency-ms` (a sandbox, a tool, a simulator), and
 the episodes of batch b + 1, environment and all, run while batch b trains.
 
     python bench/async_generation.py [--size small] [--repeats 3] [--batches 8]
     python bench/async_generation.py --task episodes --env-latency-ms 200
+    python bench/async_generation.py --reward-delay-ms 200 --reward-workers 8
 """
 
 from __future__ import annotations
@@ -67,9 +72,21 @@ class Turns:
 """
 
 
+# The prompts' reward, waiting its delay per call (one response a call in the pool).
+SLOW_REWARD = """
+import time
+
+
+def score(prompts, responses):
+    time.sleep({delay} * len(responses))
+    return [float(r.count("good")) for r in responses]
+"""
+
+
 def command(model: Path, root: Path, run: str, batches: int, batch_size: int,
-            new_tokens: int, task: str) -> list[str]:
-    scored = (["--reward-fn", f"{root / 'reward.py'}:score"] if task == "prompts" else
+            new_tokens: int, task: str, workers: int) -> list[str]:
+    scored = (["--reward-fn", f"{root / 'slow_reward.py'}:score", "--reward-workers",
+               str(workers)] if task == "prompts" else
               ["--env", f"{root / 'env.py'}:Turns", "--max-turns", "2", "--stop-strings", "."])
     return ["grpo", "--policy", str(model), *scored,
             "--prompts", str(root / "prompts.jsonl"), "--total-episodes",
@@ -98,23 +115,27 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--task", default="prompts", choices=("prompts", "episodes"))
     parser.add_argument("--env-latency-ms", type=float, default=200.0)
+    parser.add_argument("--reward-delay-ms", type=float, default=0.0)
+    parser.add_argument("--reward-workers", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = inputs(root, [args.size])[args.size]
         (root / "env.py").write_text(ENV.format(latency=args.env_latency_ms / 1000))
+        (root / "slow_reward.py").write_text(SLOW_REWARD.format(delay=args.reward_delay_ms / 1000))
         times: dict[str, list[float]] = {name: [] for name in SETTINGS}
         loops: dict[str, list[float]] = {name: [] for name in SETTINGS}
         for repeat in range(args.repeats):
             for i, (name, extra) in enumerate(SETTINGS.items()):
                 argv = command(model, root, f"r{repeat}-{i}", args.batches, args.batch_size,
-                               args.new_tokens, args.task) + extra
+                               args.new_tokens, args.task, args.reward_workers) + extra
                 wall, loop = timed(argv, root / "runs" / f"r{repeat}-{i}" / "metrics.jsonl")
                 times[name].append(wall)
                 loops[name].append(loop)
         episodes = args.batches * args.batch_size
         layers, width, _ = SIZES[args.size]
-        what = ("responses" if args.task == "prompts" else
+        what = (f"responses scored after {args.reward_delay_ms:g} ms each, "
+                f"{args.reward_workers} at a time," if args.task == "prompts" else
                 f"episodes of 2 turns, the environment answering after {args.env_latency_ms:g} ms,")
         print(f"tether grpo, GPT-2 {layers} x {width}, {args.batches} batches of "
               f"{args.batch_size} {what} (4 per prompt) of up to {args.new_tokens} tokens a "
