@@ -77,9 +77,35 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-def _batch_key(rows: list[int], mine: slice, noise_seed: int) -> tuple:
-    """What identifies a batch a source is asked for (a slice is not hashable)."""
-    return tuple(rows), (mine.start, mine.stop, mine.step), noise_seed
+class AheadBatches:
+    """The batches a source hands its engine ahead of their `collect` (`RolloutEngine.submit`):
+    `work(engine, rows, mine, noise_seed)` collects one through `engine`. An engine sampling
+    ahead runs it now, in the background; `take` gives the result, or runs the work now for a
+    batch never handed over (a --dynamic-sampling refill)."""
+
+    def __init__(self, engine: RolloutEngine, work):
+        self.engine, self.work = engine, work
+        self.pending: dict[tuple, object] = {}  # a batch's key -> its handle, not yet taken
+
+    @staticmethod
+    def key(rows: list[int], mine: slice, noise_seed: int) -> tuple:
+        return tuple(rows), (mine.start, mine.stop, mine.step), noise_seed  # slices: unhashable
+
+    def submit(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+        key = self.key(rows, mine, noise_seed)
+        if key not in self.pending:
+            self.pending[key] = self.engine.submit(
+                lambda engine: self.work(engine, rows, mine, noise_seed))
+
+    def take(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+        started = self.pending.pop(self.key(rows, mine, noise_seed), None)
+        if started is not None:
+            return started.result()
+        return self.work(self.engine, rows, mine, noise_seed)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the work handed over and not taken is over, within `timeout` seconds each."""
+        return all(job.wait(timeout) for job in self.pending.values())
 
 
 def part_means(parts: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -151,19 +177,13 @@ class PromptsScoredAhead(PromptSource):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pending: dict[tuple, object] = {}  # a batch's key -> its scored rows, submitted
+        self.ahead = AheadBatches(self.engine, self._answered)
 
     def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
-        key = _batch_key(rows, mine, noise_seed)
-        if key not in self.pending:
-            self.pending[key] = self.engine.submit(
-                lambda engine: self._answered(engine, rows, mine, noise_seed))
+        self.ahead.submit(rows, mine, noise_seed)
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
-        started = self.pending.pop(_batch_key(rows, mine, noise_seed), None)
-        if started is not None:
-            return started.result()
-        return self._answered(self.engine, rows, mine, noise_seed)
+        return self.ahead.take(rows, mine, noise_seed)
 
 
 class EnvSource:
@@ -176,23 +196,17 @@ class EnvSource:
         self.rows, self.limits, self.sampling = rows, limits, sampling
         self.run_seed, self.tokenizer, self.device = run_seed, tokenizer, device
         self.source_name = source_name
-        self.pending: dict[tuple, object] = {}  # a batch's key -> its episodes, submitted
+        self.ahead = AheadBatches(engine, self._episodes)
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
         """The batch's episodes: sampled ahead (`prefetch`) when they were, else now."""
-        started = self.pending.pop(_batch_key(rows, mine, noise_seed), None)
-        if started is not None:
-            return started.result()
-        return self._episodes(self.engine, rows, mine, noise_seed)
+        return self.ahead.take(rows, mine, noise_seed)
 
     def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
         """Hand this batch's episodes to the engine (`RolloutEngine.submit`): one sampling ahead
         of the trainer runs them now, environment and all, while the trainer updates; `collect`
         takes them."""
-        key = _batch_key(rows, mine, noise_seed)
-        if key not in self.pending:
-            self.pending[key] = self.engine.submit(
-                lambda engine: self._episodes(engine, rows, mine, noise_seed))
+        self.ahead.submit(rows, mine, noise_seed)
 
     def _episodes(self, engine: RolloutEngine, rows: list[int], mine: slice,
                   noise_seed: int) -> Collected:
@@ -218,7 +232,7 @@ class EnvSource:
         """Close the environments' event loop once the episodes running ahead are over (the
         engine closed first: they end at their next turn). One still inside the environment's
         code past the wait keeps the loop, a daemon thread that ends with the process."""
-        if all(job.wait(CLOSE_WAIT_S) for job in self.pending.values()):
+        if self.ahead.wait(CLOSE_WAIT_S):
             self.calls.close()
 
 

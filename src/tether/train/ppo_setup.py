@@ -205,7 +205,6 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
-
     # Stop on every EOS the tokenizer and model declare (load_tokenizer made pad distinct).
     eos = policy_eos_ids(tokenizer, policy, cfg.policy)
     # The one helper that builds every held-out evaluation's inputs (`tether eval` uses it too).
@@ -218,12 +217,7 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     engine = _engine(cfg, lm, roles, steps, (threads[1], launched),
                      longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
                                     limit), replica)
-    # A reward model runs inside the wrapper (under FSDP2 every rank calls it alike); functions
-    # and a server need none. Those that run off the main thread anyway (the pool's workers, a
-    # server) score the batches sampled ahead in the background too (`PromptsScoredAhead`).
-    reward = roles.scorer(reward) if reward_model is not None else reward
-    pooled = functions is not None and functions.pool is not None
-    score_ahead = bool(cfg.max_staleness and reward_model is None and (remote or pooled))
+    reward, score_ahead = _loop_reward(cfg, roles, reward, reward_model)
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
                env_seed_base: int | None = None):
@@ -246,6 +240,19 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                  eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids, n_rows=len(rows),
                  eval=evaluation, spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _loop_reward(cfg: PPOConfig, roles: Roles, reward: Reward | None,
+                 reward_model: nn.Module | None) -> tuple[Reward | None, bool]:
+    """(the reward as the loop calls it, whether batches sampled ahead are scored in the
+    background too). A reward model runs inside the wrapper (under FSDP2 every rank calls it
+    alike); functions and a server need none. Those that run off the main thread anyway (the
+    pool's workers, a server) score the batches sampled ahead in the background
+    (`PromptsScoredAhead`); a function called directly stays on the main thread."""
+    if reward_model is not None:
+        return roles.scorer(reward), False
+    off_main_thread = bool(cfg.reward_url) or getattr(reward, "pool", None) is not None
+    return reward, bool(cfg.max_staleness and reward is not None and off_main_thread)
 
 
 def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCounter,
