@@ -31,9 +31,45 @@ WORDS = ("the movie was good bad great awful fine dull fun boring plot actor sce
          "film story music ending long short loved hated it and but very quite").split()
 
 REWARD = '''
+import asyncio
+
+
 def score(prompts, responses):
     return [sum(w in r for w in ("good", "great", "fun")) - 0.1 * len(r.split())
             for r in responses]
+
+
+async def score_async(prompts, responses):  # the reward pool's async def path
+    await asyncio.sleep(0)
+    return score(prompts, responses)
+
+
+class TwoTurns:
+    """An environment of two turns: an observation after the first, the reward on the second."""
+
+    def reset(self, row, seed):
+        self.turns = 0
+        return row["prompt"]
+
+    def step(self, action):
+        self.turns += 1
+        if self.turns == 1:
+            return " and then", 0.1 * len(action.split()), False
+        return None, float(sum(w in action for w in ("good", "great", "fun"))), True
+
+
+def make_env():
+    return TwoTurns()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
 '''
 
 # Each case: (stage, model, flags). The first four are the issue's; the rest cover the paths the
@@ -68,7 +104,20 @@ CASES = {
                                "--score-norm", "running"]),
     "grpo-lora-onepass": ("grpo", ["--lora-r", "4", "--kl-estimator", "k2",
                                    "--temperature", "0.7"]),
+    # what the last round added (issue 43): episodes of two turns (an environment's reward, no
+    # --reward-fn), tools on a tool-calling template, batches sampled two ahead, packed
+    # forwards cut by tokens, the reward pool calling an async def function
+    "grpo-env-two-turns": ("grpo", ["--env", "{env}", "--max-turns", "2",
+                                    "--stop-strings", "e", "a", "--ppo-epochs", "2"]),
+    "grpo-tools": ("grpo", ["--tools", "{tools}", "--max-turns", "3", "--max-prompt-len", "2048",
+                            "--max-new-tokens", "12", "--stop-strings", "<tool_call>", "e"],
+                   ("qwen2-tools",)),
+    "grpo-ahead-2": ("grpo", ["--max-staleness", "2", "--generator-threads", "1",
+                              "--total-episodes", "32"]),
+    "ppo-pack-tokens": ("ppo", ["--pack", "--micro-batch-tokens", "40", "--ppo-epochs", "2"]),
+    "grpo-pool-async": ("grpo", ["--reward-fn", "{async_reward}", "--reward-workers", "4"]),
 }
+MODELS = ("gpt2", "llama")
 
 
 def texts(n: int = 300, seed: int = 0) -> list[str]:
@@ -79,11 +128,12 @@ def texts(n: int = 300, seed: int = 0) -> list[str]:
 
 def build_inputs(root: Path) -> None:
     """Models and data, once: both trees read these bytes."""
-    from tether.models.tiny import save_tiny, save_tiny_llama
+    from tether.models.tiny import save_tiny, save_tiny_llama, save_tiny_qwen2
 
     root.mkdir(parents=True, exist_ok=True)
     save_tiny(root / "gpt2", texts(), vocab_size=300)
     save_tiny_llama(root / "llama", texts(), vocab_size=300)
+    save_tiny_qwen2(root / "qwen2-tools", texts(), vocab_size=300, tools=True)
     rng = random.Random(1)
     prompts = ["the movie was", "a film", "it", "the plot", "the actor", "music and",
                "the ending", "very"]
@@ -98,15 +148,18 @@ def build_inputs(root: Path) -> None:
 
 def command(stage: str, model: str, flags: list[str], root: Path, out: Path,
             name: str) -> list[str]:
-    flags = [f.format(prompts=root / "prompts.jsonl", reward=f"{root / 'reward.py'}:score")
-             for f in flags]
+    code = root / "reward.py"
+    flags = [f.format(prompts=root / "prompts.jsonl", reward=f"{code}:score",
+                      async_reward=f"{code}:score_async", env=f"{code}:make_env",
+                      tools=f"{code}:add") for f in flags]
     common = ["--run-name", name, "--output-dir", str(out), "--device", "cpu", "--threads", "1",
               "--seed", "3"]
     if stage == "dpo":
         return [stage, "--model", str(root / model), "--data", str(root / "prefs.jsonl"),
                 "--epochs", "2", "--batch-size", "4", *common, *flags]
+    reward = [] if "--env" in flags or "--reward-fn" in flags else ["--reward-fn", f"{code}:score"]
     return [stage, "--policy", str(root / model), "--prompts", str(root / "prompts.jsonl"),
-            "--reward-fn", f"{root / 'reward.py'}:score", *ONLINE, *common, *flags]
+            *reward, *ONLINE, *common, *flags]
 
 
 def digest_run(run: Path) -> dict[str, str]:
@@ -152,8 +205,8 @@ def main() -> None:
     env = os.environ | {"PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     wanted = set(args.only.split(",")) if args.only else None
     results = {}
-    for case, (stage, flags) in CASES.items():
-        for model in ("gpt2", "llama"):
+    for case, (stage, flags, *models) in CASES.items():
+        for model in (models[0] if models else MODELS):
             name = f"{case}-{model}"
             if wanted and case not in wanted and name not in wanted:
                 continue
