@@ -16,7 +16,9 @@ from tether.models.tiny import save_tiny  # noqa: E402
 
 # The suite's models are tiny: with 2 intra-op threads the thread hand-offs cost more than the
 # maths (the offline-stage tests took 98 s with 2 threads and 10 s with 1 on an idle machine).
-torch.set_num_threads(1)
+# CI runs the tests that compare across processes again with TETHER_TEST_THREADS=2
+# (tests/processes.py): a comparison whose sides are not pinned to one count then fails.
+torch.set_num_threads(int(os.environ.get("TETHER_TEST_THREADS", "1")))
 
 @pytest.fixture
 def no_loads(monkeypatch):

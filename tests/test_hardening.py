@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
+from processes import pinned_threads, same_settings_env
 from safetensors.torch import load_file
 
 from tether.cli import main
@@ -198,19 +199,19 @@ def test_dpo_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_pa
 def _sft_argv(model, data, out, name, *extra):
     return ["sft", "--model", str(model), "--data", str(data), "--run-name", name,
             "--output-dir", str(out), "--batch-size", "4", "--max-steps", "300", "--lr", "1e-3",
-            "--save-every", "1000", "--device", "cpu", "--seed", "1", *extra]
+            "--save-every", "1000", "--device", "cpu", "--seed", "1", *pinned_threads(), *extra]
 
 
 @pytest.mark.slow
+@pytest.mark.across_processes  # the same computation: the child's threads pinned to this one's
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_with_a_checkpoint_and_resumes_bit_identically(tiny_model_dir, tmp_path,
                                                                     signum):
     data = write_jsonl(tmp_path / "s.jsonl", sft_rows(32))
     out = tmp_path / "runs"
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tether.cli",
                              *_sft_argv(tiny_model_dir, data, out, "cut")],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=same_settings_env())
     progress_lines = 0
     for line in proc.stderr:  # wait for a few progress lines: the loop is running
         progress_lines += "step " in line

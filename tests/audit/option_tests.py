@@ -609,5 +609,5 @@ AHEAD = ("tests/rl/test_async_generation.py::"
          "test_each_batch_is_sampled_by_the_weights_of_l_batches_before[tiny_model_dir]")
 OPTION_TESTS |= {"online:max_staleness": [AHEAD], "online:generator_threads": [AHEAD]}
 OPTION_TESTS |= {f"serve-rm:{name}": [SERVED + "test_serve_rm_loads_and_scores_as_told"]
-                 for name in ("model", "host", "port", "device", "dtype", "batch_size",
+                 for name in ("model", "host", "port", "device", "threads", "dtype", "batch_size",
                               "trust_remote_code")}

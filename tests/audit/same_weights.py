@@ -10,7 +10,9 @@ same digests in both trees.
     python tests/audit/same_weights.py --compare before.json after.json
 
 The models, prompts and preference files are built once (under `<out>.models`) and reused by the
-other tree (`--models`), so both train from the same bytes. `--only NAME,...` runs some cases.
+other tree (`--models`), so both train from the same bytes. Digests compare trees on one machine:
+bit-identity holds for the same computation (tests/processes.py), and another CPU, or another
+thread count, may round the same run otherwise, so record both sides where they are compared. `--only NAME,...` runs some cases.
 Each case is a real `python -m tether` process, so the CLI, the config and the run directory are
 in the comparison too.
 """

@@ -11,7 +11,6 @@ the last bit, since the server runs that very function on the same rows.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import pytest
 import torch
 from conftest import sample_texts
 from offline_fixtures import RM_TEMPLATE, write_jsonl
+from processes import pinned_threads, same_settings_env
 from refusals import refused
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
@@ -41,7 +41,6 @@ from tether.rl.rewards import NonFiniteScore, load_scoring_model
 from tether.tools.config import ServeRMConfig
 from tether.tools.serve_rm import open_server, serve
 
-ROOT = Path(__file__).resolve().parents[2]
 CHATS = [[{"role": "user", "content": "the movie was"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a long plot and"}],
          [{"role": "user", "content": "it"}],
@@ -133,10 +132,15 @@ def test_serve_rm_loads_and_scores_as_told(rms, monkeypatch):
                         lambda name: seen.setdefault("device", name) and real_device("cpu"))
     monkeypatch.setattr(serve_rm, "load_scoring_model", lambda path, device, dtype, trust: (
         seen.update(path=path, dtype=dtype, trust=trust) or real_load(path, device, dtype, trust)))
+    real_threads = serve_rm.use_threads
+    monkeypatch.setattr(serve_rm, "use_threads", lambda requested, model, device: (
+        seen.update(threads=real_threads(requested, model, device))))
     port = free_port()
+    threads = torch.get_num_threads()
     server = open_server(ServeRMConfig(model=str(rms["llama"]), host="127.0.0.2", port=port,
                                        device="cpu", dtype="bfloat16", batch_size=3,
-                                       trust_remote_code=True))
+                                       trust_remote_code=True, threads=threads + 1))
+    torch.set_num_threads(threads)  # this process's again (the server set its own)
     sizes = []
     score_texts = server.model.score_texts
     monkeypatch.setattr(server.model, "score_texts", lambda p, r, batch_size: (
@@ -151,7 +155,7 @@ def test_serve_rm_loads_and_scores_as_told(rms, monkeypatch):
         server.server_close()
         thread.join()
     assert seen == {"device": "cpu", "path": str(rms["llama"]), "dtype": "bfloat16",
-                    "trust": True}
+                    "trust": True, "threads": threads + 1}
     assert sizes == [3] and endpoints[0].info["dtype"] == "bfloat16"
     assert server.model.model.dtype == torch.bfloat16
 
@@ -173,11 +177,16 @@ def test_info_says_what_the_client_checks(rms):
         assert "responses" in json.loads(caught.value.read())["error"]
 
 
+@pytest.mark.across_processes
 def test_the_cli_serves_until_sigterm(rms):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
+    # The same computation on both sides (tests/processes.py): the server scores with this
+    # process's thread count, so its scores are this process's bit for bit, on any CPU (with
+    # another count a CPU may round the reductions otherwise: issue 49).
     child = subprocess.Popen([sys.executable, "-m", "tether", "serve-rm", str(rms["gpt2"]),
-                              "--port", "0", "--device", "cpu", "--batch-size", "4"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              "--port", "0", "--device", "cpu", "--batch-size", "4",
+                              *pinned_threads()],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=same_settings_env())
     try:
         ready = ""
         while not ready.startswith("serving"):

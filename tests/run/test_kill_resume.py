@@ -1,10 +1,13 @@
 """kill -9 in the middle of any stage, then --resume: the final weights are bit-identical to a run
-that was never killed (checkpoints are atomic; data order, RNG and optimizer state come back)."""
+that was never killed (checkpoints are atomic; data order, RNG and optimizer state come back).
+
+The same computation in three processes (tests/processes.py): the killed child, the resumed run
+and the whole run here all train with this process's thread count (`--threads`, and the child's
+OMP_NUM_THREADS), so the weights must be equal bit for bit on any CPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +15,7 @@ import sys
 import pytest
 import torch
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
+from processes import pinned_threads, same_settings_env
 from safetensors.torch import load_file
 
 from tether.cli import main
@@ -34,7 +38,7 @@ class Guess:
 
 def _argv(stage, model, root, name):
     common = ["--run-name", name, "--output-dir", str(root / "runs"), "--device", "cpu",
-              "--seed", "3", "--save-every", "1"]
+              "--seed", "3", "--save-every", "1", *pinned_threads()]
     if stage == "ppo":
         (root / "rewards.py").write_text(
             "def length(prompts, responses):\n    return [len(r) / 10 for r in responses]\n")
@@ -62,6 +66,7 @@ def _weights(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.across_processes
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "ppo-env"])
 def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     write_jsonl(tmp_path / "sft.jsonl", sft_rows(24))
@@ -69,8 +74,7 @@ def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in sft_rows(12)])
     proc = subprocess.Popen([sys.executable, "-m", "tether.cli",
                              *_argv(stage, tiny_model_dir, tmp_path, "killed")],
-                            stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, text=True, env=same_settings_env())
     seen = 0
     for line in proc.stderr:  # progress lines: kill in the middle of the run, mid-step
         seen += ": step " in line

@@ -28,6 +28,7 @@ def _launch(items: list[dict], spec: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.across_processes  # the same computation: torchrun's ranks, one thread each, twice
 def test_two_ranks_with_dropout_resume_bit_exact(tiny_model_dir, tmp_path):
     config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
     assert config["resid_pdrop"] == config["attn_pdrop"] == 0.1  # dropout is on

@@ -34,7 +34,7 @@ from torchrun_helpers import ROOT, torchrun_command
 
 from tether.rl.engines import ahead
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.across_processes]
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor"]

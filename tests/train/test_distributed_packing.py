@@ -21,7 +21,7 @@ from torchrun_helpers import ROOT, torchrun
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.across_processes]
 
 # One prompt far longer than the others: a minibatch holding it once gives that row to one rank
 # alone under a token budget, the other three rows to the other (fillers on the first).

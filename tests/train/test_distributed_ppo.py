@@ -28,7 +28,7 @@ from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig, RLOOConfig
 from tether.train.ppo_setup import check_world
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.across_processes]
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "the actor"]
@@ -51,6 +51,12 @@ class Turns:
         return (None if done else " and then"), len(action) / 10.0, done
 """
 CONFIGS = {"ppo": PPOConfig, "rloo": RLOOConfig, "grpo": GRPOConfig}
+# A different computation (tests/processes.py): the ranks reduce each gradient as two halves, so
+# its sums round otherwise than the one process's, by a few FLOAT32_EPS relative. Adam normalises
+# each step to at most ~lr per weight, so the runs drift apart by about eps x |weight| per step
+# and more where a gradient's second moment sits near Adam's epsilon: 1e-5 is ~80 float32
+# roundings of a weight of magnitude 1 over these runs of 2-3 batches of 1-4 steps, and every
+# config moves the weights by more than 30 times it (checked), so a real difference shows.
 WEIGHT_ATOL = 1e-5
 
 

@@ -173,6 +173,8 @@ class ServeRMConfig:
     """Port to listen on (0: any free one, named in the ready line)."""
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    threads: int = 0
+    """CPU threads per operation; 0 (auto): 1 for a model under 10M parameters on the CPU (more are slower there), else torch's default (one per core, or OMP_NUM_THREADS)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the model weights are loaded in (the in-process --reward-model uses the stage's --dtype)."""
     batch_size: int = 16
@@ -183,5 +185,6 @@ class ServeRMConfig:
     def validate(self) -> None:
         require_positive(self, "batch_size")
         check_device(self.device)
+        check_threads(self.threads)
         if not 0 <= self.port <= 65535:
             raise TetherError(f"--port {self.port} is not a port; give 0 to 65535 (0: any free one)")

@@ -31,6 +31,7 @@ from tether.models.hub_reward import check_reward_model
 from tether.models.reward_model import RewardModel, position_limit
 from tether.rl.rewards import has_chat_template, load_scoring_model
 from tether.run.launch import resolve_device
+from tether.run.threads import use_threads
 from tether.tools.config import ServeRMConfig
 
 
@@ -169,8 +170,10 @@ def open_server(cfg: ServeRMConfig) -> RewardServer:
     kind = check_reward_model(cfg.model, cfg.trust_remote_code)
     server = RewardServer(cfg)
     try:
-        server.load(load_scoring_model(cfg.model, resolve_device(cfg.device), cfg.dtype,
-                                       cfg.trust_remote_code), kind)
+        device = resolve_device(cfg.device)
+        model = load_scoring_model(cfg.model, device, cfg.dtype, cfg.trust_remote_code)
+        use_threads(cfg.threads, model, device)  # as every stage: a tiny model on one thread
+        server.load(model, kind)
     except BaseException:
         server.server_close()
         raise
