@@ -89,6 +89,30 @@ class Rollout:
             return self.episode
         return torch.arange(len(self), device=self.input_ids.device)
 
+    def last_rows(self) -> torch.Tensor:
+        """[B] bool: the rows that end an episode (every row, unless a template split episodes):
+        an episode's rows are consecutive, so its last is the one before the id changes."""
+        if self.episode is None:
+            return torch.ones(len(self), dtype=torch.bool, device=self.input_ids.device)
+        episode = self.episode
+        return torch.cat([episode[1:] != episode[:-1], episode.new_ones(1, dtype=torch.bool)])
+
+    def episode_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """[E] x [B] summed over each episode's rows (E episodes, `episode_ids` 0 .. E - 1), on
+        x's device; `episode_sums(x)[episode_ids()]` puts each episode's sum on its rows."""
+        episode = self.episode_ids().to(x.device)
+        return torch.zeros(int(episode.max()) + 1, dtype=x.dtype,
+                           device=x.device).index_add_(0, episode, x)
+
+    def sampled_ids(self) -> list[list[int]]:
+        """The token ids the policy sampled (`action_mask`) in each episode, its rows joined in
+        order: one list per response when rows are responses."""
+        joined: dict[int, list[int]] = {}
+        for episode, row, mask in zip(self.episode_ids().tolist(), self.responses,
+                                      self.action_mask.bool(), strict=True):
+            joined.setdefault(episode, []).extend(row[mask].tolist())
+        return list(joined.values())
+
 
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
 ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "action_mask", "ended",
@@ -186,16 +210,3 @@ def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
     """The text of each response (special tokens such as EOS dropped), for reward functions."""
     return [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
             for row, mask in zip(rollout.responses, rollout.response_mask, strict=True)]
-
-
-def sampled_ids(rollout, n_responses: int) -> list[list[int]]:
-    """The token ids the policy sampled for each response (`action_mask`), an episode's rows
-    joined in order; `n_responses` says whether rows are responses or episodes."""
-    per_row = [row[mask].tolist() for row, mask in zip(rollout.responses,
-                                                       rollout.action_mask.bool(), strict=True)]
-    if len(per_row) == n_responses:
-        return per_row
-    joined: dict[int, list[int]] = {}
-    for episode, ids in zip(rollout.episode_ids().tolist(), per_row, strict=True):
-        joined.setdefault(episode, []).extend(ids)
-    return list(joined.values())
