@@ -67,6 +67,19 @@ class Rollout:
         if self.action_mask is None:
             self.action_mask = self.response_mask
 
+    @classmethod
+    def from_parts(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   responses: torch.Tensor, response_mask: torch.Tensor, ended: torch.Tensor,
+                   temperature: float, **optional: torch.Tensor | None) -> Rollout:
+        """The layout above from its parts: prompts [B, P] left-padded, `prompt_mask` 1 on their
+        real tokens; what follows them, `responses` [B, R] right-padded, `response_mask` True on
+        its real tokens; `ended` [B]. `optional`: the per-row fields engine_logprobs,
+        action_mask, episode, versions (absent: None). Per-row lists become these tensors by
+        `tether.data.prompts.left_pad` (prompts) and `right_padded` (what follows them)."""
+        return cls(torch.cat([prompt_ids, responses], dim=1),
+                   torch.cat([prompt_mask.long(), response_mask.long()], dim=1), response_mask,
+                   ended, prompt_ids.shape[1], temperature, **optional)
+
     @property
     def responses(self) -> torch.Tensor:  # [B, R]
         return self.input_ids[:, self.context_length:]
@@ -162,6 +175,16 @@ def episode_numbers(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out.append(ids + offset)
         offset += int(ids.max()) + 1 if len(ids) else 0
     return out
+
+
+def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(rows), width]: each row's values from column 0, `fill` after them (a per-token fact
+    of responses of different lengths, in the layout above)."""
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for r, values in enumerate(rows):
+        out[r, :len(values)] = torch.tensor(values, dtype=dtype)
+    return out.to(device)
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
