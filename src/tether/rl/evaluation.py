@@ -22,7 +22,7 @@ from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
 from tether.rl.reward_pool import check_scored
 from tether.rl.rewards import Reward
-from tether.rl.rollout import Rollout, sampled_ids
+from tether.rl.rollout import Rollout
 from tether.rl.sources import RolloutSource
 
 # The held-out sampling stream is seeded apart from the training one (run seed + this), so an
@@ -145,8 +145,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
     for start in range(0, len(rows), evaluation.chunk):
         part = evaluation.source.collect(rows, slice(start, start + evaluation.chunk),
                                          evaluation.seed)
-        last = part.rollout.episode_ids()
-        last = torch.cat([last[1:] != last[:-1], last.new_ones(1, dtype=torch.bool)]).cpu()
+        last = part.rollout.last_rows().cpu()
         measured = per_episode(measure(part.rollout), part.rollout)
         # Held-out prompts are fixed, so a row the reward pool could not score cannot be drawn
         # again: one line, as a raising function is without the pool (tether.rl.reward_pool).
@@ -154,7 +153,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         if part.scores is not None:
             measured["score"] = part.scores.float().cpu()[last]
         picked = [t for t, keep in zip(part.texts, last.tolist()) if keep]
-        token_ids += sampled_ids(part.rollout, len(picked))  # an episode's turns joined
+        token_ids += part.rollout.sampled_ids()  # an episode's turns joined
         prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
         texts += picked
         if gold is not None:
@@ -191,13 +190,8 @@ def per_episode(measured: dict[str, torch.Tensor], rollout: Rollout) -> dict[str
     episode's rows, the entropy averaged over its tokens, the EOS flag of its last row."""
     if rollout.episode is None:
         return measured
-    episode = rollout.episode.cpu()
-    n = int(episode.max()) + 1
-
-    def summed(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=x.dtype).index_add_(0, episode, x)
-    out = {key: summed(measured[key]) for key in ("kl", "kl_exact", "len") if key in measured}
-    out["ent"] = summed(measured["ent"] * measured["len"]) / out["len"].clamp(min=1)
-    last = torch.cat([episode[1:] != episode[:-1], torch.ones(1, dtype=torch.bool)])
-    out["eos"] = measured["eos"][last]
+    out = {key: rollout.episode_sums(measured[key]) for key in ("kl", "kl_exact", "len")
+           if key in measured}
+    out["ent"] = rollout.episode_sums(measured["ent"] * measured["len"]) / out["len"].clamp(min=1)
+    out["eos"] = measured["eos"][rollout.last_rows().cpu()]
     return out

@@ -51,7 +51,6 @@ from tether.rl.rewards import (
     own_file,
     returned_scores,
 )
-from tether.rl.rollout import sampled_ids
 
 # The keywords a TRL-style function is called with besides the prompt file's columns
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -158,7 +157,7 @@ class RewardFunctions:
 
     def __call__(self, prompts: list[str], responses: list[str], rollout,
                  rows: list[dict] | None = None) -> RewardScores:
-        return self.score(prompts, responses, rows, sampled_ids(rollout, len(responses)))
+        return self.score(prompts, responses, rows, rollout.sampled_ids())
 
     def score(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
               completion_ids: list[list[int]] | None) -> RewardScores:

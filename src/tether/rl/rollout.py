@@ -67,6 +67,19 @@ class Rollout:
         if self.action_mask is None:
             self.action_mask = self.response_mask
 
+    @classmethod
+    def from_parts(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   responses: torch.Tensor, response_mask: torch.Tensor, ended: torch.Tensor,
+                   temperature: float, **optional: torch.Tensor | None) -> Rollout:
+        """The layout above from its parts: prompts [B, P] left-padded, `prompt_mask` 1 on their
+        real tokens; what follows them, `responses` [B, R] right-padded, `response_mask` True on
+        its real tokens; `ended` [B]. `optional`: the per-row fields engine_logprobs,
+        action_mask, episode, versions (absent: None). Per-row lists become these tensors by
+        `tether.data.prompts.left_pad` (prompts) and `right_padded` (what follows them)."""
+        return cls(torch.cat([prompt_ids, responses], dim=1),
+                   torch.cat([prompt_mask.long(), response_mask.long()], dim=1), response_mask,
+                   ended, prompt_ids.shape[1], temperature, **optional)
+
     @property
     def responses(self) -> torch.Tensor:  # [B, R]
         return self.input_ids[:, self.context_length:]
@@ -88,6 +101,30 @@ class Rollout:
         if self.episode is not None:
             return self.episode
         return torch.arange(len(self), device=self.input_ids.device)
+
+    def last_rows(self) -> torch.Tensor:
+        """[B] bool: the rows that end an episode (every row, unless a template split episodes):
+        an episode's rows are consecutive, so its last is the one before the id changes."""
+        if self.episode is None:
+            return torch.ones(len(self), dtype=torch.bool, device=self.input_ids.device)
+        episode = self.episode
+        return torch.cat([episode[1:] != episode[:-1], episode.new_ones(1, dtype=torch.bool)])
+
+    def episode_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """[E] x [B] summed over each episode's rows (E episodes, `episode_ids` 0 .. E - 1), on
+        x's device; `episode_sums(x)[episode_ids()]` puts each episode's sum on its rows."""
+        episode = self.episode_ids().to(x.device)
+        return torch.zeros(int(episode.max()) + 1, dtype=x.dtype,
+                           device=x.device).index_add_(0, episode, x)
+
+    def sampled_ids(self) -> list[list[int]]:
+        """The token ids the policy sampled (`action_mask`) in each episode, its rows joined in
+        order: one list per response when rows are responses."""
+        joined: dict[int, list[int]] = {}
+        for episode, row, mask in zip(self.episode_ids().tolist(), self.responses,
+                                      self.action_mask.bool(), strict=True):
+            joined.setdefault(episode, []).extend(row[mask].tolist())
+        return list(joined.values())
 
 
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
@@ -140,6 +177,16 @@ def episode_numbers(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(rows), width]: each row's values from column 0, `fill` after them (a per-token fact
+    of responses of different lengths, in the layout above)."""
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for r, values in enumerate(rows):
+        out[r, :len(values)] = torch.tensor(values, dtype=dtype)
+    return out.to(device)
+
+
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
     """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
     seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
@@ -186,16 +233,3 @@ def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
     """The text of each response (special tokens such as EOS dropped), for reward functions."""
     return [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
             for row, mask in zip(rollout.responses, rollout.response_mask, strict=True)]
-
-
-def sampled_ids(rollout, n_responses: int) -> list[list[int]]:
-    """The token ids the policy sampled for each response (`action_mask`), an episode's rows
-    joined in order; `n_responses` says whether rows are responses or episodes."""
-    per_row = [row[mask].tolist() for row, mask in zip(rollout.responses,
-                                                       rollout.action_mask.bool(), strict=True)]
-    if len(per_row) == n_responses:
-        return per_row
-    joined: dict[int, list[int]] = {}
-    for episode, ids in zip(rollout.episode_ids().tolist(), per_row, strict=True):
-        joined.setdefault(episode, []).extend(ids)
-    return list(joined.values())

@@ -286,32 +286,22 @@ def batch_scores(drawn: Drawn, normalizer: ScoreNormalizer, cfg: PPOConfig) -> t
     each on an episode's last row (an episode a template split into segments has several rows;
     the others score 0). With --reward-per-turn the turns' rewards sit on their own tokens
     (`Drawn.turn_rewards`) and these scores hold the length penalties alone."""
-    last = last_rows(drawn.rollout)
+    last = drawn.rollout.last_rows()
     penalised = drawn.scores - (drawn.raw_scores if cfg.reward_per_turn else 0.0)
     scores = torch.zeros_like(penalised)
     scores[last] = normalizer(penalised[last])
     return scores.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else scores
 
 
-def last_rows(rollout: Rollout) -> torch.Tensor:
-    """[B] bool: the rows that end an episode (every row, unless a template split episodes)."""
-    if rollout.episode is None:
-        return torch.ones(len(rollout), dtype=torch.bool, device=rollout.input_ids.device)
-    episode = rollout.episode
-    return torch.cat([episode[1:] != episode[:-1], episode.new_ones(1, dtype=torch.bool)])
-
-
 def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig) -> torch.Tensor:
     """[B] raw scores less --missing-eos-penalty for responses (episodes) that never ended, plus
     DAPO's --overlong-penalty for long ones, counted over the policy's own tokens (an episode's,
     over all its rows), on each episode's last row."""
-    last = last_rows(rollout)
+    last = rollout.last_rows()
     scores = raw_scores - cfg.missing_eos_penalty * (~rollout.ended & last).float()
     if cfg.overlong_penalty:
         sampled = rollout.action_mask.sum(dim=1)  # the policy's own tokens, not observations
-        episodes = rollout.episode_ids()
-        lengths = torch.zeros(int(episodes.max()) + 1, dtype=sampled.dtype,
-                              device=sampled.device).index_add_(0, episodes, sampled)[episodes]
+        lengths = rollout.episode_sums(sampled)[rollout.episode_ids()]  # on each episode's rows
         limit = cfg.resolved_max_episode_tokens if cfg.episodic else cfg.max_new_tokens
         scores = scores + overlong_penalty(lengths, limit, cfg.overlong_penalty) * last
     return scores

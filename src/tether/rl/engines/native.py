@@ -117,7 +117,7 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling")
-    batch, context_length = prompt_ids.shape
+    batch = prompt_ids.shape[0]
     device = prompt_ids.device
     if uniforms is None:
         uniforms = torch.rand((batch, max_new_tokens), generator=generator,
@@ -148,11 +148,9 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
     responses = torch.stack(tokens, dim=1)  # [B, R]
     response_mask = torch.stack(masks, dim=1)  # [B, R]
     ended = torch.isin(responses, eos).any(dim=1)
-    return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
-                   attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
-                   response_mask=response_mask, ended=ended, context_length=context_length,
-                   temperature=temperature,
-                   engine_logprobs=torch.stack(logprobs, dim=1) if record_logprobs else None)
+    return Rollout.from_parts(prompt_ids, prompt_mask, responses, response_mask, ended, temperature,
+                              engine_logprobs=torch.stack(logprobs, dim=1) if record_logprobs
+                              else None)
 
 
 def prefill(model: nn.Module, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -58,7 +58,7 @@ from tether.rl.engines.vllm_limits import (
     start_failure,
     vllm_cause,
 )
-from tether.rl.rollout import Rollout
+from tether.rl.rollout import Rollout, right_padded
 from tether.run.distributed import Dist, global_max
 from tether.run.extras import VLLM_HINT
 
@@ -400,22 +400,14 @@ def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[li
             logprobs: list[list[float]], width: int, eos: list[int], pad_token_id: int,
             temperature: float) -> Rollout:
     """The engine's responses in the `Rollout` layout, padded to `width`."""
-    batch = len(tokens)
-    responses = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((batch, width), dtype=torch.bool)
-    engine_logprobs = torch.zeros((batch, width), dtype=torch.float32)
-    for b, (ids, lps) in enumerate(zip(tokens, logprobs, strict=True)):
-        responses[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        response_mask[b, :len(ids)] = True
-        engine_logprobs[b, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
     device = prompt_ids.device
-    responses, response_mask = responses.to(device), response_mask.to(device)
+    responses = right_padded(tokens, width, pad_token_id, torch.long, device)
+    response_mask = right_padded([[True] * len(ids) for ids in tokens], width, False, torch.bool,
+                                 device)
     ended = torch.isin(responses, torch.tensor(eos, device=device)).any(dim=1) & response_mask.any(1)
-    return Rollout(input_ids=torch.cat([prompt_ids, responses], dim=1),
-                   attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
-                   response_mask=response_mask, ended=ended,
-                   context_length=prompt_ids.shape[1], temperature=temperature,
-                   engine_logprobs=engine_logprobs.to(device))
+    return Rollout.from_parts(prompt_ids, prompt_mask, responses, response_mask, ended, temperature,
+                              engine_logprobs=right_padded(logprobs, width, 0.0, torch.float32,
+                                                           device))
 
 
 def start_engine(model: nn.Module, peft: nn.Module | None, longest_prompt: int,

@@ -24,7 +24,7 @@ it out: a one-turn environment gives what a reward function gives, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,7 +33,7 @@ from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls, checked_prompt, checked_step
 from tether.rl.env.render import Renderer
-from tether.rl.rollout import Rollout, apply_stop_strings
+from tether.rl.rollout import Rollout, apply_stop_strings, right_padded
 from tether.run.distributed import global_max
 
 
@@ -265,10 +265,9 @@ def _one_turn(sampled: Rollout, episodes: list[Episode]) -> Episodes:
     last = sampled.action_mask.long().cumsum(1).argmax(1)  # each row's last sampled token
     turn_rewards = torch.zeros(sampled.action_mask.shape, dtype=torch.float32)
     turn_rewards[torch.arange(len(episodes)), last.cpu()] = rewards
-    ended = torch.tensor([e.done for e in episodes], device=sampled.ended.device)
-    rollout = Rollout(sampled.input_ids, sampled.attention_mask, sampled.response_mask, ended,
-                      sampled.context_length, sampled.temperature, sampled.engine_logprobs,
-                      sampled.action_mask, versions=sampled.versions)
+    # ended: by the environment's word, not by EOS
+    rollout = replace(sampled, ended=torch.tensor([e.done for e in episodes],
+                                                  device=sampled.ended.device))
     return Episodes(rollout, rewards.to(sampled.input_ids.device),
                     turn_rewards.to(sampled.input_ids.device), [e.prompt for e in episodes],
                     [e.text for e in episodes], _stats(episodes), [record(e) for e in episodes])
@@ -279,43 +278,33 @@ def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
     """The episodes' segments as rows of the rollout layout (with the engine's log-probs when
     it reports them, and each sampled token's version when it tags them)."""
     segments = [(e_index, s) for e_index, e in enumerate(episodes) for s in e.segments]
-    context = max(len(s.prompt) for _, s in segments)
     width = max(max(len(s.ids) for _, s in segments), 1)
-    rows = len(segments)
-    input_ids = torch.full((rows, context + width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((rows, context + width), dtype=torch.long)
-    response_mask = torch.zeros((rows, width), dtype=torch.bool)
-    action_mask = torch.zeros((rows, width), dtype=torch.bool)
-    engine = torch.zeros((rows, width), dtype=torch.float32)
-    versions = torch.zeros((rows, width), dtype=torch.long)
-    turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
-    rewards = torch.zeros(rows, dtype=torch.float32)
-    ended = torch.zeros(rows, dtype=torch.bool)
-    for r, (e_index, s) in enumerate(segments):
-        n, p = len(s.ids), len(s.prompt)
-        input_ids[r, context - p:context] = torch.tensor(s.prompt, dtype=torch.long)
-        attention[r, context - p:context + n] = 1
-        if n:
-            input_ids[r, context:context + n] = torch.tensor(s.ids, dtype=torch.long)
-            response_mask[r, :n] = True
-            action_mask[r, :n] = torch.tensor(s.sampled)
-            engine[r, :n] = torch.tensor(s.engine_logprobs)
-            versions[r, :n] = torch.tensor(s.versions, dtype=torch.long)
-        for position, reward in s.turn_rewards.items():
-            turn_rewards[r, position] = reward
-        episode = episodes[e_index]
-        ended[r] = episode.done
-        if s is episode.segments[-1]:
-            rewards[r] = sum(episode.rewards)
+
+    def after(fact: Callable[[Segment], list], fill, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, width]: a per-token fact of each segment's tokens after its prompt."""
+        return right_padded([fact(s) for _, s in segments], width, fill, dtype, device)
+    action_mask = after(lambda s: s.sampled, False, torch.bool)
     if not bool(action_mask.any(1).all()):
         raise TetherError("an episode segment holds no token the policy sampled (a bug: please "
                           "report it)")
-    episode_index = (torch.tensor([e for e, _ in segments], dtype=torch.long, device=device)
-                     if rows > len(episodes) else None)
-    rollout = Rollout(input_ids.to(device), attention.to(device), response_mask.to(device),
-                      ended.to(device), context, temperature,
-                      engine.to(device) if own_logprobs else None, action_mask.to(device),
-                      episode=episode_index, versions=versions.to(device) if versioned else None)
+    turn_rewards = torch.zeros((len(segments), width), dtype=torch.float32)
+    rewards = torch.zeros(len(segments), dtype=torch.float32)
+    for r, (e_index, s) in enumerate(segments):
+        for position, reward in s.turn_rewards.items():
+            turn_rewards[r, position] = reward
+        if s is episodes[e_index].segments[-1]:
+            rewards[r] = sum(episodes[e_index].rewards)
+    prompt_ids, prompt_mask = left_pad([s.prompt for _, s in segments], pad_token_id, device)
+    ended = torch.tensor([episodes[e].done for e, _ in segments], device=device)
+    episode = (torch.tensor([e for e, _ in segments], dtype=torch.long, device=device)
+               if len(segments) > len(episodes) else None)
+    rollout = Rollout.from_parts(
+        prompt_ids, prompt_mask, after(lambda s: s.ids, pad_token_id, torch.long),
+        after(lambda s: [True] * len(s.ids), False, torch.bool), ended, temperature,
+        action_mask=action_mask, episode=episode,
+        engine_logprobs=after(lambda s: s.engine_logprobs, 0.0, torch.float32)
+        if own_logprobs else None,
+        versions=after(lambda s: s.versions, 0, torch.long) if versioned else None)
     return Episodes(rollout, rewards.to(device), turn_rewards.to(device),
                     [episodes[e].prompt for e, _ in segments],
                     [episodes[e].text for e, _ in segments], _stats(episodes),
