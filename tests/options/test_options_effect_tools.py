@@ -12,7 +12,9 @@ samples, near-zero temperature sampling the argmax whatever the seed.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from pages import fake_run
 from test_options_effect import ModelCalls
 
 from tether.cli import main
+from tether.errors import TetherError
 from tether.rl import evaluation
 from tether.rl.engines import native
 from tether.tools import evaluate, generate
@@ -277,13 +280,18 @@ def test_report_runs_output_and_title(tmp_path, monkeypatch):
     assert "Runs: alpha, beta." in text and "href='../alpha/config.yaml'" in text
 
 
-def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """--jobs N keeps N worker processes running at once. The worker processes are replaced by
-    stand-ins that sleep and fail (a real PPO run per worker would take seconds): what is
-    observed is the sweep's own scheduling: how many it starts before any ends, and its logs."""
-    import subprocess
-    import sys
+def stand_in_run(run) -> None:
+    """A sweep run, replaced (a real PPO run per worker would take seconds): it says where it
+    ran, waits long enough for the others to start, and fails."""
+    print(f"stand-in for {run.name} in pid {os.getpid()}", flush=True)
+    time.sleep(0.6)
+    raise TetherError("stand-in run")
 
+
+def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """--jobs N keeps N worker processes running at once. Each run is replaced by a stand-in that
+    sleeps and fails (module-level, so that a worker imports it by name): what is observed is the
+    sweep's own scheduling: how many workers run, how many runs before any ends, and its logs."""
     import yaml
 
     from tether.tools import sweep
@@ -296,25 +304,21 @@ def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, c
                     "total_episodes": 1, "device": "cpu", "beta": [0.0, 0.5]}}
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump(spec))
-    real_popen, started = subprocess.Popen, []
-
-    def stand_in(command, **kwargs):
-        started.append(command[-1])
-        return real_popen([sys.executable, "-c", "import time, sys; time.sleep(0.6); "
-                           "print('stand-in worker'); sys.exit(2)"], **kwargs)
-    monkeypatch.setattr(sweep.subprocess, "Popen", stand_in)
-    monkeypatch.setattr(sweep, "execute_run", lambda run: (_ for _ in ()).throw(
-        sweep.TetherError("ran in process")))
+    monkeypatch.setattr(sweep, "execute_run", stand_in_run)
     assert main(["sweep", str(grid), "--jobs", "3", "--output-dir", str(tmp_path / "here")]) == 1
     lines = capsys.readouterr().out.splitlines()
     root = tmp_path / "here" / "s"
     assert not (tmp_path / "grid_default").exists()
-    # four grid points (two betas, two seeds), each in its own worker and log
-    assert sorted(p.name for p in (root / "logs").iterdir()) == sorted(
-        f"ppo-beta{b}-seed{s}.log" for b in ("0", "0.5") for s in (0, 1))
-    assert len(started) == 4
-    running = [int(x.split(" running")[0].split(", ")[-1]) for x in lines if " running" in x]
-    assert max(running) == 3 and any("4 to run, 3 at a time" in x for x in lines)
+    # four grid points (two betas, two seeds), each in its own log, run by three workers
+    logs = {p.name: p.read_text() for p in (root / "logs").iterdir()}
+    assert sorted(logs) == sorted(f"ppo-beta{b}-seed{s}.log" for b in ("0", "0.5") for s in (0, 1))
+    pids = {int(text.split(" in pid ")[1]) for text in logs.values()}
+    assert len(pids) == 3 and os.getpid() not in pids
+    # the first run to end left the other two running and the fourth still to start
+    ended = [x for x in lines if " failed in " in x]
+    assert len(ended) == 4 and "stand-in run (logs/" in ended[0], lines
+    assert "; 2 running, 1 to start; " in ended[0] and any("4 to run, 3 at a time" in x
+                                                            for x in lines)
 
 
 @pytest.mark.parametrize("tool", TOOLS)

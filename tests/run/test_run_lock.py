@@ -332,7 +332,9 @@ def test_a_sweep_worker_on_a_run_in_use_fails_that_run_only(tmp_path, tiny_model
         before = _snapshot(held_dir)
         assert main(["sweep", str(grid), "--jobs", "2"]) == 1  # worker processes
         out = capsys.readouterr().out
-        assert re.search(f"{held_run.name} failed: {_in_use(held_dir, holder.pid)}", out), out
+        said = _in_use(held_dir, holder.pid).removeprefix("error: ")  # the error line, its log
+        assert re.search(rf"{held_run.name} failed in \d+ s: {said} \(logs/{held_run.name}.log\)",
+                         out), out
         assert (Path(free_run.fields["output_dir"]) / free_run.name / "final").is_dir()
         assert _snapshot(held_dir) == before
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 import yaml
@@ -80,7 +81,7 @@ def test_bad_grids_fail_before_any_run(grid, edit, message):
 def test_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
     assert main(["sweep", str(grid), "--jobs", "2"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "sweep: 4/4 done" in out
+    assert "[0/4] sweep " in out and "4 to run, 2 at a time" in out and "[4/4] " in out
     # A clear winner is recommended by name; a tie says so first, then the rule's pick.
     said = (["Recommended beta"] if "Recommended beta: " in out else
             ["No clear winner", "The rule's pick: beta"])
@@ -123,7 +124,10 @@ def test_a_failing_run_is_reported_and_the_sweep_exits_1(grid, tmp_path, capsys)
     grid.write_text(yaml.safe_dump(spec))
     assert main(["sweep", str(grid)]) == 1
     captured = capsys.readouterr()
-    assert "1 run(s) failed" in captured.err and "0/1 done, 0 running, 1 failed" in captured.out
+    assert "1 run(s) failed" in captured.err
+    # its progress line: the error line (no log: --jobs 1 runs it here, its output on the console)
+    assert re.search(r"^\[1/1\] ppo-beta0.1-seed0 failed in \d+ s: .*no gold today.*; 0 running, "
+                     "0 to start; ", captured.out, flags=re.M), captured.out
     page = (tmp_path / "runs" / "s" / "report.html").read_text()
     assert "no gold today" in page and "No PPO run finished" in page
 

@@ -21,9 +21,10 @@ from tether.demo.config import DemoConfig
 from tether.demo.curves import Curve
 from tether.demo.data import prepare_data
 from tether.demo.resume import check_root, interrupted, read_eval, record_settings
-from tether.demo.stages import Clock, Stage, Workers, available_cores, run_stages
 from tether.errors import AlreadyFinished
+from tether.run import interrupt
 from tether.run.extras import installed
+from tether.run.jobs import Job, Progress, Workers, available_cores, run_jobs
 
 # This module imports no torch, transformers or matplotlib at its top: `tether demo` prints its
 # first line and starts its workers (which import them) before it imports them itself.
@@ -277,24 +278,24 @@ OFFLINE_COST, EVAL_COST = 12.0, 1.0
 
 
 def stages(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
-           planned) -> list[Stage]:
-    """Everything after SFT and the reward model; each reads only their outputs."""
+           planned) -> list[Job]:
+    """Everything after SFT and the reward model, each a job (tether.run.jobs) that reads only
+    their outputs and writes only its own run directory, so that they can run side by side."""
     from tether.tools import sweep
 
     shared = (root, cfg, paths, policy, reward_model)
-    out = [Stage(f"{name}-seed{seed}", cfg.ppo_batches, run_ppo, (*shared, name, seed))
+    out = [Job(f"{name}-seed{seed}", run_ppo, (*shared, name, seed), cost=cfg.ppo_batches)
            for seed in range(cfg.seed, cfg.seed + cfg.seeds) for name in PPO_VARIANTS]
-    out += [Stage(name, OFFLINE_COST, run_offline, (*shared, name)) for name in OFFLINE]
-    out.append(Stage("sft-eval", EVAL_COST, evaluate_model,
-                     (policy, policy, reward_model, paths, "sft", cfg,
-                      eval_path(root, "sft-eval"))))
+    out += [Job(name, run_offline, (*shared, name), cost=OFFLINE_COST) for name in OFFLINE]
+    out.append(Job("sft-eval", evaluate_model, (policy, policy, reward_model, paths, "sft", cfg,
+                                                eval_path(root, "sft-eval")), cost=EVAL_COST))
     if planned is not None:
-        out += [Stage(f"sweep/{run.name}", cfg.sweep_batches, sweep.execute_run, (run,))
+        out += [Job(f"sweep/{run.name}", sweep.execute_run, (run,), cost=cfg.sweep_batches)
                 for run in planned.runs]
     return out
 
 
-def finished_result(root: Path, cfg: DemoConfig, stage: Stage) -> tuple[bool, object]:
+def finished_result(root: Path, cfg: DemoConfig, stage: Job) -> tuple[bool, object]:
     """(True, its result) for a stage that an earlier run of this demo finished, read back from
     its run directory; (False, None) for one still to run or resume."""
     if stage.name.startswith("sweep/"):
@@ -327,23 +328,10 @@ def run(cfg: DemoConfig) -> Path:
     try:
         # The workers start first: their imports run on the cores this process leaves free
         # while it imports torch and trains SFT, not after SFT on the critical path.
-        with Workers(jobs, warm=WORKER_IMPORTS) as workers:
+        with Workers(jobs if jobs > 1 else 0, warm=WORKER_IMPORTS) as workers:
             return _run(cfg, root, started, jobs, workers, resumed)
-    except BaseException as exc:  # a stop (Ctrl-C, kill): say how to go on with the demo
-        if not stopped(exc):
-            raise
+    except (interrupt.Interrupted, KeyboardInterrupt) as exc:  # a stop: say how to go on
         raise interrupted(exc, given) from None
-
-
-def stopped(exc: BaseException) -> bool:
-    """Whether `exc` is a stop asked for from outside: a stage's `Interrupted`, a
-    KeyboardInterrupt, or the worker pool broken by the Ctrl-C its workers got too."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    from tether.run import interrupt
-
-    return isinstance(exc, (interrupt.Interrupted, KeyboardInterrupt)) or (
-        isinstance(exc, BrokenProcessPool) and interrupt.requested())
 
 
 def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Workers,
@@ -370,9 +358,9 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
           + f"{len(todo)} stages to run, {jobs} at a time"
           + (f", each one's output in {root / 'logs'}" if jobs > 1 else ""), flush=True)
     # A stage finished before counts as done; the time left is measured on this run's own.
-    clock = Clock(todo, jobs, started, done_before=2 + len(results), total=2 + len(every))
-    ran, failures = run_stages(todo, jobs, root / "logs", clock, workers=workers,
-                               keep_going=lambda stage: stage.name.startswith("sweep/"))
+    progress = Progress(todo, jobs, started, done_before=2 + len(results), total=2 + len(every))
+    ran, failures = run_jobs(todo, jobs, root / "logs", progress, workers=workers,
+                             keep_going=lambda stage: stage.name.startswith("sweep/"))
     results |= ran
     workers.close()
     curves = [results[f"{name}-seed{seed}"] for seed in range(cfg.seed, cfg.seed + cfg.seeds)

@@ -4,7 +4,8 @@
                                      values (the grid file's format is in tools/sweep_plan.py)
     execute()                        each run through its stage's real `run` (ppo.run, dpo.run), a
                                      DPO/IPO policy then scored by `tether eval` as PPO scores its
-                                     own; --jobs N: N worker processes, each calling `execute_run`
+                                     own; --jobs N: N worker processes (tether.run.jobs), each
+                                     calling `execute_run`; a failed run is reported, not fatal
     resume                           finished runs are kept, broken ones --resume from their
                                      checkpoint; a run whose recorded config is not what the grid
                                      gives it now is refused first (check_recorded)
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ import yaml
 
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.reward_functions import load_reward_functions
-from tether.run import lock
+from tether.run import interrupt, lock
 from tether.run.config import config_to_dict, resolved_paths
+from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
 from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
 from tether.tools import evaluate
@@ -128,94 +128,12 @@ def check_recorded(sweep: Sweep) -> None:
 
 
 def save_plan(sweep: Sweep) -> None:
-    """plan/<run>.yaml: each --jobs worker's input, and a record of the grid's runs."""
+    """plan/<run>.yaml: a record of the grid's runs, one file each."""
     sweep.root.mkdir(parents=True, exist_ok=True)
     (sweep.root / "plan").mkdir(exist_ok=True)
     for run in sweep.runs:
         text = yaml.safe_dump(dataclasses.asdict(run), sort_keys=False)
         (sweep.root / "plan" / f"{run.name}.yaml").write_text(text, encoding="utf-8")
-
-
-def worker_main() -> None:
-    """A --jobs worker: `python -c '...worker_main()' plan/<run>.yaml` runs that one run."""
-    import torch
-
-    torch.set_num_threads(1)  # N workers share the cores; tiny and small models gain nothing
-    data = yaml.safe_load(Path(sys.argv[1]).read_text(encoding="utf-8"))
-    try:
-        execute_run(PlannedRun(**data))
-    except TetherError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-class Progress:
-    """One line per event: `sweep: 3/10 done, 2 running, 1 failed (95 s)`."""
-
-    def __init__(self, total: int, done: int):
-        self.total, self.done, self.failed, self.running = total, done, 0, 0
-        self.started = time.perf_counter()
-
-    def say(self, event: str) -> None:
-        print(f"sweep: {self.done}/{self.total} done, {self.running} running, {self.failed} "
-              f"failed ({time.perf_counter() - self.started:.0f} s) - {event}", flush=True)
-
-
-def _run_in_process(todo: list[PlannedRun], progress: Progress) -> dict[str, str]:
-    failures = {}
-    for run in todo:
-        progress.running = 1
-        progress.say(f"{'resuming' if state(run) == 'broken' else 'starting'} {run.name}")
-        try:
-            execute_run(run)
-            progress.done += 1
-        except TetherError as exc:
-            failures[run.name] = str(exc)
-            progress.failed += 1
-        progress.running = 0
-        progress.say(f"{run.name}: {failures.get(run.name, 'finished')}")
-    return failures
-
-
-def _run_workers(sweep: Sweep, todo: list[PlannedRun], jobs: int,
-                 progress: Progress) -> dict[str, str]:
-    """Up to `jobs` worker processes at once, each one run, its output in logs/<run>.log."""
-    import tether
-
-    env = dict(os.environ)
-    source = str(Path(tether.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-    (sweep.root / "logs").mkdir(exist_ok=True)
-    waiting, running, failures = list(todo), {}, {}
-    while waiting or running:
-        while waiting and len(running) < jobs:
-            run = waiting.pop(0)
-            log = open(sweep.root / "logs" / f"{run.name}.log", "w", encoding="utf-8")
-            command = [sys.executable, "-c",
-                       "from tether.tools.sweep import worker_main; worker_main()",
-                       str(sweep.root / "plan" / f"{run.name}.yaml")]
-            running[run.name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=env), log)
-            progress.running = len(running)
-            progress.say(f"started {run.name}")
-        time.sleep(0.2)
-        for name, (proc, log) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[name]
-            progress.running = len(running)
-            if proc.returncode == 0:
-                progress.done += 1
-                progress.say(f"{name} finished")
-            else:
-                log_text = (sweep.root / "logs" / f"{name}.log").read_text(encoding="utf-8",
-                                                                          errors="replace")
-                lines = log_text.strip().splitlines()
-                failures[name] = lines[-1] if lines else f"exit code {proc.returncode}"
-                progress.failed += 1
-                progress.say(f"{name} failed: {failures[name]} (logs/{name}.log)")
-    return failures
 
 
 def prepare(sweep: Sweep) -> None:
@@ -242,11 +160,18 @@ def execute(sweep: Sweep, jobs: int = 1) -> dict[str, str]:
     try:
         save_plan(sweep)
         todo = [run for run in sweep.runs if state(run) != "done"]
-        progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo))
-        progress.say(f"{len(todo)} to run, {jobs} at a time")
-        if jobs <= 1:
-            return _run_in_process(todo, progress)
-        return _run_workers(sweep, todo, jobs, progress)
+        resuming = [run.name for run in todo if state(run) == "broken"]
+        done, logs = len(sweep.runs) - len(todo), sweep.root / "logs"
+        print(f"[{done}/{len(sweep.runs)}] sweep {sweep.root}: {len(todo)} to run, {jobs} at a "
+              "time" + (f"; resuming {', '.join(resuming)}" if resuming else "")
+              + (f"; each one's output in {logs}" if jobs > 1 else ""), flush=True)
+        work = [Job(run.name, execute_run, (run,)) for run in todo]  # equal costs: grid order
+        progress = Progress(work, jobs, time.perf_counter(), done, len(sweep.runs))
+        return run_jobs(work, jobs, logs, progress, keep_going=lambda job: True)[1]
+    except interrupt.Interrupted as exc:  # (a sweep has no --resume: the same command goes on)
+        said = str(exc).removesuffix("; continue with --resume")
+        raise interrupt.Interrupted(f"{said}; run the same command again: finished runs are "
+                                    "kept, broken ones resume", exc.exit_code - 128) from None
     finally:
         if held is not None:
             held.release()
