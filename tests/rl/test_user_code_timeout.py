@@ -7,7 +7,7 @@ Before: a reward function that never returned hung `tether ppo` with no output f
 `--dynamic-sampling 100000` with a constant reward drew 100000 silent rounds per batch, holding
 every one of them in memory.
 
-A hung reward or gold function ends the process itself (tether.run.watchdog: nothing can stop a
+A hung reward or gold function ends the process itself (tether.run.user_code.deadline: nothing can stop a
 thread from outside), so those runs go through `python -m tether` in a subprocess; the rest
 through `tether.cli.main`.
 """
@@ -31,7 +31,7 @@ from refusals import refused
 import tether
 from tether.cli import main
 from tether.rl import dynamic_sampling
-from tether.rl.rewards import call_reward_function
+from tether.rl.reward.functions import call_reward_function
 
 FNS = '''
 import os, sys, time
@@ -250,14 +250,14 @@ def test_a_function_that_returns_in_time_gives_bit_identical_results(files, tiny
 def test_the_timeout_reaches_every_call(command, files, tiny_model_dir, monkeypatch):
     """Every reward and gold call runs under --reward-fn-timeout's seconds (the deadlines seen,
     by what they name), in training (its evaluations too) and in `tether eval`."""
-    from tether.rl import rewards
+    from tether.rl.reward import functions
 
-    seen, real = [], rewards.Deadline
+    seen, real = [], functions.Deadline
 
     def spy(seconds, message):
         seen.append((seconds, message.split(" fns:")[0]))
         return real(seconds, message)
-    monkeypatch.setattr(rewards, "Deadline", spy)
+    monkeypatch.setattr(functions, "Deadline", spy)
     monkeypatch.chdir(files)
     functions = ["--reward-fn", "fns.py:length", "--gold-fn", "fns.py:length",
                  "--reward-fn-timeout", "7"]

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
-from tether.rl.reward_functions import load_reward_functions
+from tether.rl.reward.functions import load_reward_functions
 from tether.run import lock
 from tether.run.config import config_to_dict, resolved_paths
 from tether.run.parse import config_from_dict, parse_config
