@@ -388,7 +388,7 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctio
 def _remote_reward(cfg: PPOConfig, tokenizer) -> Reward | None:
     """--reward-url's reward (None without it): every endpoint's GET /info (a dead one, or two
     serving different models, is one line), and the in-process checks of a reward model that
-    reads text (`tether.rl.remote_reward`). A critic cannot start from a served model (it has no
+    reads text (`tether.rl.reward.remote`). A critic cannot start from a served model (it has no
     weights here): it starts from the policy's trunk, as with a reward function."""
     if not cfg.reward_url or cfg.episodic:
         return None
