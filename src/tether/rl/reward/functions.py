@@ -216,17 +216,22 @@ class RewardFunctions:
         """Each function's scores, and their weighted sum over the functions that applied."""
         if self.pool is not None:
             return self.pooled(prompts, responses, rows, completion_ids)
-        columns = list(row_columns(rows)) if rows is not None else []
-        keywords = None  # built once, for the first TRL-style function
         parts = {}
-        for f in self.functions:
-            trl = takes_trl_arguments(f.fn, columns)
-            if trl and keywords is None:
-                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
-            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what,
-                                                 keywords if trl else None, allow_none=True,
-                                                 timeout=self.timeout)
+        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
+                                                             completion_ids)):
+            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what, keywords,
+                                                 allow_none=True, timeout=self.timeout)
         return self.summed(parts, prompts)
+
+    def keywords(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
+                 completion_ids: list[list[int]] | None) -> list[dict[str, Any] | None]:
+        """Each function's keywords: TRL's (`trl_arguments`, built once for them all), or None
+        for a function of tether's form."""
+        columns = list(row_columns(rows)) if rows is not None else []
+        trl = [takes_trl_arguments(f.fn, columns) for f in self.functions]
+        keywords = (trl_arguments(prompts, responses, rows, completion_ids, self.state)
+                    if any(trl) else None)
+        return [keywords if t else None for t in trl]
 
     def summed(self, parts: dict[str, torch.Tensor], prompts: list[str],
                failed: torch.Tensor | None = None) -> RewardScores:
@@ -249,17 +254,13 @@ class RewardFunctions:
         """`score` through the pool: every function on every response, one response per call
         (tether.rl.reward.pool), the outcomes back in the rows' order."""
         n = len(responses)
-        columns = list(row_columns(rows)) if rows is not None else []
-        keywords = None
         calls = []
-        for f in self.functions:
-            trl = takes_trl_arguments(f.fn, columns)
-            if trl and keywords is None:
-                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
+        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
+                                                             completion_ids)):
             name = function_name(f.fn)
             check = partial(one_score, self.what, name)
             for i in range(n):
-                run = (partial(f.fn, **row_keywords(keywords, i)) if trl
+                run = (partial(f.fn, **row_keywords(keywords, i)) if keywords is not None
                        else partial(f.fn, [prompts[i]], [responses[i]]))
                 calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn),
                                   f"{self.what} {name}"))

@@ -91,11 +91,6 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
                           "there is none; pass --reward-workers N (N > 1) or drop it")
 
 
-def no_failures(n: int) -> FailedRows:
-    """The report of `n` rows that all scored."""
-    return FailedRows(torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long), {})
-
-
 def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows | None:
     """Every rank's failed rows, in rank order, as the global batch's (`offset`: this rank's
     first row in it); the causes travel only when some row failed (every rank agrees on that,

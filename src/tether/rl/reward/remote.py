@@ -91,12 +91,8 @@ def _error_line(exc: urllib.error.HTTPError) -> str:
 
 
 class Unanswered(Exception):
-    """A request worth trying again (a connection error, a 5xx, a broken answer): what went
-    wrong (`problem`) and its `fix`."""
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(problem)
-        self.problem, self.fix = problem, fix
+    """A request worth trying again (a connection error, a 5xx, a broken answer); its args:
+    what went wrong, and the fix."""
 
 
 def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
@@ -117,10 +113,8 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
         if exc.code < 500:
             raise TetherError(f"--reward-url {url}: {problem}") from None
         raise Unanswered(problem, "check the server's log") from None
-    except TimeoutError:
-        raise TetherError(hung) from None
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
+    except (TimeoutError, urllib.error.URLError) as exc:  # the socket's, or urlopen's wrapped
+        if isinstance(getattr(exc, "reason", exc), TimeoutError):
             raise TetherError(hung) from None
         raise Unanswered(f"cannot connect ({_why(exc)})", START_IT) from None
     except (OSError, ValueError) as exc:  # a reset connection, an answer that is not JSON
@@ -137,9 +131,9 @@ def _requests(requests: list[tuple[str, str, dict | None]], timeout: float, retr
     outcomes = runner.run([Call(partial(_request, *request, timeout)) for request in requests])
     for (url, _, _), outcome in zip(requests, outcomes):
         if isinstance(outcome.error, Unanswered):
+            problem, fix = outcome.error.args
             tries = f" after {retries + 1} tries" if retries else ""
-            raise TetherError(f"--reward-url {url}: {outcome.error.problem}{tries}; "
-                              f"{outcome.error.fix}")
+            raise TetherError(f"--reward-url {url}: {problem}{tries}; {fix}")
         if outcome.error is not None:  # not the server's doing: a bug of tether's own
             raise outcome.error
     return [outcome.value for outcome in outcomes]

@@ -130,9 +130,9 @@ class Runner:
             except TetherError as bug:
                 return bug
             except Escaped as escaped:
-                if isinstance(escaped.exc, KeyboardInterrupt):
+                if isinstance(escaped.__cause__, KeyboardInterrupt):
                     raise  # every call stops, and the caller gets the KeyboardInterrupt
-                error = escaped.exc  # SystemExit: the call failed, as a raise does
+                error = escaped.__cause__  # SystemExit: the call failed, as a raise does
             except TimeoutError as exc:  # ours, or one the user's code raised (socket.timeout)
                 ours = self.timeout and time.monotonic() - started >= self.timeout
                 error = None if ours else exc

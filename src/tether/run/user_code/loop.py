@@ -33,12 +33,8 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 class Escaped(Exception):
-    """A SystemExit or KeyboardInterrupt (`exc`) the user's code raised on the loop, carried
-    out as an ordinary exception (module docstring)."""
-
-    def __init__(self, exc: BaseException):
-        super().__init__(exc)
-        self.exc = exc
+    """A SystemExit or KeyboardInterrupt the user's code raised on the loop (its `__cause__`),
+    carried out as an ordinary exception (module docstring)."""
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
@@ -61,7 +57,7 @@ def run_coroutine(awaitable: Awaitable) -> Any:
     try:
         return future.result()
     except Escaped as escaped:
-        raise escaped.exc from None
+        raise escaped.__cause__ from None
     except KeyboardInterrupt:
         future.cancel()
         raise
@@ -73,7 +69,7 @@ async def guarded(awaitable: Awaitable) -> Any:
     try:
         return await awaitable
     except (SystemExit, KeyboardInterrupt) as exc:
-        raise Escaped(exc) from exc
+        raise Escaped() from exc
 
 
 async def in_daemon_thread(call: Callable[[], Any]) -> Any:
