@@ -24,8 +24,8 @@ import os
 import statistics
 import time
 
-from tether.rl.reward_functions import reward_from_functions
-from tether.rl.reward_pool import RewardPool
+from tether.rl.reward.functions import reward_from_functions
+from tether.rl.reward.pool import RewardPool
 
 
 def spin_count(seconds: float) -> int:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.rewards import call_reward_function
+from tether.rl.reward.functions import call_reward_function
 from tether.train import dpo
 from tether.train.ppo import PPOConfig, run
 

@@ -27,7 +27,7 @@ from tether.errors import TetherError
 from tether.models.hub_reward import HubRewardModel, load_hub_reward_model
 from tether.models.pretrained import load_tokenizer
 from tether.models.tiny import EOS, make_llama_tokenizer, make_tokenizer
-from tether.rl.rewards import load_reward_model, prompt_originals
+from tether.rl.reward.models import load_reward_model, prompt_originals
 from tether.train.ppo import PPOConfig
 from tether.train.ppo_setup import build
 

@@ -222,8 +222,8 @@ def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tiny_llama_dir, 
 def test_a_run_failing_while_episodes_run_ahead_reports_its_own_error(tiny_model_dir, env_dir,
                                                                       monkeypatch):
     """The update of batch 2 fails while batch 3's episodes are still running ahead (each step
-    sleeps): the error raised is the update's, the episodes' thread and the generator end, and
-    the environments' event loop is closed once nothing runs on it."""
+    sleeps): the error raised is the update's, and the episodes' thread and the generator
+    end."""
     import multiprocessing
 
     real = ppo.update_batch

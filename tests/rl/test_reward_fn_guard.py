@@ -22,7 +22,7 @@ from offline_fixtures import write_jsonl
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.rewards import call_reward_function, load_reward_function
+from tether.rl.reward.functions import call_reward_function, load_reward_function
 
 PROMPTS, RESPONSES = ["p0", "p1", "p2"], ["a", "bb", "ccc"]
 

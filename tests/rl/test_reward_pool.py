@@ -1,4 +1,4 @@
-"""The reward pool (--reward-workers, --reward-retries; tether.rl.reward_pool) and async def reward
+"""The reward pool (--reward-workers, --reward-retries; tether.rl.reward.pool) and async def reward
 functions (issue 34).
 
 Independent truths: the sequential call (one call per batch, today's path) for the scores, in
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from tether.cli import main
 from tether.errors import TetherError
 from tether.rl.dynamic_sampling import BatchUnscored, Drawn, collect
-from tether.rl.reward_functions import reward_from_functions
-from tether.rl.reward_pool import RewardPool
-from tether.rl.rewards import FailedRows
+from tether.rl.reward import FailedRows
+from tether.rl.reward.functions import reward_from_functions
+from tether.rl.reward.pool import RewardPool
 from tether.rl.rollout import Rollout
 from tether.train import ppo
 
@@ -475,24 +475,31 @@ def test_eval_scores_through_the_pool_as_without_it(files, tiny_model_dir, capsy
     assert "(prompt 'it'; 1 try); fix the function" in errors[0]
 
 
-def test_a_batch_has_a_backstop_deadline_for_a_blocked_event_loop(monkeypatch):
-    # An async def function that blocks the loop stops every per-call timeout; the batch's
-    # deadline is every call timing out on every try, wave after wave, plus a minute:
-    # 10 calls, 4 at a time = 3 waves; each 3 tries of 1 s and waits of 0.1 + 0.2 s.
-    from tether.rl import reward_pool
+def test_each_async_call_has_the_guard_against_a_blocked_event_loop(monkeypatch):
+    # An async def function that blocks the loop stops every per-call timeout, its own too; so
+    # each of its calls is awaited under a deadline of its timeout plus LOOP_GRACE_S, naming the
+    # function. A plain function runs in a thread, where it cannot block the loop: no deadline;
+    # and no timeout (0), no deadline either. tests/run/test_user_code.py ends a blocked loop.
+    from tether.run.user_code import calls
     seen = []
 
-    class Spy(reward_pool.Deadline):
+    class Spy(calls.Deadline):
         def __init__(self, seconds, message):
             seen.append((seconds, message))
             super().__init__(0, message)  # armed with no limit: this test only reads it
-    monkeypatch.setattr(reward_pool, "Deadline", Spy)
-    for timeout in (1.0, 0.0):
-        reward_from_functions([Flaky(0)], pool=RewardPool(4, 2, timeout, retry_delay=0.1)
+
+    async def judge(prompts, responses):
+        return [1.0] * len(responses)
+    monkeypatch.setattr(calls, "Deadline", Spy)
+    for fn, timeout in ((judge, 1.0), (Flaky(0), 1.0), (judge, 0.0)):
+        reward_from_functions([fn], pool=RewardPool(4, 2, timeout, retry_delay=0.1)
                               ).score(PROMPTS[:10], RESPONSES[:10], None, None)
-    assert seen[0][0] == pytest.approx(3 * (3 * 1.0 + 0.3) + 60.0)
-    assert seen[0][1].startswith("the reward pool did not finish a batch within 69.9 s")
-    assert seen[1][0] == 0  # no per-call limit: no batch limit either
+    assert len(seen) == 10  # the first run's calls, one each
+    assert all(1.0 + calls.LOOP_GRACE_S - 0.5 < seconds <= 1.0 + calls.LOOP_GRACE_S
+               for seconds, _ in seen)
+    assert seen[0][1].startswith(
+        f"reward function {judge.__module__}:{judge.__qualname__} did not return within 1 s "
+        "(--reward-fn-timeout) and holds the event loop, so no timeout can act")
 
 
 def test_an_object_with_an_async_call_method_is_awaited_in_and_out_of_the_pool():

@@ -35,9 +35,10 @@ from tether.errors import TetherError
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.models.tiny import EOS, make_llama_tokenizer, make_tokenizer
-from tether.rl import remote_reward
-from tether.rl.remote_reward import connect, score_remote
-from tether.rl.rewards import NonFiniteScore, load_scoring_model
+from tether.rl.reward import NonFiniteScore
+from tether.rl.reward import remote as remote_reward
+from tether.rl.reward.models import load_scoring_model
+from tether.rl.reward.remote import connect, score_remote
 from tether.tools.config import ServeRMConfig
 from tether.tools.serve_rm import open_server, serve
 

@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from tether.cli import main
 from tether.errors import TetherError
 from tether.rl.env.calls import checked_step
-from tether.rl.rewards import MAX_SCORE, call_reward_function
+from tether.rl.reward import MAX_SCORE
+from tether.rl.reward.functions import call_reward_function
 from tether.run.optim import make_lr_schedule, make_optimizer, step_schedule
 
 MODELS = {"gpt2": "tiny_model_dir", "llama": "tiny_llama_dir"}

@@ -16,7 +16,7 @@ import torch
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.reward_functions import (
+from tether.rl.reward.functions import (
     reward_from_functions,
     takes_trl_arguments,
     weighted,

@@ -7,7 +7,7 @@ Before: a reward function that never returned hung `tether ppo` with no output f
 `--dynamic-sampling 100000` with a constant reward drew 100000 silent rounds per batch, holding
 every one of them in memory.
 
-A hung reward or gold function ends the process itself (tether.run.watchdog: nothing can stop a
+A hung reward or gold function ends the process itself (tether.run.user_code.deadline: nothing can stop a
 thread from outside), so those runs go through `python -m tether` in a subprocess; the rest
 through `tether.cli.main`.
 """
@@ -31,7 +31,7 @@ from refusals import refused
 import tether
 from tether.cli import main
 from tether.rl import dynamic_sampling
-from tether.rl.rewards import call_reward_function
+from tether.rl.reward.functions import call_reward_function
 
 FNS = '''
 import os, sys, time
@@ -108,6 +108,41 @@ class HangingStep:
 
     def step(self, action):
         time.sleep(10 ** 6)
+
+
+class BlockingAsyncStep(HangingStep):
+    """An async def step that waits without await: it holds the event loop."""
+
+    async def step(self, action):
+        time.sleep(10 ** 6)
+
+
+class ExitingAsyncStep(HangingStep):
+    async def step(self, action):
+        sys.exit(3)  # EXIT LINE
+
+
+class InterruptedAsyncStep(HangingStep):
+    async def step(self, action):
+        raise KeyboardInterrupt
+
+
+async def quits(x: int) -> str:
+    """Exit.
+
+    Args:
+        x: A number.
+    """
+    sys.exit(3)  # TOOL EXIT LINE
+
+
+def interrupts(x: int) -> str:
+    """Stop.
+
+    Args:
+        x: A number.
+    """
+    raise KeyboardInterrupt
 '''
 
 PROMPTS = [{"prompt": p} for p in ("the movie was", "a film", "it", "the plot")]
@@ -250,14 +285,14 @@ def test_a_function_that_returns_in_time_gives_bit_identical_results(files, tiny
 def test_the_timeout_reaches_every_call(command, files, tiny_model_dir, monkeypatch):
     """Every reward and gold call runs under --reward-fn-timeout's seconds (the deadlines seen,
     by what they name), in training (its evaluations too) and in `tether eval`."""
-    from tether.rl import rewards
+    from tether.rl.reward import functions
 
-    seen, real = [], rewards.Deadline
+    seen, real = [], functions.Deadline
 
     def spy(seconds, message):
         seen.append((seconds, message.split(" fns:")[0]))
         return real(seconds, message)
-    monkeypatch.setattr(rewards, "Deadline", spy)
+    monkeypatch.setattr(functions, "Deadline", spy)
     monkeypatch.chdir(files)
     functions = ["--reward-fn", "fns.py:length", "--gold-fn", "fns.py:length",
                  "--reward-fn-timeout", "7"]
@@ -351,6 +386,87 @@ def test_a_hung_tool_goes_back_to_the_model_as_its_error(files, tiny_qwen2_tools
     assert told and all("error: wait did not return within 0.5 s" in c for c in told)
     last = json.loads((files / "runs" / "tools" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["env/tool_errors"] == last["env/tool_calls"] > 0
+
+
+@pytest.mark.parametrize("command", ["grpo", "eval"])
+def test_an_async_step_that_blocks_the_event_loop_ends_the_process(command, files,
+                                                                   tiny_model_dir):
+    """`async def step` calling time.sleep holds the loop every timeout runs on (before: the run
+    hung for ever, even with --env-timeout 5): the guard ends it about 1 + LOOP_GRACE_S s in,
+    with one line naming the call, exit 2."""
+    from tether.run.user_code.calls import LOOP_GRACE_S
+
+    env = ["--env", "fns.py:BlockingAsyncStep", "--env-timeout", "1"]
+    argv = (online(tiny_model_dir, "blocked", "--total-episodes", "2", "--samples-per-prompt",
+                   "2", *env, stage="grpo") if command == "grpo" else
+            ["eval", "--model", str(tiny_model_dir), "--prompts", "prompts.jsonl", *env,
+             "--output", "eval.json", "--max-new-tokens", "3", "--device", "cpu"])
+    started = time.monotonic()
+    done = tether_process(files, *argv, limit=120)
+    assert re.fullmatch(r"error: environment fns:BlockingAsyncStep: step of .*, turn 0 did not "
+                        r"return within 1 s \(--env-timeout\) and holds the event loop, so no "
+                        r"timeout can act: an async def function .*", one_error_line(done))
+    assert "Task" not in done.stderr
+    assert time.monotonic() - started > 1 + LOOP_GRACE_S  # the guard, not a timeout, ended it
+
+
+def _line_of(mark: str) -> int:
+    return FNS.splitlines().index(next(x for x in FNS.splitlines() if mark in x)) + 1
+
+
+def test_sys_exit_or_ctrl_c_in_an_async_step_is_the_caller_s(files, tiny_model_dir):
+    """SystemExit raised on the event loop is the environment's one error line, exit 2; a
+    KeyboardInterrupt raised there stops the run as Ctrl-C does (exit 130). Before: asyncio let
+    both out of the loop, with its tracebacks ("Task exception was never retrieved")."""
+    exits = tether_process(files, *online(tiny_model_dir, "exits", "--total-episodes", "2",
+                                          "--env", "fns.py:ExitingAsyncStep"))
+    assert re.fullmatch(r"error: environment fns:ExitingAsyncStep: step of .*, turn 0 raised "
+                        rf"SystemExit\(3\): it called sys.exit \(at fns.py:{_line_of('EXIT LINE')}"
+                        r"\); fix the environment \(what the run wrote before is intact\)",
+                        one_error_line(exits))
+    assert "Task" not in exits.stderr
+    stopped = tether_process(files, *online(tiny_model_dir, "stopped", "--total-episodes", "2",
+                                            "--env", "fns.py:InterruptedAsyncStep"))
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr.splitlines()[-1].startswith("interrupted: quit at once")
+    assert "Traceback" not in stopped.stderr and "Task" not in stopped.stderr
+    assert "error:" not in stopped.stderr
+
+
+def test_sys_exit_or_ctrl_c_in_a_tool_is_the_caller_s(files, tiny_qwen2_tools_dir, capsys,
+                                                      monkeypatch):
+    """An `async def` tool that calls sys.exit goes back to the model as its error, as a raise
+    does, and the run goes on (exit 0); a tool that raises KeyboardInterrupt stops the run as
+    Ctrl-C does (exit 130). No traceback either way, and nothing of asyncio's."""
+    import gc
+
+    from tether.models.pretrained import load_tokenizer
+    from tether.train import ppo_setup
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "env"))
+    Scripted = importlib.import_module("episode_helpers").Scripted
+    tokenizer = load_tokenizer(str(tiny_qwen2_tools_dir))
+    monkeypatch.chdir(files)
+    results = {}
+    for tool in ("quits", "interrupts"):
+        call = f'<tool_call>\n{{"name": "{tool}", "arguments": {{"x": 1}}}}\n</tool_call>'
+        engine = Scripted(tokenizer, lambda context, call=call: (
+            "done" if "<tool_response>" in context else call))
+        monkeypatch.setattr(ppo_setup, "make_engine", lambda *args, engine=engine, **kw: engine)
+        capsys.readouterr()
+        code = main(online(tiny_qwen2_tools_dir, tool, "--total-episodes", "2", "--tools",
+                           f"fns.py:{tool}", "--reward-fn", "fns.py:length",
+                           "--max-prompt-len", "512", tokens=200))
+        gc.collect()  # an asyncio task left behind would say so now
+        results[tool] = (code, capsys.readouterr().err, engine.contexts)
+    code, err, contexts = results["quits"]
+    assert code == 0 and "Traceback" not in err and "Task" not in err, err
+    told = [c for c in contexts if "<tool_response>" in c]
+    assert told and all(f"error: SystemExit(3): it called sys.exit (at fns.py:"
+                        f"{_line_of('TOOL EXIT LINE')})" in c for c in told)
+    code, err, _ = results["interrupts"]
+    assert code == 130 and "Traceback" not in err and "Task" not in err, err
+    assert err.splitlines()[-1].startswith("interrupted: quit at once")
 
 
 # ----------------------------------------------------------------------------- dynamic sampling

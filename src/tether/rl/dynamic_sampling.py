@@ -21,7 +21,7 @@ all its rounds). Rounds with nothing to keep are let go at once, so memory holds
 rounds the batch is made of.
 
 The same refill replaces the groups that hold a row the reward pool could not score
-(tether.rl.reward_pool, --reward-workers): such a group is dropped, with or without
+(tether.rl.reward.pool, --reward-workers): such a group is dropped, with or without
 --dynamic-sampling, named in a warning and counted (reward_pool/failed), and never used to top a
 batch up. Without --dynamic-sampling up to FAILURE_ROUNDS further draws replace them; a batch
 still short after its draws ends the run with one line (BatchUnscored) rather than train on
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from tether.advantages import varied_groups
 from tether.errors import TetherError
-from tether.rl.rewards import FailedRows, NonFiniteScore
+from tether.rl.reward import FailedRows, NonFiniteScore
 from tether.rl.rollout import Rollout, concat_rollouts
 
 NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got

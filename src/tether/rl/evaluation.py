@@ -20,8 +20,8 @@ from torch import nn
 
 from tether.data.prompts import load_prompts
 from tether.models.trunk_head import exact_kl_at, score_responses
-from tether.rl.reward_pool import check_scored
-from tether.rl.rewards import Reward
+from tether.rl.reward import Reward
+from tether.rl.reward.pool import check_scored
 from tether.rl.rollout import Rollout
 from tether.rl.sources import RolloutSource
 
@@ -148,7 +148,7 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         last = part.rollout.last_rows().cpu()
         measured = per_episode(measure(part.rollout), part.rollout)
         # Held-out prompts are fixed, so a row the reward pool could not score cannot be drawn
-        # again: one line, as a raising function is without the pool (tether.rl.reward_pool).
+        # again: one line, as a raising function is without the pool (tether.rl.reward.pool).
         check_scored(part.failed, "the held-out evaluation")
         if part.scores is not None:
             measured["score"] = part.scores.float().cpu()[last]

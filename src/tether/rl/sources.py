@@ -31,10 +31,10 @@ from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
 from tether.rl.env.tools import tools_environment
-from tether.rl.rewards import FailedRows, Reward, load_reward_function
+from tether.rl.reward import FailedRows, Reward
 from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+from tether.run.user_code.load import load_function
 
-CLOSE_WAIT_S = 30.0  # how long `EnvSource.close` waits for episodes still running ahead
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
 ENV_SEED_STRIDE = 1_000_033  # an episode's environment seed: the run's seed and its prompt row
 
@@ -102,10 +102,6 @@ class AheadBatches:
         if started is not None:
             return started.result()
         return self.work(self.engine, rows, mine, noise_seed)
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the work handed over and not taken is over, within `timeout` seconds each."""
-        return all(job.wait(timeout) for job in self.pending.values())
 
 
 def part_means(parts: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -229,11 +225,9 @@ class EnvSource:
                          episodes.records, table)
 
     def close(self) -> None:
-        """Close the environments' event loop once the episodes running ahead are over (the
-        engine closed first: they end at their next turn). One still inside the environment's
-        code past the wait keeps the loop, a daemon thread that ends with the process."""
-        if self.ahead.wait(CLOSE_WAIT_S):
-            self.calls.close()
+        """Nothing to close: the environments' calls run on the process's event loop, kept for
+        the process (tether.run.user_code.loop); episodes still running ahead end at their next
+        turn (the engine closed first)."""
 
 
 def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str],
@@ -299,5 +293,5 @@ def longest_prompt(settings, prompt_ids: Sequence[Sequence[int]],
 
 def load_tools(specs: Sequence[str]) -> list:
     """The functions `--tools` names (`file.py:add,file.py:lookup`, or several values)."""
-    return [load_reward_function(name, "tool") for spec in specs for name in spec.split(",")
+    return [load_function(name, "tool") for spec in specs for name in spec.split(",")
             if name.strip()]

@@ -6,7 +6,7 @@
     -> <model dir>.eval.json beside the model (never inside it) and a table on stdout
 
 The models are loaded and prepared as PPO prepares its own (dropout off, the fused GELU, eval
-mode), and rewards come through the same adapters (tether.rl.rewards), so the SFT model evaluated
+mode), and rewards come through the same adapters (tether.rl.reward), so the SFT model evaluated
 here with a PPO run's settings gives the numbers that run logged at step 0.
 """
 
@@ -51,15 +51,15 @@ from tether.rl.evaluation import (
     evaluate_policy,
     measure_responses,
 )
-from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
-from tether.rl.reward_functions import load_reward_functions, reward_from_functions
-from tether.rl.reward_pool import check_reward_pool, pool_for
-from tether.rl.rewards import (
-    check_reward_fn_timeout,
+from tether.rl.reward import check_reward_fn_timeout
+from tether.rl.reward.functions import (
     load_reward_function,
-    load_reward_model,
-    prompt_originals,
+    load_reward_functions,
+    reward_from_functions,
 )
+from tether.rl.reward.models import load_reward_model, prompt_originals
+from tether.rl.reward.pool import check_reward_pool, pool_for
+from tether.rl.reward.remote import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, recorded_input_path

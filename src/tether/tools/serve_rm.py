@@ -1,6 +1,7 @@
-"""`tether serve-rm MODEL`: a reward model over HTTP, for `--reward-url` (tether.rl.remote_reward).
+"""`tether serve-rm MODEL`: a reward model over HTTP, for `--reward-url` (tether.rl.reward.remote).
 
-    MODEL -> tether.rl.rewards.load_scoring_model    loaded as the in-process reward model is
+    MODEL -> tether.rl.reward.models.load_scoring_model
+                                                     loaded as the in-process reward model is
     GET  /info                                       name, kind, chat template, positions, dtype,
                                                      tokenizer and model fingerprints
     POST /score {"prompts": [...], "responses": [...]} -> {"scores": [...]}
@@ -29,7 +30,7 @@ from tether.data.chat import is_messages
 from tether.errors import TetherError
 from tether.models.hub_reward import check_reward_model
 from tether.models.reward_model import RewardModel, position_limit
-from tether.rl.rewards import has_chat_template, load_scoring_model
+from tether.rl.reward.models import has_chat_template, load_scoring_model
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
 from tether.tools.config import ServeRMConfig

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from tether.errors import AlreadyFinished, TetherError
-from tether.rl.reward_functions import load_reward_functions
+from tether.rl.reward.functions import load_reward_functions
 from tether.run import interrupt, lock
 from tether.run.config import config_to_dict, resolved_paths
 from tether.run.jobs import Job, Progress, run_jobs

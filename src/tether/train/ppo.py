@@ -43,8 +43,8 @@ from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.engines import ahead
 from tether.rl.evaluation import evaluate_policy, measure_responses
-from tether.rl.reward_pool import gather_failed
-from tether.rl.rewards import NonFiniteScore, function_name
+from tether.rl.reward import NonFiniteScore
+from tether.rl.reward.pool import gather_failed
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
 from tether.rl.rollout import Rollout, decode_responses
 from tether.rl.scoring import explained_variance, kl_sums
@@ -56,6 +56,7 @@ from tether.run.optim import NonFiniteStep, step_schedule
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
+from tether.run.user_code.load import function_name
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import Setup, batch_rows, build
 from tether.train.ppo_watch import Watch, collapsed, nothing_learned, watch_for

@@ -4,7 +4,7 @@ prompt batch of each step.
 
 The choices live in one place each: the reference in `tether.models.reference`, the critic in
 `tether.models.critic.make_critic` (none for the critic-free estimators), the reward source in
-`tether.rl.rewards`, the engine in `tether.rl.engines.make_engine`, where the KL acts in
+`tether.rl.reward`, the engine in `tether.rl.engines.make_engine`, where the KL acts in
 `tether.kl.KLPlacement`. Every bad input fails here, before the first batch and before
 anything is written.
 """
@@ -44,24 +44,17 @@ from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
-from tether.rl.remote_reward import check_url_timeout, connect, parse_urls, reward_from_urls
-from tether.rl.reward_functions import (
+from tether.rl.reward import Reward, check_one_reward, check_reward_fn_timeout
+from tether.rl.reward.functions import (
     RewardFunctions,
+    load_reward_function,
     load_reward_functions,
     reward_from_functions,
     weighted,
 )
-from tether.rl.reward_pool import check_reward_pool, pool_for
-from tether.rl.rewards import (
-    Reward,
-    check_one_reward,
-    check_reward_fn_timeout,
-    function_name,
-    load_reward_function,
-    load_reward_model,
-    prompt_originals,
-    reward_from_model,
-)
+from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
+from tether.rl.reward.pool import check_reward_pool, pool_for
+from tether.rl.reward.remote import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.roles import Roles
 from tether.rl.sources import (
     RolloutSource,
@@ -78,6 +71,7 @@ from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.rundir import announce
 from tether.run.slicing import micro_rows
 from tether.run.threads import use_threads
+from tether.run.user_code.load import function_name
 from tether.train.ppo_config import PPOConfig
 
 
@@ -394,7 +388,7 @@ def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctio
 def _remote_reward(cfg: PPOConfig, tokenizer) -> Reward | None:
     """--reward-url's reward (None without it): every endpoint's GET /info (a dead one, or two
     serving different models, is one line), and the in-process checks of a reward model that
-    reads text (`tether.rl.remote_reward`). A critic cannot start from a served model (it has no
+    reads text (`tether.rl.reward.remote`). A critic cannot start from a served model (it has no
     weights here): it starts from the policy's trunk, as with a reward function."""
     if not cfg.reward_url or cfg.episodic:
         return None

@@ -66,19 +66,15 @@ def episodes(policy: Policy, factory, rows: list[dict], *, max_turns: int = 3,
              workers: int = 4, max_context: int = 0):
     """`run_episodes` on `rows` with the policy's native engine (every call recorded)."""
     tokenizer = policy.tokenizer
-    calls = EnvCalls(factory, timeout, workers=workers)
-    renderer = Renderer(tokenizer, 64, max_observation, tools)
-    try:
-        return run_episodes(
-            policy.engine(), calls, renderer, rows,
-            seeds if seeds is not None else list(range(len(rows))),
-            lambda turn: sampling_uniforms(seed + 1000 * turn, len(rows), max_new_tokens),
-            EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens, max_context),
-            tokenizer=tokenizer, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id, stop_strings=list(stop_strings),
-            device=torch.device("cpu"))
-    finally:
-        calls.close()
+    return run_episodes(
+        policy.engine(), EnvCalls(factory, timeout, workers=workers),
+        Renderer(tokenizer, 64, max_observation, tools), rows,
+        seeds if seeds is not None else list(range(len(rows))),
+        lambda turn: sampling_uniforms(seed + 1000 * turn, len(rows), max_new_tokens),
+        EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens, max_context),
+        tokenizer=tokenizer, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id, stop_strings=list(stop_strings),
+        device=torch.device("cpu"))
 
 
 class Scripted(InProcess):
@@ -121,14 +117,10 @@ def scripted_episodes(engine: Scripted, factory, rows: list[dict], *, tools=None
                       max_prompt: int = 4000, max_observation: int = 64):
     """`run_episodes` with a scripted engine (no stop strings: each turn ends at `end_id`)."""
     tokenizer = engine.tokenizer
-    calls = EnvCalls(factory, 10.0, workers=4)
-    renderer = Renderer(tokenizer, max_prompt, max_observation, tools)
-    try:
-        return run_episodes(
-            engine, calls, renderer, rows, list(range(len(rows))),
-            lambda turn: sampling_uniforms(turn, len(rows), max_new_tokens),
-            EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens), tokenizer=tokenizer,
-            temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id, stop_strings=[], device=torch.device("cpu"))
-    finally:
-        calls.close()
+    return run_episodes(
+        engine, EnvCalls(factory, 10.0, workers=4),
+        Renderer(tokenizer, max_prompt, max_observation, tools), rows, list(range(len(rows))),
+        lambda turn: sampling_uniforms(turn, len(rows), max_new_tokens),
+        EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens), tokenizer=tokenizer,
+        temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id, stop_strings=[], device=torch.device("cpu"))

@@ -1,88 +1,58 @@
-"""Calling an environment's code: the factory, `reset` and `step`, sync or `async def`, the
-episodes of a batch concurrently, each call under a timeout, each return checked.
+"""Calling an environment's code: the factory, `reset`, `step` and `close`, sync or `async def`,
+the episodes of a batch concurrently, each call under a timeout, each return checked.
 
 Whatever the code does wrong stops the run with one line that names the environment, the call,
 the episode and the fix, before anything of the batch reaches the optimiser, as a reward
-function's errors do (tether.rl.rewards): it raises (its file and line named), returns the wrong
-type, a non-finite reward, or does not return within `--env-timeout` seconds. A synchronous
-call runs in a daemon thread of its own, so a hung one cannot keep the process from exiting.
+function's errors do (tether.rl.reward): it raises (its file and line named; `sys.exit`
+included), returns the wrong type, a non-finite reward, or does not return within
+`--env-timeout` seconds. A KeyboardInterrupt it raises stops the run as Ctrl-C does.
 
-Concurrency: async calls run together on one event loop kept for the run (a client bound to a
-loop keeps working); sync calls each in a thread, at most `workers` at a time. An environment
-that draws from Python's global random stream is not reproducible when its episodes overlap:
-draw from `random.Random(seed)` (the seed `reset` receives) instead.
+The calls run on the user's code's runner (tether.run.user_code.calls): each in a daemon thread
+of its own (a hung one cannot keep the process from exiting), at most `workers` at a time; an
+`async def` method's coroutine on the process's one event loop (a client bound to a loop keeps
+working), where one that blocks the loop ends the process with one line. An environment that
+draws from Python's global random stream is not reproducible when its episodes overlap: draw
+from `random.Random(seed)` (the seed `reset` receives) instead.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import numbers
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from tether.data.chat import chat_messages
 from tether.errors import TetherError
-from tether.rl.rewards import MAX_SCORE, function_name, out_of_range, raised
+from tether.rl.reward import MAX_SCORE, out_of_range
+from tether.run.user_code.calls import Call, Runner
+from tether.run.user_code.load import function_name
+
+INTACT = "(what the run wrote before is intact)"
 
 
 class EnvCalls:
     """Runs batches of environment calls, each within `timeout` seconds (None: no limit, for
-    --tools, whose steps time their own calls); `close()` stops its event loop."""
+    --tools, whose steps time their own calls), `workers` at a time."""
 
     def __init__(self, factory: Callable, timeout: float | None, workers: int):
         self.factory, self.name = factory, function_name(factory)
-        self.timeout, self.loop = timeout, asyncio.new_event_loop()
-        self.workers = workers
+        self.runner = Runner(workers, timeout=timeout or 0.0, timeout_flag="--env-timeout")
 
     def gather(self, calls: list[Callable[[], Any]], labels: list[str]) -> list[Any]:
         """`[call() for call in calls]`, run concurrently, awaited when they return awaitables;
-        a failure is one line naming `labels[i]` (e.g. "step of episode 3 (row 7), turn 2")."""
-        limit = asyncio.Semaphore(self.workers) if calls else None
-
-        async def one(call: Callable[[], Any], label: str) -> Any:
-            async with limit:
-                try:
-                    return await asyncio.wait_for(self._run(call), self.timeout)
-                except asyncio.TimeoutError:
-                    raise TetherError(f"environment {self.name}: {label} did not return within "
-                                      f"{self.timeout:g} s; fix the hang or raise --env-timeout "
-                                      "(what the run wrote before is intact)") from None
-                except TetherError:
-                    raise
-                except (Exception, SystemExit) as exc:  # the user's code; Ctrl-C stays Ctrl-C
-                    raise TetherError(f"environment {self.name}: {label} raised {raised(exc)}; "
-                                      "fix the environment (what the run wrote before is "
-                                      "intact)") from exc
-
-        async def every() -> list[Any]:
-            return list(await asyncio.gather(*(one(c, lab) for c, lab in zip(calls, labels)),
-                                             return_exceptions=True))
-        results = self.loop.run_until_complete(every())
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:  # the first episode's failure, whichever finished first
-            raise failed
-        return results
-
-    async def _run(self, call: Callable[[], Any]) -> Any:
-        """`call()` in a daemon thread; an awaitable it returns (an `async def` method's
-        coroutine, created there and not yet run) is awaited on the loop."""
-        done: asyncio.Future = self.loop.create_future()
-
-        def work() -> None:
-            try:
-                outcome = (call(), None)
-            except BaseException as exc:  # handed to the loop, which raises it there
-                outcome = (None, exc)
-            try:
-                self.loop.call_soon_threadsafe(_settle, done, *outcome)
-            except RuntimeError:  # the loop closed after a timeout: nobody waits for it
-                if inspect.iscoroutine(outcome[0]):
-                    outcome[0].close()  # never awaited, and never will be
-        threading.Thread(target=work, daemon=True, name="tether-env").start()
-        result = await done
-        return await result if inspect.isawaitable(result) else result
+        a failure is one line naming `labels[i]` (e.g. "step of episode 3 (row 7), turn 2"),
+        the first in the calls' order."""
+        outcomes = self.runner.run([Call(call, label=f"environment {self.name}: {label}")
+                                    for call, label in zip(calls, labels)])
+        for outcome, label in zip(outcomes, labels):
+            if outcome.error is not None:
+                raise TetherError(f"environment {self.name}: {label} {outcome.cause}; fix the "
+                                  f"environment {INTACT}") from outcome.error
+            if outcome.cause is not None:
+                raise TetherError(f"environment {self.name}: {label} did not return within "
+                                  f"{self.runner.timeout:g} s; fix the hang or raise --env-timeout "
+                                  f"{INTACT}")
+        return [outcome.value for outcome in outcomes]
 
     def make(self, count: int) -> list[Any]:
         """`count` fresh environments from the factory."""
@@ -95,18 +65,6 @@ class EnvCalls:
                                   "step(action) methods; return an environment object "
                                   "(docs/agents.md)")
         return envs
-
-    def close(self) -> None:
-        self.loop.close()
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():  # timed out meanwhile: nobody waits for it
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 def checked_prompt(value: Any, where: str) -> str | list[dict]:

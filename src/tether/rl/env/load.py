@@ -3,7 +3,7 @@
     reasoning-gym:<dataset>[?key=value&...]   a reasoning-gym dataset (tether.rl.env.reasoning_gym)
     openenv:<server url>[?key=value&...]      an OpenEnv server, through its generic client
                                               (tether.rl.env.openenv)
-    file.py:make_env, module:make_env         the user's own factory (tether.rl.rewards loads it)
+    file.py:make_env, module:make_env         the user's own factory (tether.run.user_code.load)
 
 An adapter's package is an optional extra: a missing one is one line with the pip command.
 Options after `?` are `key=value` pairs joined by `&`, percent-escapes decoded (`%26` is `&`); a
@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 from tether.errors import TetherError
 from tether.rl.env import openenv, reasoning_gym
-from tether.rl.rewards import load_reward_function
+from tether.run.user_code.load import load_function
 
 # prefix -> the adapter's from_spec(target, options, where): the factory the value names
 ADAPTERS: dict[str, Callable[[str, dict[str, str], str], Callable]] = {
@@ -30,7 +30,7 @@ def load_environment(spec: str) -> Callable:
     """The environment factory `spec` (an --env value) names."""
     prefix, sep, rest = spec.partition(":")
     if not sep or prefix not in ADAPTERS:
-        return load_reward_function(spec, "environment factory")
+        return load_function(spec, "environment factory")
     target, _, query = rest.partition("?")
     return ADAPTERS[prefix](target, parse_options(query, spec), spec)
 

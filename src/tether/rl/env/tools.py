@@ -10,14 +10,16 @@ calls them, reads their results, and answers.
                </tool_call>` of Hermes and Qwen, Mistral's `[TOOL_CALLS][...]`, a bare JSON
                call as Llama 3.1 writes it)
     results    each call's result as a `tool` message. Bad JSON, an unknown tool, arguments the
-               function refuses, a tool that raises, or one that does not return within
-               --env-timeout seconds go back to the model as that tool message ("error: ..."),
-               counted in `env/tool_errors`; they never stop the run (a tool's hang is the
-               model's observation, as a slow web search is an agent's; the first hang of each
-               tool is said once, as a warning, since nothing can stop the hung call: its
-               thread is left running)
+               function refuses, a tool that raises (or calls sys.exit), or one that does not
+               return within --env-timeout seconds go back to the model as that tool message
+               ("error: ..."), counted in `env/tool_errors`; they never stop the run (a tool's
+               hang is the model's observation, as a slow web search is an agent's; the first
+               hang of each tool is said once, as a warning, since nothing can stop the hung
+               call: its thread is left running). A tool may be `async def` (run on the
+               process's event loop, tether.run.user_code.calls); a KeyboardInterrupt it raises
+               stops the run as Ctrl-C does
     end        the first turn without a call ends the episode, scored by the reward functions on
-               that final answer (`tether.rl.reward_functions`): tether's form reads
+               that final answer (`tether.rl.reward.functions`): tether's form reads
                `([last user message of the first prompt], [answer])`; TRL's form the row's prompt
                as given, the answer as a string or assistant message and the row's columns, but
                no `completion_ids` (the answer's ids are one turn of an episode that holds the
@@ -32,14 +34,14 @@ from __future__ import annotations
 import json
 import re
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
 
 from tether.data.chat import chat_messages, render_chat
 from tether.errors import TetherError
-from tether.rl.reward_functions import RewardFunctions, reward_from_functions
-from tether.rl.rewards import function_name, raised
+from tether.rl.reward.functions import RewardFunctions, reward_from_functions
+from tether.run.user_code.calls import Call, Runner
+from tether.run.user_code.load import function_name, is_async_function, raised
 
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -123,32 +125,6 @@ def parse_calls(text: str, form: str, tokenizer=None, tools: list[dict] | None =
     return calls, None
 
 
-class ToolHung(Exception):
-    """A tool call that did not return in time (it is still running, in its own thread)."""
-
-
-def call_tool(fn: Callable, arguments: dict, timeout: float) -> Any:
-    """`fn(**arguments)` in a daemon thread of its own, waited for `timeout` seconds (0: no
-    limit): its result, or its exception raised here, or `ToolHung` (the thread is left running:
-    nothing can stop it, and a daemon thread does not keep the process alive)."""
-    outcome: list[tuple[Any, BaseException | None]] = []
-
-    def work() -> None:
-        try:
-            outcome.append((fn(**arguments), None))
-        except BaseException as exc:  # handed to the caller, which decides
-            outcome.append((None, exc))
-    thread = threading.Thread(target=work, daemon=True, name="tether-tool")
-    thread.start()
-    thread.join(min(timeout, threading.TIMEOUT_MAX) if timeout else None)
-    if not outcome:
-        raise ToolHung
-    result, exc = outcome[0]
-    if exc is not None:
-        raise exc
-    return result
-
-
 class ToolsEnv:
     """One episode with the tools (see the module docstring). `timeout`: seconds a tool call
     may take (--env-timeout); `hung`: the tools whose hang was said already (shared by the
@@ -196,16 +172,17 @@ class ToolsEnv:
             return {"role": "tool", "name": name,
                     "content": f"error: no tool named {name!r}; the tools are "
                                f"{', '.join(self.functions)}"}
-        try:
-            result = call_tool(fn, arguments, self.timeout)
-        except ToolHung:
+        # In a daemon thread of its own, or on the loop (`async def`); a hung one is left running
+        call = Call(partial(fn, **arguments), is_async=is_async_function(fn), label=f"tool {name}")
+        [outcome] = Runner(timeout=self.timeout, timeout_flag="--env-timeout").run([call])
+        if outcome.cause is not None:  # the tool's failure is the model's observation
             self.counts["tool_errors"] += 1
+            if outcome.error is not None:
+                return {"role": "tool", "name": name, "content": f"error: {raised(outcome.error)}"}
             self._say_hung(name)
             return {"role": "tool", "name": name,
                     "content": f"error: {name} did not return within {self.timeout:g} s"}
-        except (Exception, SystemExit) as exc:  # the tool's failure is the model's observation
-            self.counts["tool_errors"] += 1
-            return {"role": "tool", "name": name, "content": f"error: {raised(exc)}"}
+        result = outcome.value
         return {"role": "tool", "name": name,
                 "content": result if isinstance(result, str) else json.dumps(result)}
 

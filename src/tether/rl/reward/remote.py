@@ -8,35 +8,31 @@ The protocol (docs/rm.md, "Serving a reward model"), JSON both ways:
     an error     -> HTTP 4xx or 5xx with {"error": "<one line>"}
 
 A served model always reads text, as a reward model that does not read the policy's ids does in
-process (`tether.rl.rewards.reward_from_texts`): each prompt as its row gave it (plain text, or
+process (`tether.rl.reward.models.reward_from_texts`): each prompt as its row gave it (plain text, or
 the chat messages, which the server renders with the model's own template) and the decoded
 response. The checks are the in-process ones: chat prompts need a chat template (refused at
 start-up), a row past the model's positions is the server's one line, a non-finite score is
 `checked_model_scores`'. A batch is cut into one contiguous part per endpoint, posted at once
-(a thread each) and put back in order; a connection error or a 5xx is retried with backoff, and
-a score that never comes stops the run with one line naming the URL, never a silent zero.
+and put back in order (tether.run.user_code.calls: a thread each); a connection error or a 5xx
+is retried with backoff, and a score that never comes stops the run with one line naming the
+URL, never a silent zero.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from tether.errors import TetherError
-from tether.rl.rewards import (
-    Prompt,
-    Reward,
-    RewardScores,
-    check_chat_prompts,
-    checked_model_scores,
-)
+from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
+from tether.rl.reward.models import check_chat_prompts
+from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
 BACKOFF_S = 0.5  # the first wait; it doubles each try (0.5, 1, 2 s)
@@ -94,49 +90,61 @@ def _error_line(exc: urllib.error.HTTPError) -> str:
         return f"HTTP {exc.code} {exc.reason}"
 
 
-def _request(url: str, path: str, body: dict | None, timeout: float, retries: int) -> dict:
+class Unanswered(Exception):
+    """A request worth trying again (a connection error, a 5xx, a broken answer); its args:
+    what went wrong, and the fix."""
+
+
+def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
     """GET (body None) or POST `body` to url + path and return the JSON answer. A connection
-    error or a 5xx is tried again `retries` times with backoff; a 4xx (the server refused what
-    it was sent) and a timeout (a hung server would hang again) are not. Each is one line."""
+    error or a 5xx is `Unanswered`, for `_requests` to try again; a 4xx (the server refused what
+    it was sent) and a timeout (a hung server would hang again) are one line at once."""
     data = None if body is None else json.dumps(body).encode("utf-8")
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    for attempt in range(retries + 1):
-        request = urllib.request.Request(url + path, data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return json.loads(answer.read().decode("utf-8"))
-        except urllib.error.HTTPError as exc:
-            problem, fix = (f"the server answered {path} with {_error_line(exc)}",
-                            "check the server's log")
-            if exc.code < 500:
-                raise TetherError(f"--reward-url {url}: {problem}") from None
-        except TimeoutError:
-            raise TetherError(f"--reward-url {url}: no answer to {path} within {timeout:g} s "
-                              "(--reward-url-timeout); check the server, or raise "
-                              "--reward-url-timeout; checkpoints written so far are intact"
-                              ) from None
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
-                raise TetherError(f"--reward-url {url}: no answer to {path} within {timeout:g} s "
-                                  "(--reward-url-timeout); check the server, or raise "
-                                  "--reward-url-timeout; checkpoints written so far are intact"
-                                  ) from None
-            problem, fix = f"cannot connect ({_why(exc)})", START_IT
-        except (OSError, ValueError) as exc:  # a reset connection, an answer that is not JSON
-            problem, fix = (f"a broken answer to {path} ({type(exc).__name__}: {_why(exc)})",
-                            "check the server's log")
-        if attempt < retries:
-            time.sleep(BACKOFF_S * 2 ** attempt)
-    tries = f" after {retries + 1} tries" if retries else ""
-    raise TetherError(f"--reward-url {url}: {problem}{tries}; {fix}")
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    hung = (f"--reward-url {url}: no answer to {path} within {timeout:g} s "
+            "(--reward-url-timeout); check the server, or raise --reward-url-timeout; "
+            "checkpoints written so far are intact")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read().decode("utf-8"))
+    except urllib.error.HTTPError as exc:
+        problem = f"the server answered {path} with {_error_line(exc)}"
+        if exc.code < 500:
+            raise TetherError(f"--reward-url {url}: {problem}") from None
+        raise Unanswered(problem, "check the server's log") from None
+    except (TimeoutError, urllib.error.URLError) as exc:  # the socket's, or urlopen's wrapped
+        if isinstance(getattr(exc, "reason", exc), TimeoutError):
+            raise TetherError(hung) from None
+        raise Unanswered(f"cannot connect ({_why(exc)})", START_IT) from None
+    except (OSError, ValueError) as exc:  # a reset connection, an answer that is not JSON
+        raise Unanswered(f"a broken answer to {path} ({type(exc).__name__}: {_why(exc)})",
+                         "check the server's log") from None
+
+
+def _requests(requests: list[tuple[str, str, dict | None]], timeout: float, retries: int
+              ) -> list[dict]:
+    """Each `(url, path, body)` request at once (`_request`), its answer in order; an
+    `Unanswered` one is tried again `retries` times, BACKOFF_S apart and doubling, then is one
+    line naming its URL."""
+    runner = Runner(workers=max(len(requests), 1), retries=retries, retry_delay=BACKOFF_S)
+    outcomes = runner.run([Call(partial(_request, *request, timeout)) for request in requests])
+    for (url, _, _), outcome in zip(requests, outcomes):
+        if isinstance(outcome.error, Unanswered):
+            problem, fix = outcome.error.args
+            tries = f" after {retries + 1} tries" if retries else ""
+            raise TetherError(f"--reward-url {url}: {problem}{tries}; {fix}")
+        if outcome.error is not None:  # not the server's doing: a bug of tether's own
+            raise outcome.error
+    return [outcome.value for outcome in outcomes]
 
 
 def connect(urls: list[str], timeout: float = INFO_TIMEOUT_S) -> list[Endpoint]:
     """GET /info on every endpoint, before any model loads: a dead one is one line, and so are
     endpoints that serve different models (another fingerprint: other weights, tokenizer or
     dtype), whose scores would depend on which endpoint a row went to."""
-    endpoints = [Endpoint(url, _request(url, "/info", None, min(timeout, INFO_TIMEOUT_S), 0))
-                 for url in urls]
+    answers = _requests([(url, "/info", None) for url in urls], min(timeout, INFO_TIMEOUT_S), 0)
+    endpoints = [Endpoint(url, info) for url, info in zip(urls, answers)]
     for endpoint in endpoints:
         if not isinstance(endpoint.info.get("fingerprint"), str):
             raise TetherError(f"--reward-url {endpoint.url}: /info answered without a model "
@@ -169,21 +177,17 @@ def score_remote(endpoints: list[Endpoint], prompts: list[Prompt], responses: li
     """Scores `[N]` of (prompt, response) pairs from the endpoints: one contiguous part each,
     posted at once, put back in the rows' order."""
     parts = _parts(len(prompts), len(endpoints))
-
-    def post(k: int) -> list:
-        endpoint, rows = endpoints[k], parts[k]
-        answer = _request(endpoint.url, "/score", {"prompts": [prompts[i] for i in rows],
-                                                   "responses": [responses[i] for i in rows]},
-                          timeout, retries)
-        scores = answer.get("scores") if isinstance(answer, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(rows) or not all(
-                isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
+    answers = _requests([(endpoint.url, "/score", {"prompts": [prompts[i] for i in rows],
+                                                   "responses": [responses[i] for i in rows]})
+                         for endpoint, rows in zip(endpoints, parts)], timeout, retries)
+    scores = []
+    for endpoint, rows, answer in zip(endpoints, parts, answers):
+        part = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(part, list) or len(part) != len(rows) or not all(
+                isinstance(s, (int, float)) and not isinstance(s, bool) for s in part):
             raise TetherError(f"--reward-url {endpoint.url}: /score answered {str(answer)[:80]}, "
                               f"not {len(rows)} scores; is it a tether serve-rm? {START_IT}")
-        return scores
-
-    with ThreadPoolExecutor(max_workers=len(parts) or 1) as pool:
-        scores = [s for part in pool.map(post, range(len(parts))) for s in part]
+        scores += part
     return torch.tensor(scores, dtype=torch.float32)
 
 

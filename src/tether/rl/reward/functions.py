@@ -19,7 +19,9 @@ convention): that entry is left out of the sum (NaN, summed with nansum), and a 
 every function left out stops the run with one line, since it has no score to learn from. Each
 function's own scores come back beside the sum (`RewardScores.parts`), for `reward/<name>`.
 
-With a pool (--reward-workers N > 1, tether.rl.reward_pool) each function is called once per
+Without a pool each function is called once per batch (`call_reward_function`), on the calling
+thread, under --reward-fn-timeout's deadline (tether.run.user_code.deadline); Ctrl-C inside it
+stays Ctrl-C. With a pool (--reward-workers N > 1, tether.rl.reward.pool) each function is called once per
 response, N calls at a time, every function's calls together; a response whose score failed in
 any function (after its retries) has a NaN score and is named in `RewardScores.failed`, for the
 loop to drop its group and draw again. Either way a function may be `async def`.
@@ -39,18 +41,26 @@ from transformers import TrainerState
 
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
-from tether.rl.reward_pool import Call, RewardPool, ScoreRefused, is_async_function
-from tether.rl.rewards import (
+from tether.rl.reward import (
+    MAX_SCORE,
     FailedRows,
     Prompt,
+    RewardFn,
     RewardScores,
-    call_reward_function,
-    function_name,
-    load_reward_function,
     out_of_range,
-    own_file,
     returned_scores,
 )
+from tether.rl.reward.pool import RewardPool, ScoreRefused
+from tether.run.user_code.calls import Call
+from tether.run.user_code.deadline import Deadline
+from tether.run.user_code.load import (
+    function_name,
+    is_async_function,
+    load_function,
+    own_file,
+    raised,
+)
+from tether.run.user_code.loop import run_coroutine
 
 # The keywords a TRL-style function is called with besides the prompt file's columns
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -73,6 +83,11 @@ def load_reward_functions(spec: str) -> list[Callable]:
     return [load_reward_function(name.strip()) for name in spec.split(",") if name.strip()]
 
 
+def load_reward_function(spec: str) -> Callable:
+    """The function `--reward-fn` or `--gold-fn` names (tether.run.user_code.load)."""
+    return load_function(spec, "reward function")
+
+
 def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[RewardFunction]:
     """`functions` with their `weights` (none given: 1 each, TRL's default) and metric names:
     each its `__name__`, numbered from the second on when two share one (`f`, `f_2`)."""
@@ -89,6 +104,42 @@ def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[Re
         names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
     return [RewardFunction(fn, name, float(w)) for fn, name, w in
             zip(functions, names, weights or [1.0] * len(functions), strict=True)]
+
+
+def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
+                         what: str = "reward function", keywords: dict[str, Any] | None = None,
+                         allow_none: bool = False, timeout: float = 0.0) -> torch.Tensor:
+    """Call `fn` and return its scores as a float32 tensor [B], or stop with a clear message.
+
+    It must return scores in the responses' order: a list or tuple, or a 1-D tensor or array,
+    of finite real numbers (bools count as 0 and 1), one per response. A set, a dict, a
+    generator or a string is refused: their order, or their items, are not the responses'.
+    `keywords`: call `fn(**keywords)` (TRL's convention) instead of `fn(prompts, responses)`.
+    `allow_none`: a None score means "does not apply" and comes back as NaN (TRL's convention
+    for several functions; the caller decides what a row no function scored means).
+    `timeout`: seconds the call may take (--reward-fn-timeout; 0: no limit), past which the
+    process prints one line and exits with code 2 (`tether.run.user_code.deadline`: a hung call
+    cannot be stopped, only left)."""
+    name = function_name(fn)
+    fix = "it must return a list of one finite float per response, in their order"
+    hung = (f"{what} {name} did not return within {timeout:g} s (--reward-fn-timeout); fix the "
+            "hang, or raise --reward-fn-timeout (0: no limit); checkpoints written so far are "
+            "intact")
+    try:
+        with Deadline(timeout, hung):
+            scores = (fn(**keywords) if keywords is not None
+                      else fn(list(prompts), list(responses)))
+            if inspect.isawaitable(scores):  # an `async def` function: its coroutine, run now
+                scores = run_coroutine(scores)
+    except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
+        raise TetherError(f"{what} {name} raised {raised(exc, own_file(fn))}; fix the function "
+                          f"({fix}); checkpoints written so far are intact") from exc
+    values = returned_scores(scores, len(responses), what, name, allow_none)
+    bad = [(i, why) for i, v in enumerate(values) if v is not None and (why := out_of_range(v))]
+    if bad:
+        raise TetherError(f"{what} {name} returned {bad[0][1]} for response {bad[0][0]}; {fix}, "
+                          f"each within +-{MAX_SCORE:g}")
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
 
 
 def takes_trl_arguments(fn: Callable, columns: Sequence[str]) -> bool:
@@ -143,7 +194,7 @@ def trl_arguments(prompts: list[str], responses: list[str], rows: Sequence[dict]
 
 @dataclass
 class RewardFunctions:
-    """Reward functions as the loop's `Reward` (tether.rl.rewards): called on every batch,
+    """Reward functions as the loop's `Reward` (tether.rl.reward): called on every batch,
     checked, weighted and summed. `state` is what TRL-style functions get as `trainer_state`
     (the loop moves its `global_step`); `what` names them in errors; `timeout`: seconds each
     call may take (--reward-fn-timeout; 0: no limit); `pool`: each response its own call, N at
@@ -164,17 +215,22 @@ class RewardFunctions:
         """Each function's scores, and their weighted sum over the functions that applied."""
         if self.pool is not None:
             return self.pooled(prompts, responses, rows, completion_ids)
-        columns = list(row_columns(rows)) if rows is not None else []
-        keywords = None  # built once, for the first TRL-style function
         parts = {}
-        for f in self.functions:
-            trl = takes_trl_arguments(f.fn, columns)
-            if trl and keywords is None:
-                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
-            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what,
-                                                 keywords if trl else None, allow_none=True,
-                                                 timeout=self.timeout)
+        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
+                                                             completion_ids)):
+            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what, keywords,
+                                                 allow_none=True, timeout=self.timeout)
         return self.summed(parts, prompts)
+
+    def keywords(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
+                 completion_ids: list[list[int]] | None) -> list[dict[str, Any] | None]:
+        """Each function's keywords: TRL's (`trl_arguments`, built once for them all), or None
+        for a function of tether's form."""
+        columns = list(row_columns(rows)) if rows is not None else []
+        trl = [takes_trl_arguments(f.fn, columns) for f in self.functions]
+        keywords = (trl_arguments(prompts, responses, rows, completion_ids, self.state)
+                    if any(trl) else None)
+        return [keywords if t else None for t in trl]
 
     def summed(self, parts: dict[str, torch.Tensor], prompts: list[str],
                failed: torch.Tensor | None = None) -> RewardScores:
@@ -195,20 +251,18 @@ class RewardFunctions:
     def pooled(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
                completion_ids: list[list[int]] | None) -> RewardScores:
         """`score` through the pool: every function on every response, one response per call
-        (tether.rl.reward_pool), the outcomes back in the rows' order."""
+        (tether.rl.reward.pool), the outcomes back in the rows' order."""
         n = len(responses)
-        columns = list(row_columns(rows)) if rows is not None else []
-        keywords = None
         calls = []
-        for f in self.functions:
-            trl = takes_trl_arguments(f.fn, columns)
-            if trl and keywords is None:
-                keywords = trl_arguments(prompts, responses, rows, completion_ids, self.state)
-            check = partial(one_score, self.what, function_name(f.fn))
+        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
+                                                             completion_ids)):
+            name = function_name(f.fn)
+            check = partial(one_score, self.what, name)
             for i in range(n):
-                run = (partial(f.fn, **row_keywords(keywords, i)) if trl
+                run = (partial(f.fn, **row_keywords(keywords, i)) if keywords is not None
                        else partial(f.fn, [prompts[i]], [responses[i]]))
-                calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn)))
+                calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn),
+                                  f"{self.what} {name}"))
         outcomes = self.pool.run(calls)
         parts, failed = {}, torch.zeros(n, dtype=torch.bool)
         retries, causes = torch.zeros(n, dtype=torch.long), {}

@@ -1,5 +1,5 @@
-"""A deadline on a call of the user's code (`--reward-fn`, `--gold-fn`): past it, one line and
-exit 2, whatever the call is doing.
+"""A deadline on a call of the user's code (`--reward-fn`, `--gold-fn`; the guard of the event
+loop, tether.run.user_code.calls): past it, one line and exit 2, whatever the call is doing.
 
     with Deadline(600, "reward function task:score did not return within 600 s ..."):
         scores = fn(prompts, responses)

@@ -1,0 +1,119 @@
+"""The reward pool (--reward-workers N > 1): each response scored by its own call, N calls at a
+time, each within --reward-fn-timeout seconds and tried again up to --reward-retries times; a
+row whose score fails is a counted failure, never a silent zero, and never an error by itself.
+
+    calls = [lambda: f([prompt_i], [response_i]) for each row i]    # one row per call
+    outcomes = RewardPool(workers=8, retries=2, timeout=60).run([Call(run, check) ...])
+    # outcomes[i]: row i's score, or why it failed and after how many tries
+
+Why one row per call: a reward that waits on something (an API judge, ~50 ms a call; a sandbox
+running a program; a proof checker) is latency-bound per response, so the batch takes
+ceil(B / N) waits instead of B; a retry repeats one response's call, not its batch's; a timeout
+or a failure names one row and costs one group (the k responses of its prompt), not the batch.
+A function that scores a batch faster as a whole (a model forward, a vectorised check) gains
+nothing from the pool: keep it at --reward-workers 1, one call per batch. A function whose
+score of a response depends on the other responses of the call (a rank within the batch) must
+stay at 1 too: in the pool each call sees one row.
+
+How: the calls run on the user's code's runner (tether.run.user_code.calls): an `async def`
+function's coroutines on the process's event loop, a plain function in a daemon thread per call,
+at most N at once. A plain function therefore runs off the main thread: one that times itself
+with SIGALRM (math_verify's `parse`/`verify` with their default timeout) cannot run in the pool.
+
+A call fails when it raises (any exception; Ctrl-C stays Ctrl-C), or does not return within
+the timeout: it is tried again, after 0.1 s (RETRY_DELAY_S), then twice that, and so on (a rate limit
+or a dropped connection often clears), up to `retries` times. A call that returns a NaN, inf or
+out-of-range score fails at once: the function answered, and asking a deterministic function
+again gets the same answer. A call that returns something that is not one number per response
+(a set, the wrong count, a string) is a bug in the function: the batch stops with one line, as
+without the pool. Scores come back in the rows' order, whatever order the calls finish in. An
+`async def` function that blocks the loop (a synchronous request inside it) ends the process
+with one line, as a hung call without the pool does (the runner's guard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tether.errors import TetherError
+from tether.rl.reward import FailedRows
+from tether.run.distributed import Dist, all_gather_objects, all_gather_rows
+from tether.run.user_code.calls import Refused, Runner
+
+MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
+
+
+class ScoreRefused(Refused):
+    """What a `check` raises for a value that is a failed score (NaN, inf, out of range), not a
+    bug in the function: the row fails without a retry."""
+
+
+@dataclass(frozen=True)
+class RewardPool(Runner):
+    """`workers` calls at a time, each within `timeout` seconds (0: no limit), each tried again
+    up to `retries` times after `retry_delay` seconds (doubling): the runner with the reward
+    pool's defaults and its option named in lines."""
+
+    retries: int = 2
+    timeout_flag: str = "--reward-fn-timeout"
+
+
+def pool_for(settings) -> RewardPool | None:
+    """The pool `settings` ask for (a config with `reward_workers`, `reward_retries` and
+    `reward_fn_timeout`: PPOConfig, EvalConfig), or None: 0 or 1 workers is one call per batch."""
+    workers = settings.reward_workers
+    return (RewardPool(workers, settings.reward_retries, settings.reward_fn_timeout)
+            if workers > 1 else None)
+
+
+def check_reward_pool(workers: int, retries: int, default_retries: int, has_functions: bool,
+                      episodic: bool) -> None:
+    """--reward-workers and --reward-retries: in range, and only where they act (Python reward
+    or gold functions scoring a batch's responses), never accepted and ignored."""
+    if not 0 <= workers <= MAX_WORKERS:
+        raise TetherError(f"--reward-workers {workers} must lie in [0, {MAX_WORKERS}] (0 or 1: "
+                          "one call per batch; N > 1: N rows scored at a time)")
+    if retries < 0:
+        raise TetherError(f"--reward-retries {retries} must be >= 0 (0: a failed call is not "
+                          "tried again)")
+    if workers > 1 and episodic:
+        raise TetherError(f"--reward-workers {workers} scores a batch's responses in parallel; "
+                          "an episode's reward is scored inside its environment's step, which "
+                          "--env-workers already runs concurrently; drop it")
+    if workers > 1 and not has_functions:
+        raise TetherError(f"--reward-workers {workers} scores the rows of --reward-fn and "
+                          "--gold-fn functions in parallel, and this run has none; drop it (a "
+                          "reward model scores a batch in one forward)")
+    if retries != default_retries and workers <= 1:
+        raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
+                          "there is none; pass --reward-workers N (N > 1) or drop it")
+
+
+def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows | None:
+    """Every rank's failed rows, in rank order, as the global batch's (`offset`: this rank's
+    first row in it); the causes travel only when some row failed (every rank agrees on that,
+    from the gathered mask)."""
+    if failed is None:
+        return None
+    mask = all_gather_rows(failed.failed.to(torch.uint8), d).bool()  # gloo has no bool
+    retries = all_gather_rows(failed.retries, d)
+    causes: dict[int, str] = {}
+    if mask.any():
+        pairs = all_gather_objects([(row + offset, why) for row, why in failed.causes.items()], d)
+        causes = dict(pairs)
+    return FailedRows(mask, retries, causes)
+
+
+def check_scored(failed: FailedRows | None, what: str) -> None:
+    """Where a failed row cannot be drawn again (a held-out evaluation: its prompts are fixed),
+    it stops the run with one line naming the first, as a raising function does without the
+    pool."""
+    if failed is None or not failed.causes:
+        return
+    first = min(failed.causes)
+    raise TetherError(f"{len(failed.causes)} of {len(failed.failed)} responses of {what} have "
+                      f"no score: response {first}: {failed.causes[first]}; fix the function, or raise "
+                      "--reward-retries or --reward-fn-timeout; checkpoints written so far are "
+                      "intact")
