@@ -167,7 +167,7 @@ def bench_rollouts(work: Workload, engines: list[str], args) -> RolloutTimes:
     from tether.run.distributed import Dist
 
     times = RolloutTimes(seconds={e: [] for e in engines}, tokens={e: [] for e in engines})
-    samplers, engine = {"native": native.start(work.model, Dist()).sample}, None
+    samplers, engine = {"native": native.start(None, work.model, None, 0, Dist()).sample}, None
     if "vllm" in engines:
         from tether.rl.engines.vllm_engine import start_engine
 

@@ -123,7 +123,7 @@ OFFLINE = [  # (stage, data file, extra flags, pattern the one line must contain
     ("sft", SFT, ["--lora-r", "-1"], "'lora_r' must be >= 0"),
     ("sft", SFT, ["--lora-r", "4", "--lora-dropout", "1.0"], "'lora_dropout' must be in"),
     ("sft", SFT, ["--lora-r", "4", "--lora-target-modules", "qkv"], "qkv matches no linear"),
-    ("sft", SFT, ["--merge-lora"], "--merge-lora needs a LoRA run"),
+    ("sft", SFT, ["--merge-lora"], "--merge-lora applies with --lora-r above 0"),
     ("sft", SFT, ["--learning-rate", "1"], "--learning-rate is TRL's name; tether's is --lr "),
     ("sft", SFT, ["--config", "missing.yaml"], "config file .* not found"),
     ("sft", SFT, ["--config", "bad.yaml"], "not valid UTF-8 YAML"),
@@ -186,7 +186,8 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-fn", "rewards.py:score", "--kl-ctl", "adaptive", "--kl-target", "0"],
      "'kl_target' must be > 0"),
     (["--reward-fn", "rewards.py:score", "--max-kl", "-1"], "'max_kl' must be >= 0"),
-    (["--reward-fn", "rewards.py:score", "--gold-fn", "rewards.py:score"], "also pass --eval-prompts"),
+    (["--reward-fn", "rewards.py:score", "--gold-fn", "rewards.py:score"],
+     "--gold-fn applies with --eval-prompts.*pass --eval-prompts"),
     (["--reward-fn", "rewards.py:score", "--lora-r", "4", "--lora-dropout", "0.1"],
      "--lora-dropout must be 0 for ppo"),
     (["--reward-model", "MISSING_MODEL"], "does not exist|not a tether reward model"),
@@ -225,7 +226,8 @@ PPO = [  # extra flags after a good --policy (unless replaced) and --prompts
     (["--reward-fn", "rewards.py:score", "--engine", "vllm", "--engine-mask-kl", "-1"],
      "'engine_mask_kl' must be >= 0"),
     (["--reward-fn", "rewards.py:score", "--engine-is-cap", "2"],
-     "native engine samples from the trainer's model"),
+     "--engine-is-cap applies with --engine vllm or --max-staleness above 0, and tether ppo runs "
+     "with --engine native"),
 ]
 
 DEMO = [

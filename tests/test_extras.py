@@ -15,7 +15,7 @@ import pytest
 import yaml
 from offline_fixtures import sft_rows, write_jsonl
 
-from tether.run.extras import EXTRA_OF, STAGE_NEEDS
+from tether.run.extras import EXTRAS, STAGE_NEEDS
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 OPTIONAL = ("matplotlib", "tensorboard", "vaderSentiment")
@@ -41,10 +41,10 @@ def one_error_line(done: subprocess.CompletedProcess, expected: str) -> None:
 
 def test_every_extra_named_is_one_of_pyproject():
     toml = (Path(SRC).parent / "pyproject.toml").read_text(encoding="utf-8")
-    for extra in {*EXTRA_OF.values(), *STAGE_NEEDS}:
+    for extra in {*(e for _, e in EXTRAS.values()), *STAGE_NEEDS}:
         if extra != "sweep":  # the sweep needs the report extra; it has none of its own
             assert f"\n{extra} = [" in toml, extra
-    assert all(p in EXTRA_OF for needs in STAGE_NEEDS.values() for p in needs)
+    assert all(p in EXTRAS for needs in STAGE_NEEDS.values() for p in needs)
 
 
 def test_demo_names_the_demo_extra_and_writes_nothing(tmp_path):

@@ -124,6 +124,29 @@ def test_kl_penalty_rejects_bad_input():
 
 
 def test_loss_estimator_names():
-    # one list per placement, the loss-only names defined beside the others in tether.kl
-    assert kl_lib.LOSS_ESTIMATORS[0] == "k3_ratio"  # the default of kl_penalty
+    # one table (tether.choices.KL_ESTIMATORS): each placement's names follow from its facts
+    import inspect
+
+    from tether.choices import KL_DEFAULTS
+
+    default = inspect.signature(kl_penalty).parameters["estimator"].default
+    assert KL_DEFAULTS["loss"] == default == "k3_ratio" and default in kl_lib.LOSS_ESTIMATORS
     assert set(kl_lib.LOSS_ESTIMATORS) & set(kl_lib.ESTIMATORS) == {"k2", "k3"}
+    assert set(kl_lib.ESTIMATORS) == {"k1", "k2", "k3", "abs"}
+    assert set(kl_lib.LOSS_ESTIMATORS) == {"k2", "k3", "k3_ratio", "exact"}
+
+
+def test_a_name_the_table_lacks_is_an_error_at_the_table_never_another_entry(monkeypatch):
+    # Before the table, kl.estimate and kl_penalty fell through to k3 for a name without its
+    # own branch. An entry now carries its term: one added to the table is used as written.
+    from tether import choices
+
+    x, y = torch.tensor([[0.3, -0.2]]), torch.tensor([[0.1, 0.1]])
+    monkeypatch.setitem(choices.KL_ESTIMATORS, "k4", choices.KLEstimator(
+        "d^4", lambda d: d ** 4, in_reward=True, in_loss=True))
+    monkeypatch.setattr(kl_lib, "ESTIMATORS", (*kl_lib.ESTIMATORS, "k4"))
+    assert torch.equal(kl_lib.estimate(x, y, "k4"), (x - y) ** 4)
+    penalty, _ = kl_penalty(x, x, y, torch.ones(1, 2, dtype=torch.bool), "k4")
+    assert float(penalty) == pytest.approx(float(((x - y) ** 4).sum()))  # "sum": one row
+    with pytest.raises(ValueError, match="unknown KL estimator 'k5'; choose one of"):
+        kl_lib.estimate(x, y, "k5")

@@ -24,9 +24,10 @@ SRC = ROOT / "src" / "tether"
 
 # Lower layers first; a module may import its own layer (without a cycle) and the ones below it.
 LAYERS = [
-    {"tether.errors", "tether._checks", "tether.kl", "tether.logprobs", "tether.advantages",
-     "tether.losses", "tether.lm_head"},  # the public maths
-    {"tether.data", "tether.run"},
+    {"tether.errors", "tether._checks", "tether.choices", "tether.kl", "tether.logprobs",
+     "tether.advantages", "tether.losses", "tether.lm_head"},  # the public maths and its tables
+    {"tether.run"},  # configs, run directories, checkpoints, processes: no data format
+    {"tether.data"},
     {"tether.models"},
     {"tether.rl"},
     {"tether.train"},
@@ -34,8 +35,8 @@ LAYERS = [
     {"tether.demo"},
     {"tether.cli", "tether.__main__"},
 ]
-ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "_checks", "_compat", "kl", "logprobs",
-                "advantages", "losses", "lm_head"}
+ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "_checks", "_compat", "choices", "kl",
+                "logprobs", "advantages", "losses", "lm_head"}
 
 
 def module_name(path: Path) -> str:

@@ -23,11 +23,6 @@ def non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `x` over positions where `mask` is true (0 when the mask is empty)."""
     mask = mask.to(x.dtype)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from tether import kl as kl_lib
-from tether._checks import choice, non_negative, positive, same_shape
+from tether._checks import non_negative, positive, same_shape
+from tether.choices import ADVANTAGES, entry
 
 
 def last_true_index(mask: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,7 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
     Returns:
         [B, T] fp32 advantages: A_i on every real token of row i, 0 on padding.
     """
-    choice("scale_rewards", scale_rewards, GRPO_SCALES)
+    entry(GRPO_SCALES, scale_rewards, "scale_rewards")
     positive("eps", eps)
     returns = _group_returns(rewards, mask, k, "grpo")  # [n_prompts, k]
     advantages = returns - returns.mean(dim=1, keepdim=True)
@@ -281,7 +282,7 @@ class AdvantageSpec:
     """Which estimator, and its settings, named as the run's config names them (--advantage,
     --gamma, --lam, --whiten-advantages resolved, --samples-per-prompt, --scale-rewards)."""
 
-    advantage: str = "gae"  # a key of ESTIMATORS
+    advantage: str = "gae"  # a key of tether.choices.ADVANTAGES
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True  # gae only: standardise over the batch's sampled tokens
@@ -289,39 +290,44 @@ class AdvantageSpec:
     scale_rewards: str = "group"  # grpo: "group", "batch" or "none"
 
 
-def _gae_whitened(spec: AdvantageSpec, rewards, values, mask):
+# The estimators of `tether.choices.ADVANTAGES`: (spec, rewards, values, mask) -> (advantages,
+# returns), all [B, T]. The critic-free ones compare the spec.samples_per_prompt responses to
+# each prompt and give a critic no targets (zeros).
+
+def gae_advantages(spec: AdvantageSpec, rewards, values, mask):
+    """GAE on the critic's values (Schulman et al. 2015), whitened unless the spec says not."""
     advantages, returns = gae(rewards, values, mask, spec.gamma, spec.lam)
     return (whiten(advantages, mask) if spec.whiten_advantages else advantages), returns
 
 
-# name -> (spec, rewards, values, mask) -> (advantages, returns), all [B, T]. The critic-free
-# estimators compare the spec.samples_per_prompt responses to each prompt and give a critic no
-# targets (zeros). A new estimator: its function above, one entry here, one literal in the
-# config's --advantage (and its `uses_critic` when it reads values).
-ESTIMATORS = {
-    "gae": _gae_whitened,  # Schulman et al. 2015, with the critic's values
-    # Ahmadian et al. 2024
-    "rloo": lambda spec, r, v, m: (rloo(r, m, spec.samples_per_prompt), torch.zeros_like(r)),
-    # Shao et al. 2024; Liu et al. 2025 (scale_rewards "none": Dr. GRPO)
-    "grpo": lambda spec, r, v, m: (grpo(r, m, spec.samples_per_prompt, spec.scale_rewards),
-                                   torch.zeros_like(r)),
-    # Hu 2025
-    "reinforce++": lambda spec, r, v, m: (reinforce_pp(r, m, spec.gamma), torch.zeros_like(r)),
-}
+def rloo_advantages(spec: AdvantageSpec, rewards, values, mask):
+    """RLOO (Ahmadian et al. 2024)."""
+    return rloo(rewards, mask, spec.samples_per_prompt), torch.zeros_like(rewards)
+
+
+def grpo_advantages(spec: AdvantageSpec, rewards, values, mask):
+    """GRPO (Shao et al. 2024); scale_rewards "none": Dr. GRPO (Liu et al. 2025)."""
+    return (grpo(rewards, mask, spec.samples_per_prompt, spec.scale_rewards),
+            torch.zeros_like(rewards))
+
+
+def reinforce_pp_advantages(spec: AdvantageSpec, rewards, values, mask):
+    """REINFORCE++ (Hu 2025)."""
+    return reinforce_pp(rewards, mask, spec.gamma), torch.zeros_like(rewards)
 
 
 def estimate_advantages(spec: AdvantageSpec, rewards: torch.Tensor, values: torch.Tensor,
                         mask: torch.Tensor, episode: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, T] from the per-token rewards [B, T] by `spec.advantage`
-    (`ESTIMATORS`); `values` [B, T] are read by gae only, `mask` [B, T] is the sampled tokens.
+    (`tether.choices.ADVANTAGES`); `values` [B, T] are read by gae only, `mask` [B, T] is the
+    sampled tokens.
 
     `episode` [B]: the episode of each row, when an episode spans several rows (segments; rows of
     an episode consecutive and in order). The estimator then runs on the episodes, each one's
     rows laid end to end (`by_episode`): the return carries from one segment into the next, and
     the k samples of a prompt are k episodes, whatever their rows."""
-    choice("advantage estimator", spec.advantage, tuple(ESTIMATORS))
-    estimator = ESTIMATORS[spec.advantage]
+    estimator = entry(ADVANTAGES, spec.advantage, "advantage estimator").fn
     if episode is None:
         return estimator(spec, rewards, values, mask)
     return by_episode(lambda r, v, m: estimator(spec, r, v, m), rewards, values, mask, episode)

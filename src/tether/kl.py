@@ -32,19 +32,41 @@ from typing import Protocol
 
 import torch
 
-from tether._checks import choice, non_negative, positive, same_shape
+from tether._checks import non_negative, positive, same_shape
+from tether.choices import KL_ESTIMATORS, entry, kl_allowed
 from tether.logprobs import map_row_chunks
 
-# Per-token estimators of KL(pi || ref): `estimate` and the KL-in-the-reward placement take these.
-ESTIMATORS = ("k1", "k2", "k3", "abs")
-# The terms `tether.losses.kl_penalty` accepts for the KL-as-a-loss placement, default first.
-# k1 and abs are refused there: k1's expected gradient is 0 on-policy, abs's is no KL's gradient.
+# The estimators `estimate` and the KL-in-the-reward placement take, and the terms
+# `tether.losses.kl_penalty` accepts as a loss: the table's facts (tether.choices.KL_ESTIMATORS).
+# k1 and abs cannot be loss terms (k1's expected gradient is 0 on-policy, abs's is no KL's);
 # k3_ratio (k3 * pi/pi_old) and exact exist only as loss terms.
-LOSS_ESTIMATORS = ("k3_ratio", "k2", "k3", "exact")
+ESTIMATORS = tuple(kl_allowed("reward"))
+LOSS_ESTIMATORS = tuple(kl_allowed("loss"))
 
 # exp(-d) in k3 overflows fp32 near d = -88; a log-ratio of 20 already means a probability ratio
 # of 5e8, so clamping there changes nothing a training run can use and keeps k3 finite.
 LOG_RATIO_CLAMP = 20.0
+
+
+def k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k1 = d: unbiased for KL(pi || ref), high variance, negative on single tokens."""
+    return log_ratio
+
+
+def k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2: biased (the bias grows with the divergence), low variance, >= 0."""
+    return 0.5 * log_ratio.square()
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(-d) - 1 + d: unbiased and >= 0. Only the exponent is clamped (+-20), so the value
+    stays finite and its gradient is never cut off; expm1 keeps precision when d is near 0."""
+    return torch.expm1(-log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + log_ratio
+
+
+def absolute(log_ratio: torch.Tensor) -> torch.Tensor:
+    """abs = |d|: a biased, non-negative magnitude."""
+    return log_ratio.abs()
 
 
 def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -57,23 +79,14 @@ def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     Args:
         logprobs: [...] log pi(y_t) of the sampled tokens.
         ref_logprobs: [...] log ref(y_t) of the same tokens.
-        estimator: one of "k1", "k2", "k3", "abs".
+        estimator: one of `ESTIMATORS` ("k1", "k2", "k3", "abs").
 
     Returns:
         [...] per-token estimates, same shape as the inputs. Masking is the caller's job.
     """
-    choice("KL estimator", estimator, ESTIMATORS)
+    term = KL_ESTIMATORS[entry(ESTIMATORS, estimator, "KL estimator")]
     same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "abs":
-        return log_ratio.abs()
-    # k3: only the exponent is clamped, so the value stays finite and its gradient is never
-    # cut off; expm1 keeps precision when d is near 0.
-    return torch.expm1(-log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + log_ratio
+    return term.token(logprobs - ref_logprobs)
 
 
 def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -110,7 +123,7 @@ class KLPlacement:
     both are per-sequence sums (DESIGN.md)."""
 
     kl_in: str = "reward"  # "reward" or "loss"
-    kl_estimator: str = "k1"  # one of ESTIMATORS in the reward, of LOSS_ESTIMATORS in the loss
+    kl_estimator: str = "k1"  # a key of tether.choices.KL_ESTIMATORS allowed where kl_in says
 
     def betas(self, beta: float) -> tuple[float, float]:
         """(beta in the reward, beta on the loss term)."""
@@ -210,7 +223,7 @@ class AnnealedKL:
         non_negative("start beta", start)
         non_negative("end beta", end)
         positive("steps", steps)
-        choice("anneal shape", shape, self.SHAPES)
+        entry(self.SHAPES, shape, "anneal shape")
         self.start, self.end, self.steps, self.shape = float(start), float(end), int(steps), shape
         self.n_updates = 0
         self.beta = self._beta_at(0)

@@ -14,9 +14,9 @@ short response's tokens more than a long one's. When the KL is a loss term besid
 loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
 reward placement.
 
-Policy losses are a table of same-signature functions (`POLICY_OBJECTIVES`) over a table of
-importance ratios (`IMPORTANCE_RATIOS`), read by `policy_loss` with a `PolicyLoss` spec; a new
-objective is one function and one entry.
+Policy losses are functions of one bundle of named inputs (`LossInputs`), each an entry of
+`tether.choices.POLICY_LOSSES` over the ratios of `IMPORTANCE_LEVELS`, read by `policy_loss`
+with a `PolicyLoss` spec; a new objective is one function and one entry, whatever it reads.
 
 Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
 or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tether._checks import choice, masked_mean, non_negative, same_shape
-from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS, estimate
+from tether._checks import masked_mean, non_negative, same_shape
+from tether.choices import IMPORTANCE_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, entry
+from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS
 
 AGGREGATIONS = ("token", "sequence", "sum")
 
@@ -56,7 +57,7 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token
             minibatch's count when this batch is one of its micro-batches (see the module
             docstring), or the rows that carry loss when some rows are masked out whole.
     """
-    choice("loss aggregation", aggregation, AGGREGATIONS)
+    entry(AGGREGATIONS, aggregation, "loss aggregation")
     m = mask.to(x.dtype)
     if aggregation == "sequence":  # each response's mean first; a row with no tokens adds 0
         x = x / m.sum(dim=1, keepdim=True).clamp(min=1.0)
@@ -70,29 +71,41 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token
 
 
 # ----------------------------------------------------------------------------- policy losses
-# An objective maps (ratio, log pi, A, eps_low, eps_high), all [B, T] but the epsilons, to the
-# per-token loss and where the clip (or cap) acted; `policy_loss` reduces it.
 
-def clipped_surrogate(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class LossInputs:
+    """What a policy objective reads, by name: all [B, T] but the clips and the group. An
+    objective takes the bundle and reads what it needs, so one that needs another input (the
+    reference's log-probs, the engine's, its group) is its function and one entry
+    of `tether.choices.POLICY_LOSSES`, nothing else (`tether.rl.update.update_loss` passes every
+    input it has)."""
+
+    ratio: torch.Tensor  # the importance ratio (--importance-level), from the clamped log-ratio
+    logprobs: torch.Tensor  # log pi(y_t) under the policy being updated, differentiable
+    old_logprobs: torch.Tensor  # log pi_old(y_t), at rollout time
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool: the tokens that carry the loss
+    clip: float  # eps, the ratio's lower clip
+    clip_high: float  # eps_high (eps when not given)
+    ref_logprobs: torch.Tensor | None = None  # log ref(y_t)
+    engine_logprobs: torch.Tensor | None = None  # the sampling engine's log-probs (behaviour)
+    group_size: int = 1  # k: the samples of one prompt, in consecutive rows
+
+
+def clipped_surrogate(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO (Schulman et al. 2017, eq. 7), negated: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)).
-    Clipped where the clipped branch is the larger loss. `logprobs` is unused: the ratio carries
-    the gradient."""
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip_high)
+    Clipped where the clipped branch is the larger loss; the ratio carries the gradient."""
+    pg_loss1 = -x.advantages * x.ratio
+    pg_loss2 = -x.advantages * torch.clamp(x.ratio, 1.0 - x.clip, 1.0 + x.clip_high)
     return torch.maximum(pg_loss1, pg_loss2), pg_loss2 > pg_loss1
 
 
-def cispo(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip: float,
-          clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, 2025, eq. 4-5): -sg(min(r, 1 + eps_high)) A log pi, REINFORCE on log pi
     with a capped, detached importance weight, so no token's gradient is dropped, only bounded.
-    Capped where r > 1 + eps_high. `clip` (the lower bound) is unused."""
-    weight = ratio.clamp(max=1.0 + clip_high).detach()
-    return -weight * advantages * logprobs, ratio > 1.0 + clip_high
-
-
-POLICY_OBJECTIVES = {"ppo": clipped_surrogate, "cispo": cispo}
+    Capped where r > 1 + eps_high; the lower clip is unused."""
+    weight = x.ratio.clamp(max=1.0 + x.clip_high).detach()
+    return -weight * x.advantages * x.logprobs, x.ratio > 1.0 + x.clip_high
 
 
 def token_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -109,15 +122,12 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
 
 
-IMPORTANCE_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
-
-
 @dataclass(frozen=True)
 class PolicyLoss:
     """Which policy loss, named as the run's config names its fields (--policy-loss, ...)."""
 
-    policy_loss: str = "ppo"  # a key of POLICY_OBJECTIVES
-    importance_level: str = "token"  # a key of IMPORTANCE_RATIOS
+    policy_loss: str = "ppo"  # a key of tether.choices.POLICY_LOSSES
+    importance_level: str = "token"  # a key of tether.choices.IMPORTANCE_LEVELS
     clip_range: float = 0.2  # eps, the ratio's lower clip (and upper, without clip_high)
     # eps_high: DAPO's clip-higher (Yu et al. 2025, eq. 10, eps 0.2 and eps_high 0.28) lets a token
     # with A > 0 rise further before its gradient stops; CISPO's cap. 0: the same as clip_range.
@@ -127,11 +137,12 @@ class PolicyLoss:
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, spec: PolicyLoss = PolicyLoss(),
-                denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+                denominator: float | None = None, **named: torch.Tensor | int | None
+                ) -> tuple[torch.Tensor, dict]:
     """The policy loss `spec` names, on tokens sampled from pi_old:
 
-        ratio_t = exp(IMPORTANCE_RATIOS[level](log pi(y_t) - log pi_old(y_t)))  (clamped +-20)
-        L = reduce(POLICY_OBJECTIVES[policy_loss](ratio, log pi, A, eps, eps_high))
+        ratio_t = exp(IMPORTANCE_LEVELS[level](log pi(y_t) - log pi_old(y_t)))  (clamped +-20)
+        L = reduce(POLICY_LOSSES[policy_loss](LossInputs(ratio, log pi, A, ..., **named)))
 
     Args:
         logprobs: [B, T] log-probs under the policy being updated (differentiable).
@@ -139,6 +150,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         mask: [B, T] bool, the tokens that carry the loss.
         denominator: the whole minibatch's token (or sequence) count when this is one of its
             micro-batches; default: this batch's own.
+        named: the optional inputs of `LossInputs` an objective may read, by name.
 
     Returns:
         (loss, stats): scalar loss; stats `clip_frac` (share of tokens where the clip or cap
@@ -147,14 +159,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         `denominator`.
     """
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    objective = _entry(POLICY_OBJECTIVES, "policy loss", spec.policy_loss)
-    level = _entry(IMPORTANCE_RATIOS, "importance level", spec.importance_level)
+    objective = entry(POLICY_LOSSES, spec.policy_loss, "policy loss").fn
+    level = entry(IMPORTANCE_LEVELS, spec.importance_level, "importance level")
     non_negative("clip", spec.clip_range)
     high = spec.clip_high or spec.clip_range
     non_negative("clip_high", high)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(level(log_ratio, mask)).expand_as(log_ratio)  # [B, T]
-    per_token, clipped = objective(ratio, logprobs, advantages, spec.clip_range, high)
+    per_token, clipped = objective(LossInputs(ratio, logprobs, old_logprobs, advantages, mask,
+                                              spec.clip_range, high, **named))
     loss = reduce_tokens(per_token, mask, spec.loss_aggregation, denominator)
     with torch.no_grad():
         stats = {
@@ -163,11 +176,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
-
-
-def _entry(table: dict, name: str, key: str):
-    choice(name, key, tuple(table))
-    return table[key]
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -227,7 +235,7 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         old_logprobs: [B, T] log pi_old(y_t) at rollout time (detached here).
         ref_logprobs: [B, T] log ref(y_t).
         mask: [B, T] bool, true on the tokens that carry the loss; the rest may hold anything.
-        estimator: one of `tether.kl.LOSS_ESTIMATORS` except "exact".
+        estimator: a loss term of `tether.choices.KL_ESTIMATORS` but "exact".
         aggregation, denominator: the reduction, as in `reduce_tokens` ("sum", the default, is
             the per-sequence KL the controller and the reward placement use).
         weights: [B, T] detached per-token weights w_t >= 0 multiplying c_t, or None. Decoupled
@@ -239,13 +247,13 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
         over sequences of the summed c) and `kl_per_token` (masked token mean of c).
     """
-    if estimator in ("k1", "abs"):
+    term = entry(KL_ESTIMATORS, estimator, "KL loss estimator")
+    if not term.in_loss:
         raise ValueError(f"KL estimator {estimator!r} cannot be a loss term: its expected "
-                         "gradient is not a KL's (k1's is 0 on-policy); use k3_ratio, k2 or k3")
-    if estimator == "exact":
+                         f"gradient is {term.gradient}; use one of {', '.join(LOSS_ESTIMATORS)}")
+    if term.token is None:
         raise ValueError("the exact KL needs the full logits: compute tether.kl.exact(logits, "
                          "ref_logits) per position and pass it to exact_kl_penalty")
-    choice("KL loss estimator", estimator, LOSS_ESTIMATORS)
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                mask=mask)
     real = mask.bool()
@@ -253,8 +261,8 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
     logprobs = torch.where(real, logprobs, 0.0)
     old_logprobs = torch.where(real, old_logprobs.detach(), 0.0)
     ref_logprobs = torch.where(real, ref_logprobs.detach(), 0.0)
-    per_token = estimate(logprobs, ref_logprobs, "k2" if estimator == "k2" else "k3")
-    if estimator == "k3_ratio":
+    per_token = term.token(logprobs - ref_logprobs)
+    if term.ratio:
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         per_token = torch.exp(log_ratio) * per_token
     if weights is not None:
@@ -378,7 +386,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
         (losses [B], chosen_rewards [B], rejected_rewards [B]); rewards are beta * (policy - ref),
         detached.
     """
-    choice("loss_type", loss_type, ("sigmoid", "ipo"))
+    entry(("sigmoid", "ipo"), loss_type, "loss_type")
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:

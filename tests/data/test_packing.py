@@ -9,16 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from tether.data.packing import (
-    balance_ranks,
-    equal_counts,
-    pack_rows,
-    rank_token_cuts,
-    token_budget_cut,
-)
+from tether.data.packing import pack_rows
 from tether.models.forward import position_ids_from_mask
 from tether.models.packed import block_causal_mask, packing_mode
 from tether.models.trunk_head import response_logprobs, score_responses, trunk_and_head
+from tether.run.slicing import balance_ranks, equal_counts, rank_token_cuts, token_budget_cut
 
 # ----------------------------------------------------------------------------- pack / unpack
 

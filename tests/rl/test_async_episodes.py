@@ -29,6 +29,7 @@ from tether.rl.engines import ahead, native
 from tether.rl.engines.jobs import Background, Deferred
 from tether.rl.sources import make_source
 from tether.run.distributed import Dist
+from tether.run.optim import StepCounter
 from tether.train import ppo
 from tether.train.ppo_config import GRPOConfig
 
@@ -152,7 +153,7 @@ def synchronous_episodes(cfg: GRPOConfig, policy, batch: int):
 
     tokenizer = load_tokenizer(cfg.policy)
     rows = [json.loads(x) for x in open(cfg.prompts)]
-    source = make_source(cfg, native.start(policy, Dist()), tokenizer, prompts=[],
+    source = make_source(cfg, native.start(cfg, policy, None, 0, Dist()), tokenizer, prompts=[],
                          prompt_ids=[], rows=rows, reward=None, env=load_environment(cfg.env),
                          tools=[], eos_token_ids=[tokenizer.eos_token_id],
                          device=torch.device("cpu"), source_name="prompts")
@@ -277,9 +278,10 @@ def test_the_engine_waits_for_its_jobs_before_anything_else(monkeypatch):
     sent: list[str] = []
     engine = ahead.AheadEngine.__new__(ahead.AheadEngine)
     engine.jobs, engine.waited_s, engine.pending, engine.history = [], 0.0, {}, deque()
+    engine.replay, engine.replayed = [], None
     monkeypatch.setattr(ahead.AheadEngine, "_put", lambda self, message: sent.append(message[0]))
     monkeypatch.setattr(ahead, "flatten", lambda params: {})
-    engine.counter, engine.params = ahead.StepCounter(), []
+    engine.counter, engine.params = StepCounter(), []
 
     def job(turns):
         time.sleep(0.2)

@@ -35,6 +35,7 @@ from tether.rl.engines.mismatch import (
     effective_sample_size,
     staleness_metrics,
 )
+from tether.run.optim import StepCounter
 from tether.train import ppo
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
@@ -299,7 +300,7 @@ def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
     assert sent and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert sum(p.numel() for p in sent) < sum(p.numel() for p in model.parameters()) / 5
     optimizer = torch.optim.AdamW(sent, lr=5e-2)
-    engine = ahead.start(NATIVE, model, None, ahead.StepCounter(optimizer), 1, 0,
+    engine = ahead.start(NATIVE, model, None, StepCounter(optimizer), 1, 0,
                          torch.device("cpu"))
     try:
         ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -332,7 +333,7 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = ahead.start(NATIVE, model, None, ahead.StepCounter(optimizer), 1, 0,
+    engine = ahead.start(NATIVE, model, None, StepCounter(optimizer), 1, 0,
                          torch.device("cpu"))
     try:
         ids = torch.randint(3, 250, (3, 4), generator=torch.Generator().manual_seed(1))
@@ -359,8 +360,11 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
     (["--max-staleness", "1", "--num-minibatches", "2"],
      r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
     (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
-    (["--max-staleness", "1", "--engine-mask-kl", "2"], r"--engine-mask-kl 2.0 with --max-staleness"),
-    (["--engine-is-cap", "2"], r"--engine-is-cap 2.0 corrects vLLM's sampling"),
+    (["--max-staleness", "1", "--engine-mask-kl", "2"],
+     r"--engine-mask-kl applies with --engine vllm and --max-staleness 0, and tether grpo runs "
+     r"with --max-staleness 1, whose decoupled loss corrects the staleness"),
+    (["--engine-is-cap", "2"], r"--engine-is-cap applies with --engine vllm or --max-staleness "
+                               r"above 0, and tether grpo runs with --engine native"),
 ])
 def test_settings_that_cannot_work_are_refused_before_any_model_loads(
         argv, pattern, tiny_model_dir, prompts_file, tmp_path, capsys, no_loads):

@@ -212,9 +212,10 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 from tether.rl.engines import ahead
+from tether.run.optim import StepCounter
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-engine = ahead.start(SimpleNamespace(engine="native"), model, None, ahead.StepCounter(), 1, 0,
+engine = ahead.start(SimpleNamespace(engine="native"), model, None, StepCounter(), 1, 0,
                      torch.device("cpu"))
 print(engine.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

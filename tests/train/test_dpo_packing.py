@@ -16,9 +16,9 @@ from refusals import refused
 from tether.cli import main
 from tether.data.batches import collate_pairs
 from tether.data.encoding import encode_preferences
-from tether.data.packing import token_budget_cut
 from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.run.distributed import Dist, Parallel
+from tether.run.slicing import token_budget_cut
 from tether.train.dpo import accumulate_pairs, collate, pair_lengths, pair_logprobs, pair_losses
 from tether.train.offline_config import DPOConfig
 

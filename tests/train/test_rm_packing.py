@@ -16,10 +16,10 @@ from refusals import refused
 from tether.cli import main
 from tether.data.batches import collate_pairs
 from tether.data.encoding import encode_preferences
-from tether.data.packing import token_budget_cut
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run.distributed import Dist, Parallel
+from tether.run.slicing import token_budget_cut
 from tether.train.offline import step_micro_batches
 from tether.train.offline_config import RMConfig
 from tether.train.reward import accumulate_pairs, pair_lengths, rm_loss

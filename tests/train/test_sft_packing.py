@@ -15,8 +15,8 @@ from refusals import refused
 from tether.cli import main
 from tether.data.batches import collate_sft
 from tether.data.encoding import encode_sft
-from tether.data.packing import token_budget_cut
 from tether.models.pretrained import load_causal_lm, load_tokenizer
+from tether.run.slicing import token_budget_cut
 from tether.train.sft import response_tokens, sft_loss
 
 

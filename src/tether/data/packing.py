@@ -1,5 +1,4 @@
-"""Sequence packing and token-budget micro-batches: the padding taken out of a batch, and a batch
-cut by the tokens it holds rather than by its rows.
+"""Sequence packing: the padding taken out of a batch.
 
 Notation: B rows, L padded width, N = sum_b n_b the real tokens of the batch (n_b those of row b),
 W ranks, C the token budget of one micro-batch, S the slots of a packed row.
@@ -27,22 +26,17 @@ Per-token facts (masks, targets, outputs) travel with the same index: `Packing.p
 [B, L, ...] tensor to [n, S, ...], `Packing.unpack` takes [n, S, ...] back to [B, L, ...] with
 `fill` in the padding; both are gathers/scatters, so gradients flow through them unchanged.
 
-Token-budget micro-batches. A micro-batch of a fixed row count holds anywhere between a few
-short rows' and a few long rows' tokens; its memory is set by its tokens. `token_budget_cut` cuts
-a minibatch by first-fit decreasing (FFD) into micro-batches of at most C tokens each, and
-`balance_ranks` deals its rows to W ranks by the longest-processing-time rule (LPT). Which rows
-share a micro-batch changes nothing in the step: every loss term is divided by the whole
-minibatch's counts (tether.rl.update.Counts), never by a micro-batch's.
+A packed row's sequences are chosen as a token-budget micro-batch's rows are, first-fit
+decreasing with the row width as the budget (`tether.run.slicing.token_budget_cut`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tether.errors import TetherError
+from tether.run.slicing import token_budget_cut
 
 
 @dataclass(frozen=True)
@@ -135,90 +129,3 @@ def _rows_of(lengths: list[int], width: int) -> list[list[int]]:
     real = [i for i, n in enumerate(lengths) if n > 0]
     parts = token_budget_cut([lengths[i] for i in real], width) if real else [[]]
     return [[real[j] for j in part] for part in parts]
-
-
-# ----------------------------------------------------------------------------- token budgets
-
-def token_budget_cut(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Rows 0..n-1 of lengths `lengths` cut into micro-batches of at most `budget` tokens each.
-
-    First-fit decreasing (Johnson 1973): take the rows longest first (ties: lower index first) and
-    put each into the first micro-batch it still fits in, opening a new one when none has room. It
-    uses at most 11/9 OPT + 6/9 micro-batches (Dosa 2007), and on typical length spreads the
-    optimum or one more; the fewer the micro-batches, the fewer forwards and the fuller each.
-
-    A row longer than `budget` alone cannot be split (its tokens attend to each other), so it
-    gets a micro-batch of its own, over the budget: the one case where a micro-batch exceeds it.
-    Rows of length 0 go with the first micro-batch (they cost nothing).
-
-    Returns the micro-batches in the order they were opened, each its row indices ascending.
-    """
-    if budget < 1:
-        raise TetherError(f"a token budget must be >= 1 token, got {budget}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        length = lengths[i]
-        fit = next((b for b, free in enumerate(room) if length <= free), None)
-        if fit is None:
-            bins.append([i])
-            room.append(budget - length)  # negative for a row over the budget: nothing fits after
-        else:
-            bins[fit].append(i)
-            room[fit] -= length
-    return [sorted(rows) for rows in bins]
-
-
-def balance_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
-    """Rows 0..n-1 dealt to `world` ranks so their token sums are as even as a greedy rule makes
-    them: the longest-processing-time rule (Graham 1969), rows longest first (ties: lower index),
-    each to the rank with the fewest tokens so far (ties: lower rank). The largest rank's sum is
-    at most (4/3 - 1/(3W)) of the best possible.
-
-    Why LPT and not Karmarkar-Karp's differencing: both are near-optimal on many rows; LPT is a
-    dozen lines, deterministic, and its bound holds for any input, while KK's advantage shows only
-    on few rows of wildly different lengths. Every rank must run the same number of forwards
-    under torchrun (`equal_counts`), which neither rule gives by itself.
-
-    Returns each rank's rows, ascending.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    ranks: list[list[int]] = [[] for _ in range(world)]
-    sums = [0] * world
-    for i in order:
-        rank = min(range(world), key=lambda r: (sums[r], r))
-        ranks[rank].append(i)
-        sums[rank] += lengths[i]
-    return [sorted(rows) for rows in ranks]
-
-
-def equal_counts(cuts: list[list[list[int]]], lengths: Sequence[int]) -> list[list[list[int]]]:
-    """Every rank's micro-batches made as many as the rank with the most: a rank with fewer splits
-    its fullest micro-batch of two or more rows (its last row into a new one; a split never
-    exceeds the budget), and when every micro-batch is a single row it gets empty ones, which the
-    caller runs as a borrowed row whose loss counts 0 (`tether.run.slicing.rank_micro_batches`)."""
-    most = max(len(cut) for cut in cuts)
-    out = []
-    for cut in cuts:
-        cut = [list(rows) for rows in cut]
-        while len(cut) < most:
-            splittable = [b for b, rows in enumerate(cut) if len(rows) > 1]
-            if not splittable:
-                cut.append([])
-                continue
-            fullest = max(splittable, key=lambda b: (sum(lengths[i] for i in cut[b]), -b))
-            cut.append([cut[fullest].pop()])
-        out.append(cut)
-    return out
-
-
-def rank_token_cuts(lengths: Sequence[int], budget: int, world: int) -> list[list[list[int]]]:
-    """A minibatch's rows cut for `world` ranks: `balance_ranks`, then `token_budget_cut` on each
-    rank's rows, then `equal_counts`. Returns, per rank, its micro-batches of row indices into
-    `lengths`."""
-    cuts = []
-    for rows in balance_ranks(lengths, world):
-        local = token_budget_cut([lengths[i] for i in rows], budget)
-        cuts.append([[rows[j] for j in part] for part in local])
-    return equal_counts(cuts, lengths)

@@ -12,9 +12,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
+from tether.choices import ENGINES
 from tether.errors import TetherError
+from tether.run.scopes import Scope, from_table
 
 C = TypeVar("C")
 
@@ -22,7 +24,49 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class Section:
+    """A group of config fields that owns their help, their checks and their option scopes
+    (`EnvOptions`, `SamplingOptions`, ...). A config is the sections it inherits plus its own
+    fields; `validate` is cooperative, so a config runs every section's checks, and `SCOPES`
+    (field -> `tether.run.scopes.Scope`) merge over its bases."""
+
+    SCOPES: ClassVar[dict[str, Scope]] = {}
+
+    def validate(self) -> None:
+        """Check values that the types alone cannot; raise TetherError naming the field."""
+
+
+@dataclass(kw_only=True)
+class DeviceOptions(Section):
+    """Where and how a model runs: every stage, `tether eval`, `generate` and `serve-rm`."""
+
+    # ---- model and device
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    threads: int = 0
+    """CPU threads per operation; 0 (auto): 1 for a model under 10M parameters on the CPU (more are slower there), else torch's default (one per core, or OMP_NUM_THREADS)."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code (off unless you trust the source)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the model weights are loaded in."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_threads(self.threads)
+        check_device(self.device)
+
+
+@dataclass(kw_only=True)
+class LMHeadOptions(Section):
+    """How log-probs are read off a language model: the stages and `tether eval`."""
+
+    # ---- memory and scale (docs/scaling.md)
+    chunked_lm_head: bool = True
+    """Compute log-probs, entropy and KL from hidden states through the LM head in chunks, never a [B, R, V] logits tensor (off: the plain path, for comparison)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig(DeviceOptions, LMHeadOptions):
     """Fields every stage shares: where outputs go, seeding, checkpointing, device."""
 
     # ---- run and logging
@@ -42,15 +86,6 @@ class RunConfig:
     """Optimizer steps between checkpoints (0: only the final model)."""
     report_to: str = "auto"
     """Trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none; auto: tensorboard when installed, else none (each is an extra: pip install -e '.[tensorboard]')."""
-    # ---- model and device
-    device: str = "auto"
-    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
-    threads: int = 0
-    """CPU threads per operation; 0 (auto): 1 for a model under 10M parameters on the CPU (more are slower there), else torch's default (one per core, or OMP_NUM_THREADS)."""
-    trust_remote_code: bool = False
-    """Allow model repositories to run their own Python code (off unless you trust the source)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the model weights are loaded in."""
 
     # ---- memory and scale (docs/scaling.md)
     lora_r: int = 0
@@ -69,11 +104,14 @@ class RunConfig:
     """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute)."""
     mixed_precision: Literal["no", "bf16"] = "no"
     """Run forward passes under torch.autocast in bfloat16 (weights and optimizer stay in `dtype`; log-probs, KL and advantages in fp32)."""
-    chunked_lm_head: bool = True
-    """Compute log-probs, entropy and KL from hidden states through the LM head in chunks, never a [B, R, V] logits tensor (off: the plain path, for comparison)."""
+
+    SCOPES: ClassVar[dict[str, Scope]] = {
+        "merge_lora": Scope("--lora-r above 0", lambda c: c.lora_r > 0,
+                            lambda c: "--lora-r 0, which trains every weight",
+                            "pass --lora-r (e.g. 16)")}
 
     def validate(self) -> None:
-        """Check values that the types alone cannot; raise TetherError naming the field."""
+        super().validate()
         check_run_name(self.run_name)
         from tether.run.trackers import parse_report_to
 
@@ -82,46 +120,26 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
         require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
-        check_threads(self.threads)
         require_positive(self, "lora_alpha")
         if self.lora_dropout >= 1:
             raise TetherError(f"config field 'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
-        if not self.lora_r and self.merge_lora:
-            raise TetherError("--merge-lora needs a LoRA run; pass --lora-r (e.g. 16) or drop --merge-lora")
         if self.mixed_precision == "bf16" and self.dtype == "float16":
             raise TetherError("--mixed-precision bf16 would recast float16 weights to bfloat16; "
                               "use --dtype float32 (or bfloat16) with it")
         if self.save_every < 0:
             raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
-        check_device(self.device)
-
-    def check_given(self, given: set[str]) -> None:
-        """Refuse an option in `given` (the fields the user set: away from their default, or
-        named as a flag or in a hand-written --config file) that this config's other settings
-        leave without effect; called after `validate`. None here; a stage with such options
-        overrides it."""
-
-
-def changed_fields(cfg: Any) -> set[str]:
-    """The fields of `cfg` whose value differs from its class's default: set by the user (a flag,
-    a --config file, a sweep grid), whichever way the config was read."""
-    changed = set()
-    for f in dataclasses.fields(cfg):
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else dataclasses.MISSING)
-        if getattr(cfg, f.name) != default:
-            changed.add(f.name)
-    return changed
 
 
 # Tokens a chat template may write around one observation (role markers, the next turn's
 # generation prompt): part of the derived episode budget.
 TEMPLATE_ALLOWANCE = 64
 
+EPISODES = Scope("--env or --tools", lambda c: c.episodic, lambda c: "no environment",
+                 "pass --env or --tools (docs/agents.md)")
+
 
 @dataclass(kw_only=True)
-class EnvOptions:
+class EnvOptions(Section):
     """Episodes with an environment (docs/agents.md): the fields the online stages, `tether
     generate` and `tether eval` share. A config with these also has `max_new_tokens`."""
 
@@ -141,6 +159,10 @@ class EnvOptions:
     env_workers: int = 8
     """Environment calls that run at once (each synchronous one in a thread of its own)."""
 
+    SCOPES: ClassVar[dict[str, Scope]] = dict.fromkeys(
+        ("max_turns", "max_episode_tokens", "max_observation_tokens", "env_timeout",
+         "env_workers"), EPISODES)
+
     @property
     def episodic(self) -> bool:  # derived: the rows are environments' episodes
         return bool(self.env or self.tools)
@@ -152,8 +174,8 @@ class EnvOptions:
         per_turn = self.max_new_tokens + self.max_observation_tokens + TEMPLATE_ALLOWANCE
         return self.max_turns * per_turn
 
-    def check_env(self) -> None:
-        """The environment fields' own checks (a config's validate() calls this)."""
+    def validate(self) -> None:
+        super().validate()
         if self.env and self.tools:
             raise TetherError("give --env or --tools, not both: --tools is an environment of its "
                               "own (docs/agents.md)")
@@ -164,12 +186,70 @@ class EnvOptions:
             raise TetherError(f"--max-episode-tokens {self.max_episode_tokens} is less than one "
                               f"turn of --max-new-tokens {self.max_new_tokens}; raise it, or 0 "
                               "for every turn and observation")
-        if not self.episodic:
-            given = [f.name for f in dataclasses.fields(EnvOptions)
-                     if f.name not in ("env", "tools") and getattr(self, f.name) != f.default]
-            if given:
-                raise TetherError(f"--{given[0].replace('_', '-')} shapes episodes with an "
-                                  "environment; pass --env or --tools, or drop it")
+
+
+@dataclass(kw_only=True)
+class SamplingOptions(Section):
+    """How responses are sampled: the online stages, their held-out evaluation, `tether eval` and
+    `tether generate` alike (tether.rl.evaluation.eval_inputs), so an evaluation samples what
+    training's would."""
+
+    # ---- prompts and rollout
+    max_prompt_len: int = 256
+    """Longer prompts lose the start of their content; BOS, role markers and the generation prompt stay."""
+    max_new_tokens: int = 32
+    """Longest response (with an environment: turn), in tokens; one cut there has not ended (no EOS or stop string)."""
+    temperature: float = 1.0
+    """Sampling temperature, plain ancestral sampling (no top-k or top-p); every log-prob (policy, old policy, reference) uses it too."""
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
+    """Strings that end a response (kept in it); EOS always ends one."""
+
+    # ---- rollout engine (docs/engine.md)
+    engine: Literal[tuple(ENGINES)] = "native"
+    """Who samples (tether.choices.ENGINES; docs/engine.md): native (tether's KV-cached sampler on the trainer's model) or vllm (vLLM in this process, fed the weights in memory before each rollout; pip install -e '.[vllm]')."""
+    engine_kv_cache_mb: int = 512
+    """vllm: the engine's KV cache in MiB (vLLM would otherwise take 90% of the device's memory)."""
+
+    SCOPES: ClassVar[dict[str, Scope]] = from_table("engine", ENGINES)
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "max_prompt_len", "max_new_tokens", "temperature",
+                         "engine_kv_cache_mb")
+        check_stop_strings(self.stop_strings)
+
+
+@dataclass(kw_only=True)
+class RewardOptions(Section):
+    """Where scores come from: the online stages and `tether eval` (tether.rl.reward)."""
+
+    # ---- models and reward
+    reward_model: str = ""
+    """A reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (give this, --reward-url or --reward-fn)."""
+    reward_url: str = ""
+    """A reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas, each batch split over them (give this, --reward-model or --reward-fn; docs/rm.md)."""
+    reward_url_timeout: float = 300.0
+    """Seconds one --reward-url request may take; past it the command ends with one line, exit 2, its checkpoints intact."""
+    reward_fn: str = ""
+    """Python reward functions `file.py:function` (or `module:function`), several joined by commas: (prompts, responses) -> list[float], or TRL's (prompts, completions, completion_ids, **kwargs) with the prompt file's other columns as keywords (docs/ppo.md)."""
+    gold_fn: str = ""
+    """A gold reward function `file.py:function` (or `module:function`), scored beside the proxy on held-out prompts only (--eval-prompts; tether eval: --prompts), never trained on."""
+    reward_fn_timeout: float = 600.0
+    """Seconds one call of a --reward-fn or --gold-fn function may take; past it the command ends with one line, exit 2, its checkpoints intact (0: no limit). With --reward-workers N > 1 it is each call's limit inside the pool: past it the call fails and is retried."""
+    reward_workers: int = 0
+    """The reward pool: N > 1 scores each response with its own call of the --reward-fn and --gold-fn functions, N calls at a time (threads, or one event loop for async def functions); a response whose score fails after --reward-retries is counted (reward_pool/failed) and in training its group dropped and drawn again, in tether eval the command ends with one line (0 or 1: one call per batch; docs/ppo.md)."""
+    reward_retries: int = 2
+    """The reward pool: times a call that raised or passed --reward-fn-timeout is tried again, after 0.1 s, then twice as long each time (a NaN or out-of-range score is not retried)."""
+
+    SCOPES: ClassVar[dict[str, Scope]] = {
+        "reward_url_timeout": Scope("--reward-url", lambda c: bool(c.reward_url),
+                                    lambda c: "no --reward-url", "pass --reward-url (a "
+                                    "--reward-fn function's calls have --reward-fn-timeout)")}
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "reward_url_timeout")
+        require_positive(self, "reward_fn_timeout", allow_zero=True)
 
 
 def check_run_name(name: str) -> None:
@@ -217,38 +297,6 @@ def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
         if value < 0 or (value == 0 and not allow_zero):
             bound = ">= 0" if allow_zero else "> 0"
             raise TetherError(f"config field '{name}' must be {bound}, got {value}")
-
-
-# The options that set up or correct vLLM's engine (docs/engine.md), and what each does there:
-# the native engine samples the trainer's model itself, so it has no use for any of them.
-VLLM_ONLY = {
-    "engine_kv_cache_mb": "sizes vLLM's KV cache; the native engine keeps none of its own (it "
-                          "caches each batch's keys and values as it samples)",
-    "engine_is_cap": "corrects vLLM's sampling; the native engine samples from the trainer's "
-                     "model itself",
-    "engine_mask_kl": "corrects vLLM's sampling; the native engine samples from the trainer's "
-                      "model itself",
-}
-
-
-# The vLLM options that also act with the native engine sampling ahead (--max-staleness): the
-# behaviour policy is then a stale copy of the trainer's, whose ratio the cap truncates.
-AHEAD_TOO = frozenset({"engine_is_cap"})
-
-
-def check_engine_options(cfg: Any) -> None:
-    """Refuse a vLLM-only option given a value of its own with `--engine native`: it would be
-    accepted and do nothing."""
-    if getattr(cfg, "engine", "native") != "native":
-        return
-    ahead = getattr(cfg, "max_staleness", 0) > 0
-    for f in dataclasses.fields(cfg):
-        if ahead and f.name in AHEAD_TOO:
-            continue
-        if f.name in VLLM_ONLY and getattr(cfg, f.name) != f.default:
-            flag = "--" + f.name.replace("_", "-")
-            raise TetherError(f"{flag} {getattr(cfg, f.name)} {VLLM_ONLY[f.name]}: pass "
-                              f"--engine vllm, or drop {flag}")
 
 
 # ----------------------------------------------------------------------------- dict round trip

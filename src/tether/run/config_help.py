@@ -61,7 +61,12 @@ def field_sections(cls: type) -> dict[str, list[tuple[str, str]]]:
         for _, section, _ in _class_fields(klass):
             if section:
                 sections.setdefault(section, [])
-    for field in dataclasses.fields(cls):
+    # within a section, the fields of the most derived class first (a stage's own before those
+    # of the sections it inherits), each class's in its order
+    declared = {}
+    for rank, klass in reversed(list(enumerate(classes))):
+        declared |= {name: rank for name, _, _ in _class_fields(klass)}
+    for field in sorted(dataclasses.fields(cls), key=lambda f: declared.get(f.name, 0)):
         sections.setdefault(section_of.get(field.name, "options"), []).append(
             (field.name, help_of.get(field.name, "")))
     return sections

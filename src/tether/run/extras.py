@@ -5,25 +5,31 @@ The core install (`pip install -e .`) trains, evaluates and generates. Everythin
 of pyproject.toml, and this module is the one place that maps a package to the extra that
 installs it:
 
-    EXTRA_OF      import name -> extra
+    EXTRAS        import name -> (distribution, extra)
     STAGE_NEEDS   stage -> the packages it imports beyond the core (checked before it starts)
 
-(The environment adapters' extras, reasoning-gym and openenv, live with the adapters:
-`tether.rl.env.extras`.)
+An engine's package is a fact of its entry in `tether.choices.ENGINES` (`require_engine`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from types import ModuleType
 
+from tether.choices import ENGINES, entry
 from tether.errors import TetherError
 
-EXTRA_OF = {
-    "matplotlib": "report",         # the plots of `tether report`, the sweep's page and the demo's
-    "vaderSentiment": "demo",       # the demo's gold reward (ships its lexicon)
-    "tensorboard": "tensorboard",   # --report-to tensorboard (through torch.utils.tensorboard)
-    "wandb": "wandb",
-    "mlflow": "mlflow",             # the mlflow-skinny distribution
+EXTRAS = {
+    "matplotlib": ("matplotlib", "report"),  # the plots of `tether report`, the sweep's, the demo's
+    "vaderSentiment": ("vaderSentiment", "demo"),  # the demo's gold reward (ships its lexicon)
+    # --report-to tensorboard (through torch.utils.tensorboard), wandb, mlflow (mlflow-skinny)
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow-skinny", "mlflow"),
+    # the environment adapters (docs/agents.md): imported when one is used, never with tether
+    "reasoning_gym": ("reasoning-gym", "reasoning-gym"),
+    "openenv": ("openenv-core", "openenv"),
 }
 
 # The demo extra holds the report extra too (pyproject.toml): one install for `tether demo`.
@@ -32,9 +38,6 @@ STAGE_NEEDS = {
     "report": ("matplotlib",),
     "sweep": ("matplotlib",),  # its runs need nothing more, but its report page does
 }
-
-VLLM_HINT = ("pip install -e '.[vllm]' (vLLM's CPU build), or on a GPU `pip install vllm` "
-             "matching your CUDA torch (docs/engine.md)")
 
 
 def install_line(extra: str) -> str:
@@ -56,7 +59,7 @@ def require_stage(stage: str) -> None:
     missing = [p for p in STAGE_NEEDS.get(stage, ()) if not installed(p)]
     if missing:
         # the demo needs both; the demo extra installs both (it includes report)
-        extra = stage if stage == "demo" else EXTRA_OF[missing[0]]
+        extra = stage if stage == "demo" else EXTRAS[missing[0]][1]
         raise TetherError(f"tether {stage} needs the {extra} extra ({', '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not installed): "
                           f"{install_line(extra)}")
@@ -64,12 +67,27 @@ def require_stage(stage: str) -> None:
 
 def require_tracker(name: str) -> None:
     """A one-line error when `--report-to` names a tracker whose package is not installed."""
-    if name in EXTRA_OF and not installed(name):
+    if name in EXTRAS and not installed(name):
         raise TetherError(f"--report-to {name} needs the {name} package, which is not "
-                          f"installed: {install_line(EXTRA_OF[name])} (or --report-to none)")
+                          f"installed: {install_line(EXTRAS[name][1])} (or --report-to none)")
 
 
 def require_engine(engine: str) -> None:
     """A one-line error when `--engine` names an engine whose package is not installed."""
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise TetherError(f"--engine vllm needs vLLM, which is not installed; {VLLM_HINT}")
+    package = entry(ENGINES, engine, "engine").package
+    if package and importlib.util.find_spec(package) is None:
+        raise TetherError(f"--engine {engine} needs the {package} package, which is not "
+                          f"installed; {ENGINES[engine].install}")
+
+
+def require(module: str, needed_by: str) -> ModuleType:
+    """`import module` (an extra's, `EXTRAS`), or one line naming what needs it and the extra
+    that installs it. `needed_by` names the user's request (`--env reasoning-gym:leg_counting`)."""
+    top = module.split(".")[0]
+    distribution, extra = EXTRAS[top]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:  # the package, or one of its own dependencies (named)
+        missing = "" if (exc.name or "").split(".")[0] == top else f" ({exc})"
+        raise TetherError(f"{needed_by} needs the {distribution} package{missing}; "
+                          f"pip install 'tether[{extra}]'") from exc

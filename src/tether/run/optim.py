@@ -7,7 +7,8 @@ remaining steps. A PPO "step" of the schedule is one rollout batch.
 
 A NaN or inf loss (checked before its backward) or gradient norm (checked before the step) raises
 `NonFiniteStep`: the step is not taken, nothing is saved, and the loop's error line names the
-step or batch.
+step or batch. The policy's version, what asynchronous generation tags tokens with, is the count
+of the optimizer's steps (`StepCounter`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,21 @@ from tether.errors import TetherError
 from tether.run import distributed
 from tether.run.checkpoint import plain_model
 from tether.run.distributed import Dist
+
+
+class StepCounter:
+    """The policy version: how many optimizer steps have been taken (a post-step hook). A step
+    with every learning rate 0 changes no weight and is not counted: torch's distributed
+    checkpoint takes one to create the optimizer's state when a run resumes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
+        self.version = 0
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, *_args) -> None:
+        if any(float(group["lr"]) != 0 for group in optimizer.param_groups):
+            self.version += 1
 
 
 def make_optimizer(models: nn.Module | Sequence[nn.Module], lr: float,

@@ -24,8 +24,8 @@ import tyro
 import yaml
 
 from tether.errors import TetherError
-from tether.run import trl_names
-from tether.run.config import C, changed_fields, resolve_paths
+from tether.run import scopes, trl_names
+from tether.run.config import C, resolve_paths
 from tether.run.config_help import COMMA_LISTS
 
 
@@ -133,17 +133,17 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
 
 def _validate(cfg: Any, named: set[str] | None = None) -> None:
     """Types and choices, the config's `validate()`, then, for a config the user wrote (`named`
-    given: flags and a --config file), `check_given` of the fields they set: changed from their
-    default, or `named` (given at their default, still a choice). A dict (a sweep grid's run)
-    skips it: a grid crosses its axes, so `kl_target` beside `kl_ctl: [fixed, adaptive]` is
-    inert in half its runs by design; the grid checks its block as a whole (sweep_plan)."""
+    given: flags and a --config file), the option scopes of the fields they gave
+    (`tether.run.scopes`). A dict (a sweep grid's run) skips them: a grid crosses its axes, so
+    `kl_target` beside `kl_ctl: [fixed, adaptive]` is inert in half its runs by design; the grid
+    checks its block as a whole (sweep_plan)."""
     hints = _field_types(type(cfg))
     for f in dataclasses.fields(cfg):  # flags were typed by tyro; re-check choices in one place
         _coerce(f.name, hints[f.name], getattr(cfg, f.name))
     if hasattr(cfg, "validate"):
         cfg.validate()
-    if named is not None and hasattr(cfg, "check_given"):
-        cfg.check_given(changed_fields(cfg) | named)
+    if named is not None:
+        scopes.check_given(cfg, scopes.given(cfg, named))
 
 
 # ----------------------------------------------------------------------------- unknown names

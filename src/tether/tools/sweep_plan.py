@@ -28,6 +28,7 @@ share a directory. The configs are imported by name, so planning imports no torc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -38,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from tether.errors import TetherError
-from tether.run.config import check_run_name, config_to_dict
+from tether.run import scopes
+from tether.run.config import (
+    DeviceOptions,
+    RewardOptions,
+    SamplingOptions,
+    check_run_name,
+    config_to_dict,
+)
 from tether.run.parse import config_from_dict, load_yaml, unknown_key
 from tether.tools.config import EvalConfig
 
@@ -49,11 +57,11 @@ STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
 TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval")
 
 
-# The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike.
-SHARED_EVAL_FIELDS = ("reward_model", "reward_url", "reward_url_timeout", "reward_fn", "gold_fn",
-                      "reward_fn_timeout", "reward_workers", "reward_retries", "max_prompt_len",
-                      "max_new_tokens", "temperature", "batch_size", "device", "dtype",
-                      "trust_remote_code")
+# The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike: the sections
+# PPO's held-out evaluation and `tether eval` share (the reward, the sampling, the device), and
+# the evaluation's chunks (batch_size).
+SHARED_EVAL_FIELDS = (*(f.name for section in (RewardOptions, SamplingOptions, DeviceOptions)
+                        for f in dataclasses.fields(section)), "batch_size")
 
 
 @dataclass
@@ -171,7 +179,7 @@ def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
     adaptive]`), and stays."""
     if not configs:
         return
-    inert = [cfg.inert_options(set(block)) for cfg in configs]
+    inert = [scopes.inert(cfg, scopes.given(cfg, block)) for cfg in configs]
     for name, line in inert[0].items():
         if all(name in lines for lines in inert):
             raise TetherError(f"grid: the ppo block's '{name}' has no effect in any of its runs: "
@@ -194,7 +202,8 @@ def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
 
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
     """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
-    base = {k: (v[0] if isinstance(v, list) and k != "stop_strings" else v)
+    base = {k: (v[0] if isinstance(v, list) and (k != "stop_strings" or v and isinstance(v[0], list))
+                else v)
             for k, v in ppo_block.items() if k in SHARED_EVAL_FIELDS}
     if "eval_prompts" in ppo_block:
         base["prompts"] = ppo_block["eval_prompts"]

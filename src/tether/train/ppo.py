@@ -41,7 +41,6 @@ from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
-from tether.rl.engines import ahead
 from tether.rl.evaluation import evaluate_policy, measure_responses
 from tether.rl.reward import NonFiniteScore
 from tether.rl.reward.pool import gather_failed
@@ -223,27 +222,6 @@ def sample_ahead(setup: Setup, cfg: PPOConfig, batch: int) -> None:
         setup.source.prefetch(rows, rank_slice(len(rows), setup.dist), batch_seed(cfg, later))
 
 
-def resample_ahead(setup: Setup, cfg: PPOConfig, start: int,
-                   held: list[tuple[int, dict]]) -> None:
-    """A resumed run's batches in flight, asked for again as the uninterrupted run asked for
-    them, so that a resume with --max-staleness trains what the run would have: batch p (start
-    <= p < start + L) was asked for at the start of batch q = max(0, p - L) and is sampled by
-    the weights of that time. `held`: the checkpoint's weights of the last batch starts, the
-    oldest first, the last being batch `start`'s (what was restored; the sync after this sends
-    it). Weights older than `held` reaches (a checkpoint that holds none) are its oldest."""
-    if not held:
-        return
-    first, asked = start + 1 - len(held), None  # the batch whose start weights held[0] are
-    for p in range(start, min(start + cfg.batches_ahead, cfg.n_batches)):
-        q = max(p - cfg.batches_ahead, first)
-        if q != asked:
-            setup.engine.load(*held[q - first])
-            asked = q
-        rows = batch_rows(setup, cfg, p)
-        setup.source.prefetch(rows, rank_slice(len(rows), setup.dist), batch_seed(cfg, p))
-    setup.engine.remember(held[:-1])
-
-
 def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
                   ) -> tuple[Drawn, dict[str, float]]:
     """The global rollout batch `batch` on every rank (prompts, rollout, raw scores) and its
@@ -366,9 +344,9 @@ def final_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> dict[str, 
 def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
             normalizer: ScoreNormalizer, watch: Watch) -> int:
     """With --resume: the latest checkpoint into every rank's models, optimizer, schedule,
-    controller, normaliser, policy version and `watch`'s count of trained batches, and with
-    --max-staleness the batches in flight asked for again (`resample_ahead`); returns the batch
-    to start from (0 without one)."""
+    controller, normaliser, policy version, the engine's state and `watch`'s count of trained
+    batches, and with --max-staleness the batches in flight asked for again; returns the batch to
+    start from (0 without one)."""
     state = load_latest_checkpoint(rundir.checkpoint_dir, models, setup.optimizer,
                                    setup.scheduler)
     if state is not None:
@@ -377,10 +355,11 @@ def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
         normalizer.load_state_dict(state["score_norm"])
         watch.trained = state.get("trained_batches")  # None: an older checkpoint did not count
         setup.steps.version = state.get("policy_version", 0)
-        if cfg.batches_ahead:
-            resample_ahead(setup, cfg, state["batch"],
-                           ahead.held_from(state.get("ahead_versions", []),
-                                           state.get("tensors", {})))
+        # The engine's own state (with --max-staleness, the weights of the batches in flight),
+        # then those batches asked for again as the uninterrupted run asked for them, each by
+        # the weights of its time, before the sync that sends the restored ones.
+        setup.engine.load_state_dict(state)
+        sample_ahead(setup, cfg, state["batch"] - 1)
     # Lines logged after the checkpoint will be logged again.
     rundir.announce_resume(state["batch"] if state is not None else None)
     rundir.truncate_metrics(after_step=state["batch"] if state is not None else -1)
@@ -408,16 +387,17 @@ def save_policy(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> None:
 
 def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step: int,
                normalizer: ScoreNormalizer, watch: Watch) -> None:
-    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size). With
-    --max-staleness, the weights the batches in flight are sampled by go with it
-    (`resample_ahead`)."""
-    versions, held = ahead.held_tensors(setup.engine.held()) if cfg.batches_ahead else ([], {})
+    """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size). The
+    engine's state goes with it (with --max-staleness, the weights the batches in flight are
+    sampled by: `RolloutEngine.state_dict`)."""
+    engine = setup.engine.state_dict()  # with --max-staleness, the weights in flight
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
              "score_norm": normalizer.state_dict(), "trained_batches": watch.trained,
-             "policy_version": setup.steps.version, "ahead_versions": versions}
+             "policy_version": setup.steps.version} | engine
+    tensors = state.pop("tensors", {})
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config,
-                    tensors=held)
+                    tensors=tensors)
 
 
 def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],

@@ -6,72 +6,95 @@ Units: a *batch* is one rollout of `batch_size` prompts followed by its PPO epoc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
+from tether.choices import (
+    ADVANTAGES,
+    ENGINES,
+    IMPORTANCE_LEVELS,
+    KL_CONTROLLERS,
+    KL_DEFAULTS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    kl_allowed,
+)
 from tether.errors import TetherError
 from tether.run.config import (
     EnvOptions,
+    RewardOptions,
     RunConfig,
-    check_engine_options,
-    check_stop_strings,
+    SamplingOptions,
     require_positive,
 )
+from tether.run.scopes import Scope, from_table
 
 # --dynamic-sampling's most rounds: each costs as much as the batch itself, and a batch that
 # needs more has almost no group with differing rewards (verl's DAPO scripts use 10)
 MAX_DYNAMIC_ROUNDS = 100
 
 
-@dataclass(frozen=True)
-class Scope:
-    """Where an option acts: `acts(cfg)`; elsewhere it would be accepted, recorded and ignored."""
-
-    needs: str  # the setting it acts under, as the user would pass it
-    acts: Callable[[Any], bool]
-    instead: Callable[[Any], str]  # what this config runs with instead
-    fix: str  # besides dropping it
+def _with(fact: str) -> list[str]:
+    """The advantage estimators with `fact` (tether.choices.Advantage)."""
+    return [name for name, a in ADVANTAGES.items() if getattr(a, fact)]
 
 
-GRPO_ADVANTAGE = Scope("--advantage grpo", lambda c: c.advantage == "grpo",
-                       lambda c: f"--advantage {c.advantage}", "use tether grpo (--advantage grpo)")
-GAE = Scope("--advantage gae", lambda c: c.advantage == "gae",
-            lambda c: f"--advantage {c.advantage}", "use tether ppo (--advantage gae)")
-CRITIC = Scope("the critic of --advantage gae", lambda c: c.uses_critic,
-               lambda c: f"--advantage {c.advantage}, which has no critic",
-               "use tether ppo (--advantage gae)")
-DISCOUNT = Scope("--advantage gae or reinforce++", lambda c: c.advantage in ("gae", "reinforce++"),
-                 lambda c: f"--advantage {c.advantage}, which discounts nothing",
-                 "use --advantage gae or reinforce++")
-ADAPTIVE = Scope("--kl-ctl adaptive", lambda c: c.kl_ctl == "adaptive",
-                 lambda c: f"--kl-ctl {c.kl_ctl}", "pass --kl-ctl adaptive")
-ANNEALED = Scope("--kl-ctl annealed", lambda c: c.kl_ctl == "annealed",
-                 lambda c: f"--kl-ctl {c.kl_ctl}", "pass --kl-ctl annealed")
-TOKEN_MEAN = Scope("--kl-in loss and no --loss-aggregation",
-                   lambda c: c.kl_in == "loss" and c.loss_aggregation == "auto",
-                   lambda c: (f"--kl-in {c.kl_in}" if c.kl_in != "loss"
-                              else f"--loss-aggregation {c.loss_aggregation}"),
-                   "pass --kl-in loss without --loss-aggregation (which replaces it)")
+def _advantage_fix(name: str) -> str:
+    command = ADVANTAGES[name].command
+    return f"use tether {command} (--advantage {name})" if command else f"pass --advantage {name}"
+
+
+def _own_logprobs(cfg) -> bool:
+    return ENGINES[cfg.engine].own_logprobs
+
+
+OWN_ENGINES = " or ".join(f"--engine {name}" for name, e in ENGINES.items() if e.own_logprobs)
+CRITIC = Scope(f"the critic of --advantage {' or '.join(_with('uses_critic'))}",
+               lambda c: c.uses_critic, lambda c: f"--advantage {c.advantage}, which has no critic",
+               _advantage_fix(_with("uses_critic")[0]))
 EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
                    lambda c: "no --eval-prompts", "pass --eval-prompts")
-AHEAD = Scope("--max-staleness above 0", lambda c: c.max_staleness > 0,
-              lambda c: "--max-staleness 0, which starts no generator process",
-              "pass --max-staleness (docs/engine.md)")
 
-# The options that act only under another setting (GRPO's scaling, the critic's and GAE's,
-# the controllers'), each with where it acts: `PPOConfig.check_given` refuses one the user gave
-# where it would do nothing (tether rloo --scale-rewards batch trained as if it were absent).
-SCOPED_OPTIONS = {
-    "scale_rewards": GRPO_ADVANTAGE,
-    "whiten_advantages": GAE, "lam": GAE,
-    "critic": CRITIC, "vf_coef": CRITIC, "value_clip_range": CRITIC,
-    "gamma": DISCOUNT,
-    "kl_target": ADAPTIVE, "kl_horizon": ADAPTIVE, "kl_max_error": ADAPTIVE,
-    "beta_end": ANNEALED, "anneal_batches": ANNEALED, "anneal_shape": ANNEALED,
-    "kl_per_token_mean": TOKEN_MEAN,
-    "eval_every": EVALUATION,
-    "generator_threads": AHEAD,
+# The options that act only under another setting: each estimator's and controller's own (their
+# tables' `options`), the critic's, the discount, the engines' (tether.run.scopes refuses one the
+# user gave where it would do nothing: tether rloo --scale-rewards batch trained as if it were
+# absent).
+SCOPES = from_table("advantage", ADVANTAGES, _advantage_fix) | from_table(
+    "kl_ctl", KL_CONTROLLERS) | dict.fromkeys(("critic", "vf_coef", "value_clip_range"), CRITIC) | {
+    "gamma": Scope(f"--advantage {' or '.join(_with('discounts'))}",
+                   lambda c: ADVANTAGES[c.advantage].discounts,
+                   lambda c: f"--advantage {c.advantage}, which discounts nothing",
+                   f"use --advantage {' or '.join(_with('discounts'))}"),
+    "kl_per_token_mean": Scope(
+        "--kl-in loss and no --loss-aggregation",
+        lambda c: c.kl_in == "loss" and c.loss_aggregation == "auto",
+        lambda c: (f"--kl-in {c.kl_in}" if c.kl_in != "loss"
+                   else f"--loss-aggregation {c.loss_aggregation}"),
+        "pass --kl-in loss without --loss-aggregation (which replaces it)"),
+    "eval_every": EVALUATION, "gold_fn": EVALUATION,
+    "generator_threads": Scope("--max-staleness above 0", lambda c: c.max_staleness > 0,
+                               lambda c: "--max-staleness 0, which starts no generator process",
+                               "pass --max-staleness (docs/engine.md)"),
+    # an engine's own log-probs, or a stale copy's (--max-staleness): the truncated weight acts
+    "engine_is_cap": Scope(f"{OWN_ENGINES} or --max-staleness above 0",
+                           lambda c: _own_logprobs(c) or c.max_staleness > 0,
+                           lambda c: f"--engine {c.engine} and --max-staleness 0",
+                           f"pass {OWN_ENGINES} or --max-staleness"),
+    # with --max-staleness a row's KL to the stale copy grows with every step: masking by it
+    # would drop rows for the staleness the decoupled loss corrects
+    "engine_mask_kl": Scope(
+        f"{OWN_ENGINES} and --max-staleness 0",
+        lambda c: _own_logprobs(c) and not c.max_staleness,
+        lambda c: (f"--engine {c.engine}" if not c.max_staleness else
+                   f"--max-staleness {c.max_staleness}, whose decoupled loss corrects the "
+                   "staleness (a row's KL to the stale copy grows with every step)"),
+        f"pass {OWN_ENGINES}; with --max-staleness, use --engine-is-cap"),
+    "reward_per_turn": Scope(
+        f"--env or --tools and --advantage {' or '.join(n for n in ADVANTAGES if n not in _with('compares_group'))}",
+        lambda c: c.episodic and not ADVANTAGES[c.advantage].compares_group,
+        lambda c: ("no environment" if not c.episodic else f"--advantage {c.advantage}, which "
+                   "compares whole episodes (their summed reward)"),
+        "pass --env or --tools with --advantage gae or reinforce++"),
 }
 
 # The truncation of the decoupled importance weight when --max-staleness is on and
@@ -80,10 +103,11 @@ STALE_IS_CAP = 2.0
 
 
 @dataclass(kw_only=True)
-class PPOConfig(RunConfig, EnvOptions):
+class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
 
     STAGE: ClassVar[str] = "ppo"  # the command; recorded in the run directory
+    SCOPES: ClassVar[dict[str, Scope]] = SCOPES
 
     run_name: str = "ppo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
@@ -97,24 +121,8 @@ class PPOConfig(RunConfig, EnvOptions):
     """The SFT model to optimise (directory or hub name); also the reference unless --ref-model."""
     ref_model: str = ""
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
-    reward_model: str = ""
-    """A reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (give this or --reward-fn)."""
-    reward_url: str = ""
-    """A reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas, each batch split over them (give this, --reward-model or --reward-fn; docs/rm.md)."""
-    reward_url_timeout: float = 300.0
-    """Seconds one --reward-url request may take; past it the run ends with one line, exit 2, its checkpoints intact."""
-    reward_fn: str = ""
-    """Python reward functions `file.py:function` (or `module:function`), several joined by commas: (prompts, responses) -> list[float], or TRL's (prompts, completions, completion_ids, **kwargs) with the prompt file's other columns as keywords (docs/ppo.md)."""
     reward_weights: list[float] = field(default_factory=list)
     """Weights of the --reward-fn functions, in order (empty: 1 each); the score is their weighted sum, a None score left out, as TRL's reward_weights."""
-    gold_fn: str = ""
-    """Optional second ("gold") reward function, used only to score --eval-prompts."""
-    reward_fn_timeout: float = 600.0
-    """Seconds one call of a --reward-fn or --gold-fn function may take; past it the run ends with one line, exit 2, its checkpoints intact (0: no limit). With --reward-workers N > 1 it is each call's limit inside the pool: past it the call fails and is retried."""
-    reward_workers: int = 0
-    """The reward pool: N > 1 scores each response with its own call of the --reward-fn and --gold-fn functions, N calls at a time (threads, or one event loop for async def functions); a response whose score fails after --reward-retries is counted (reward_pool/failed) and its group dropped and drawn again (0 or 1: one call per batch; docs/ppo.md)."""
-    reward_retries: int = 2
-    """The reward pool: times a call that raised or passed --reward-fn-timeout is tried again, after 0.1 s, then twice as long each time (a NaN or out-of-range score is not retried)."""
     critic: Literal["separate", "shared"] = "separate"
     """Value model: separate (initialised from the reward model) or shared (a head on the policy)."""
 
@@ -123,20 +131,12 @@ class PPOConfig(RunConfig, EnvOptions):
     """Training prompts: rows with `prompt` or `messages` (JSONL, JSON, Parquet, CSV, dataset dir)."""
     eval_prompts: str = ""
     """Held-out prompts scored every --eval-every batches (empty: no evaluation)."""
-    max_prompt_len: int = 256
-    """Longer prompts lose the start of their content; BOS, role markers and the generation prompt stay."""
     total_episodes: int = 1024
     """Responses to sample over the run; batches = total_episodes // batch_size."""
     batch_size: int = 32
     """Responses per rollout batch: batch_size / samples_per_prompt prompts, each answered samples_per_prompt times."""
     samples_per_prompt: int = 1
     """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
-    max_new_tokens: int = 32
-    """Longest response, in tokens; longer ones are truncated (and may get --missing-eos-penalty)."""
-    temperature: float = 1.0
-    """Sampling temperature; all log-probs (policy, old policy, reference) use it too."""
-    stop_strings: list[str] = field(default_factory=list)
-    """Strings that end a response (kept in it); EOS always ends one."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that hit --max-new-tokens without EOS or a stop."""
     overlong_penalty: int = 0
@@ -147,10 +147,6 @@ class PPOConfig(RunConfig, EnvOptions):
     """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): drop the groups of --samples-per-prompt responses whose scores are all equal and refill the batch from further prompts, at most this many more rounds of --batch-size responses per batch (100 at most); a batch still short is topped up with dropped groups, with a note saying so (0: off)."""
 
     # ---- rollout engine (docs/engine.md)
-    engine: Literal["native", "vllm"] = "native"
-    """Who samples: native (tether's sampler on the trainer's model) or vllm (vLLM in this process, fed the weights in memory before each rollout; pip install -e '.[vllm]')."""
-    engine_kv_cache_mb: int = 512
-    """vllm: the engine's KV cache in MiB (vLLM would otherwise take 90% of the device's memory)."""
     engine_is_cap: float = 0.0
     """vllm: truncated importance sampling, each token's policy gradient weighted by min(pi_old / pi_engine, C) (0: off; C >= 1, 2 is usual)."""
     engine_mask_kl: float = 0.0
@@ -165,8 +161,8 @@ class PPOConfig(RunConfig, EnvOptions):
     """Environments: each turn's reward on that turn's last token (credit by turn, for gae and reinforce++), instead of the episode's summed reward on its last token; --score-norm and --reward-clip then shape the length penalties alone."""
     kl_in: Literal["reward", "loss"] = "reward"
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
-    kl_estimator: Literal["auto", "k1", "k2", "k3", "abs", "k3_ratio", "exact"] = "auto"
-    """Per-token KL estimator; auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
+    kl_estimator: Literal[("auto", *KL_ESTIMATORS)] = "auto"
+    """KL estimator (tether.choices.KL_ESTIMATORS); auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
     kl_per_token_mean: bool = False
     """KL in the loss, and the surrogate beside it, as token means over the batch (GRPO's form; it changes the objective for responses of different lengths) instead of per-sequence sums averaged over sequences; --loss-aggregation, when given, replaces it."""
     reward_clip: float = 0.0
@@ -175,7 +171,7 @@ class PPOConfig(RunConfig, EnvOptions):
     """Normalise scores: per batch, or with running mean/std over the run."""
 
     # ---- beta controller
-    kl_ctl: Literal["fixed", "adaptive", "annealed"] = "fixed"
+    kl_ctl: Literal[tuple(KL_CONTROLLERS)] = "fixed"
     """How beta moves: fixed, adaptive (Ziegler et al. 2019) or annealed."""
     beta: float = 0.05
     """KL coefficient (the start value for adaptive and annealed)."""
@@ -217,9 +213,9 @@ class PPOConfig(RunConfig, EnvOptions):
     """PPO ratio clip epsilon."""
     clip_high: float = 0.0
     """Upper ratio clip epsilon, clip(ratio, 1 - clip_range, 1 + clip_high): DAPO's clip-higher (Yu et al. 2025 use 0.28; TRL's epsilon_high); 0: the same as --clip-range."""
-    importance_level: Literal["token", "sequence"] = "token"
+    importance_level: Literal[tuple(IMPORTANCE_LEVELS)] = "token"
     """The ratio per token (PPO), or per response, exp(mean log ratio), shared by its tokens (GSPO, Zheng et al. 2025; use a clip range near 3e-4)."""
-    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    policy_loss: Literal[tuple(POLICY_LOSSES)] = "ppo"
     """ppo: the clipped surrogate; cispo: -sg(min(ratio, 1 + clip_high)) * A * log pi, no token's gradient dropped (MiniMax-M1 2025; TRL's epsilon_high 5.0 = --clip-high 4)."""
     value_clip_range: float = 0.2
     """Value clip, in the units of the value (0: values may not move from the rollout values)."""
@@ -229,7 +225,7 @@ class PPOConfig(RunConfig, EnvOptions):
     """Discount per token."""
     lam: float = 0.95
     """GAE lambda."""
-    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "gae"
+    advantage: Literal[tuple(ADVANTAGES)] = "gae"
     """Advantage estimator: gae (needs the critic), or critic-free rloo, grpo, reinforce++ (no critic is built)."""
     loss_aggregation: Literal["auto", "token", "sequence", "sum"] = "auto"
     """How the surrogate (and with --kl-in loss the KL term) reduce over tokens: token (token mean over the minibatch; TRL's dapo), sequence (each response's token mean, then the mean over responses; TRL's grpo), sum (per-response sums averaged over responses); auto: token, or with --kl-in loss sum (token with --kl-per-token-mean)."""
@@ -257,8 +253,8 @@ class PPOConfig(RunConfig, EnvOptions):
         return self.batch_size // self.samples_per_prompt
 
     @property
-    def uses_critic(self) -> bool:  # derived: only GAE needs values
-        return self.advantage == "gae"
+    def uses_critic(self) -> bool:  # derived: the estimator reads a critic's values (gae)
+        return ADVANTAGES[self.advantage].uses_critic
 
     @property
     def resolved_whiten_advantages(self) -> bool:  # derived: auto -> only with the KL in the reward
@@ -284,9 +280,7 @@ class PPOConfig(RunConfig, EnvOptions):
 
     @property
     def resolved_kl_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
-        if self.kl_estimator != "auto":
-            return self.kl_estimator
-        return "k1" if self.kl_in == "reward" else "k3_ratio"
+        return KL_DEFAULTS[self.kl_in] if self.kl_estimator == "auto" else self.kl_estimator
 
     def check_micro_batches(self) -> None:
         """A minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)."""
@@ -298,39 +292,52 @@ class PPOConfig(RunConfig, EnvOptions):
 
     def validate(self) -> None:
         super().validate()
-        self.check_env()
-        check_stop_strings(self.stop_strings)
-        if self.reward_per_turn and not self.episodic:
-            raise TetherError("--reward-per-turn places each turn's reward of an environment; pass "
-                              "--env or --tools, or drop it")
-        if self.reward_per_turn and self.advantage in ("rloo", "grpo"):
-            raise TetherError(f"--reward-per-turn gives credit by turn to gae and reinforce++; "
-                              f"--advantage {self.advantage} compares whole episodes (their summed "
-                              "reward), so drop it or use gae or reinforce++")
-        if self.kl_in == "loss" and self.resolved_kl_estimator in ("k1", "abs"):
-            raise TetherError(f"--kl-estimator {self.resolved_kl_estimator} has no useful gradient as "
-                              "a loss term; use k3_ratio (the default), k2, k3 or exact with "
-                              "--kl-in loss")
-        if self.kl_in == "reward" and self.resolved_kl_estimator in ("k3_ratio", "exact"):
-            raise TetherError(f"--kl-estimator {self.resolved_kl_estimator} is a loss term; use it "
-                              "with --kl-in loss, or k1 (or k2, k3, abs) in the reward")
+        self._check_kl()
         if self.samples_per_prompt < 1 or self.batch_size % self.samples_per_prompt:
             raise TetherError(f"--samples-per-prompt {self.samples_per_prompt} must be >= 1 and "
                               f"divide --batch-size {self.batch_size} (responses per batch)")
-        if self.advantage in ("rloo", "grpo") and self.samples_per_prompt < 2:
+        if ADVANTAGES[self.advantage].compares_group and self.samples_per_prompt < 2:
             raise TetherError(f"--advantage {self.advantage} compares the responses to one prompt: "
                               "pass --samples-per-prompt 2 or more (4 is usual)")
-        require_positive(self, "batch_size", "max_new_tokens", "temperature", "ppo_epochs",
-                         "num_minibatches", "max_prompt_len", "kl_horizon", "reward_url_timeout")
+        require_positive(self, "batch_size", "ppo_epochs", "num_minibatches", "kl_horizon")
         require_positive(self, "lr", "beta", "missing_eos_penalty", "reward_clip", "target_kl",
                          "max_grad_norm", "clip_range", "clip_high", "value_clip_range", "vf_coef",
                          "warmup_batches", "weight_decay", "max_kl", "beta_end", "anneal_batches",
-                         "eval_every", "sample_every", "reward_fn_timeout", allow_zero=True)
-        if self.kl_ctl == "adaptive":
-            require_positive(self, "kl_target", "kl_max_error")
+                         "eval_every", "sample_every", "engine_mask_kl", allow_zero=True)
         if self.lora_dropout > 0:
             raise TetherError("--lora-dropout must be 0 for ppo: dropout stays off in RL, so the "
                               "rollout and the update score the same tokens alike")
+        self._check_sizes()
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.overlong_penalty < self.max_new_tokens:
+            raise TetherError(f"--overlong-penalty {self.overlong_penalty} must lie in [0, "
+                              f"--max-new-tokens {self.max_new_tokens}): it is the length of the "
+                              "window before the limit where the penalty grows")
+        if self.engine_is_cap and not self.engine_is_cap >= 1:
+            raise TetherError(f"--engine-is-cap {self.engine_is_cap} must be 0 (off) or >= 1: a "
+                              "cap below 1 shrinks the weight of tokens the engine matched exactly")
+        self._check_staleness()
+        self._check_dynamic_sampling()
+
+    def _check_kl(self) -> None:
+        """The estimator where --kl-in puts it (tether.choices.KL_ESTIMATORS' placements), and the
+        adaptive controller's settings."""
+        name, allowed = self.resolved_kl_estimator, kl_allowed(self.kl_in)
+        if name not in allowed and self.kl_in == "loss":
+            raise TetherError(f"--kl-estimator {name} has no useful gradient as a loss term (its "
+                              f"expected gradient is {KL_ESTIMATORS[name].gradient}); use "
+                              f"{KL_DEFAULTS['loss']} (the default) or another of "
+                              f"{', '.join(allowed)} with --kl-in loss")
+        if name not in allowed:
+            raise TetherError(f"--kl-estimator {name} is a loss term; use it with --kl-in loss, "
+                              f"or one of {', '.join(allowed)} in the reward")
+        if self.kl_ctl == "adaptive":
+            require_positive(self, "kl_target", "kl_max_error")
+
+    def _check_sizes(self) -> None:
+        """Minibatches, micro-batches and the run's length split the batches evenly."""
         if self.batch_size % self.num_minibatches:
             raise TetherError(f"--num-minibatches {self.num_minibatches} must divide --batch-size "
                               f"{self.batch_size}")
@@ -342,37 +349,6 @@ class PPOConfig(RunConfig, EnvOptions):
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise TetherError(f"config field '{name}' must lie in [0, 1], got {getattr(self, name)}")
-        if not 0 <= self.overlong_penalty < self.max_new_tokens:
-            raise TetherError(f"--overlong-penalty {self.overlong_penalty} must lie in [0, "
-                              f"--max-new-tokens {self.max_new_tokens}): it is the length of the "
-                              "window before the limit where the penalty grows")
-        require_positive(self, "engine_kv_cache_mb")
-        require_positive(self, "engine_mask_kl", allow_zero=True)
-        if self.engine_is_cap and not self.engine_is_cap >= 1:
-            raise TetherError(f"--engine-is-cap {self.engine_is_cap} must be 0 (off) or >= 1: a "
-                              "cap below 1 shrinks the weight of tokens the engine matched exactly")
-        self._check_staleness()  # first: with it, --engine-is-cap acts with the native engine
-        check_engine_options(self)
-        if self.gold_fn and not self.eval_prompts:
-            raise TetherError("--gold-fn scores held-out prompts; also pass --eval-prompts")
-        self._check_dynamic_sampling()
-
-    def inert_options(self, given: set[str]) -> dict[str, str]:
-        """The options of `SCOPED_OPTIONS` in `given` that this run's settings leave without
-        effect, each with its one line."""
-        return {name: f"--{name.replace('_', '-')} applies with {scope.needs}, and tether "
-                      f"{self.STAGE} runs with {scope.instead(self)}, where it has no effect; "
-                      f"drop it, or {scope.fix}"
-                for name, scope in SCOPED_OPTIONS.items()
-                if name in given and not scope.acts(self)}
-
-    def check_given(self, given: set[str]) -> None:
-        """The first of `inert_options(given)`, refused."""
-        for line in self.inert_options(given).values():
-            raise TetherError(line)
 
     @property
     def steps_per_batch(self) -> int:
@@ -403,11 +379,6 @@ class PPOConfig(RunConfig, EnvOptions):
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
                               f"sampled ahead within it; give {steps} (one batch ahead) or a "
                               "multiple of it, or 0")
-        if self.engine_mask_kl:
-            raise TetherError(f"--engine-mask-kl {self.engine_mask_kl} with --max-staleness would "
-                              "mask whole rows for the staleness the decoupled loss corrects "
-                              "(their KL grows with every step); use --engine-is-cap, or drop "
-                              "--engine-mask-kl")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:
@@ -434,7 +405,7 @@ class RLOOConfig(PPOConfig):
 
     run_name: str = "rloo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
-    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "rloo"
+    advantage: Literal[tuple(ADVANTAGES)] = "rloo"
     """Advantage estimator (rloo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
     """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
@@ -452,7 +423,7 @@ class GRPOConfig(PPOConfig):
 
     run_name: str = "grpo"
     """Name of the run; everything is written to <output_dir>/<run_name>/."""
-    advantage: Literal["gae", "rloo", "grpo", "reinforce++"] = "grpo"
+    advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator (grpo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
     """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""

@@ -67,7 +67,7 @@ from tether.rl.update import UpdateSpec
 from tether.run.config import section
 from tether.run.distributed import Dist
 from tether.run.launch import join
-from tether.run.optim import make_lr_schedule, make_optimizer
+from tether.run.optim import StepCounter, make_lr_schedule, make_optimizer
 from tether.run.rundir import announce
 from tether.run.slicing import micro_rows
 from tether.run.threads import use_threads
@@ -101,7 +101,7 @@ class Setup:
     eval: Evaluation | None  # the held-out evaluation (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
     engine: RolloutEngine  # who samples (--engine), synced after every update
-    steps: ahead.StepCounter  # the policy's version: optimizer steps taken by this process
+    steps: StepCounter  # the policy's version: optimizer steps taken by this process
     source: RolloutSource  # where a batch's rows come from: prompts, or episodes
 
 
@@ -207,7 +207,7 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     # The engine on the policy as prepared (`_engine`; vLLM gathers FSDP2 shards at each sync,
     # the native one samples inside the wrapper). An episode's context fits the policy's positions.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
-    steps = ahead.StepCounter(optimizer)
+    steps = StepCounter(optimizer)
     engine = _engine(cfg, lm, roles, steps, (threads[1], launched),
                      longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
                                     limit), replica)
@@ -249,7 +249,7 @@ def _loop_reward(cfg: PPOConfig, roles: Roles, reward: Reward | None,
     return reward, bool(cfg.max_staleness and reward is not None and off_main_thread)
 
 
-def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: ahead.StepCounter,
+def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: StepCounter,
             generator: tuple[int, ahead.Launched | None], longest: int,
             replica: tuple | None) -> RolloutEngine:
     """Who samples: the engine --engine names, on the policy as prepared; with --max-staleness

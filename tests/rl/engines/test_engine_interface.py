@@ -1,8 +1,8 @@
 """The rollout-engine interface (tether.rl.engines.RolloutEngine): the loop holds an engine and never
-asks which one. A third engine registered as one entry of `ENGINES` (here: the native sampler
-behind a recorder) trains the same weights as the native engine, bit for bit, and is called in
-the documented order: sample, sleep through the update, sync after it, close at the end (also
-when the run fails)."""
+asks which one. A third engine registered as one entry of `tether.choices.ENGINES` (here: the
+native sampler behind a recorder) trains the same weights as the native engine, bit for bit, and
+is called in the documented order: sample, sleep through the update, sync after it, close at the
+end (also when the run fails); with --max-staleness its generator samples ahead."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tether.choices import ENGINES, Engine
 from tether.errors import TetherError
-from tether.rl import engines
-from tether.rl.engines import ENGINES, OWN_LOGPROBS, native
-from tether.rl.engines.jobs import Deferred
+from tether.rl.engines import SamplesWhenAsked, native
 from tether.run.distributed import Dist
+from tether.run.parse import parse_config
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 
 
-class Recorder:
-    """The native engine, every call written down."""
+class Recorder(SamplesWhenAsked):
+    """The native engine, every call written down: an engine that samples only when asked
+    inherits what it has nothing to do in (`SamplesWhenAsked`) and writes the rest."""
 
-    own_logprobs = False
     lockstep = True
 
     def __init__(self, inner, calls: list[str]):
@@ -36,13 +36,6 @@ class Recorder:
         self.calls.append("sample")
         return self.inner.sample(prompt_ids, prompt_mask, **settings)
 
-    def prefetch(self, prompt_ids, prompt_mask, **settings):
-        self.calls.append("prefetch")
-
-    def submit(self, work):
-        self.calls.append("submit")
-        return Deferred(lambda: work(self))
-
     def sleep(self):
         self.calls.append("sleep")
 
@@ -51,6 +44,14 @@ class Recorder:
 
     def close(self):
         self.calls.append("close")
+
+
+def recorder(calls: list[str]) -> Engine:
+    """The table entry of the recording engine, written as docs/architecture.md's recipe says."""
+    return Engine("the native sampler, its calls recorded",
+                  start=lambda settings, model, peft, longest, d, run_model: Recorder(
+                      native.start(settings, model, peft, longest, d, run_model), calls),
+                  generator=native.start_recording)
 
 
 def config(model_dir, tmp_path, name, **overrides) -> GRPOConfig:
@@ -71,8 +72,7 @@ def test_a_new_engine_is_one_table_entry_and_the_loop_calls_it_in_order(family, 
                                                                          monkeypatch, request):
     model_dir = request.getfixturevalue(family)
     calls: list[str] = []
-    monkeypatch.setitem(ENGINES, "recorder", lambda settings, model, peft, prompt_ids, d, run_model:
-                        Recorder(native.start(model, d, run_model), calls))
+    monkeypatch.setitem(ENGINES, "recorder", recorder(calls))
     recorded = run(config(model_dir, tmp_path, "recorded", engine="recorder"), reward_fn=reward)
     plain = run(config(model_dir, tmp_path, "plain"), reward_fn=reward)
     files = sorted(p.name for p in recorded.output_path.glob("*.safetensors"))
@@ -86,8 +86,7 @@ def test_a_new_engine_is_one_table_entry_and_the_loop_calls_it_in_order(family, 
 
 def test_a_failed_run_closes_its_engine(tiny_model_dir, tmp_path, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setitem(ENGINES, "recorder", lambda settings, model, peft, prompt_ids, d, run_model:
-                        Recorder(native.start(model, d, run_model), calls))
+    monkeypatch.setitem(ENGINES, "recorder", recorder(calls))
 
     def broken(prompts, responses):
         raise RuntimeError("the reward server is down")
@@ -96,20 +95,38 @@ def test_a_failed_run_closes_its_engine(tiny_model_dir, tmp_path, monkeypatch):
     assert calls == ["sample", "close"]
 
 
-def test_the_engines_own_log_probs_are_said_alike_by_name_and_by_instance(tiny_model_dir):
-    # The config refuses the mismatch corrections for an engine without its own log-probs,
-    # before anything loads; the table and the engines agree on which those are.
+def test_a_new_engine_samples_ahead_through_its_own_generator(tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    # Registered as the recipe says, the engine runs under --max-staleness too: its entry names
+    # the generator the second process runs (before the table, a KeyError there).
+    monkeypatch.setitem(ENGINES, "recorder", recorder([]))
+    ahead = run(config(tiny_model_dir, tmp_path, "ahead", engine="recorder", max_staleness=1,
+                       generator_threads=1), reward_fn=reward)
+    native_ahead = run(config(tiny_model_dir, tmp_path, "native-ahead", max_staleness=1,
+                              generator_threads=1), reward_fn=reward)
+    for name in sorted(p.name for p in ahead.output_path.glob("*.safetensors")):
+        a, b = (load_file(str(r.output_path / name)) for r in (ahead, native_ahead))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_engines_own_log_probs_are_said_alike_by_the_table_and_by_instance(tiny_model_dir,
+                                                                              root_dir=None):
+    # The table says which engines' log-probs are their own; that fact, and nothing else, is
+    # where the corrections act: --engine-is-cap is refused with an engine without (before
+    # anything loads), accepted with one.
     from tether.rl.engines.vllm_engine import VLLMEngine
 
     # the native engine has its own log-probs only as the copy sampling ahead (--max-staleness)
-    assert engines.native.start(None, Dist()).own_logprobs is False
-    assert engines.native.start(None, Dist(), record_logprobs=True).own_logprobs is True
-    assert "native" not in OWN_LOGPROBS
-    assert VLLMEngine.own_logprobs is True and "vllm" in OWN_LOGPROBS
-    for name in ENGINES:
-        cfg = PPOConfig(policy="p", prompts="x.jsonl", engine=name, engine_is_cap=2.0)
-        if name in OWN_LOGPROBS:
-            cfg.validate()
+    assert native.start(None, None, None, 0, Dist()).own_logprobs is False
+    assert native.start_recording(None, None, None, 0, Dist()).own_logprobs is True
+    assert ENGINES["native"].own_logprobs is False
+    assert VLLMEngine.own_logprobs is True and ENGINES["vllm"].own_logprobs is True
+    for name, engine in ENGINES.items():
+        argv = ["--policy", "p", "--prompts", "x.jsonl", "--engine", name, "--engine-is-cap", "2"]
+        if engine.own_logprobs:
+            parse_config(PPOConfig, argv)
         else:
-            with pytest.raises(TetherError, match="--engine-is-cap 2.0 corrects vLLM.s sampling"):
-                cfg.validate()
+            with pytest.raises(TetherError, match=f"--engine-is-cap applies with --engine vllm "
+                                                  f"or --max-staleness above 0, and tether ppo "
+                                                  f"runs with --engine {name}"):
+                parse_config(PPOConfig, argv)

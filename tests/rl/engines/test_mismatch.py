@@ -19,6 +19,7 @@ from tether.rl.engines.mismatch import (
 )
 from tether.rl.engines.vllm_engine import _layout, import_vllm, row_seed
 from tether.rl.rollout import sampling_uniforms
+from tether.run.scopes import check_given
 from tether.train.ppo_config import GRPOConfig
 
 # Two rows: three real tokens in all, padding after them.
@@ -115,6 +116,8 @@ def test_corrections_are_checked(tmp_path):
     base = dict(policy="p", prompts="q", output_dir=str(tmp_path))
     with pytest.raises(TetherError, match="--engine-is-cap 0.5 must be 0 .off. or >= 1"):
         GRPOConfig(engine="vllm", engine_is_cap=0.5, **base).validate()
-    with pytest.raises(TetherError, match="native engine samples from the trainer's model"):
-        GRPOConfig(engine_mask_kl=1.0, **base).validate()
-    GRPOConfig(engine="vllm", engine_is_cap=2.0, engine_mask_kl=1.0, **base).validate()
+    with pytest.raises(TetherError, match="--engine-mask-kl applies with --engine vllm"):
+        check_given(GRPOConfig(engine_mask_kl=1.0, **base), {"engine_mask_kl"})
+    vllm = GRPOConfig(engine="vllm", engine_is_cap=2.0, engine_mask_kl=1.0, **base)
+    vllm.validate()
+    check_given(vllm, {"engine_is_cap", "engine_mask_kl"})

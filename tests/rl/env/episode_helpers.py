@@ -41,7 +41,7 @@ class Policy:
     turns: list[list[list[int]]] = field(default_factory=list)  # per call, per row: sampled ids
 
     def engine(self):
-        inner = native.start(self.model, Dist())
+        inner = native.start(None, self.model, None, 0, Dist())
         policy = self
 
         class Recording(InProcess):

@@ -9,8 +9,10 @@
 
 Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
 `tether generate` hold one and never ask which it is. `make_engine` reads the engine's name, the
-one place that does. A new engine (an HTTP server, SGLang) is one file with a class of the four
-methods below and a `start` function, plus one line in `ENGINES`.
+one place that does, from the table of engines (`tether.choices.ENGINES`: how each starts, its
+generator for --max-staleness, whether its log-probs are its own, its package, the options that
+act only with it). A new engine (an HTTP server, SGLang) is one file with a class of the methods
+below and a `start` function, plus one entry in that table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
+from tether.choices import ENGINES, entry
 from tether.rl.engines.jobs import Background, Deferred
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
@@ -53,6 +56,13 @@ class RolloutEngine(Protocol):
     sleep       the update is about to run: free what the update needs (a GPU engine's KV cache)
     sync        take the policy's current weights (after each update, and after a resume)
     close       stop and free everything; also after a failed start or a stopped run
+    state_dict  what a checkpoint must hold for a resumed run to sample what the uninterrupted
+                one did (the weights the batches in flight are sampled by, when sampling ahead);
+                {} for an engine without state
+    load_state_dict   the same, restored by --resume before the run's first sync; the batches in
+                flight are then asked for again (`prefetch`, `submit`), oldest first
+    An engine that samples only when asked inherits the methods it has nothing to do in
+    (`SamplesWhenAsked`).
     """
 
     own_logprobs: bool
@@ -73,6 +83,41 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None: ...
 
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class SamplesWhenAsked:
+    """The protocol's methods for an engine that samples only when asked, on weights it does not
+    keep a copy of: nothing to prefetch (work runs when its result is asked for, `jobs.Deferred`),
+    nothing to free, to take or to checkpoint. An engine inherits them and writes `sample` and
+    whatever it does differently (vLLM: `sleep`, `sync`, `close`)."""
+
+    own_logprobs = False
+    lockstep = False
+
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        pass
+
+    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T]:
+        return Deferred(lambda: work(self))
+
+    def sleep(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 class EngineSettings(Protocol):
     """The config fields an engine starts from, named as in PPOConfig, GenerateConfig and
@@ -90,46 +135,13 @@ class EngineSettings(Protocol):
 RunModel = Callable[[Callable[[nn.Module], Rollout]], Rollout]
 
 
-def _native(settings, model, peft, longest_prompt, d, run_model) -> RolloutEngine:
-    from tether.rl.engines.native import start
-
-    return start(model, d, run_model)
-
-
-def _vllm(settings, model, peft, longest_prompt, d, run_model) -> RolloutEngine:
-    from tether.rl.engines.vllm_engine import start
-
-    return start(settings, model, peft, longest_prompt, d)
-
-
-# name -> start(settings, model, peft, longest_prompt, d, run_model); vLLM is imported only when
-# asked for (it is an optional extra, and heavy).
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
-# The engines that sample from another implementation of the policy, whose log-probs differ
-# from the trainer's (what --engine-is-cap and --engine-mask-kl correct).
-OWN_LOGPROBS = frozenset({"vllm"})
-
-
-def _vllm_settings(settings, config, longest_prompt: int, device: torch.device) -> None:
-    from tether.rl.engines.vllm_limits import check_head_size, check_kv_cache, engine_dtype
-
-    check_head_size(config, device.type)
-    check_kv_cache(settings.engine_kv_cache_mb, config, engine_dtype(settings),
-                   max(longest_prompt, 1) + settings.max_new_tokens, device.type)
-
-
-# name -> check(settings, config, longest_prompt, device): what the engine needs of the model's
-# config, before any weights load; an engine that needs nothing has no entry.
-SETTINGS_CHECKS: dict[str, Callable[..., None]] = {"vllm": _vllm_settings}
-
-
 def check_engine_settings(settings: EngineSettings, model_path: str, *, longest_prompt: int,
                           device: torch.device, trust_remote_code: bool = False) -> None:
     """Before any weights load: refuse engine settings the model cannot run with, from its
-    config.json alone (vLLM's head size on CPU, its KV cache against one sequence of
-    `longest_prompt` plus `max_new_tokens`). A path without a config.json (a LoRA adapter's
-    directory) is checked when the engine starts instead, before vLLM does."""
-    check = SETTINGS_CHECKS.get(settings.engine)
+    config.json alone (the engine's `check` in `tether.choices.ENGINES`: vLLM's head size on CPU,
+    its KV cache against one sequence of `longest_prompt` plus `max_new_tokens`). A path without a
+    config.json (a LoRA adapter's directory) is checked when the engine starts instead."""
+    check = entry(ENGINES, settings.engine, "engine").check
     if check is None:
         return
     from transformers import AutoConfig
@@ -143,10 +155,11 @@ def check_engine_settings(settings: EngineSettings, model_path: str, *, longest_
 
 def make_engine(settings: EngineSettings, model: nn.Module, *, longest_prompt: int, d: Dist,
                 peft: nn.Module | None = None, run_model: RunModel | None = None) -> RolloutEngine:
-    """The engine `settings.engine` names, ready to sample `model`.
+    """The engine `settings.engine` names (`tether.choices.ENGINES`), ready to sample `model`.
 
     `longest_prompt`: the longest context the engine will be given (with `max_new_tokens`, an
     engine sizes its longest sequence from it). `peft`: the PeftModel holding the policy's
     adapter, when it trains one. `run_model`: how the native engine calls the policy (default:
     directly, for a frozen model)."""
-    return ENGINES[settings.engine](settings, model, peft, longest_prompt, d, run_model)
+    start = entry(ENGINES, settings.engine, "engine").start
+    return start(settings, model, peft, longest_prompt, d, run_model)

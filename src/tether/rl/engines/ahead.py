@@ -8,8 +8,9 @@ batches in a second process while the trainer updates on the current one.
     sample(prompts of batch b + 1)     <------                      each token v, record
                                                                     log pi_v(y_t)
 
-Versions count optimizer steps (`StepCounter`, a hook on the optimizer's `step`), so gradient
-accumulation, several minibatches and several epochs per batch are all counted. The inbox is
+Versions count optimizer steps (`tether.run.optim.StepCounter`, a hook on the optimizer's
+`step`), so gradient accumulation, several minibatches and several epochs per batch are all
+counted. The inbox is
 served in order, so a request is sampled by the last weights sent before it: which version
 samples which batch follows from the order of the trainer's calls alone, never from timing, and
 a run is as reproducible as the synchronous one. The loop asks for batch b + L before it updates
@@ -47,10 +48,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from tether.choices import ENGINES, entry
 from tether.errors import TetherError
+from tether.rl.engines import SamplesWhenAsked
 from tether.rl.engines.jobs import Background
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
+from tether.run.optim import StepCounter
 
 # The generator is silent past start-up; a check of its liveness every this many seconds while
 # the trainer waits for it.
@@ -59,21 +63,6 @@ START_TIMEOUT_S = 600.0
 T = TypeVar("T")
 # What the generator imports as soon as it starts: the copy of the policy needs them to arrive.
 PRELOAD = ("transformers", "tether.rl.engines.native", "tether.models.forward")  # a copy of a large model takes a while to arrive
-
-
-class StepCounter:
-    """The policy version: how many optimizer steps have been taken (a post-step hook). A step
-    with every learning rate 0 changes no weight and is not counted: torch's distributed
-    checkpoint takes one to create the optimizer's state when a run resumes."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
-        self.version = 0
-        if optimizer is not None:
-            optimizer.register_step_post_hook(self._stepped)
-
-    def _stepped(self, optimizer: torch.optim.Optimizer, *_args) -> None:
-        if any(float(group["lr"]) != 0 for group in optimizer.param_groups):
-            self.version += 1
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -126,28 +115,12 @@ class Sampled:
 
 # ----------------------------------------------------------------------------- generator side
 
-def _native(settings, model: nn.Module, peft, longest_prompt: int, d: Dist):
-    from tether.rl.engines.native import start as start_native
-
-    return start_native(model, d, record_logprobs=True)  # the behaviour policy's log-probs
-
-
-def _named(settings, model: nn.Module, peft, longest_prompt: int, d: Dist):
-    from tether.rl.engines import make_engine  # vLLM reports its own log-probs
-
-    return make_engine(settings, model, peft=peft, longest_prompt=longest_prompt, d=d)
-
-
-# --engine -> the generator process's engine on its copy of the policy: (settings, model, peft,
-# longest prompt, Dist) -> a RolloutEngine whose rollouts carry their own log-probs
-GENERATORS = {"native": _native, "vllm": _named}
-
-
 def serve(threads: int, inbox, outbox) -> None:
     """The generator process. It starts before the trainer has loaded its models (`launch`),
     so its imports overlap the loading, and waits for ("start", replica, settings, longest
-    prompt, device): its engine (`GENERATORS[settings.engine]`) on `replica`, the (model, peft)
-    copy of the policy. It then serves `inbox` in order until "close". Messages: ("weights",
+    prompt, device, generator): its engine (`generator`, the entry's in `tether.choices.ENGINES`)
+    on `replica`, the (model, peft) copy of the policy. It then serves `inbox` in order until "close". Messages:
+    ("weights",
     version, flat) load them into the copy and the engine; ("sample", ticket, ids, mask,
     settings) sample with the current weights and answer (ticket, version, rollout);
     ("logprobs", ticket, ids, mask) answer the copy's log-probs of those sequences (`probe`)."""
@@ -160,9 +133,8 @@ def serve(threads: int, inbox, outbox) -> None:
         message = next_message(inbox, trainer)
         if message is None or message[0] != "start":
             return
-        _, (model, peft), settings, longest_prompt, device = message
-        engine = GENERATORS[settings.engine](settings, model, peft, longest_prompt,
-                                             Dist(device=device))
+        _, (model, peft), settings, longest_prompt, device, generator = message
+        engine = generator(settings, model, peft, longest_prompt, Dist(device=device))
         params, version = trainable(model), 0
         outbox.put(("ready", os.getpid(), torch.get_num_threads()))
         while (message := next_message(inbox, trainer)) is not None:
@@ -209,7 +181,7 @@ def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -
 
 # ----------------------------------------------------------------------------- trainer side
 
-class AheadEngine:
+class AheadEngine(SamplesWhenAsked):
     """A `RolloutEngine` whose samples come from the generator process (see the module's
     docstring). `prefetch` asks for a batch without waiting; `sample` takes a prefetched batch
     when one matches, or asks for it now (a --dynamic-sampling refill, an evaluation: the
@@ -229,9 +201,11 @@ class AheadEngine:
         self.threads = 0  # the generator's torch threads, as it reports them once started
         self.waited_s = 0.0  # seconds the trainer has waited for the generator
         self.jobs: list[Background] = []  # work submitted and not yet waited for, in order
-        # (version, flat weights) of the last `keep` the generator was given, the oldest first
-        # (`held`): what a checkpoint needs to sample the batches in flight again on resume
+        # (version, flat weights) of the last `keep` syncs, the oldest first: what a checkpoint
+        # needs to sample the batches in flight again on resume (`state_dict`)
         self.history: deque[tuple[int, dict[torch.dtype, torch.Tensor]]] = deque(maxlen=keep)
+        self.replay: list = []  # a resumed run's: the weights of each batch in flight, in order
+        self.replayed = None  # the weights the replay sent last
 
     # -- RolloutEngine
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
@@ -241,6 +215,7 @@ class AheadEngine:
     def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
         """Ask for this batch now, sampled by the weights last synced; `sample` takes it."""
         self._drain()
+        self._replayed()
         key = request_key(prompt_ids, prompt_mask, settings)
         if key not in self.pending:
             self.pending[key] = self._ask(prompt_ids, prompt_mask, settings)
@@ -251,32 +226,43 @@ class AheadEngine:
         meanwhile. Every other call waits for the work first (`_drain`), so the requests of a
         job reach the generator before any weights sent after it: all its turns are sampled by
         one version, whatever the timing."""
+        self._replayed()
         job = Background(lambda: work(Turns(self)), self.jobs[-1] if self.jobs else None)
         self.jobs.append(job)
         return job
 
-    def sleep(self) -> None:  # the generator keeps sampling while the trainer updates
-        pass
-
     def sync(self) -> None:
         """Send the trained weights, tagged with the optimizer steps taken (also when none were:
         a resumed run's weights changed without a step)."""
-        self.load(self.counter.version, flatten(self.params))
+        self.replay = []  # a resumed run's batches in flight are all asked for by now
+        weights = (self.counter.version, flatten(self.params))
+        self._load(weights)
+        self.history.append(weights)
 
-    def load(self, version: int, flat: dict[torch.dtype, torch.Tensor]) -> None:
-        """Give the generator these weights (`flatten`'s form), as version `version`: what
-        `sync` sends, and a resumed run's older weights (`resample_ahead`)."""
-        self._drain()
-        self._put(("weights", version, flat))
-        self.history.append((version, flat))
+    def state_dict(self) -> dict:
+        """The weights the generator was given last (`keep` of them, the oldest first): the
+        versions, and the flat tensors named `<index>/<dtype>` (a checkpoint's tensors file)."""
+        tensors = {f"{i}/{str(dtype).removeprefix('torch.')}": flat
+                   for i, (_, by_dtype) in enumerate(self.history)
+                   for dtype, flat in by_dtype.items()}
+        return {"ahead_versions": [version for version, _ in self.history], "tensors": tensors}
 
-    def held(self) -> list[tuple[int, dict[torch.dtype, torch.Tensor]]]:
-        """The weights the generator was given last (`keep` of them), the oldest first."""
-        return list(self.history)
-
-    def remember(self, held: list[tuple[int, dict[torch.dtype, torch.Tensor]]]) -> None:
-        """Take `held` as the weights given last (a resumed run's, from its checkpoint)."""
-        self.history = deque(held, maxlen=self.history.maxlen)
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's engine (`state_dict`'s, in a checkpoint's state): the batches in flight
+        are asked for again (`prefetch`, `submit`) in the order the uninterrupted run asked for
+        them, each sampled by the weights of its time. With L = keep - 1 batches ahead, batch
+        p >= start was asked for at the start of batch p - L, so the i-th request after a resume
+        is sampled by held[i] (h = keep of them held; fewer, from an older checkpoint: the oldest
+        stand in for those missing, and with none the weights restored)."""
+        held: list[tuple[int, dict[torch.dtype, torch.Tensor]]] = [
+            (v, {}) for v in state.get("ahead_versions", [])]
+        for name, flat in state.get("tensors", {}).items():
+            index, _, dtype = name.partition("/")
+            held[int(index)][1][getattr(torch, dtype)] = flat
+        held = held or [(self.counter.version, flatten(self.params))]
+        keep, h = self.history.maxlen or 1, len(held)
+        self.replay = [held[max(i - keep + h, 0)] for i in range(keep - 1)]
+        self.history = deque(held[:-1], maxlen=self.history.maxlen)
 
     def close(self) -> None:  # a job still running ends on its next request: the process is gone
         Launched(self.process, self.inbox, self.outbox).close()
@@ -299,6 +285,20 @@ class AheadEngine:
             ticket = self._ask(prompt_ids, prompt_mask, settings)
         version, rollout = self._answer(ticket)
         return tagged(rollout, version, self.device)
+
+    def _load(self, weights: tuple[int, dict[torch.dtype, torch.Tensor]]) -> None:
+        """Give the generator these (version, `flatten`'s) weights, after the submitted work."""
+        self._drain()
+        self._put(("weights", *weights))
+
+    def _replayed(self) -> None:
+        """Before a resumed run's request for a batch in flight: the weights it was sampled by
+        (`load_state_dict`), sent when they are not those sent last."""
+        if self.replay:
+            weights = self.replay.pop(0)
+            if weights is not self.replayed:
+                self._load(weights)
+                self.replayed = weights
 
     def _drain(self) -> None:
         """Wait until the submitted work is over (a job's error is raised by its `result`)."""
@@ -355,25 +355,6 @@ class Turns:
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.engine._sample(prompt_ids, prompt_mask, settings)
-
-
-def held_tensors(held: list[tuple[int, dict[torch.dtype, torch.Tensor]]]
-                 ) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """`AheadEngine.held()` as a checkpoint keeps it: (the versions, oldest first; the flat
-    tensors, named `<index>/<dtype>`)."""
-    tensors = {f"{i}/{str(dtype).removeprefix('torch.')}": flat
-               for i, (_, by_dtype) in enumerate(held) for dtype, flat in by_dtype.items()}
-    return [version for version, _ in held], tensors
-
-
-def held_from(versions: list[int], tensors: dict[str, torch.Tensor]
-              ) -> list[tuple[int, dict[torch.dtype, torch.Tensor]]]:
-    """`held_tensors`' inverse."""
-    held: list[tuple[int, dict[torch.dtype, torch.Tensor]]] = [(v, {}) for v in versions]
-    for name, flat in tensors.items():
-        index, _, dtype = name.partition("/")
-        held[int(index)][1][getattr(torch, dtype)] = flat
-    return held
 
 
 def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:
@@ -437,12 +418,15 @@ def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCount
     the trainer's side; waits until the engine is ready, so a failure shows here, before the
     first batch. Under FSDP2 `model`'s parameters are shards: `replica` is then such a copy made
     before the model was sharded, with its trainable parameters in `model`'s order. `keep`: how
-    many of the weights it is given the engine remembers (`AheadEngine.held`), the first being
-    those the copy starts with."""
+    many of the weights it is given the engine remembers for checkpoints
+    (`AheadEngine.state_dict`), the first being those the copy starts with."""
     launched = launched or launch(threads)
     if replica is None:  # its own weights (the queue shares what it sends), and one copy: peft
         replica = copy.deepcopy((model, peft))  # holds the model, the same object in the copy
-    launched.inbox.put(("start", replica, settings, longest_prompt, device))
+    # the engine's generator travels with the copy (by reference: an engine registered in the
+    # trainer's process need not be in this one's table)
+    generator = entry(ENGINES, settings.engine, "engine").generator
+    launched.inbox.put(("start", replica, settings, longest_prompt, device, generator))
     del replica
     process, outbox = launched.process, launched.outbox
     engine = AheadEngine(process, launched.inbox, outbox, counter, trainable(model), device, keep)

@@ -17,25 +17,26 @@ would, and a resumed run draws what the uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tether.models import shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
-from tether.rl.engines.jobs import Deferred
+from tether.rl.engines import SamplesWhenAsked
 from tether.rl.rollout import Rollout
 from tether.run import distributed
 from tether.run.distributed import Dist
 
-T = TypeVar("T")
 
-class NativeEngine:
+class NativeEngine(SamplesWhenAsked):
     """`sample_responses` on the policy, reached through `run_model(fn) -> fn(policy)` (in
-    training: inside the DDP/FSDP2 wrapper, `Roles.generate`). Under several processes sampling
-    stops when no row of any rank is alive, so every rank runs the same decoding steps (FSDP2's
-    gathers must match) and the response width is the one-process width."""
+    training: inside the DDP/FSDP2 wrapper, `Roles.generate`). Its weights are the trainer's, so
+    it has nothing to sync. Under several processes sampling stops when no row of any rank is
+    alive, so every rank runs the same decoding steps (FSDP2's gathers must match) and the
+    response width is the one-process width."""
+
+    lockstep = True  # its decoding steps are collective (`all_done`, FSDP2's gathers)
 
     def __init__(self, run_model: Callable, d: Dist, record_logprobs: bool = False):
         self.run_model = run_model
@@ -44,34 +45,25 @@ class NativeEngine:
         # On the trainer's model its log-probs are the trainer's; a copy of the policy sampling
         # ahead of the trainer (rl.engines.ahead) records them: they are the behaviour policy's.
         self.own_logprobs = record_logprobs
-        self.lockstep = True  # its decoding steps are collective (`all_done`, FSDP2's gathers)
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.run_model(lambda policy: sample_responses(
             policy, prompt_ids, prompt_mask, all_done=self.all_done,
             record_logprobs=self.own_logprobs, **settings))
 
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass  # it samples the weights being trained: only when asked
 
-    def submit(self, work: Callable[[NativeEngine], T]) -> Deferred[T]:
-        return Deferred(lambda: work(self))  # the same: when its result is asked for
-
-    def sleep(self) -> None:  # nothing to free: the update uses the same model
-        pass
-
-    def sync(self) -> None:  # it samples the trainer's model itself
-        pass
-
-    def close(self) -> None:
-        pass
+def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int, d: Dist,
+          run_model: Callable | None = None) -> NativeEngine:
+    """The native engine on `model` (`tether.choices.ENGINES`' start): called through
+    `run_model`, or directly (a frozen model)."""
+    return NativeEngine(run_model or (lambda fn: fn(model)), d)
 
 
-def start(model: nn.Module, d: Dist, run_model: Callable | None = None,
-          record_logprobs: bool = False) -> NativeEngine:
-    """The native engine on `model`: called through `run_model`, or directly (a frozen model);
-    `record_logprobs`: its rollouts carry the log-prob of each sampled token."""
-    return NativeEngine(run_model or (lambda fn: fn(model)), d, record_logprobs)
+def start_recording(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int,
+                    d: Dist) -> NativeEngine:
+    """The native engine of the generator process (--max-staleness) on its copy of the policy:
+    its rollouts carry the log-prob of each sampled token, the behaviour policy's."""
+    return NativeEngine(lambda fn: fn(model), d, record_logprobs=True)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -41,14 +41,13 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
 
+from tether.choices import ENGINES
 from tether.errors import TetherError
-from tether.rl.engines import vllm_private
-from tether.rl.engines.jobs import Deferred
+from tether.rl.engines import SamplesWhenAsked, vllm_private
 from tether.rl.engines.vllm_limits import (
     check_head_size,
     check_kv_cache,
@@ -60,11 +59,7 @@ from tether.rl.engines.vllm_limits import (
 )
 from tether.rl.rollout import Rollout, right_padded
 from tether.run.distributed import Dist, global_max
-from tether.run.extras import VLLM_HINT
 
-T = TypeVar("T")
-
-INSTALL_HINT = VLLM_HINT
 # The LoRA ranks vLLM accepts for max_lora_rank.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_ID = 1  # the one adapter the engine serves: the policy's
@@ -84,7 +79,7 @@ def import_vllm():
             import vllm
     except ImportError as exc:
         raise TetherError(f"--engine vllm needs vLLM, which is not installed ({exc}); "
-                          f"{INSTALL_HINT}") from None
+                          f"{ENGINES['vllm'].install}") from None
     vllm_private.inspect_in_process()
     return vllm
 
@@ -201,7 +196,7 @@ def _rng_kept(device: torch.device):
             torch.cuda.set_rng_state_all(cuda)
 
 
-class VLLMEngine:
+class VLLMEngine(SamplesWhenAsked):
     """The rollout engine for one rank, a `tether.rl.engines.RolloutEngine`: `sample` samples
     with vLLM and reports vLLM's own log-probs (`own_logprobs`), `sync` pushes the trainer's
     current weights.
@@ -330,12 +325,6 @@ class VLLMEngine:
         # never read, the adapter being registered under LORA_ID from memory.
         return LoRARequest(f"policy-v{self.version}", LORA_ID, f"in-memory/policy-v{self.version}")
 
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass  # it samples the synced weights, in the trainer's process: only when asked
-
-    def submit(self, work: Callable[[VLLMEngine], T]) -> Deferred[T]:
-        return Deferred(lambda: work(self))  # the same: when its result is asked for
-
     def sleep(self) -> None:
         """Free the KV cache and offload the weights during the update (GPU only)."""
         if self.device.type == "cuda" and not self.asleep:
@@ -420,9 +409,9 @@ def start_engine(model: nn.Module, peft: nn.Module | None, longest_prompt: int,
                       d, device)
 
 
-def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int,
-          d: Dist) -> VLLMEngine:
-    """`make_engine`'s entry: the engine computes in what the trainer computes in (bf16 under
+def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int, d: Dist,
+          run_model: Callable | None = None) -> VLLMEngine:
+    """`tether.choices.ENGINES`' start (and the generator's, --max-staleness): the engine computes in what the trainer computes in (bf16 under
     --mixed-precision bf16, else the weights' dtype), on this process's device (`d.device`)."""
     return start_engine(model, peft, longest_prompt, settings.max_new_tokens,
                         kv_cache_mb=settings.engine_kv_cache_mb, dtype=engine_dtype(settings),

@@ -135,6 +135,15 @@ def check_kv_cache(kv_cache_mb: int, config, dtype: str, max_model_len: int,
 
 # ---- vLLM's start-up errors
 
+
+def check_settings(settings, config, longest_prompt: int, device) -> None:
+    """What vLLM needs of the model's config, before any weights load (`tether.choices.ENGINES`'
+    check): its head size on the CPU, its KV cache against one sequence of `longest_prompt` plus
+    --max-new-tokens."""
+    check_head_size(config, device.type)
+    check_kv_cache(settings.engine_kv_cache_mb, config, engine_dtype(settings),
+                   max(longest_prompt, 1) + settings.max_new_tokens, device.type)
+
 def _messages(exc: BaseException) -> list[str]:
     """The texts of `exc` and of the exceptions it came from (its cause, then its context)."""
     texts, seen = [], set()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tether.errors import TetherError
-from tether.rl.env.extras import require
+from tether.run.extras import require
 
 SKIPPED = ("reward", "done", "metadata")  # an observation's fields that are not its content
 OPTIONS = ("action", "observation", "chat")  # --env openenv:<url>?<options>

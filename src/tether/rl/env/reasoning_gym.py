@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tether.errors import TetherError
-from tether.rl.env.extras import require
+from tether.run.extras import require
 
 OWN_OPTIONS = ("attempts", "system")  # the adapter's; every other option is the dataset's
 DEFAULT_DATASET_SEED = 0  # reasoning-gym draws a random seed when given none: not reproducible
