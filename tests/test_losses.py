@@ -480,3 +480,34 @@ def test_label_smoothing_is_conservative_dpo_where_trls_sigmoid_ignores_it():
     plain, _, _ = dpo_loss(h, zero, zero, zero, beta=0.1)
     assert float(smoothed) == pytest.approx(0.524077, abs=1e-6)
     assert float(plain) == pytest.approx(0.474077, abs=1e-6)
+
+
+def test_a_new_objective_reads_its_inputs_by_name_through_the_update(monkeypatch):
+    # A policy loss that needs another input (here the reference's log-probs and the group) is
+    # its function and one table entry (tether.choices.POLICY_LOSSES): update_loss hands every
+    # input it has to the objective by name, and the loss is the objective's, reduced.
+    from tether import choices
+    from tether.losses import LossInputs, PolicyLoss
+    from tether.rl.scoring import Forward
+    from tether.rl.update import Counts, LossBatch, UpdateSpec, update_loss
+
+    seen: list[LossInputs] = []
+
+    def ref_anchored(x: LossInputs):  # -A * ratio + (log pi - log ref), per token
+        seen.append(x)
+        return -x.advantages * x.ratio + (x.logprobs - x.ref_logprobs), x.mask & False
+    monkeypatch.setitem(choices.POLICY_LOSSES, "ref_anchored",
+                        choices.Objective("a test objective", ref_anchored))
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0], [-1.0, -1.0]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    batch = LossBatch(logprobs.detach(), ref, torch.zeros(2, 2), adv, torch.zeros(2, 2), mask, mask)
+    spec = UpdateSpec(policy=PolicyLoss(policy_loss="ref_anchored"))
+    loss, stats = update_loss(Forward(logprobs, torch.zeros(2, 2), None, None), batch, spec, 0.0,
+                              Counts(3, 2, 3), with_critic=False)
+    # on-policy, ratio 1 on every token: per token -A + (log pi - log ref) = [[-0.5, -1], [2.5, .]];
+    # the token mean over the 3 tokens that carry loss: (-0.5 - 1 + 2.5) / 3 = 1/3
+    assert float(loss) == pytest.approx(1 / 3)
+    assert seen[0].ref_logprobs is ref and seen[0].group_size == spec.advantage.samples_per_prompt
+    assert stats["policy/clip_frac"] == 0.0

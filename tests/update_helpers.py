@@ -27,3 +27,15 @@ def update_on(setup, rollout, old, advantages, returns, kl_beta: float,
     batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated)
     forwards = Forwards(setup.roles, setup.reference, rollout, spec, kl_beta)
     return ppo_update(setup.roles, setup.optimizer, forwards, batch, spec, kl_beta, generator)
+
+
+def prompt_batch(setup, cfg, batch: int, round_: int = 0):
+    """The prompt texts of batch `batch` and their ids and mask, left-padded on the device to
+    the global batch's width: what the single-turn source samples from (tether.rl.sources)."""
+    from tether.data.prompts import left_pad
+    from tether.train.ppo_setup import batch_rows
+
+    rows = batch_rows(setup, cfg, batch, round_)
+    ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
+                         setup.device)
+    return [setup.prompts[i] for i in rows], ids, mask

@@ -12,7 +12,7 @@ import torch
 import transformers
 from offline_fixtures import preference_rows, sft_rows
 from torch.utils._python_dispatch import TorchDispatchMode
-from update_helpers import loss_on
+from update_helpers import loss_on, prompt_batch
 
 from tether import lm_head
 from tether.data.batches import collate_pairs, collate_sft
@@ -31,7 +31,7 @@ from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.train.dpo import pair_logprobs
 from tether.train.ppo import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 from tether.train.sft import sft_loss
 
 TINY = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -13,6 +13,7 @@ from offline_fixtures import preference_rows, sft_rows, write_jsonl
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from update_helpers import prompt_batch
 
 from tether.cli import main
 from tether.errors import TetherError
@@ -32,7 +33,7 @@ from tether.models.reward_model import RewardModel
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.train.ppo import PPOConfig, run
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from update_helpers import loss_on, update_on
+from update_helpers import loss_on, prompt_batch, update_on
 
 from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.cli import main
@@ -24,7 +24,7 @@ from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.run.parse import parse_config
 from tether.train.ppo import PPOConfig, run
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
 

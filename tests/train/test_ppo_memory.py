@@ -19,7 +19,7 @@ from scale_helpers import (
     max_change,
     weights,
 )
-from update_helpers import update_on
+from update_helpers import prompt_batch, update_on
 
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
@@ -32,7 +32,7 @@ from tether.rl import scoring
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.train.ppo import PPOConfig, run
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music"]
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]

@@ -181,3 +181,24 @@ def check_turn_fits(models: Sequence[Positions | None], max_new_tokens: int) -> 
     if model is not None:
         raise TetherError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt within "
                           f"{_of(model)}; lower --max-new-tokens to at most {model.limit - 1}")
+
+
+def check_sampled_models(language_models: Sequence[tuple[str, str, str]], reward_model: str,
+                         prompt_sets: dict[str, Sequence[Sequence[int]]], *, max_prompt_len: int,
+                         max_new_tokens: int, episodic: bool, trust_remote_code: bool = False,
+                         takes_reward_model: bool = True) -> None:
+    """What the models' configs alone can refuse before any weights load, for every command that
+    samples (the online stages, `tether eval`, `tether generate`): a reward model or classifier
+    given where a causal LM belongs (`language_models`: (path, its option, its base) each), and
+    samples longer than a model that reads them can take: each set's longest prompt plus
+    --max-new-tokens (`prompt_sets`: source -> its encoded prompts), one turn for episodes."""
+    models = [language_model(path, option, trust_remote_code=trust_remote_code, base=base,
+                             takes_reward_model=takes_reward_model)
+              for path, option, base in language_models]
+    if reward_model:
+        models.append(reward_model_positions(reward_model, trust_remote_code))
+    if episodic:
+        check_turn_fits(models, max_new_tokens)
+    for source, ids in prompt_sets.items():
+        if ids:
+            check_samples_fit(models, max(map(len, ids)), max_prompt_len, max_new_tokens, source)

@@ -120,12 +120,14 @@ class LossBatch(NamedTuple):
     loss_mask: torch.Tensor  # bool: the sampled tokens that carry the policy's loss
     # decoupled PPO's min(pi_old / mu, C) on rows sampled by an older policy mu (--max-staleness)
     weights: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None  # the sampling engine's log-probs, when its own
 
     @classmethod
     def of(cls, rollout: Rollout, old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
            mask_truncated: bool, weights: torch.Tensor | None = None) -> LossBatch:
         return cls(old.logprobs, old.ref_logprobs, old.values, advantages, returns,
-                   rollout.action_mask, loss_mask(rollout, mask_truncated), weights)
+                   rollout.action_mask, loss_mask(rollout, mask_truncated), weights,
+                   rollout.engine_logprobs)
 
     def select(self, index: torch.Tensor) -> LossBatch:
         return LossBatch(*(t[index] if t is not None else None for t in self))
@@ -177,8 +179,12 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
     aggregation = spec.policy.loss_aggregation
     policy_denominator = counts.tokens if aggregation == "token" else counts.rows
     logprobs = torch.where(mask, forward.logprobs, 0.0)  # selected: 0 x NaN would be NaN
+    # every input an objective may read, by name (tether.losses.LossInputs)
     pg_loss, pg_stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, carrying,
-                                    spec.policy, denominator=policy_denominator)
+                                    spec.policy, denominator=policy_denominator,
+                                    ref_logprobs=batch.ref_logprobs,
+                                    engine_logprobs=batch.engine_logprobs,
+                                    group_size=spec.advantage.samples_per_prompt)
     loss = pg_loss
     stats = {"policy/loss": pg_loss.item(), "policy/clip_frac": float(pg_stats["clip_frac"]),
              "policy/approx_kl": float(pg_stats["approx_kl"]),

@@ -25,13 +25,7 @@ from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import read_base_record
 from tether.models.base_location import check_base_option
-from tether.models.hub_reward import check_reward_model
-from tether.models.limits import (
-    check_samples_fit,
-    check_turn_fits,
-    language_model,
-    reward_model_positions,
-)
+from tether.models.limits import check_sampled_models
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
@@ -42,25 +36,15 @@ from tether.models.pretrained import (
 )
 from tether.models.reward_model import position_limit
 from tether.rl.engines import check_engine_settings, make_engine
-from tether.rl.env.load import load_environment
 from tether.rl.evaluation import (
     EVAL_SEED_OFFSET,
     Evaluation,
-    Reward,
     eval_inputs,
     evaluate_policy,
     measure_responses,
 )
-from tether.rl.reward import check_reward_fn_timeout
-from tether.rl.reward.functions import (
-    load_reward_function,
-    load_reward_functions,
-    reward_from_functions,
-)
-from tether.rl.reward.models import load_reward_model, prompt_originals
-from tether.rl.reward.pool import check_reward_pool, pool_for
-from tether.rl.reward.remote import check_url_timeout, connect, parse_urls, reward_from_urls
-from tether.rl.sources import check_episode_reward, load_tools, longest_prompt, make_source
+from tether.rl.reward import wiring
+from tether.rl.sources import longest_prompt, make_source
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.config import config_to_dict, recorded_input_path
 from tether.run.distributed import on_device
@@ -122,57 +106,6 @@ def default_output(model_path: str) -> Path:
     return model_dir.with_name(f"{model_dir.name}.eval.json")
 
 
-def _reward_functions(cfg: EvalConfig, reward_fn: Callable | None, gold_fn: Callable | None
-                      ) -> tuple[Callable | None, Callable | None]:
-    """The proxy and gold functions, imported (--reward-fn, --gold-fn) or as given; checked
-    before any model loads, with the reward model's kind (read from its config alone)."""
-    if sum(bool(x) for x in (cfg.reward_model, cfg.reward_url, cfg.reward_fn, reward_fn)) > 1:
-        raise TetherError("give at most one proxy reward: --reward-model, --reward-url or "
-                          "--reward-fn")
-    if cfg.episodic:
-        check_episode_reward(cfg, bool(cfg.reward_model or cfg.reward_url or cfg.reward_fn
-                                       or reward_fn), env_given=bool(cfg.env))
-    if cfg.reward_url:
-        parse_urls(cfg.reward_url)  # the URLs' form; they answer before any model loads
-    check_url_timeout(cfg.reward_url_timeout, EvalConfig.reward_url_timeout, cfg.reward_url)
-    if cfg.reward_model:
-        check_reward_model(cfg.reward_model, cfg.trust_remote_code)
-    if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_functions(cfg.reward_fn)
-    if gold_fn is None and cfg.gold_fn:
-        gold_fn = load_reward_function(cfg.gold_fn)
-    check_reward_fn_timeout(cfg.reward_fn_timeout, EvalConfig.reward_fn_timeout,
-                            reward_fn is not None or gold_fn is not None)
-    check_reward_pool(cfg.reward_workers, cfg.reward_retries, EvalConfig.reward_retries,
-                      reward_fn is not None or gold_fn is not None, cfg.episodic)
-    return reward_fn, gold_fn
-
-
-def _rewards(cfg: EvalConfig, tokenizer, device, reward_fn: Callable | None,
-             gold_fn: Callable | None, remote: Reward | None = None
-             ) -> tuple[Reward | None, Reward | None]:
-    """The proxy (`remote`, a served reward model, the reward model, loaded now, or
-    `reward_fn`) and the gold reward."""
-    reward = None
-    pool = pool_for(cfg)
-    if remote is not None:  # --reward-url, checked before any model loaded (`run`)
-        reward = remote
-    elif cfg.reward_model:
-        # Scored a sampling chunk at a time. PPO scores a chunk in micro-batches of
-        # micro_batch_rows (the whole chunk by default); a smaller one may differ in rounding.
-        # A reward model that reads text gets each prompt as its row gave it (ppo_setup._reward).
-        reward = load_reward_model(cfg.reward_model, tokenizer,
-                                   prompt_originals(tokenizer, cfg.prompts), cfg.batch_size,
-                                   device, cfg.dtype, cfg.trust_remote_code).reward
-    elif reward_fn is not None:  # several: summed with weight 1 each (TRL's default)
-        reward = reward_from_functions(reward_fn if isinstance(reward_fn, (list, tuple))
-                                       else [reward_fn], timeout=cfg.reward_fn_timeout,
-                                       pool=pool)
-    gold = (reward_from_functions([gold_fn], (), "gold reward function",
-                                  timeout=cfg.reward_fn_timeout, pool=pool) if gold_fn else None)
-    return reward, gold
-
-
 def output_path(cfg: EvalConfig) -> Path:
     """Where the results go (--output, else `default_output`), checked before any model loads
     (tether.tools.outputs): not a directory, nor a file of the command's inputs, nor inside a
@@ -188,25 +121,6 @@ def output_path(cfg: EvalConfig) -> Path:
     return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
 
 
-def _check_models(cfg: EvalConfig, reference_path: str, prompt_ids: list[list[int]]) -> None:
-    """From the models' configs alone, before any weights load: a reward model or classifier as
-    the policy or reference, and samples (the longest prompt plus --max-new-tokens; one turn for
-    episodes) longer than a model that reads them can take (tether.models.limits)."""
-    trust = cfg.trust_remote_code
-    positions = [language_model(cfg.model, "--model", trust_remote_code=trust, base=cfg.base,
-                                takes_reward_model=True)]
-    if reference_path != cfg.model:
-        positions.append(language_model(reference_path, "--reference", trust_remote_code=trust,
-                                        takes_reward_model=True))
-    if cfg.reward_model:
-        positions.append(reward_model_positions(cfg.reward_model, trust))
-    if cfg.episodic:
-        check_turn_fits(positions, cfg.max_new_tokens)
-    elif prompt_ids:
-        check_samples_fit(positions, max(map(len, prompt_ids)), cfg.max_prompt_len,
-                          cfg.max_new_tokens, cfg.prompts)
-
-
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
         write: bool = True) -> EvalResult:
     """Evaluate `cfg.model`; returns the metrics and samples (also written as JSON when
@@ -215,8 +129,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     check_base_option(cfg.model, cfg.base)
     out = output_path(cfg) if write else None
     # What needs no model first: a bad function, prompt file or reference fails in seconds.
-    reward_fn, gold_fn = _reward_functions(cfg, reward_fn, gold_fn)
-    env = load_environment(cfg.env) if cfg.env else None
+    user = wiring.user_code(cfg, reward_fn, gold_fn, training=False)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
     prompt_ids = []
@@ -226,11 +139,12 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     if reference_path != cfg.model:
         ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
         check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
-    _check_models(cfg, reference_path, prompt_ids)
-    remote = None
-    if cfg.reward_url:  # every endpoint answers, and the chat check is made, before any load
-        remote = reward_from_urls(connect(parse_urls(cfg.reward_url), cfg.reward_url_timeout),
-                                  prompt_originals(tokenizer, cfg.prompts), cfg.reward_url_timeout)
+    models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
+                                                   if reference_path != cfg.model else [])
+    check_sampled_models(models, cfg.reward_model, {cfg.prompts: prompt_ids},
+                         max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
+                         episodic=cfg.episodic, trust_remote_code=cfg.trust_remote_code)
+    served = wiring.remote(cfg, tokenizer, (cfg.prompts,))  # every endpoint answers first
     if not cfg.episodic:  # what the engine needs of the model, from its config.json
         check_engine_settings(cfg, cfg.base or cfg.model, device=device,
                               longest_prompt=longest_prompt(cfg, prompt_ids),
@@ -240,7 +154,10 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     use_threads(cfg.threads, policy, device)
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
                                device, base=cfg.base if reference_path == cfg.model else "")
-    reward, gold = _rewards(cfg, tokenizer, device, reward_fn, gold_fn, remote)
+    # A reward model scores a sampling chunk at a time (PPO: micro-batches of micro_batch_rows,
+    # the whole chunk by default; a smaller one may differ in rounding).
+    rewards = wiring.build(cfg, user, tokenizer, device, served=served,
+                           prompt_files=(cfg.prompts,), chunk=cfg.batch_size)
     eos = policy_eos_ids(tokenizer, policy, cfg.model)
     inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not cfg.episodic else None
     limit = position_limit(policy.config, tokenizer) if cfg.episodic else None
@@ -248,15 +165,15 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         cfg, inputs.prompt_ids if inputs else [], limit))
     source = make_source(cfg, engine, tokenizer, prompts=inputs.prompts if inputs else [],
                          prompt_ids=inputs.prompt_ids if inputs else [], rows=rows,
-                         reward=reward, env=env,
-                         tools=load_tools(cfg.tools), eos_token_ids=eos, device=device,
+                         reward=rewards.reward or rewards.functions, env=user.env,
+                         tools=user.tools, eos_token_ids=eos, device=device,
                          source_name=cfg.prompts, context_limit=limit,
                          env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
     try:
         metrics, samples = evaluate_policy(
             Evaluation(source, len(rows), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET),
             lambda rollout: measure_responses(policy, reference, rollout, cfg.chunked_lm_head),
-            gold)
+            rewards.gold)
     finally:
         source.close()
         engine.close()

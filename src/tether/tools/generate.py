@@ -16,7 +16,7 @@ import torch
 from tether.data.prompts import left_pad, load_prompts
 from tether.data.rows import load_rows
 from tether.models.base_location import check_base_option
-from tether.models.limits import check_samples_fit, check_turn_fits, language_model
+from tether.models.limits import check_sampled_models
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.models.reward_model import position_limit
@@ -46,16 +46,16 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
         env = load_environment(cfg.env)
     tools = load_tools(cfg.tools)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
-    positions = [language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code,
-                                base=cfg.base)]
-    if env is not None or tools:
-        check_turn_fits(positions, cfg.max_new_tokens)
-        return _episodes(cfg, tokenizer, env, tools, device)
+    episodic = env is not None or bool(tools)
     # a bad file, prompts too long for the model or engine settings it cannot run with fail
     # before the model loads
-    prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
-    check_samples_fit(positions, max(map(len, prompt_ids)), cfg.max_prompt_len,
-                      cfg.max_new_tokens, cfg.prompts)
+    prompt_ids = [] if episodic else load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
+    check_sampled_models([(cfg.model, "--model", cfg.base)], "", {cfg.prompts: prompt_ids},
+                         max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
+                         episodic=episodic, trust_remote_code=cfg.trust_remote_code,
+                         takes_reward_model=False)
+    if episodic:
+        return _episodes(cfg, tokenizer, env, tools, device)
     check_engine_settings(cfg, cfg.base or cfg.model, longest_prompt=max(map(len, prompt_ids)),
                           device=device, trust_remote_code=cfg.trust_remote_code)
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,

@@ -12,24 +12,18 @@ anything is written.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tether import kl as kl_lib
-from tether.data.prompts import left_pad, load_prompts, prompt_indices
+from tether.choices import KL_CONTROLLERS, entry
+from tether.data.prompts import load_prompts, prompt_indices
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
-from tether.models.hub_reward import check_reward_model
-from tether.models.limits import (
-    check_samples_fit,
-    check_turn_fits,
-    language_model,
-    reward_model_positions,
-)
+from tether.models.limits import check_sampled_models
 from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models.prepare import (
     disable_dropout,
@@ -42,24 +36,14 @@ from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
 from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
-from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
-from tether.rl.reward import Reward, check_one_reward, check_reward_fn_timeout
+from tether.rl.reward import Reward, wiring
 from tether.rl.reward.functions import (
     RewardFunctions,
-    load_reward_function,
-    load_reward_functions,
-    reward_from_functions,
-    weighted,
 )
-from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
-from tether.rl.reward.pool import check_reward_pool, pool_for
-from tether.rl.reward.remote import check_url_timeout, connect, parse_urls, reward_from_urls
 from tether.rl.roles import Roles
 from tether.rl.sources import (
     RolloutSource,
-    check_episode_reward,
-    load_tools,
     longest_prompt,
     make_source,
 )
@@ -71,7 +55,6 @@ from tether.run.optim import StepCounter, make_lr_schedule, make_optimizer
 from tether.run.rundir import announce
 from tether.run.slicing import micro_rows
 from tether.run.threads import use_threads
-from tether.run.user_code.load import function_name
 from tether.train.ppo_config import PPOConfig
 
 
@@ -113,6 +96,8 @@ def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
 
 
 def kl_controller(cfg: PPOConfig) -> kl_lib.KLController:
+    """The controller --kl-ctl names (tether.choices.KL_CONTROLLERS), from its options."""
+    entry(KL_CONTROLLERS, cfg.kl_ctl, "KL controller")
     if cfg.kl_ctl == "adaptive":
         return kl_lib.AdaptiveKL(cfg.beta, cfg.kl_target, cfg.kl_horizon, cfg.kl_max_error)
     if cfg.kl_ctl == "annealed":
@@ -156,7 +141,12 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
 
 def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | None) -> Setup:
     """`build`'s work, the generator process (if any) already `launched`."""
-    reward_fn, gold_fn, env, tools = _user_code(cfg, reward_fn, gold_fn, env)
+    for name in ("policy", "prompts"):
+        if not getattr(cfg, name):
+            raise TetherError(f"--{name} is required")
+    # What needs no model comes first, cheapest first: a bad flag, function, file or path fails
+    # in seconds, before anything large loads.
+    user = wiring.user_code(cfg, reward_fn, gold_fn, env, training=True)
     torch.manual_seed(cfg.seed)  # the same on every rank: FSDP2 relies on equal initial weights
     d = join(cfg, cfg.batch_size)  # under torchrun: this rank and its device
     check_world(cfg, d)
@@ -165,34 +155,14 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     prompts, prompt_ids, rows, eval_ids = _prompt_rows(cfg, tokenizer)
     lora = _config_checks(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids},
                           device)
-    remote = _remote_reward(cfg, tokenizer)  # every endpoint answers before any weights load
-    lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+    files = (cfg.prompts, cfg.eval_prompts)
+    served = wiring.remote(cfg, tokenizer, files)  # every endpoint answers before weights load
+    lm, reference, rewards, critic = _models(cfg, tokenizer, lora, device, user, served)
     policy = lm.model
-    # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
-    disable_dropout(policy)
-    fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
-    policy.eval().to(device)
-    threads = ahead.split_threads(cfg.threads, cfg.generator_threads, cfg.max_staleness > 0)
-    use_threads(threads[0], policy, device)  # [1]: a generator's (--max-staleness)
-    reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
-                                          cfg.trust_remote_code)).to(device)
-    functions = (reward_from_functions(reward_fn, cfg.reward_weights, max_steps=cfg.n_batches,
-                                       timeout=cfg.reward_fn_timeout, pool=pool_for(cfg))
-                 if reward_fn else None)
-    reward, reward_model, critic_init = ((remote, None, None) if remote is not None else
-                                         _reward(cfg, lm, tokenizer, functions, device))
-    gold = (reward_from_functions([gold_fn], (), "gold reward function", cfg.n_batches,
-                                  cfg.reward_fn_timeout, pool_for(cfg)) if gold_fn else None)
-    critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, critic_init,
-                         cfg.reward_model)
-    critic = critic.to(device) if critic is not None else None
-    if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
-        _checkpoint_trunks(lm, critic)
-
     replica = copy.deepcopy((policy, lm.peft)) if cfg.max_staleness and d.fsdp else None  # _engine
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
-    frozen = {"reference": reference} | ({"reward": reward_model} if reward_model else {})
+    frozen = {"reference": reference} | ({"reward": rewards.model} if rewards.model else {})
     roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
     if not can_share(policy):  # checkpointed or sharded: the reference scores as it does
         share_prompts(reference, False)
@@ -208,17 +178,16 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     # the native one samples inside the wrapper). An episode's context fits the policy's positions.
     limit = position_limit(lm.model.config, tokenizer) if cfg.episodic else None
     steps = StepCounter(optimizer)
-    engine = _engine(cfg, lm, roles, steps, (threads[1], launched),
-                     longest_prompt(cfg, prompt_ids + (held_out.prompt_ids if held_out else []),
-                                    limit), replica)
-    reward, score_ahead = _loop_reward(cfg, roles, reward, reward_model)
+    engine = _engine(cfg, lm, roles, steps, launched, replica, longest_prompt(
+        cfg, prompt_ids + (held_out.prompt_ids if held_out else []), limit))
+    reward, score_ahead = _loop_reward(cfg, roles, rewards.reward, rewards.model)
 
     def source(texts: list[str], ids: list[list[int]], table: list[dict], name: str,
                env_seed_base: int | None = None):
         return make_source(cfg, engine, tokenizer, prompts=texts, prompt_ids=ids, rows=table,
-                           reward=reward if reward is not None else functions, env=env,
-                           tools=tools, eos_token_ids=eos, device=device, source_name=name,
-                           context_limit=limit, env_seed_base=env_seed_base,
+                           reward=reward if reward is not None else rewards.functions,
+                           env=user.env, tools=user.tools, eos_token_ids=eos, device=device,
+                           source_name=name, context_limit=limit, env_seed_base=env_seed_base,
                            score_ahead=score_ahead)
     evaluation = None
     if cfg.eval_prompts:  # the same kind of source as training's, on the held-out rows
@@ -230,10 +199,42 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
-                 reward_model=reward_model, gold=gold, reward_functions=functions,
-                 eos_token_ids=eos, prompts=prompts, prompt_ids=prompt_ids, n_rows=len(rows),
-                 eval=evaluation, spec=update_spec(cfg, d), engine=engine, steps=steps,
+                 reward_model=rewards.model, gold=rewards.gold,
+                 reward_functions=rewards.functions, eos_token_ids=eos, prompts=prompts,
+                 prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
+                 spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _models(cfg: PPOConfig, tokenizer, lora: LoraSpec, device: torch.device,
+            user: wiring.UserCode, served: Reward | None
+            ) -> tuple[TrainableLM, nn.Module, wiring.Rewards, nn.Module | None]:
+    """The policy (dropout off, fused GELU, eval mode, on `device`), its reference, the rewards
+    (a LoRA reward model on the policy's base joins it as one more adapter) and the critic (none
+    for the critic-free estimators), loaded in this order: the copies each makes of another (the
+    reference of the policy, the critic of the reward model) come before gradient
+    checkpointing, which wraps the trained trunks alone."""
+    lm = load_trainable_lm(cfg.policy, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
+    policy = lm.model
+    # Dropout off and eval mode throughout: rollout and update forwards must agree exactly.
+    disable_dropout(policy)
+    fuse_gelu(policy)  # the same function, faster: torch's fused kernel for the tanh GELU
+    policy.eval().to(device)
+    use_threads(ahead.split_threads(cfg.threads, cfg.generator_threads, cfg.max_staleness > 0)[0],
+                policy, device)  # and [1]: a generator's (--max-staleness)
+    reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
+                                          cfg.trust_remote_code)).to(device)
+    shared = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
+              if cfg.reward_model and served is None and not cfg.episodic else None)
+    rewards = wiring.build(cfg, user, tokenizer, device, served=served, chunk=cfg.micro_batch_rows,
+                           prompt_files=(cfg.prompts, cfg.eval_prompts), max_steps=cfg.n_batches,
+                           shared=freeze(fuse_gelu(shared), device) if shared is not None else None)
+    critic = make_critic(cfg.critic if cfg.uses_critic else None, lm, lora, rewards.critic_init,
+                         cfg.reward_model)
+    critic = critic.to(device) if critic is not None else None
+    if cfg.gradient_checkpointing:  # the trained trunks only, after the copies made above
+        _checkpoint_trunks(lm, critic)
+    return lm, reference, rewards, critic
 
 
 def _loop_reward(cfg: PPOConfig, roles: Roles, reward: Reward | None,
@@ -250,16 +251,15 @@ def _loop_reward(cfg: PPOConfig, roles: Roles, reward: Reward | None,
 
 
 def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: StepCounter,
-            generator: tuple[int, ahead.Launched | None], longest: int,
-            replica: tuple | None) -> RolloutEngine:
+            launched: ahead.Launched | None, replica: tuple | None, longest: int) -> RolloutEngine:
     """Who samples: the engine --engine names, on the policy as prepared; with --max-staleness
-    a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`),
-    whose versions `steps` counts. Under FSDP2 it starts on `replica`, the copy of the policy
-    made before the wrapper sharded it (a sharded module cannot be copied whole); the spawn
-    moves the copy's tensors into memory the generator shares, so the trainer holds no second
-    copy once it has started. `generator`: its threads, and its process if already launched."""
+    a copy of the policy ahead of the trainer, in a second process (`tether.rl.engines.ahead`,
+    `launched` already), whose versions `steps` counts. Under FSDP2 it starts on `replica`, the
+    copy of the policy made before the wrapper sharded it (a sharded module cannot be copied
+    whole); the spawn moves the copy's tensors into memory the generator shares, so the trainer
+    holds no second copy once it has started."""
     if cfg.max_staleness:
-        threads, launched = generator
+        threads = ahead.split_threads(cfg.threads, cfg.generator_threads, True)[1]
         return ahead.start(cfg, lm.model, lm.peft, steps, threads, longest, roles.dist.device,
                            replica, launched, keep=cfg.batches_ahead + 1)  # for checkpoints
     return make_engine(cfg, lm.model, peft=lm.peft, d=roles.dist, run_model=roles.run_policy,
@@ -303,98 +303,15 @@ def _prompt_rows(cfg: PPOConfig, tokenizer
 
 
 def _check_models(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]]) -> None:
-    """What the models' configs and tokenizers alone can refuse, before any weights load: a
-    reward model or classifier as the policy or reference, the reward model's kind (and a hub
-    one's vocabulary), the reference's vocabulary, and samples (each set's longest prompt plus
-    --max-new-tokens; one turn for episodes) longer than a model that reads them can take."""
-    trust = cfg.trust_remote_code
-    positions = [language_model(cfg.policy, "--policy", trust_remote_code=trust,
-                                takes_reward_model=True)]
-    if cfg.reward_model:
-        check_reward_model(cfg.reward_model, trust)
-        positions.append(reward_model_positions(cfg.reward_model, trust))
-    check_reference(cfg.ref_model, tokenizer, trust)
-    if cfg.ref_model:
-        positions.append(language_model(cfg.ref_model, "--ref-model", trust_remote_code=trust,
-                                        takes_reward_model=True))
-    if cfg.episodic:
-        check_turn_fits(positions, cfg.max_new_tokens)
-    for source, ids in prompt_sets.items():
-        if ids:
-            check_samples_fit(positions, max(map(len, ids)), cfg.max_prompt_len,
-                              cfg.max_new_tokens, source)
-
-
-def _user_code(cfg: PPOConfig, reward_fn, gold_fn: Callable | None, env: Callable | None
-               ) -> tuple[list[Callable], Callable | None, Callable | None, list[Callable]]:
-    """The reward functions (one or several, `reward_fn` a callable or a list of them), the gold
-    function, the environment factory and the tools, imported when named. What needs no model
-    comes first, cheapest first: a bad flag, function, file or path fails in seconds, before
-    anything large loads (none of them needs a tokenizer)."""
-    for name in ("policy", "prompts"):
-        if not getattr(cfg, name):
-            raise TetherError(f"--{name} is required")
-    if env is not None or cfg.env:
-        if env is not None and cfg.env not in ("", function_name(env)):
-            raise TetherError("give the environment once: --env or the Python env argument")
-        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn
-                                       or cfg.reward_model or cfg.reward_url), env_given=True)
-        env = env or load_environment(cfg.env)
-    else:
-        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
-        check_one_reward(reward_fn, cfg.reward_fn, cfg.reward_model, cfg.reward_url)
-    if cfg.reward_url:
-        parse_urls(cfg.reward_url)  # the URLs' form; they answer in `_remote_reward`
-    check_url_timeout(cfg.reward_url_timeout, type(cfg).reward_url_timeout, cfg.reward_url)
-    if reward_fn is None and cfg.reward_fn:
-        reward_fn = load_reward_functions(cfg.reward_fn)
-    reward_fn = [] if reward_fn is None else (
-        list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
-    if cfg.reward_weights and not reward_fn:
-        raise TetherError("--reward-weights weighs reward functions; give them with --reward-fn "
-                          "or drop --reward-weights")
-    weighted(reward_fn, cfg.reward_weights)  # the weights checked now, before any model loads
-    if gold_fn is None and cfg.gold_fn:
-        gold_fn = load_reward_function(cfg.gold_fn)
-    check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout,
-                            bool(reward_fn) or gold_fn is not None)
-    check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries,
-                      bool(reward_fn) or gold_fn is not None, cfg.episodic)
-    return reward_fn, gold_fn, env, load_tools(cfg.tools)
-
-
-def _reward(cfg: PPOConfig, lm: TrainableLM, tokenizer, functions: RewardFunctions | None,
-            device: torch.device) -> tuple[Reward, nn.Module | None, nn.Module | None]:
-    """(the reward the loop calls, the reward model behind it or None, the model the critic
-    starts from or None). A LoRA reward model on the policy's base joins it as one more adapter
-    (no second base in memory); any other reward model is loaded apart, and one that does not read
-    the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
-    text: the prompt as its row gave it (`prompt_originals`, so a chat is rendered with the reward
-    model's own template), the response as sampled."""
-    if cfg.episodic:  # the environment rewards its episodes (--tools: with the functions)
-        return None, None, None
-    if not cfg.reward_model:
-        return functions, None, None
-    shared = shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
-    if shared is not None:
-        shared = freeze(fuse_gelu(shared), device)
-        return reward_from_model(shared, cfg.micro_batch_rows, cfg.reward_model), shared, shared
-    originals = prompt_originals(tokenizer, cfg.prompts, cfg.eval_prompts)
-    loaded = load_reward_model(cfg.reward_model, tokenizer, originals, cfg.micro_batch_rows,
-                               device, cfg.dtype, cfg.trust_remote_code)
-    return loaded.reward, loaded.model, loaded.critic_init
-
-
-def _remote_reward(cfg: PPOConfig, tokenizer) -> Reward | None:
-    """--reward-url's reward (None without it): every endpoint's GET /info (a dead one, or two
-    serving different models, is one line), and the in-process checks of a reward model that
-    reads text (`tether.rl.reward.remote`). A critic cannot start from a served model (it has no
-    weights here): it starts from the policy's trunk, as with a reward function."""
-    if not cfg.reward_url or cfg.episodic:
-        return None
-    endpoints = connect(parse_urls(cfg.reward_url), cfg.reward_url_timeout)
-    originals = prompt_originals(tokenizer, cfg.prompts, cfg.eval_prompts)
-    return reward_from_urls(endpoints, originals, cfg.reward_url_timeout)
+    """What the models' configs and tokenizers alone can refuse, before any weights load: the
+    reference's vocabulary, then a reward model or classifier as the policy or reference and
+    samples longer than a model that reads them can take (`check_sampled_models`)."""
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
+    models = [(cfg.policy, "--policy", "")] + ([(cfg.ref_model, "--ref-model", "")]
+                                                if cfg.ref_model else [])
+    check_sampled_models(models, cfg.reward_model, prompt_sets, max_prompt_len=cfg.max_prompt_len,
+                         max_new_tokens=cfg.max_new_tokens, episodic=cfg.episodic,
+                         trust_remote_code=cfg.trust_remote_code)
 
 
 def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:
@@ -422,12 +339,3 @@ def batch_rows(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0) -> lis
     seed = cfg.seed if round_ == 0 else cfg.seed + 7_919 * round_
     return [i for i in prompt_indices(setup.n_rows, cfg.prompts_per_batch, seed, batch)
             for _ in range(cfg.samples_per_prompt)]
-
-
-def prompt_batch(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0):
-    """The prompt texts of batch `batch` and their ids and mask, left-padded on the device to
-    the global batch's width (what the single-turn source samples from)."""
-    rows = batch_rows(setup, cfg, batch, round_)
-    ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
-                         setup.device)
-    return [setup.prompts[i] for i in rows], ids, mask

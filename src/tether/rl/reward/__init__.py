@@ -125,19 +125,6 @@ def _shown(value: Any) -> str:
     return text
 
 
-def check_one_reward(reward_fn: Callable | None, reward_fn_spec: str, reward_model: str,
-                     reward_url: str = "") -> None:
-    """Exactly one reward source: a Python callable, `--reward-fn`, `--reward-model` or
-    `--reward-url` (a reward model served by `tether serve-rm`)."""
-    given = [name for name, on in (("a Python reward_fn", reward_fn is not None),
-                                   ("--reward-fn", bool(reward_fn_spec)),
-                                   ("--reward-model", bool(reward_model)),
-                                   ("--reward-url", bool(reward_url))) if on]
-    if len(given) != 1:
-        raise TetherError("give exactly one reward: --reward-model, --reward-url, --reward-fn or "
-                          f"a Python reward_fn (got {', '.join(given) if given else 'none'})")
-
-
 def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torch.Tensor:
     """`scores` [B] of the reward model `name`, or `NonFiniteScore` naming the first row whose
     score is NaN, inf or past MAX_SCORE. A reward model's forward is finite on finite weights

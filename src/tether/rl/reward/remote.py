@@ -66,15 +66,6 @@ def parse_urls(spec: str) -> list[str]:
     return urls
 
 
-def check_url_timeout(timeout: float, default: float, reward_url: str) -> None:
-    """--reward-url-timeout times the --reward-url requests: another value without them would be
-    accepted and ignored."""
-    if timeout != default and not reward_url:
-        raise TetherError(f"--reward-url-timeout {timeout:g} limits the requests to --reward-url, "
-                          "and this run has none; drop it (a --reward-fn function's calls have "
-                          "--reward-fn-timeout)")
-
-
 def _why(exc: BaseException) -> str:
     """`Connection refused`, `Name or service not known`, ...: the reason of a failed request."""
     reason = getattr(exc, "reason", exc)

@@ -1,0 +1,138 @@
+"""The reward a config asks for, checked and built in one place: the online stages and `tether
+eval` call the same two steps, so a reward means the same wherever it is measured.
+
+    user_code   before any model loads, cheapest first: which reward (exactly one for training,
+                at most one proxy for an evaluation; an environment rewards its own episodes),
+                the reward model's kind, the URLs' form, the reward and gold functions, the
+                environment factory and the tools imported, the pool's and the timeout's
+                settings against the functions there are
+    remote      --reward-url: every endpoint answers (GET /info) before any weights load
+    build       the rewards once the tokenizer and the device are known: the served model, a
+                reward model (sharing the policy's LoRA base where it can, else loaded apart),
+                or the functions (through the pool with --reward-workers); and the gold
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from tether.errors import TetherError
+from tether.models.hub_reward import check_reward_model
+from tether.rl.env.load import load_environment
+from tether.rl.reward import Reward, check_reward_fn_timeout
+from tether.rl.reward.functions import (
+    RewardFunctions,
+    load_reward_function,
+    load_reward_functions,
+    reward_from_functions,
+    weighted,
+)
+from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
+from tether.rl.reward.pool import check_reward_pool, pool_for
+from tether.rl.reward.remote import connect, parse_urls, reward_from_urls
+from tether.rl.sources import check_episode_reward, load_tools
+from tether.run.user_code.load import function_name
+
+
+@dataclass
+class UserCode:
+    """What the user's code gives a run, imported and checked."""
+
+    functions: list[Callable]  # the reward functions (--reward-fn, or Python's), [] without
+    gold: Callable | None  # the gold function
+    env: Callable | None  # the environment factory
+    tools: list[Callable]  # --tools' functions
+
+
+@dataclass
+class Rewards:
+    """The rewards of a run, built."""
+
+    reward: Reward | None  # what scores the prompts' responses (None: episodes score themselves,
+    # or an evaluation without a proxy)
+    model: nn.Module | None  # the reward model behind `reward`, when it is one
+    critic_init: nn.Module | None  # the model a critic may start from (reads the policy's ids)
+    functions: RewardFunctions | None  # the reward functions (--tools score answers with them)
+    gold: Reward | None
+
+
+def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) -> UserCode:
+    """The reward and gold functions (`reward_fn` a callable or a list of them, instead of
+    --reward-fn), the environment factory (`env`, instead of --env) and the tools, imported and
+    checked (module docstring). `training`: exactly one reward is needed (an evaluation takes at
+    most one proxy). `cfg`: a config with the reward and environment sections."""
+    given = {"a Python reward_fn": reward_fn is not None, "--reward-fn": bool(cfg.reward_fn),
+             "--reward-model": bool(cfg.reward_model), "--reward-url": bool(cfg.reward_url)}
+    proxies = [name for name, on in given.items() if on]
+    if env is not None or cfg.env:
+        if env is not None and cfg.env not in ("", function_name(env)):
+            raise TetherError("give the environment once: --env or the Python env argument")
+        check_episode_reward(cfg, bool(proxies), env_given=True)
+        env = env or load_environment(cfg.env)
+    else:
+        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
+        if len(proxies) > 1 or training and not proxies:
+            raise TetherError(f"give {'exactly' if training else 'at most'} one reward: "
+                              "--reward-model, --reward-url, --reward-fn or a Python reward_fn "
+                              f"(got {', '.join(proxies) if proxies else 'none'})")
+    if cfg.reward_model:
+        check_reward_model(cfg.reward_model, cfg.trust_remote_code)
+    if cfg.reward_url:
+        parse_urls(cfg.reward_url)  # the URLs' form; they answer in `remote`
+    functions = reward_fn if reward_fn is not None else (
+        load_reward_functions(cfg.reward_fn) if cfg.reward_fn else [])
+    functions = list(functions) if isinstance(functions, (list, tuple)) else [functions]
+    weights = getattr(cfg, "reward_weights", ())
+    if weights and not functions:
+        raise TetherError("--reward-weights weighs reward functions; give them with --reward-fn "
+                          "or drop --reward-weights")
+    weighted(functions, weights)  # the weights checked now, before any model loads
+    gold = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
+    scored = bool(functions) or gold is not None
+    check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout, scored)
+    check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
+                      cfg.episodic)
+    return UserCode(functions, gold, env, load_tools(cfg.tools))
+
+
+def remote(cfg, tokenizer, prompt_files: tuple[str, ...]) -> Reward | None:
+    """--reward-url's reward (None without it, or for episodes): every endpoint's GET /info (a
+    dead one, or two serving different models, is one line), and the in-process checks of a
+    reward model that reads text (`tether.rl.reward.remote`), each prompt of `prompt_files` as
+    its row gave it."""
+    if not cfg.reward_url or cfg.episodic:
+        return None
+    endpoints = connect(parse_urls(cfg.reward_url), cfg.reward_url_timeout)
+    return reward_from_urls(endpoints, prompt_originals(tokenizer, *prompt_files),
+                            cfg.reward_url_timeout)
+
+
+def build(cfg, user: UserCode, tokenizer, device, *, served: Reward | None,
+          prompt_files: tuple[str, ...], chunk: int, max_steps: int = 0,
+          shared: nn.Module | None = None) -> Rewards:
+    """The rewards (module docstring). `served`: `remote`'s. `chunk`: rows per reward-model
+    forward. `max_steps`: the run's batches (TRL's `trainer_state.max_steps`). `shared`: the
+    reward model as one more adapter on the policy's LoRA base, frozen, when it can be one (no
+    second base in memory). Any other reward model is loaded apart, and one that does not read
+    the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
+    text: each prompt as its row gave it (so a chat is rendered with the reward model's own
+    template), the response as sampled."""
+    pool = pool_for(cfg)
+    functions = (reward_from_functions(user.functions, getattr(cfg, "reward_weights", ()),
+                                       max_steps=max_steps, timeout=cfg.reward_fn_timeout,
+                                       pool=pool) if user.functions else None)
+    gold = (reward_from_functions([user.gold], (), "gold reward function", max_steps,
+                                  cfg.reward_fn_timeout, pool) if user.gold else None)
+    if cfg.episodic:  # the environment rewards its episodes (--tools: with the functions)
+        return Rewards(None, None, None, functions, gold)
+    if served is not None or not cfg.reward_model:
+        return Rewards(served or functions, None, None, functions, gold)
+    if shared is not None:
+        return Rewards(reward_from_model(shared, chunk, cfg.reward_model), shared, shared,
+                       functions, gold)
+    loaded = load_reward_model(cfg.reward_model, tokenizer, prompt_originals(tokenizer, *prompt_files),
+                               chunk, device, cfg.dtype, cfg.trust_remote_code)
+    return Rewards(loaded.reward, loaded.model, loaded.critic_init, functions, gold)
