@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from update_helpers import prompt_batch
 
 from tether.advantages import kl_shaped_rewards
 from tether.models.trunk_head import score_responses
@@ -25,7 +26,7 @@ from tether.rl.scoring import kl_sums, score_batch
 from tether.rl.update import Forwards, LossBatch, counts_of, update_loss
 from tether.run.distributed import Dist
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from update_helpers import loss_on, update_on
+from update_helpers import loss_on, prompt_batch, update_on
 
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.engines.native import sample_responses
@@ -19,7 +19,7 @@ from tether.rl.rollout import Rollout, concat_rollouts
 from tether.rl.scoring import score_rollout
 from tether.train import ppo
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 

@@ -9,13 +9,14 @@ import json
 
 import pytest
 import torch
+from update_helpers import prompt_batch
 
 from tether.rl import update
 from tether.rl.engines.native import sample_responses
 from tether.rl.update import one_pass, update_batch
 from tether.run.distributed import Dist
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch, update_spec
+from tether.train.ppo_setup import build, update_spec
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 

@@ -16,12 +16,13 @@ from dataclasses import replace
 import pytest
 import torch
 from refusals import refused
+from update_helpers import prompt_batch
 
 from tether.cli import main
 from tether.rl.engines.native import sample_responses
 from tether.rl.update import update_batch
 from tether.train.ppo import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very", "music",
            "a scene", "the actor and the music were quite", "fun"]

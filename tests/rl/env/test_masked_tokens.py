@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from update_helpers import loss_on
+from update_helpers import loss_on, prompt_batch
 
 from tether.rl.scoring import score_batch
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import build
 
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 HOLE = [2, 3, 4]  # response positions the policy did not sample, in rows 0 and 2
