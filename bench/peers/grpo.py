@@ -29,7 +29,7 @@ process's CPU time (time.process_time, all threads: the steadier of the two on a
 where a run may get a fraction of a core). Runs interleave (tether, TRL, TRL, tether, ... per
 method) and the medians of `--repeats` runs are reported.
 
-    /work/venv-trl116/bin/python bench/peers/grpo.py [--repeats 3] [--two-pass] [--unshared]
+    .venv-trl/bin/python bench/peers/grpo.py [--repeats 3] [--two-pass] [--unshared]
         [--prompt-words 4-10] [--threads 1]
 
 Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench` extra pins

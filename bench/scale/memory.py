@@ -1,6 +1,6 @@
 """Peak memory of one PPO batch: tether's full fine-tuning and LoRA configurations against TRL.
 
-    /work/venv-bench/bin/python bench/scale/memory.py            # 125M GPT-2, batch 8, 256 tokens
+    python bench/scale/memory.py            # 125M GPT-2, batch 8, 256 tokens; the bench extra
     python bench/scale/memory.py --configs full,trl --layers 2 --seq-len 64   # a quick run
 
 The workload, the same for every configuration: a ~125M-parameter GPT-2-style policy (GPT2Config
