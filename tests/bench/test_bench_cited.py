@@ -86,3 +86,18 @@ def test_citations_are_found_where_they_stand():
     text = ("Run `python bench/packing.py`, see tests/bench/test_bench_grpo.py, "
             "bench/scale/gpu.sh --tiny and bench/ (the folder).")
     assert CITED.findall(text) == ["bench/packing.py", "bench/scale/gpu.sh"]
+
+
+def test_links_to_a_benchmark_section_find_it():
+    """`benchmarks.md#section` links (docs/dpo.md, docs/scaling.md, ...) name a heading that is
+    there: a section's anchor is made of its script's path, so moving a script (bench/ into
+    kernels/, peers/, scale/) must move the links too. GitHub's anchor: the heading in lower
+    case, without punctuation but `-` and `_`, spaces as `-`."""
+    headings = re.findall(r"^#+ (.*)$", (ROOT / "docs" / "benchmarks.md").read_text(
+        encoding="utf-8"), re.MULTILINE)
+    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    assert "packing-pairs-benchpair_packingpy" in anchors  # "## Packing pairs (`bench/pair_packing.py`)"
+    broken = [(doc.name, anchor) for doc in DOCS
+              for anchor in re.findall(r"benchmarks\.md#([\w-]+)", doc.read_text(encoding="utf-8"))
+              if anchor not in anchors]
+    assert not broken, f"links to no section of docs/benchmarks.md: {broken}"
