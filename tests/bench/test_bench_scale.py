@@ -41,7 +41,7 @@ def test_memory_table(capsys, tmp_path):
 @pytest.mark.slow
 def test_memory_knobs_table(capsys):
     # large enough that a step's activations show in the peak (the ratios divide by plain's)
-    run_main("bench/scale/memory_knobs.py", "--B", "8", "--T", "128", "--layers", "1", "--width",
+    run_main("bench/scale/memory_knobs.py", "--B", "8", "--T", "64", "--layers", "1", "--width",
              "64", "--steps", "1")
     out = capsys.readouterr().out
     assert out.splitlines()[1].split() == ["config", "peak", "MiB", "x", "plain", "step", "s",
