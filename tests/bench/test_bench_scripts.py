@@ -46,8 +46,8 @@ def test_reward_pool_rows(capsys):
              "--repeats", "1")
     out = capsys.readouterr().out
     for kind in ("api", "async_api", "verifier", "instant"):
-        row = line_starting(out, f"{kind:9s} sequential")
-        assert "pool of 2" in row and finite(row)
+        line = line_starting(out, f"{kind:9s} sequential")
+        assert "pool of 2" in line and finite(line)
 
 
 @pytest.mark.slow
@@ -111,9 +111,10 @@ def test_async_generation_settings(capsys):
 
 @pytest.mark.slow
 def test_demo_time_times_the_demo(capsys, tmp_path):
-    """One `tether demo` run (--only parallel), its stage times, on the smallest demo (flags
-    passed through to it): one run costs what the demo's SFT and reward model cost, about 40 CPU
-    seconds, so the --jobs 1 run and the comparison of the two are left to the figure's own run."""
+    """One `tether demo` run (--only), its stage times, on the smallest demo (flags passed
+    through to it). A run costs at least what the demo's SFT and reward model cost, about 30 CPU
+    seconds, so the second run and the comparison of the two runs' numbers are left to the
+    figure's own command."""
     demo = ["--ppo-batches", "1", "--sweep-batches", "1", "--sweep-betas", "0.0"]
     # --jobs 1: the stages one after another in the demo's process, no worker to start
     run_main("bench/demo_time.py", "--quick", "--only", "parallel", "--jobs", "1", "--out",
