@@ -19,8 +19,11 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
 from tether.models.adapter_checks import base_record
 from tether.models.tiny import save_tiny_llama
 
@@ -39,6 +42,8 @@ def record_cost(model, name: str, repeats: int) -> int:
 
 
 def main() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-7b", action="store_true", help="skip the 12.6 GiB model")

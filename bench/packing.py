@@ -29,6 +29,11 @@ import subprocess
 import sys
 import time
 
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
+
 
 def batch(rows: int, vocab: int, seed: int):
     import torch

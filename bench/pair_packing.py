@@ -25,6 +25,12 @@ import argparse
 import json
 import random
 
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
+
+# isort: split
 from packing import alternated, timed_steps  # bench/packing.py: the same runs and timing
 
 VARIANTS = ["rm padded", "rm packed", "dpo shared", "dpo padded", "dpo packed"]

@@ -8,7 +8,7 @@ Two measurements, each the best of `--repeats`, alternating the order:
   GPT-2-style test model (B=32 prompts, 32 new tokens, EOS never ends a row early), where the
   model's forward is cheap and the sampler's share is largest.
 
-    python bench/kernels/sampling.py [--repeats 5] [--threads 1] [--parts op,model]
+    python bench/kernels/sampling.py [--repeats 5] [--threads 1] [--parts op,model] [--op-steps 20]
 """
 
 from __future__ import annotations
@@ -92,11 +92,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="op,model")
+    parser.add_argument("--op-steps", type=int, default=20,
+                        help="sampling steps per timing of the op (fewer: a quick check)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     for vocab in (50257, 128256) if "op" in parts else ():
-        new_s, old_s = op_bench(vocab, args.repeats)
+        new_s, old_s = op_bench(vocab, args.repeats, steps=args.op_steps)
         print(f"sampling op, B=64 V={vocab}: inverse-CDF {new_s * 1e3:.2f} ms/step, multinomial "
               f"{old_s * 1e3:.2f} ms/step, ratio {new_s / old_s:.2f}x")
     if "model" in parts:

@@ -29,7 +29,7 @@ process's CPU time (time.process_time, all threads: the steadier of the two on a
 where a run may get a fraction of a core). Runs interleave (tether, TRL, TRL, tether, ... per
 method) and the medians of `--repeats` runs are reported.
 
-    /work/venv-trl116/bin/python bench/peers/grpo.py [--repeats 3] [--two-pass] [--unshared]
+    .venv-trl/bin/python bench/peers/grpo.py [--repeats 3] [--two-pass] [--unshared]
         [--prompt-words 4-10] [--threads 1]
 
 Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench` extra pins
@@ -57,6 +57,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo import build_workload, make_prompts  # noqa: E402  (the PPO benchmark's workload)

@@ -1,6 +1,6 @@
 """Peak memory of one PPO batch: tether's full fine-tuning and LoRA configurations against TRL.
 
-    /work/venv-bench/bin/python bench/scale/memory.py            # 125M GPT-2, batch 8, 256 tokens
+    python bench/scale/memory.py            # 125M GPT-2, batch 8, 256 tokens; the bench extra
     python bench/scale/memory.py --configs full,trl --layers 2 --seq-len 64   # a quick run
 
 The workload, the same for every configuration: a ~125M-parameter GPT-2-style policy (GPT2Config
@@ -56,6 +56,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether  # noqa: F401
 
 BENCH = Path(__file__).resolve().parent
 CONFIGS = {  # name: (label, tether fields or None for TRL)

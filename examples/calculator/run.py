@@ -33,6 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+# tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
+# with the vllm extra it hides the torchvision built for another torch before transformers
+# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+import tether as _tether  # noqa: F401  (the name `tether` is the function below)
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # tools.py: the transcripts are rendered with its schema
 

@@ -15,6 +15,8 @@ sys.path.insert(0, str(BENCH))
 
 import grpo  # noqa: E402
 
+SMOKES = {"bench/peers/grpo.py": "test_tether_side_runs_both_methods_and_reports_them"}
+
 
 def test_tether_side_runs_both_methods_and_reports_them():
     try:

@@ -21,6 +21,10 @@ sys.path.insert(0, str(BENCH))
 import memory  # noqa: E402
 from memory_probe import NotMeasurable, Probe, parameter_census  # noqa: E402
 
+# a module of memory.py and gpu.py, not a program: these tests are its smoke test (gpu.py's,
+# through bench/scale/gpu.sh: test_bench_scale.py)
+SMOKES = {"bench/scale/memory_probe.py": "test_probe_sees_lm_head_rows_and_layer_checkpoints"}
+
 
 def tiny_gpt2():
     from tether.models.tiny import make_lm
@@ -106,19 +110,6 @@ def test_verdicts_name_the_inactive_feature():
     assert memory.verdict("lora_chunked_gc", report(12, 1.0, 83, calls=24), SPEC) == "ok"
     short = dict(report(12, 1.0, 83), response_len=97.5)  # an early EOS: unequal work, flagged
     assert "mean response length 97.5" in memory.verdict("lora_chunked", short, SPEC)
-
-
-@pytest.mark.slow
-def test_gpu_script_tiny_path_runs_and_reports_inactive_features(capsys):
-    """bench/scale/gpu.py's code path (model from config, LoRA RM, PPO, DPO, summary lines) at 2 layers;
-    on a tether without LoRA the PPO line must say so instead of passing for a LoRA figure."""
-    import gpu
-
-    lines = gpu.main(["--tiny", "--device", "cpu"])
-    assert [line.split(":")[0] for line in lines] == ["PPO", "DPO"]
-    assert "episodes/s" in lines[0] and "pairs/s" in lines[1]
-    assert "median of 3 steps after the first" in lines[1]  # --tiny runs 4 DPO steps
-    assert ("LoRA active" in lines[0]) != ("LoRA NOT ACTIVE" in lines[0])
 
 
 def test_gpu_script_needs_two_dpo_steps(capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale" / "torchrun_exit.py"
+SMOKES = {"bench/scale/torchrun_exit.py": "test_one_launch_counts_no_abort"}
 
 
 @pytest.mark.parametrize("mode", ["cli", "early-import"])
