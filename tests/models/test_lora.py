@@ -92,7 +92,7 @@ def test_bad_target_module_is_one_line_and_writes_nothing(tiny_llama_dir, data, 
 @pytest.mark.parametrize("argv, message", [
     (["dpo", "--lora-r", "4", "--lora-dropout", "0.1"], "--lora-dropout must be 0 for dpo"),
     (["rm", "--lora-r", "4", "--lora-dropout", "0.1"], "--lora-dropout must be 0 for a reward"),
-    (["sft", "--merge-lora"], "--merge-lora needs a LoRA run"),
+    (["sft", "--merge-lora"], "--merge-lora applies with --lora-r above 0"),
     (["sft", "--lora-r", "-1"], "'lora_r' must be >= 0"),
     (["sft", "--lora-r", "4", "--lora-alpha", "0"], "'lora_alpha' must be > 0"),
 ])

@@ -206,13 +206,15 @@ def test_reward_per_turn_puts_each_turn_s_reward_on_its_tokens(tiny_model_dir, t
 
 
 def test_reward_per_turn_is_refused_where_it_means_nothing():
+    from tether.run.parse import parse_config
     from tether.train.ppo_config import PPOConfig
 
+    base = ["--policy", "p", "--prompts", "p", "--reward-per-turn"]
     with pytest.raises(TetherError, match="pass --env or --tools"):
-        PPOConfig(policy="p", prompts="p", reward_per_turn=True).validate()
+        parse_config(PPOConfig, base)
     with pytest.raises(TetherError, match="compares whole episodes"):
-        PPOConfig(policy="p", prompts="p", env="e.py:E", advantage="rloo", samples_per_prompt=2,
-                  batch_size=4, reward_per_turn=True).validate()
+        parse_config(PPOConfig, [*base, "--env", "e.py:E", "--advantage", "rloo",
+                                 "--samples-per-prompt", "2", "--batch-size", "4"])
 
 
 def test_tools_make_episodes_scored_by_the_reward(tiny_qwen2_tools_dir, tmp_path, envs,

@@ -322,7 +322,7 @@ def test_chat_prompts_need_the_served_models_chat_template(rms, workdir, tiny_ll
     (["--reward-url", "localhost:8000"], r"--reward-url localhost:8000 is not an http:// URL"),
     (["--reward-url", "http://a:1,http://a:1"], "names an endpoint twice"),
     (["--reward-fn", "m:f", "--reward-url-timeout", "5"],
-     "--reward-url-timeout 5 limits the requests to --reward-url, and this run has none"),
+     "--reward-url-timeout applies with --reward-url, and tether grpo runs with no --reward-url"),
 ])
 def test_reward_url_options_are_checked_first(extra, pattern, workdir, capsys, no_loads):
     refused(workdir, _grpo(workdir, workdir / "plain.jsonl", *extra), pattern, capsys)

@@ -9,7 +9,7 @@ import torch
 
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
-from tether.rl.engines import native
+from tether.rl.engines import SamplesWhenAsked, native
 from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
@@ -17,21 +17,11 @@ from tether.rl.rollout import sampling_uniforms
 from tether.run.distributed import Dist
 
 
-class InProcess:
+class InProcess(SamplesWhenAsked):
     """A test engine's RolloutEngine side beside `sample`: no log-probs of its own, and nothing
-    to put to sleep, sync or close."""
+    to put to sleep, sync, close or checkpoint (`SamplesWhenAsked`)."""
 
-    own_logprobs = False
     lockstep = True
-
-    def sleep(self):
-        pass
-
-    def sync(self):
-        pass
-
-    def close(self):
-        pass
 
 
 @dataclass

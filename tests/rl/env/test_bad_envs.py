@@ -154,7 +154,8 @@ def test_the_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path, capsys):
     (["grpo", "--env", "ENV", "--tools", "TOOL", "--reward-fn", "REWARD"],
      "give --env or --tools, not both"),
     (["grpo", "--reward-fn", "REWARD", "--max-turns", "2"],
-     "--max-turns shapes episodes with an environment; pass --env or --tools"),
+     "--max-turns applies with --env or --tools, and tether grpo runs with no environment, "
+     "where it has no effect; drop it, or pass --env or --tools"),
 ], ids=["env-and-reward", "eval-env-and-reward", "tools-no-reward", "eval-tools-no-reward",
         "env-and-tools", "turns-without-env"])
 def test_one_reward_per_episode(argv, says, tiny_model_dir, tmp_path, capsys):

@@ -75,11 +75,9 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     else:
         check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
         if len(proxies) > 1 or training and not proxies:
-            raise TetherError(f"give {'exactly' if training else 'at most'} one reward: "
-                              "--reward-model, --reward-url, --reward-fn or a Python reward_fn "
-                              f"(got {', '.join(proxies) if proxies else 'none'})")
-    if cfg.reward_model:
-        check_reward_model(cfg.reward_model, cfg.trust_remote_code)
+            raise TetherError(f"give {'exactly one reward' if training else 'at most one proxy reward'}"
+                              ": --reward-model, --reward-url, --reward-fn or a Python "
+                              f"reward_fn (got {', '.join(proxies) if proxies else 'none'})")
     if cfg.reward_url:
         parse_urls(cfg.reward_url)  # the URLs' form; they answer in `remote`
     functions = reward_fn if reward_fn is not None else (
@@ -95,6 +93,8 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout, scored)
     check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
                       cfg.episodic)
+    if cfg.reward_model:  # its kind, from its config.json: the first of these to read a file
+        check_reward_model(cfg.reward_model, cfg.trust_remote_code)
     return UserCode(functions, gold, env, load_tools(cfg.tools))
 
 
