@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
 from tether.run.atomic import follow_umask
@@ -27,21 +27,46 @@ from tether.run.atomic import follow_umask
 EOS = "<|endoftext|>"
 
 
-def make_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on `texts`, with an EOS token and deliberately no pad token.
-
-    No pad token, like GPT-2 and Llama: the loading code must add a distinct one (pad is not EOS).
-    """
+def _byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """A BPE over GPT-2's byte-level pieces, trained on `texts`, `special_tokens` first in its
+    vocabulary: the tokenizer under the GPT-2, Llama and Qwen2 families."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
+
+
+def _from_config(config, seed: int):
+    """A randomly initialised causal LM of `config`, its weights drawn after `manual_seed(seed)`."""
+    import torch
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _save(out_dir: str | Path, tokenizer, model) -> Path:
+    """`tokenizer` and `model` saved to `out_dir` (made when missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    follow_umask(out)  # safetensors writes its files 0600
+    return out
+
+
+def make_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts`, with an EOS token and deliberately no pad token.
+
+    No pad token, like GPT-2 and Llama: the loading code must add a distinct one (pad is not EOS).
+    """
+    tok = _byte_level_bpe(texts, vocab_size, [EOS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
 
 
@@ -49,24 +74,19 @@ def make_lm(vocab_size: int, n_layer: int = 2, n_embd: int = 64, n_head: int = 2
             n_positions: int = 256, seed: int = 0):
     """A randomly initialised GPT-2-style causal LM built with `from_config` (dropout kept at the
     library default, so code that must switch it off is exercised)."""
-    import torch
-
     config = GPT2Config(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                         n_positions=n_positions, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    return _from_config(config, seed)
 
 
 def save_tiny(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512, **lm_kwargs) -> Path:
     """Train a tokenizer on `texts`, build a matching LM, and save both to `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(texts, vocab_size)
-    model = make_lm(len(tokenizer), **lm_kwargs)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    follow_umask(out)  # safetensors writes its files 0600
-    return out
+    return _save(out_dir, tokenizer, make_lm(len(tokenizer), **lm_kwargs))
+
+
+# ----------------------------------------------------------------------------- Llama-style
+
 BOS = "<s>"
 LLAMA_EOS = "</s>"
 # A Llama-3-style template: it writes BOS itself and marks every turn; the generation prompt
@@ -79,18 +99,8 @@ LLAMA_CHAT_TEMPLATE = (
 def make_llama_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE like `make_tokenizer`, but Llama-style: distinct BOS and EOS, a
     post-processor that puts BOS before every encoded text, a chat template, and no pad token."""
-    from tokenizers import processors
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, LLAMA_EOS, "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts), trainer=trainer)
+    tok = _byte_level_bpe(texts, vocab_size,
+                          [BOS, LLAMA_EOS, "<|user|>", "<|assistant|>", "<|system|>"])
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
@@ -104,7 +114,6 @@ def make_llama_lm(vocab_size: int, bos_token_id: int, eos_token_id: int, n_layer
                   max_positions: int = 256, seed: int = 0, **config_kwargs):
     """A randomly initialised Llama-style causal LM: rotary positions, RMSNorm, SwiGLU,
     grouped-query attention (`n_kv_head` < `n_head`) and an untied LM head."""
-    import torch
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
@@ -112,22 +121,16 @@ def make_llama_lm(vocab_size: int, bos_token_id: int, eos_token_id: int, n_layer
                          num_attention_heads=n_head, num_key_value_heads=n_kv_head,
                          max_position_embeddings=max_positions, tie_word_embeddings=False,
                          bos_token_id=bos_token_id, eos_token_id=eos_token_id, **config_kwargs)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    return _from_config(config, seed)
 
 
 def save_tiny_llama(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
                     **lm_kwargs) -> Path:
     """Train a Llama-style tokenizer on `texts`, build a matching Llama-style LM, save both."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_llama_tokenizer(texts, vocab_size)
     model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                           **lm_kwargs)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    follow_umask(out)  # safetensors writes its files 0600
-    return out
+    return _save(out_dir, tokenizer, model)
 
 
 # ----------------------------------------------------------------------------- Mistral-style
@@ -152,8 +155,6 @@ def make_metaspace_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Pre
     `▁was`), while the same text inside a longer one after a special token or `]` does not
     ("[/INST]was" -> `... ] was`), so a response tokenised apart from its prompt gets other ids.
     """
-    from tokenizers import processors
-
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
@@ -174,11 +175,8 @@ def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int
                       n_head: int = 4, n_kv_head: int = 2, seed: int = 0) -> Path:
     """A Mistral-style model (Llama's blocks, attention limited to the last `sliding_window`
     positions, untied head, GQA) with a Metaspace tokenizer, saved to `out_dir`."""
-    import torch
     from transformers import MistralConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_metaspace_tokenizer(texts, vocab_size)
     config = MistralConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
                            intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
@@ -186,12 +184,7 @@ def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int
                            sliding_window=sliding_window, max_position_embeddings=256,
                            tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
                            eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    follow_umask(out)  # safetensors writes its files 0600
-    return out
+    return _save(out_dir, tokenizer, _from_config(config, seed))
 
 
 # ----------------------------------------------------------------------------- Qwen2-style
@@ -237,13 +230,7 @@ def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512, tools: boo
     (which is also one of the model's EOS ids), ChatML template; with `tools`, the template that
     renders tool schemas, calls and results, and `<tool_call>` `</tool_call>` as single tokens
     (as Qwen2.5's vocabulary has them)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(list(texts), trainer=trainer)
+    tok = _byte_level_bpe(texts, vocab_size, [EOS, IM_START, IM_END])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOS)
     tokenizer.chat_template = CHATML_TEMPLATE
     if tools:
@@ -269,11 +256,8 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     the width) and `max_positions` (default 1024 with tools, whose schemas make long prompts,
     else 256) for callers that size their own model.
     """
-    import torch
     from transformers import Qwen2Config
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_qwen2_tokenizer(texts, vocab_size, tools)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
     config = Qwen2Config(vocab_size=len(tokenizer) + spare_rows, hidden_size=hidden_size,
@@ -284,11 +268,7 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
                          max_window_layers=max_window_layers,
                          max_position_embeddings=max_positions or (1024 if tools else 256),
                          tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = _from_config(config, seed)
     model.generation_config.eos_token_id = [im_end, endoftext]
     model.generation_config.pad_token_id = endoftext
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    follow_umask(out)  # safetensors writes its files 0600
-    return out
+    return _save(out_dir, tokenizer, model)
