@@ -48,13 +48,6 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def hub_offline() -> bool:
-    """True when the Hugging Face hub must not be contacted (HF_HUB_OFFLINE=1)."""
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 def check_local_path(name_or_path: str) -> None:
     """A string that looks like a path (`./x`, `/x`, `~/x`, `a/b/c`) but is missing is a typo,
     not a hub name."""
@@ -64,18 +57,18 @@ def check_local_path(name_or_path: str) -> None:
 
 
 def _check_exists(name_or_path: str) -> None:
-    """Local paths first (`check_local_path`). A hub name in offline mode must be in the local
-    cache, or loading it would only fail after retries and a page of log lines."""
+    """Local paths first (`check_local_path`). A hub name in offline mode (HF_HUB_OFFLINE=1) must
+    be in the local cache, or loading it would only fail after retries and a page of log lines."""
     check_local_path(name_or_path)
     if Path(name_or_path).expanduser().exists():
         return
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import constants, try_to_load_from_cache
 
     try:
         cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
     except ValueError:  # not a valid repo id either: loading reports it in its own words
         cached = False
-    if hub_offline():
+    if constants.HF_HUB_OFFLINE:
         if not cached:
             raise TetherError(f"{name_or_path} is not a local directory and HF_HUB_OFFLINE is set, "
                               "and the hub cache has no copy of it; pass a local model directory "
@@ -273,12 +266,6 @@ def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
                           f"{first}); {fix}") from None
 
 
-def _local(name_or_path: str) -> str:
-    """An existing local path made absolute, else the name unchanged (a hub name): how a model is
-    named once loaded (`base_location.local_or_hub`)."""
-    return local_or_hub(name_or_path)
-
-
 def load_adapter_base(adapter_dir: str, tokenizer, dtype: str, trust_remote_code: bool,
                       what: str = "the adapter's base model", base: str = ""
                       ) -> tuple[nn.Module, str]:
@@ -302,10 +289,10 @@ def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
     """
     if is_adapter(name_or_path):
         model, _ = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code, base=base)
-        merged = load_adapter(model, _local(name_or_path), TRAINED).merge_and_unload()
+        merged = load_adapter(model, local_or_hub(name_or_path), TRAINED).merge_and_unload()
         return merged.requires_grad_(True)  # peft froze the base when it wrapped it
-    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", _local(name_or_path), tokenizer,
-                               dtype, trust_remote_code)
+    return _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", local_or_hub(name_or_path),
+                               tokenizer, dtype, trust_remote_code)
 
 
 @dataclass
@@ -331,20 +318,19 @@ def load_trainable_lm(name_or_path: str, tokenizer, lora: LoraSpec | None, dtype
     """
     if lora is None:
         return TrainableLM(load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code),
-                           base=_local(name_or_path))
+                           base=local_or_hub(name_or_path))
     if is_adapter(name_or_path):
         base, base_name = load_adapter_base(name_or_path, tokenizer, dtype, trust_remote_code)
-        peft = load_adapter(base, _local(name_or_path), TRAINED)
-        load_adapter(peft, _local(name_or_path), "reference")
+        peft = load_adapter(base, local_or_hub(name_or_path), TRAINED)
+        load_adapter(peft, local_or_hub(name_or_path), "reference")
         reference = "reference"
     else:
-        base_name = _local(name_or_path)
-        base = _load_for_tokenizer(AutoModelForCausalLM, "a causal LM", base_name, tokenizer,
-                                   dtype, trust_remote_code)
+        base_name = name_or_path
+        base = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
         peft = add_adapter(base, lora, TRAINED)
         reference = None
     set_trainable(peft, [TRAINED])
-    return TrainableLM(peft.get_base_model(), peft, reference, base=_local(base_name))
+    return TrainableLM(peft.get_base_model(), peft, reference, base=local_or_hub(base_name))
 
 
 def _set_pad(model: nn.Module, tokenizer) -> None:

@@ -37,7 +37,7 @@ from tether.models.adapter_checks import (
     check_base,
     remembered_base,
 )
-from tether.models.base_location import named_portably, write_location
+from tether.models.base_location import local_or_hub, named_portably, write_location
 from tether.models.lora import (
     ADAPTER_CONFIG,
     TRAINED,
@@ -53,7 +53,6 @@ from tether.models.pretrained import (
     TrainableLM,
     _from_pretrained,
     _load_for_tokenizer,
-    _local,
     _temp_dir_beside,
     check_same_vocabulary,
     load_adapter_base,
@@ -111,7 +110,7 @@ class RewardModel(nn.Module):
             merged = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
             model = cls(merged.base_model, tokenizer)
         else:
-            backbone = _load_for_tokenizer(AutoModel, "a model trunk", _local(name_or_path),
+            backbone = _load_for_tokenizer(AutoModel, "a model trunk", local_or_hub(name_or_path),
                                            tokenizer, dtype, trust_remote_code)
             model = cls(backbone, tokenizer)
         hidden = model.head.in_features
@@ -131,9 +130,9 @@ class RewardModel(nn.Module):
         if is_adapter(path):  # a LoRA reward model: its base plus the adapter, frozen
             base, base_name = load_adapter_base(str(path), tokenizer, dtype, trust_remote_code,
                                                 "the reward adapter's base model")
-            peft = load_adapter(base, _local(str(path)), TRAINED)
+            peft = load_adapter(base, local_or_hub(str(path)), TRAINED)
             set_trainable(peft, [])
-            lm = TrainableLM(peft.get_base_model(), peft, None, base=_local(base_name))
+            lm = TrainableLM(peft.get_base_model(), peft, None, base=local_or_hub(base_name))
             model = cls(lm.model.base_model, tokenizer, lora=lm)
         elif (path / REWARD_HEAD).is_file():  # before v2: a trunk beside the head file
             backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
@@ -357,7 +356,7 @@ def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
     """True when `adapter_dir` is a LoRA adapter trained on the base `lm` already holds."""
     if lm.peft is None or not is_adapter(adapter_dir):
         return False
-    return _local(adapter_base(adapter_dir)) == lm.base
+    return local_or_hub(adapter_base(adapter_dir)) == lm.base
 
 
 def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
