@@ -4,8 +4,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.errors import TetherError
 from tether.models.prepare import disable_dropout, frozen_copy
-from tether.models.pretrained import PAD_TOKEN, load_causal_lm, load_tokenizer, save_model
+from tether.models.pretrained import PAD_TOKEN, load_causal_lm, load_tokenizer
 from tether.models.reward_model import RewardModel
+from tether.models.saving import save_model
 from tether.run.launch import resolve_device
 
 

@@ -33,11 +33,11 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import (
     PAD_TOKEN,
     choose_pad,
-    embeddings_grew,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
 )
+from tether.models.saving import embeddings_grew
 from tether.models.tiny import make_llama_tokenizer, save_tiny_qwen2
 from tether.train.sft import SFTConfig, run
 

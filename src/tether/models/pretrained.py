@@ -1,15 +1,14 @@
-"""Loading and saving Hugging Face models: tokenizers (pad is not EOS), causal LMs resized to
-their tokenizer, the trainable LM of a stage (full weights or a LoRA adapter), and the checks
-that two models share one vocabulary and a set of EOS ids.
+"""Loading Hugging Face models: tokenizers (pad is not EOS), causal LMs resized to their
+tokenizer, the trainable LM of a stage (full weights or a LoRA adapter), and the checks that two
+models share one vocabulary and a set of EOS ids.
 
-Everything is read with `from_pretrained` and written with `save_pretrained` (safetensors), so a
-tether output loads with plain transformers. `trust_remote_code` is off unless the caller asks.
+Everything is read with `from_pretrained` (and written with `save_pretrained`, safetensors:
+`tether.models.saving`), so a tether output loads with plain transformers. `trust_remote_code` is
+off unless the caller asks.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +23,8 @@ from tether.models.adapter_checks import (
     check_base,
     check_embedding_rows,
     remember_base,
-    remembered_base,
 )
-from tether.models.base_location import local_or_hub, named_portably, write_location
+from tether.models.base_location import local_or_hub
 from tether.models.lora import (
     TRAINED,
     LoraSpec,
@@ -36,7 +34,6 @@ from tether.models.lora import (
     load_adapter,
     set_trainable,
 )
-from tether.run.checkpoint import check_finite_weights, replace_dir
 
 PAD_TOKEN = "<|pad|>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +127,7 @@ def choose_pad(tokenizer, eos_ids: list[int], rows: int | None) -> None:
        because tether derives every mask from lengths, never from `ids == pad_token_id`;
     5. else (GPT-2: no spare row, no unknown token) `PAD_TOKEN` is added on a new row: the model
        grows by one (`_resize_for`), and a LoRA adapter is saved with its embeddings
-       (`save_model`), so standard loaders see the same numbers.
+       (`tether.models.saving.save_model`), so standard loaders see the same numbers.
     """
     if tokenizer.pad_token is not None and tokenizer.pad_token_id not in eos_ids:
         return
@@ -337,101 +334,3 @@ def _set_pad(model: nn.Module, tokenizer) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def _temp_dir_beside(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-
-
-def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Save model + tokenizer in Hugging Face format (safetensors), atomically (temp dir, rename).
-
-    A PeftModel is saved as its trained adapter (PEFT format: `adapter_config.json`,
-    `adapter_model.safetensors`, see `save_adapter`), loadable with peft's
-    `PeftModel.from_pretrained(base, dir)` and `AutoPeftModelForCausalLM.from_pretrained(dir)`.
-    """
-    from peft import PeftModel
-
-    check_finite_weights(model, "the model")
-    out = Path(out_dir)
-    tmp = _temp_dir_beside(out)
-    try:
-        if isinstance(model, PeftModel):
-            save_adapter(model, tmp, home=out)
-        else:
-            model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED,
-                 home: str | Path | None = None) -> None:
-    """Write `peft`'s adapter `adapter` to `out_dir` (PEFT format), with the embedding and output
-    layers only when tether grew them for its pad token (`embeddings_grew`).
-
-    tether never trains the embeddings under LoRA, so an adapter on an unchanged base needs none
-    of them; on a grown base a standard loader needs the new row's values (the pad row enters
-    the softmax normaliser): `AutoPeftModelForCausalLM` resizes the base to the adapter's
-    tokenizer with random rows, which the saved layers then overwrite.
-
-    Beside it goes `tether_base.json`, the record of the base as loaded (`adapter_checks`): a
-    later load refuses another base with one line. peft's loaders ignore the file. The base is
-    named portably in both (`base_location`; `home`: where `out_dir` will be renamed to).
-    """
-    grew = embeddings_grew(peft, adapter)
-    with named_portably(peft, adapter) as loaded:
-        peft.save_pretrained(out_dir, selected_adapters=[adapter], save_embedding_layers=grew)
-    write_location(out_dir, loaded, home, remembered_base(peft))
-
-
-def embeddings_grew(peft: nn.Module, adapter: str = TRAINED) -> bool:
-    """True when the base under `peft` has more embedding rows than its saved config declares
-    (or that config cannot be read: saving the layers is then the safe choice)."""
-    from transformers import PreTrainedConfig
-
-    rows = peft.get_base_model().get_input_embeddings().weight.shape[0]
-    base = peft.peft_config[adapter].base_model_name_or_path
-    try:  # the raw dict: no model class (nor remote code) needed to read one number
-        saved, _ = PreTrainedConfig.get_config_dict(base)
-    except (OSError, ValueError, TypeError):
-        return True
-    declared = saved.get("vocab_size") or saved.get("text_config", {}).get("vocab_size")
-    return not isinstance(declared, int) or rows > declared
-
-
-def save_trained_lm(lm: TrainableLM, tokenizer, final_dir: Path, merged_dir: Path | None,
-                    temperature: float = 1.0) -> None:
-    """The end of a stage: the model (or the LoRA adapter) to `final_dir`; with `merged_dir`, also
-    the adapter merged into its base as a plain model loadable with AutoModelForCausalLM. Both
-    carry `plain_sampling`'s generation_config at `temperature` (the online stages' --temperature;
-    1 after SFT and DPO)."""
-    set_plain_sampling(lm.model, tokenizer, temperature)
-    save_model(lm.peft if lm.peft is not None else lm.model, tokenizer, final_dir)
-    if lm.peft is not None and merged_dir is not None:
-        merged = lm.peft.merge_and_unload(adapter_names=[TRAINED])  # last use: merges in place
-        set_plain_sampling(merged, tokenizer, temperature)
-        save_model(merged, tokenizer, merged_dir)
-
-
-def set_plain_sampling(model: nn.Module, tokenizer, temperature: float = 1.0) -> None:
-    """Make `model.generation_config` the distribution tether samples and scores: softmax(z / T)
-    with no other logits processor, stopping at tether's EOS set, padding with its pad token.
-
-    A base model's saved sampling (Llama 3's temperature 0.6 and top-p 0.9; transformers' own
-    default top-k 50) would make a plain `model.generate(do_sample=True)` draw from another
-    distribution than the one the KL, the ratio and the reward were measured on. Other fields
-    (max_length, bos_token_id, ...) are kept."""
-    config = getattr(model, "generation_config", None)
-    if config is None:
-        return
-    config.do_sample = True
-    config.temperature = float(temperature)
-    config.top_k, config.top_p, config.min_p, config.typical_p = 0, 1.0, None, 1.0
-    config.repetition_penalty, config.num_beams = 1.0, 1
-    config.eos_token_id = eos_token_ids(tokenizer, model.config, config)
-    config.pad_token_id = tokenizer.pad_token_id

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -53,15 +52,15 @@ from tether.models.pretrained import (
     TrainableLM,
     _from_pretrained,
     _load_for_tokenizer,
-    _temp_dir_beside,
     check_same_vocabulary,
     load_adapter_base,
     load_causal_lm,
     load_tokenizer,
     load_trainable_lm,
 )
+from tether.models.saving import atomic_dir
 from tether.models.shared_prompt import shared_last_hidden, sharing
-from tether.run.checkpoint import check_finite_weights, replace_dir
+from tether.run.checkpoint import check_finite_weights
 
 REWARD_JSON = "tether_reward.json"
 REWARD_FORMAT = "tether-reward-v2"
@@ -170,8 +169,7 @@ class RewardModel(nn.Module):
         `tether_reward.json` into `out_dir`, atomically."""
         check_finite_weights(self, "the reward model")
         out = Path(out_dir)
-        tmp = _temp_dir_beside(out)
-        try:
+        with atomic_dir(out) as tmp:
             head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
             tok = tokenizer if tokenizer is not None else self.tokenizer
             pad_id = None if tok is None else tok.pad_token_id
@@ -200,9 +198,6 @@ class RewardModel(nn.Module):
                              "(raw - mean) / std; raw = the sequence-classification model's "
                              "logits[:, 0], read at the last non-pad token"}
             (tmp / REWARD_JSON).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            replace_dir(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return out
 
     def save_merged(self, out_dir: str | Path, tokenizer=None) -> Path:

@@ -13,7 +13,8 @@ from torch import nn
 
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.lora import LoraSpec
-from tether.models.pretrained import TrainableLM, load_trainable_lm, save_trained_lm
+from tether.models.pretrained import TrainableLM, load_trainable_lm
+from tether.models.saving import save_trained_lm
 from tether.run import distributed, interrupt
 from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
 from tether.run.config import RunConfig

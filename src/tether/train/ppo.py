@@ -39,7 +39,8 @@ from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
-from tether.models.pretrained import load_trainable_lm, save_trained_lm
+from tether.models.pretrained import load_trainable_lm
+from tether.models.saving import save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
 from tether.rl.reward import NonFiniteScore
