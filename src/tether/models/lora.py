@@ -175,22 +175,29 @@ def _layer_state(layers: list[nn.Module]) -> list[tuple[object, bool]]:
 
 
 @contextlib.contextmanager
-def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Run the block with adapter `name` active on every LoRA layer of `model` (None: all adapters
-    off, the bare base); restore the previous state afterwards. `requires_grad` is left alone."""
-    layers = _tuner_layers(model)
+def _layers_in(layers: list[nn.Module], state: list[tuple[object, bool]]) -> Iterator[None]:
+    """Run the block with each layer's (active adapter, adapters disabled) set to `state`, then
+    put back what they were."""
     saved = _layer_state(layers)
     try:
-        for layer in layers:
-            if name is None:
-                layer._disable_adapters = True
-            else:
-                layer._active_adapter = [name]
-                layer._disable_adapters = False
+        for layer, (active, disabled) in zip(layers, state, strict=True):
+            layer._active_adapter, layer._disable_adapters = active, disabled
         yield
     finally:
         for layer, (active, disabled) in zip(layers, saved, strict=True):
             layer._active_adapter, layer._disable_adapters = active, disabled
+
+
+@contextlib.contextmanager
+def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Run the block with adapter `name` active on every LoRA layer of `model` (None: all adapters
+    off, the bare base, each layer's active adapter kept); restore the previous state afterwards.
+    `requires_grad` is left alone."""
+    layers = _tuner_layers(model)
+    state = [(layer._active_adapter, True) if name is None else ([name], False)
+             for layer in layers]
+    with _layers_in(layers, state):
+        yield
 
 
 def active_adapter(model: nn.Module) -> str | None:
@@ -289,20 +296,7 @@ def adapter_recompute_context(model: nn.Module):
     """
     def context_fn():
         layers = _tuner_layers(model)
-        state = _layer_state(layers)
-
-        @contextlib.contextmanager
-        def recompute():
-            saved = _layer_state(layers)
-            try:
-                for layer, (active, disabled) in zip(layers, state, strict=True):
-                    layer._active_adapter, layer._disable_adapters = active, disabled
-                yield
-            finally:
-                for layer, (active, disabled) in zip(layers, saved, strict=True):
-                    layer._active_adapter, layer._disable_adapters = active, disabled
-
-        return contextlib.nullcontext(), recompute()
+        return contextlib.nullcontext(), _layers_in(layers, _layer_state(layers))
     return context_fn
 
 
