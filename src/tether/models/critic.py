@@ -36,11 +36,20 @@ from tether.models.lora import (
     set_trainable,
 )
 from tether.models.prepare import disable_dropout
-from tether.models.pretrained import TrainableLM
+from tether.models.pretrained import TrainableLM, grow_embeddings
 from tether.models.reward_model import REWARD
 from tether.models.trunk_head import placed_at, response_hidden
 
 CRITIC = "critic"  # the trainable adapter of a LoRA critic on the policy's shared base
+
+
+def _zero_head(hidden_size: int) -> nn.Linear:
+    """Linear d -> 1 with weight and bias 0. Zero start: V = 0 everywhere, so the first
+    advantages are the raw returns."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
 
 
 class ValueHead(nn.Module):
@@ -48,10 +57,7 @@ class ValueHead(nn.Module):
 
     def __init__(self, hidden_size: int):
         super().__init__()
-        self.summary = nn.Linear(hidden_size, 1)
-        # Zero start: V = 0 everywhere, so the first advantages are the raw returns.
-        nn.init.zeros_(self.summary.weight)
-        nn.init.zeros_(self.summary.bias)
+        self.summary = _zero_head(hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # the head is made in fp32; a trunk loaded with --dtype bfloat16 hands it bf16 states
@@ -72,15 +78,10 @@ class ValueModel(nn.Module):
         a sequence-classification model's trunk and `score`. The head gets a bias (0 where the
         reward head has none, so the first values are the raw scores): V has an offset to learn.
         `vocab_rows`: the policy's embedding rows; a trunk with fewer (a reward model without
-        the pad token tether gave the policy) is grown to them with mean rows, as
-        `tether.models.pretrained` grows a model for its tokenizer."""
+        the pad token tether gave the policy) is grown to them with mean rows
+        (`tether.models.pretrained.grow_embeddings`, as a model is grown for its tokenizer)."""
         backbone = copy.deepcopy(reward_model.backbone)
-        rows = backbone.get_input_embeddings().weight.shape[0]
-        if vocab_rows > rows:
-            backbone.resize_token_embeddings(vocab_rows, mean_resizing=False)
-            with torch.no_grad():
-                embeddings = backbone.get_input_embeddings().weight
-                embeddings[rows:] = embeddings[:rows].mean(0, keepdim=True)
+        grow_embeddings(backbone, vocab_rows)
         source = reward_model.head
         head = nn.Linear(source.in_features, 1).to(source.weight.device, source.weight.dtype)
         with torch.no_grad():
@@ -92,10 +93,7 @@ class ValueModel(nn.Module):
     def from_causal_lm(cls, model: nn.Module) -> ValueModel:
         """A copy of a causal LM's trunk (`base_model`) with a zero-initialised head."""
         backbone = copy.deepcopy(model.base_model)
-        head = nn.Linear(model.config.hidden_size, 1)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
-        return cls(backbone, head)
+        return cls(backbone, _zero_head(model.config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,9 +117,7 @@ def lora_critic(lm: TrainableLM, lora: LoraSpec, reward_model: nn.Module | None,
         head = copy.deepcopy(reward_model.head)
     else:
         add_adapter(lm.peft, lora, CRITIC)
-        head = nn.Linear(lm.model.config.get_text_config().hidden_size, 1)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
+        head = _zero_head(lm.model.config.get_text_config().hidden_size)
     set_trainable(lm.peft, [TRAINED, CRITIC])
     head.requires_grad_(True)
     critic = ValueModel(AdapterView(lm.peft, CRITIC, part="trunk"), head)

@@ -126,7 +126,7 @@ def choose_pad(tokenizer, eos_ids: list[int], rows: int | None) -> None:
     4. the unknown token, when it is neither EOS nor BOS (Llama 2 and Mistral practice): safe
        because tether derives every mask from lengths, never from `ids == pad_token_id`;
     5. else (GPT-2: no spare row, no unknown token) `PAD_TOKEN` is added on a new row: the model
-       grows by one (`_resize_for`), and a LoRA adapter is saved with its embeddings
+       grows by one (`grow_embeddings`), and a LoRA adapter is saved with its embeddings
        (`tether.models.saving.save_model`), so standard loaders see the same numbers.
     """
     if tokenizer.pad_token is not None and tokenizer.pad_token_id not in eos_ids:
@@ -206,15 +206,14 @@ def check_same_vocabulary(policy_tokenizer, others: dict[str, tuple[object, nn.M
                                   f"{name} from the same SFT model")
 
 
-def _resize_for(model: nn.Module, tokenizer) -> None:
-    """Grow the embeddings when the tokenizer has ids past the model's rows (the pad token of
-    `choose_pad`'s last rule); new rows start at the mean embedding (a neutral input that does
-    not consume random numbers)."""
+def grow_embeddings(model: nn.Module, rows: int) -> None:
+    """Grow the embeddings (and an untied output layer) to `rows` when the model has fewer, as
+    for ids past the model's rows (the pad token of `choose_pad`'s last rule); new rows start at
+    the mean embedding (a neutral input that does not consume random numbers)."""
     old = model.get_input_embeddings().weight.shape[0]
-    needed = max(len(tokenizer), (tokenizer.pad_token_id or 0) + 1)
-    if needed <= old:
+    if rows <= old:
         return
-    model.resize_token_embeddings(needed, mean_resizing=False)
+    model.resize_token_embeddings(rows, mean_resizing=False)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb[old:] = emb[:old].mean(0, keepdim=True)
@@ -238,7 +237,7 @@ def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dty
         check_base(adapter_dir, record, name_or_path)
         check_embedding_rows(adapter_dir, model, tokenizer, name_or_path)
     remember_base(model, record)
-    _resize_for(model, tokenizer)
+    grow_embeddings(model, max(len(tokenizer), (tokenizer.pad_token_id or 0) + 1))
     _set_pad(model, tokenizer)
     return model
 
