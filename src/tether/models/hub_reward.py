@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from tether.data.batches import pad_sequences
 from tether.data.chat import is_messages, render_chat
 from tether.errors import TetherError
 from tether.models.adapter_checks import check_adapter_files
@@ -103,16 +104,19 @@ def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str
     return CLASSIFIER
 
 
-def check_vocabulary(tokenizer, config, name: str) -> None:
-    """The tokenizer's ids within the model's embedding rows (`vocab_size`; more rows than ids, as
-    Qwen2 has, is fine): an id past them is an IndexError at the first batch that holds it."""
-    rows = config.get_text_config().vocab_size
+def classifier_tokenizer(name: str, trust_remote_code: bool):
+    """The tokenizer of the sequence-classification checkpoint `name` (`_tokenizer`), its ids
+    checked to be within the model's embedding rows (`vocab_size`; more rows than ids, as Qwen2
+    has, is fine): an id past them is an IndexError at the first batch that holds it."""
+    tokenizer = _tokenizer(name, trust_remote_code)
+    rows = _config(name, trust_remote_code).get_text_config().vocab_size
     if isinstance(rows, int) and len(tokenizer) > rows:
         raise TetherError(f"reward model {name}: its tokenizer has {len(tokenizer)} tokens but "
                           f"the model has {rows} embedding rows (vocab_size in its config.json), "
                           f"so ids from {rows} on would index no row; save the tokenizer it was "
                           "trained with beside it, or resize its embeddings to the tokenizer "
                           "(model.resize_token_embeddings(len(tokenizer))) and save it again")
+    return tokenizer
 
 
 def check_reward_model(name_or_path: str, trust_remote_code: bool = False) -> str:
@@ -120,19 +124,8 @@ def check_reward_model(name_or_path: str, trust_remote_code: bool = False) -> st
     embedding rows: what a stage checks before any weights load."""
     kind = reward_model_kind(name_or_path, trust_remote_code)
     if kind == CLASSIFIER:
-        check_vocabulary(_tokenizer(name_or_path, trust_remote_code),
-                         _config(name_or_path, trust_remote_code), name_or_path)
+        classifier_tokenizer(name_or_path, trust_remote_code)
     return kind
-
-
-class _OneLabel:
-    """`AutoModelForSequenceClassification` with one label: a causal LM base under a reward
-    adapter gets a one-score head, as TRL's RewardTrainer built it (`num_labels=1`)."""
-
-    @staticmethod
-    def from_pretrained(name_or_path: str, **kwargs):
-        return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1,
-                                                                  **kwargs)
 
 
 def _tokenizer(name_or_path: str, trust_remote_code: bool):
@@ -160,8 +153,7 @@ def load_hub_reward_model(name_or_path: str, dtype: str = "float32",
         raise TetherError(f"{name_or_path} is a tether reward model; load it with "
                           "RewardModel.from_pretrained")
     if kind == CLASSIFIER:
-        tokenizer = _tokenizer(name_or_path, trust_remote_code)
-        check_vocabulary(tokenizer, _config(name_or_path, trust_remote_code), name_or_path)
+        tokenizer = classifier_tokenizer(name_or_path, trust_remote_code)
         model = _from_pretrained(AutoModelForSequenceClassification, "the reward model",
                                  name_or_path, dtype, trust_remote_code)
         return HubRewardModel(model, tokenizer, name_or_path)
@@ -172,8 +164,10 @@ def load_hub_reward_model(name_or_path: str, dtype: str = "float32",
     except TetherError:
         tokenizer = _tokenizer(base, trust_remote_code)
     _check_exists(base)
-    model = _from_pretrained(_OneLabel, "the reward adapter's base model", base, dtype,
-                             trust_remote_code)
+    # a causal LM base under a reward adapter gets a one-score head, as TRL's RewardTrainer built
+    # it (`num_labels=1`)
+    model = _from_pretrained(AutoModelForSequenceClassification, "the reward adapter's base model",
+                             base, dtype, trust_remote_code, num_labels=1)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     merged = load_adapter(model, name_or_path, TRAINED).merge_and_unload()
@@ -235,18 +229,14 @@ class HubRewardModel(nn.Module):
 
     def _score_rows(self, rows: list[list[int]]) -> torch.Tensor:
         pad, configured = self._pad_id(rows)
-        width = max(len(ids) for ids in rows)
+        # right padding (see the module docstring): each row a prompt with an empty response
+        batch = pad_sequences(rows, [[] for _ in rows], pad)
         device = next(self.model.parameters()).device
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(rows):  # right padding: see the module docstring
-            input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, :len(ids)] = 1
         config = self.model.config.get_text_config()
         if not configured:  # transformers finds the read position through the config's pad id
             config.pad_token_id = pad
         try:
-            return self(input_ids.to(device), attention_mask.to(device))
+            return self(batch["input_ids"].to(device), batch["attention_mask"].to(device))
         finally:
             if not configured:
                 config.pad_token_id = None

@@ -243,16 +243,17 @@ def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dty
 
 
 def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
-                     trust_remote_code: bool) -> nn.Module:
-    """`auto_class.from_pretrained`; a missing, truncated or corrupt weight file, or a pickle
-    payload that torch's safe loader refuses, becomes one TetherError line."""
+                     trust_remote_code: bool, **kwargs) -> nn.Module:
+    """`auto_class.from_pretrained` (with `kwargs`, e.g. `num_labels`); a missing, truncated or
+    corrupt weight file, or a pickle payload that torch's safe loader refuses, becomes one
+    TetherError line."""
     from pickle import UnpicklingError
 
     from safetensors import SafetensorError
 
     try:
         return auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype),
-                                          trust_remote_code=trust_remote_code)
+                                          trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, SafetensorError, UnpicklingError, EOFError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         fix = ("it holds a pickle that torch's safe loader refuses: convert it to safetensors "
