@@ -90,13 +90,18 @@ def check_adapter_files(adapter_dir: str | Path) -> None:
                           "copy the directory again")
 
 
+def read_json(path: Path, fix: str):
+    """The JSON value in `path`; a file that cannot be read (missing, not UTF-8, not JSON) is one
+    TetherError line, `cannot read PATH (ERROR TYPE); FIX`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TetherError(f"cannot read {path} ({type(exc).__name__}); {fix}") from None
+
+
 def _adapter_config(adapter_dir: Path) -> dict:
     path = adapter_dir / ADAPTER_CONFIG
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TetherError(f"cannot read {path} ({type(exc).__name__}); the adapter directory is "
-                          "damaged: copy it again or train it again") from None
+    config = read_json(path, "the adapter directory is damaged: copy it again or train it again")
     if not isinstance(config, dict):
         raise TetherError(f"{path} is not a JSON object; the adapter directory is damaged: copy "
                           "it again or train it again")
@@ -161,12 +166,8 @@ def read_base_record(adapter_dir: str | Path) -> dict | None:
     path = Path(adapter_dir).expanduser() / BASE_RECORD
     if not path.is_file():
         return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TetherError(f"cannot read {path} ({type(exc).__name__}); it is damaged: copy the "
-                          "adapter again (or delete the file to apply the adapter unchecked)"
-                          ) from None
+    record = read_json(path, "it is damaged: copy the adapter again (or delete the file to apply "
+                             "the adapter unchecked)")
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise TetherError(f"{path} is not a {RECORD_FORMAT} record; copy the adapter again (or "
                           "delete the file to apply the adapter unchecked)")

@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 
 from tether.errors import TetherError
-from tether.models.adapter_checks import ADAPTER_CONFIG, BASE_RECORD, read_base_record
+from tether.models.adapter_checks import ADAPTER_CONFIG, BASE_RECORD, read_base_record, read_json
 from tether.run.atomic import atomic_write_bytes
 
 REPOINT = "tether set-base {adapter} --base PATH"  # the fix a missing or wrong base names
@@ -126,11 +126,7 @@ def _write_json(path: Path, obj: dict, indent: int) -> None:
 def recorded_name(adapter_dir: str | Path) -> str:
     """`base_model_name_or_path` of the adapter's `adapter_config.json`, as written."""
     config_path = Path(adapter_dir).expanduser() / ADAPTER_CONFIG
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TetherError(f"cannot read {config_path} ({type(exc).__name__}); the adapter "
-                          "directory is damaged: train it again") from None
+    meta = read_json(config_path, "the adapter directory is damaged: train it again")
     base = meta.get("base_model_name_or_path") if isinstance(meta, dict) else None
     if not base or not isinstance(base, str):
         raise TetherError(f"{config_path} names no base model (base_model_name_or_path); "
