@@ -37,7 +37,7 @@ Needs TRL 1.16.0 (RLOOTrainer and GRPOTrainer), in a venv of its own: the `bench
 `--no-trl` runs tether's side alone (the smoke test does, with tiny settings); `--two-pass` adds
 a third side, tether with its two-pass path (a separate old-policy forward, as without
 `tether.rl.update.one_pass`), to measure what the one-forward step saves; `--unshared` one more, tether with
-every prompt run once per row (no `tether.shared_prompt` sharing, in sampling and scoring), to
+every prompt run once per row (no `tether.models.forward` prompt sharing, in sampling and scoring), to
 measure what running each distinct prompt once saves; `--profile` profiles one more tether run
 per method and prints its matmul time beside this machine's matmul peak. `--prompt-words LO-HI`
 sets the prompts' length (default 4-10 words, about as many tokens).
@@ -97,7 +97,7 @@ def tether_config(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Pat
 def run_tether(method: str, policy_dir: Path, rm_dir: Path, prompts_file: Path, root: Path,
                args, two_pass: bool = False, unshared: bool = False
                ) -> tuple[Timing, list[dict]]:
-    import tether.models.shared_prompt as shared_prompt
+    import tether.models.forward as shared_prompt
     import tether.rl.update as update
     import tether.train.ppo as loop
 

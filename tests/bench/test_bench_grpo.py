@@ -34,7 +34,7 @@ def test_tether_side_runs_both_methods_and_reports_them():
 
 
 def test_unshared_side_runs_and_restores_prompt_sharing():
-    import tether.models.shared_prompt as shared_prompt
+    import tether.models.forward as shared_prompt
 
     prompt_groups = shared_prompt.prompt_groups
     try:

@@ -1,4 +1,4 @@
-"""Rows that repeat a prompt run it once (tether.shared_prompt): same numbers as the plain pass.
+"""Rows that repeat a prompt run it once (tether.models.forward): same numbers as the plain pass.
 
 The truth each test compares against is the plain single forward over the whole [B, P + R]
 batch (sharing switched off), which other tests check against rows run one by one. Every model
@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import tether.models.shared_prompt as shared_prompt
+import tether.models.forward as shared_prompt
 from tether.models.critic import ValueModel
+from tether.models.forward import can_share, prompt_groups, sharing
 from tether.models.reward_model import RewardModel
-from tether.models.shared_prompt import can_share, prompt_groups, sharing
 from tether.models.tiny import make_lm
 from tether.models.trunk_head import score_responses
 

@@ -11,7 +11,7 @@ import torch
 from conftest import sample_texts
 
 from tether.data.prompts import left_pad
-from tether.models import shared_prompt
+from tether.models import forward as shared_prompt
 from tether.models.forward import position_ids_from_mask
 from tether.models.lora import LoraSpec, add_adapter
 from tether.models.prepare import disable_dropout

@@ -86,9 +86,9 @@ def test_every_cut_packed_or_padded_gives_the_same_step(env, model, advantage, c
     to 1e-12. The chunked head (tether.lm_head) sums its weight gradient G^T h in fp32 within a
     micro-batch, so cuts of other rows agree to fp32 rounding (~1e-10 in the gradient, amplified
     by Adam's first step to ~1e-8 in the weights), while packing the same rows still agrees to
-    1e-12. Prompt sharing is off: it is its own path (tether.models.shared_prompt) whose fp64
+    1e-12. Prompt sharing is off: it is its own path (tether.models.forward) whose fp64
     rounding differs at ~1e-11, and packing runs without it."""
-    from tether.models import shared_prompt
+    from tether.models import forward as shared_prompt
 
     monkeypatch.setattr(shared_prompt, "can_share", lambda model: False)
     setup, rollout = fp64_setup(env, request.getfixturevalue(model), advantage)
@@ -222,7 +222,7 @@ def test_one_pass_packed_equals_one_pass_padded(env, model, advantage, request, 
     """One epoch, one minibatch, one micro-batch: the update's own forward also scores pi_old
     (`one_pass`), packed as padded; the same weights to 1e-12 (float64, full-logits head) and the
     same pi_old."""
-    from tether.models import shared_prompt
+    from tether.models import forward as shared_prompt
     from tether.rl import update
 
     monkeypatch.setattr(shared_prompt, "can_share", lambda model: False)

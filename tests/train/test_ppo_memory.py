@@ -23,7 +23,8 @@ from update_helpers import prompt_batch, update_on
 
 from tether.advantages import gae, kl_shaped_rewards, whiten
 from tether.cli import main
-from tether.models import shared_prompt, trunk_head
+from tether.models import forward as shared_prompt
+from tether.models import trunk_head
 from tether.models.forward import autocast
 from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.models.reward_model import RewardModel
@@ -67,7 +68,7 @@ def one_batch(env, model_dir, name, **overrides):
 
 @pytest.fixture
 def plain_pass(monkeypatch):
-    """Every forward in one call (no prompt sharing, tether.shared_prompt): these tests count
+    """Every forward in one call (no prompt sharing, tether.models.forward): these tests count
     layer calls and their rows, which sharing splits into a prompt call and a response call."""
     monkeypatch.setattr(shared_prompt, "can_share", lambda model: False)
 

@@ -37,6 +37,7 @@ from tether.models.adapter_checks import (
     remembered_base,
 )
 from tether.models.base_location import local_or_hub, named_portably, write_location
+from tether.models.forward import last_real, position_ids_from_mask, shared_last_hidden, sharing
 from tether.models.lora import (
     ADAPTER_CONFIG,
     TRAINED,
@@ -59,7 +60,6 @@ from tether.models.pretrained import (
     load_trainable_lm,
 )
 from tether.models.saving import atomic_dir
-from tether.models.shared_prompt import shared_last_hidden, sharing
 from tether.run.checkpoint import check_finite_weights
 
 REWARD_JSON = "tether_reward.json"
@@ -219,9 +219,8 @@ class RewardModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
         right-padded batches give the same states for the same text."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids)
+                            position_ids=position_ids_from_mask(attention_mask))
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -229,13 +228,13 @@ class RewardModel(nn.Module):
         """Raw scores `[B]`, read at each row's last non-pad token (left or right padding).
 
         `context_length` P: the rows are a rollout (prompt in the first P columns, the response
-        after), so rows that repeat a prompt run it once (tether.models.shared_prompt); same scores.
+        after), so rows that repeat a prompt run it once (tether.models.forward); same scores.
         `packed`: the rows' real tokens run as packed rows without padding
         (tether.models.packed); the hidden state put back in its padded slot, so the same scores.
         """
         if packed:
             hidden = packed_final_hidden(self.backbone, input_ids, attention_mask)  # [B, T, d]
-            return self._score(self._last(hidden, attention_mask))
+            return self._score(last_real(hidden, attention_mask))
         if context_length is not None:
             groups = sharing(self.backbone, input_ids, attention_mask, context_length)
             last_hidden = None if groups is None else shared_last_hidden(
@@ -243,7 +242,7 @@ class RewardModel(nn.Module):
             if last_hidden is not None:
                 return self._score(last_hidden)
         hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
-        return self._score(self._last(hidden, attention_mask))
+        return self._score(last_real(hidden, attention_mask))
 
     def _score(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """`[B]` the head on `[B, d]` states, in float32 at least: a half-precision model's
@@ -251,14 +250,6 @@ class RewardModel(nn.Module):
         float64."""
         scores = self.head(last_hidden).squeeze(-1)
         return scores.to(torch.promote_types(scores.dtype, torch.float32))
-
-    @staticmethod
-    def _last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """`[B, d]`: each row's hidden state at its last real token."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device)
-        last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return hidden[rows, last]
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               context_length: int | None = None) -> torch.Tensor:

@@ -28,9 +28,14 @@ from tether.lm_head import (
     masked_head_token_logprobs,
     vocab_size,
 )
-from tether.models.forward import position_ids_from_mask, response_logits
+from tether.models.forward import (
+    position_ids_from_mask,
+    response_logits,
+    shared_response_hidden,
+    shared_response_logits,
+    sharing,
+)
 from tether.models.packed import packed_final_hidden, packed_logits
-from tether.models.shared_prompt import shared_response_hidden, shared_response_logits, sharing
 
 
 class LogitTransformHead(nn.Module):
@@ -157,7 +162,7 @@ def response_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
     Positions come from the mask (tether.models.forward.position_ids_from_mask), as in the plain
     path, so left padding does not move them. Rows that repeat a prompt run it once
-    (tether.models.shared_prompt). `packed`: the batch's real tokens run as packed rows without
+    (tether.models.forward). `packed`: the batch's real tokens run as packed rows without
     padding (tether.models.packed), which gives the same states.
     """
     if packed:
@@ -186,7 +191,7 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     chunked: hidden states through the LM head in chunks (no [B, R, V] tensor); else the plain
     path, `response_logits` and the full [B, R, V] logits. Both give the same numbers. Rows that
-    repeat a prompt (k samples per prompt) run it once in either path (tether.models.shared_prompt).
+    repeat a prompt (k samples per prompt) run it once in either path (tether.models.forward).
     `mask` [B, R]: score only these positions (the tokens the policy sampled), 0 elsewhere: only
     they go through the LM head, so the other positions cost nothing there and whatever their
     logits would be (an environment's observation, padding; NaN included) reaches no number and

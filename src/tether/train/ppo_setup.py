@@ -23,6 +23,7 @@ from tether.data.prompts import load_prompts, prompt_indices
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
+from tether.models.forward import can_share, share_prompts
 from tether.models.limits import check_sampled_models
 from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
 from tether.models.prepare import (
@@ -34,7 +35,6 @@ from tether.models.prepare import (
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
-from tether.models.shared_prompt import can_share, share_prompts
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward import Reward, wiring

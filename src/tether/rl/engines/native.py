@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from tether.models import shared_prompt
+from tether.models import forward as shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
 from tether.rl.engines import SamplesWhenAsked
 from tether.rl.rollout import Rollout
