@@ -20,7 +20,7 @@ from tether.errors import TetherError
 from tether.models.lora import (
     AdapterView,
     LoraSpec,
-    active_adapter,
+    _tuner_layers,
     add_adapter,
     linear_layer_names,
     load_adapter,
@@ -36,6 +36,15 @@ from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build
 
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]
+
+
+def active_adapter(model) -> str | None:
+    """The adapter the LoRA layers of `model` use now (None when disabled or there are none)."""
+    layers = _tuner_layers(model)
+    if not layers or layers[0]._disable_adapters:
+        return None
+    active = layers[0]._active_adapter
+    return active[0] if isinstance(active, list) else active
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 
 from tether.advantages import kl_shaped_rewards
 from tether.logprobs import token_logprobs
-from tether.models.forward import position_ids_from_mask, response_logits, sequence_logprobs
+from tether.models.forward import position_ids_from_mask, response_logits
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.models.tiny import make_lm
@@ -25,6 +25,13 @@ def tiny(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     policy = _eval(load_causal_lm(str(tiny_model_dir), tokenizer))
     return tokenizer, policy
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
+    """log pi(x_t | x_<t) / T-scaled for every token t >= 1 of any padding layout: [B, L - 1],
+    to check batch invariance under right padding."""
+    logits, _ = response_logits(model, input_ids, attention_mask, context_length=1)
+    return token_logprobs(logits, input_ids[:, 1:], temperature)
 
 
 def _left_pad(rows, pad):

@@ -43,8 +43,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tether.logprobs import token_logprobs
-
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions 0, 1, 2, ... over the real tokens of each row; pads get 0 (they are masked).
@@ -94,17 +92,6 @@ def response_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     logits = out.logits[:, :-1]
     hidden = out.hidden_states[-1][:, context_length - 1:-1] if with_hidden else None
     return logits, hidden
-
-
-def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_t | x_<t) / T-scaled for every token t >= 1 of any padding layout: [B, L - 1].
-
-    Used to check batch invariance under right padding, and by callers whose responses do not
-    start at one shared column.
-    """
-    logits, _ = response_logits(model, input_ids, attention_mask, context_length=1)
-    return token_logprobs(logits, input_ids[:, 1:], temperature)
 
 
 def autocast(mixed_precision: str, device: torch.device):

@@ -74,16 +74,12 @@ def adapter_base(path: str | Path, base: str = "") -> str:
     return resolve_base(path, base)
 
 
-def _linear_types() -> tuple[type, ...]:
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-
-    return (nn.Linear, Conv1D)
-
-
 def linear_layer_names(model: nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (e.g. q_proj, c_attn, lm_head): the
     names `--lora-target-modules` accepts."""
-    types = _linear_types()
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    types = (nn.Linear, Conv1D)
     # A layer that already carries an adapter (a second role's adapter on a shared base, e.g. the
     # critic's beside the policy's) is a peft layer holding the linear as `base_layer`.
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
@@ -198,15 +194,6 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
              for layer in layers]
     with _layers_in(layers, state):
         yield
-
-
-def active_adapter(model: nn.Module) -> str | None:
-    """The adapter the LoRA layers of `model` use now (None when disabled or there are none)."""
-    layers = _tuner_layers(model)
-    if not layers or layers[0]._disable_adapters:
-        return None
-    active = layers[0]._active_adapter
-    return active[0] if isinstance(active, list) else active
 
 
 class AdapterView(nn.Module):

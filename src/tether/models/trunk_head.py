@@ -107,9 +107,11 @@ def trunk_and_head(model) -> tuple[nn.Module, nn.Module]:
     Raises:
         ValueError: the model's logits are not head(trunk(...)) (say why); use the plain path.
     """
+    from peft import PeftModel
+
     if hasattr(model, "tether_trunk_and_head"):
         return model.tether_trunk_and_head()
-    if _is_peft_model(model):
+    if isinstance(model, PeftModel):
         model = model.get_base_model()
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
@@ -126,14 +128,6 @@ def trunk_and_head(model) -> tuple[nn.Module, nn.Module]:
     if _VERDICTS[model] is not None:
         raise ValueError(f"{type(model).__name__}: {_VERDICTS[model]}")
     return trunk, head
-
-
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def chunked_split(model, chunked: bool) -> tuple[nn.Module, nn.Module] | None:
