@@ -101,6 +101,21 @@ def autocast(mixed_precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def probing(model: nn.Module, device: torch.device):
+    """The block's forward passes check `model` (`trunk_head.trunk_and_head`, `packed.packing_mode`)
+    and must not change it: eval mode (every module's own mode put back after), no gradients,
+    autocast off on `device`."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
 # ----------------------------------------------------------------------------- shared prompts
 
 SWITCH = "tether_share_prompts"  # set False on a model's modules by `share_prompts`

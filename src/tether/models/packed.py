@@ -26,6 +26,7 @@ from torch import nn
 
 from tether.data.packing import Packing, pack_rows
 from tether.errors import TetherError
+from tether.models.forward import probing
 
 # (model class, its part, config class, attention implementation, hidden) -> "positions",
 # "block_mask" or None: how a kind of model keeps packed sequences apart depends on its code and
@@ -71,18 +72,12 @@ def _probe(model: nn.Module, mode: str, hidden: bool) -> bool:
     device, vocab = embeddings.weight.device, embeddings.num_embeddings
     ids = (torch.arange(7, device=device) * 5 + 3) % vocab
     alone = [ids[None, :4], ids[None, 4:]]
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            expected = torch.cat([_output(model(input_ids=part, use_cache=False), hidden)[0]
-                                  for part in alone])
-            padded = torch.stack([ids[:4], torch.cat([ids[4:], ids[:1]])])  # [2, 4]
-            real = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], device=device)
-            got = _output(_packed_call(model, mode, padded, pack_rows(real, width=7)), hidden)[0]
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with probing(model, device):
+        expected = torch.cat([_output(model(input_ids=part, use_cache=False), hidden)[0]
+                              for part in alone])
+        padded = torch.stack([ids[:4], torch.cat([ids[4:], ids[:1]])])  # [2, 4]
+        real = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], device=device)
+        got = _output(_packed_call(model, mode, padded, pack_rows(real, width=7)), hidden)[0]
     tolerance = 2e-2 if expected.dtype in (torch.float16, torch.bfloat16) else 1e-4
     scale = max(1.0, float(expected.abs().max()))
     return expected.shape == got.shape and bool((expected - got).abs().max() <= tolerance * scale)

@@ -30,6 +30,7 @@ from tether.lm_head import (
 )
 from tether.models.forward import (
     position_ids_from_mask,
+    probing,
     response_logits,
     shared_response_hidden,
     shared_response_logits,
@@ -79,15 +80,9 @@ def _logits_match(model: nn.Module, trunk: nn.Module, head: nn.Module) -> bool:
     device = next(model.parameters()).device
     ids = (torch.arange(4, device=device) % model.get_input_embeddings().num_embeddings)[None]
     mask = torch.ones_like(ids)
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            got = head(final_hidden(trunk, ids, mask))
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with probing(model, device):
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = head(final_hidden(trunk, ids, mask))
     return expected.shape == got.shape and torch.allclose(expected.float(), got.float(),
                                                           rtol=1e-4, atol=1e-5)
 
