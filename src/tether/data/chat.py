@@ -226,11 +226,12 @@ def check_reply(text: str, what: str, where: str,
         raise TetherError(f"{where} {what} is empty (nothing to learn from); {fix}")
 
 
-def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
+def common_start(a, b) -> int:
+    """How many leading items two sequences (messages, token ids, characters) share."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
-    return a[:n]
+    return n
 
 
 def _reply(turns: list[dict], prompt: list[dict], what: str, where: str) -> dict:
@@ -253,7 +254,7 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     rejected = as_turns(row["rejected"], "rejected", where)
     check_prompt(prompt, where)
     if prompt is None:
-        prompt_messages = _common_prefix(chosen, rejected)
+        prompt_messages = chosen[:common_start(chosen, rejected)]
         if prompt_messages and prompt_messages[-1].get("role") == "assistant":
             prompt_messages = prompt_messages[:-1]
     elif is_messages(prompt):

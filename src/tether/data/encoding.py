@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tether.data.chat import check_reply, turn_spans
+from tether.data.chat import check_reply, common_start, turn_spans
 from tether.data.rows import require_columns
 from tether.data.shapes import (
     SFTRow,
@@ -69,13 +69,6 @@ def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list
     return ids if ids[:len(prefix)] == prefix else prefix + ids
 
 
-def _common_start(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bool,
                 prefix: list[int]) -> tuple[list[int], list[list[int]]]:
     """(prompt ids, response ids) under rules 1-3, one prompt shared by every response.
@@ -88,7 +81,7 @@ def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bo
     fulls = [encode_prompt(tokenizer, prompt_text + text, prefix) for text in response_texts]
     shared = len(prompt)
     for full in fulls:
-        shared = _common_start(prompt[:shared], full)
+        shared = common_start(prompt[:shared], full)
     if shared == 0:  # nothing in common (e.g. a one-token prompt merged away): encode apart
         fulls = [prompt + tokenizer(t, add_special_tokens=False)["input_ids"] for t in response_texts]
         shared = len(prompt)
@@ -116,7 +109,7 @@ def turn_mask(tokenizer, text: str, spans: list[tuple[int, int]], ids: list[int]
     def boundary(char: int) -> int:
         if char >= len(text):
             return len(ids)
-        return _common_start(encode_prompt(tokenizer, text[:char], prefix), ids)
+        return common_start(encode_prompt(tokenizer, text[:char], prefix), ids)
 
     mask = [0] * len(ids)
     for k, (start, end) in enumerate(spans):

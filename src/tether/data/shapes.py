@@ -26,6 +26,7 @@ from tether.data.chat import (
     chat_preference_texts,
     check_prompt,
     check_reply,
+    common_start,
     is_messages,
     normalize_messages,
 )
@@ -169,10 +170,7 @@ def implicit_prompt(chosen: str, rejected: str, where: str) -> tuple[str, str, s
     reply tokenised as in the full text, and the separator starts the reply, as in tether's plain
     rows (byte-level BPE reads " blue" as one token).
     """
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    cut = n
+    cut = common_start(chosen, rejected)
     while cut > 0 and not chosen[cut - 1].isspace():  # back to the start of the parting word
         cut -= 1
     while cut > 0 and chosen[cut - 1].isspace():  # the whitespace before it goes to the replies
