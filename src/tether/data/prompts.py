@@ -61,12 +61,19 @@ def prompt_tools(row: dict, where: str, tools: list[dict] | None = None) -> list
     return tools
 
 
-def _render_prompt(tokenizer, messages: list[dict], where: str,
-                   tools: list[dict] | None = None) -> str:
-    """`messages` with the generation prompt. After an assistant turn, a template without one
+def _prompt(tokenizer, row: dict, where: str, tools: list[dict] | None
+            ) -> tuple[str, list[dict] | None, list[dict] | None]:
+    """(the text a policy continues, the chat as the template got it or None for a plain-text
+    prompt, the tool schemas it was rendered with).
+
+    A chat is rendered with the generation prompt. After an assistant turn, a template without one
     (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open.
     Tool calls and schemas are checked to be written (`prepare_tool_chat`): a template made
     before tools would drop them, and the policy answer a prompt it never saw."""
+    messages = prompt_messages(row, where)
+    tools = prompt_tools(row, where, tools)
+    if messages is None:
+        return plain_text(row, "prompt", where), None, tools
     messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
                                  messages, tools, where)
     text = render_chat(tokenizer, messages, add_generation_prompt=True, where=where, tools=tools)
@@ -75,18 +82,14 @@ def _render_prompt(tokenizer, messages: list[dict], where: str,
         raise TetherError(f"{where} ends with an assistant message and the chat template writes no "
                           "generation prompt to open a new assistant turn after it; end the prompt "
                           "with a user turn, or use a template with a generation prompt")
-    return text
+    return text, messages, tools
 
 
 def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
                   tools: list[dict] | None = None) -> str:
     """The text a policy continues: `prompt`, or `messages` (or a messages-valued `prompt`)
     rendered with the generation prompt (and the schemas of `tools`, when given)."""
-    messages = prompt_messages(row, where)
-    tools = prompt_tools(row, where, tools)
-    if messages is not None:
-        return _render_prompt(tokenizer, messages, where, tools)
-    return plain_text(row, "prompt", where)
+    return _prompt(tokenizer, row, where, tools)[0]
 
 
 def _special_head(tokenizer, ids: list[int]) -> list[int]:
@@ -109,15 +112,11 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
     The text is the full prompt (what a reward function reads).
     """
     prefix = special_prefix(tokenizer) if prefix is None else prefix
-    text = format_prompt(tokenizer, row, where, tools)
+    text, messages, tools = _prompt(tokenizer, row, where, tools)
     ids = encode_prompt(tokenizer, text, prefix)
     if len(ids) <= max_tokens:
         return text, ids
-    messages = prompt_messages(row, where)
     if messages is not None:
-        tools = prompt_tools(row, where, tools)
-        messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
-                                     messages, tools, where)
         return text, truncate_chat(tokenizer, messages, max_tokens,
                                    lambda t: encode_prompt(tokenizer, t, prefix), tools)[1]
     head = _special_head(tokenizer, ids)
