@@ -9,8 +9,6 @@ from pathlib import Path
 
 from tether.errors import TetherError
 
-FORMATS = (".jsonl", ".json", ".parquet", ".csv")
-
 
 def _read_text(path: Path) -> str:
     raw = path.read_bytes()
@@ -51,6 +49,12 @@ def _read_parquet(path: Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise TetherError(f"{path} is not a readable Parquet file ({type(exc).__name__})") from None
+
+
+# The file formats, by suffix (any case); `.json` is JSON lines too, or one JSON array of objects.
+READERS = {".jsonl": _read_jsonl, ".json": _read_jsonl, ".parquet": _read_parquet,
+           ".csv": _read_csv}
+FORMATS = tuple(READERS)
 
 
 def _read_saved_dataset(path: Path, split: str) -> list[dict]:
@@ -99,14 +103,9 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
         rows = _read_saved_dataset(path, split)
     elif path.is_file():
         suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            rows = _read_jsonl(path)
-        elif suffix == ".csv":
-            rows = _read_csv(path)
-        elif suffix == ".parquet":
-            rows = _read_parquet(path)
-        else:
+        if suffix not in READERS:
             raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(FORMATS)}")
+        rows = READERS[suffix](path)
     elif path.suffix.lower() in FORMATS or source.startswith((".", "/", "~")):
         raise TetherError(f"data file {source} not found; check the path")
     else:
