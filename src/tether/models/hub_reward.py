@@ -61,13 +61,6 @@ def _config(name_or_path: str, trust_remote_code: bool):
                           f"({type(exc).__name__}: {first}); {fix}") from None
 
 
-def _check_one_label(config, name: str) -> None:
-    if config.num_labels != 1:
-        raise TetherError(f"{name} is a sequence-classification model with {config.num_labels} "
-                          "labels; a reward model gives one score (num_labels=1): for a "
-                          "classifier, turn its labels into one number in a --reward-fn")
-
-
 def _a_file(name: str, local: Path) -> str:
     """The line for a --reward-model that names a file (a weights file, config.json, a script)."""
     fix = (f"a Python reward function goes to --reward-fn {name}:FUNCTION" if local.suffix == ".py"
@@ -100,7 +93,11 @@ def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str
         raise TetherError(f"{name_or_path} is not a reward model: it has no {REWARD_JSON} (what "
                           f"`tether rm` writes) and is {found}, not a sequence-classification "
                           f"model; {NOT_A_REWARD_MODEL}")
-    _check_one_label(config, name_or_path)
+    if config.num_labels != 1:
+        raise TetherError(f"{name_or_path} is a sequence-classification model with "
+                          f"{config.num_labels} labels; a reward model gives one score "
+                          "(num_labels=1): for a classifier, turn its labels into one number in a "
+                          "--reward-fn")
     return CLASSIFIER
 
 

@@ -118,15 +118,6 @@ def model_positions(name_or_path: str, trust_remote_code: bool = False, base: st
     return positions(config, name_or_path) if config is not None else None
 
 
-def reward_model_positions(name_or_path: str, trust_remote_code: bool = False
-                           ) -> Positions | None:
-    """The positions of a tether reward model, which reads the policy's ids as they are (a
-    hub classifier re-tokenises the text and checks each row as it scores)."""
-    if not (Path(name_or_path).expanduser() / REWARD_JSON).is_file():
-        return None
-    return model_positions(name_or_path, trust_remote_code)
-
-
 def _tightest(models: Sequence[Positions | None], needed: int) -> Positions | None:
     """The model with the fewest positions among those `needed` tokens overrun (None: all fit)."""
     over = [m for m in models if m is not None and m.limit < needed]
@@ -195,8 +186,10 @@ def check_sampled_models(language_models: Sequence[tuple[str, str, str]], reward
     models = [language_model(path, option, trust_remote_code=trust_remote_code, base=base,
                              takes_reward_model=takes_reward_model)
               for path, option, base in language_models]
-    if reward_model:
-        models.append(reward_model_positions(reward_model, trust_remote_code))
+    # a tether reward model reads the policy's ids as they are; a hub classifier re-tokenises
+    # the text and checks each row as it scores
+    if reward_model and (Path(reward_model).expanduser() / REWARD_JSON).is_file():
+        models.append(model_positions(reward_model, trust_remote_code))
     if episodic:
         check_turn_fits(models, max_new_tokens)
     for source, ids in prompt_sets.items():

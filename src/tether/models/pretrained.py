@@ -39,12 +39,6 @@ PAD_TOKEN = "<|pad|>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise TetherError(f"dtype must be one of: {', '.join(DTYPES)} (got {name!r})")
-    return DTYPES[name]
-
-
 def check_local_path(name_or_path: str) -> None:
     """A string that looks like a path (`./x`, `/x`, `~/x`, `a/b/c`) but is missing is a typo,
     not a hub name."""
@@ -238,7 +232,9 @@ def _load_for_tokenizer(auto_class, what: str, name_or_path: str, tokenizer, dty
         check_embedding_rows(adapter_dir, model, tokenizer, name_or_path)
     remember_base(model, record)
     grow_embeddings(model, max(len(tokenizer), (tokenizer.pad_token_id or 0) + 1))
-    _set_pad(model, tokenizer)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
@@ -251,8 +247,10 @@ def _from_pretrained(auto_class, what: str, name_or_path: str, dtype: str,
 
     from safetensors import SafetensorError
 
+    if dtype not in DTYPES:
+        raise TetherError(f"dtype must be one of: {', '.join(DTYPES)} (got {dtype!r})")
     try:
-        return auto_class.from_pretrained(name_or_path, dtype=_dtype(dtype),
+        return auto_class.from_pretrained(name_or_path, dtype=DTYPES[dtype],
                                           trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, SafetensorError, UnpicklingError, EOFError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
@@ -328,9 +326,3 @@ def load_trainable_lm(name_or_path: str, tokenizer, lora: LoraSpec | None, dtype
         reference = None
     set_trainable(peft, [TRAINED])
     return TrainableLM(peft.get_base_model(), peft, reference, base=local_or_hub(base_name))
-
-
-def _set_pad(model: nn.Module, tokenizer) -> None:
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
