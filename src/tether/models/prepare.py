@@ -107,6 +107,5 @@ def load_frozen_lm(path: str, tokenizer, dtype: str, trust_remote_code: bool, de
     its base (`base` when given: --base), dropout off, GPT-2's GELU fused (same function),
     frozen, in eval mode."""
     model = load_causal_lm(path, tokenizer, dtype, trust_remote_code, base=base)
-    disable_dropout(model)
-    return freeze(fuse_gelu(model), device)
+    return freeze(fuse_gelu(model), device)  # freeze switches dropout off
 
