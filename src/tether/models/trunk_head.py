@@ -60,17 +60,18 @@ class LogitTransformHead(nn.Module):
         return logits * self.value if self.kind == "multiply" else logits / self.value
 
 
+# (config field, the transform it sets, the value that sets none): see LogitTransformHead
+LOGIT_TRANSFORMS = (("final_logit_softcapping", "softcap", 0), ("logit_scale", "multiply", 1),
+                    ("logits_scaling", "divide", 1))
+
+
 def _logit_transform(config) -> tuple[str, float] | None:
-    """The known transforms between head(hidden) and the logits, read from the config."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        return "softcap", cap
-    scale = getattr(config, "logit_scale", None)
-    if isinstance(scale, (int, float)) and scale != 1:
-        return "multiply", scale
-    scaling = getattr(config, "logits_scaling", None)
-    if isinstance(scaling, (int, float)) and scaling != 1:
-        return "divide", scaling
+    """The known transforms between head(hidden) and the logits, read from the config: the
+    first field of `LOGIT_TRANSFORMS` that holds a number other than its no-op value."""
+    for field, kind, none in LOGIT_TRANSFORMS:
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and value != none:
+            return kind, value
     return None
 
 
