@@ -111,16 +111,17 @@ def make_llama_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrai
 
 def make_llama_lm(vocab_size: int, bos_token_id: int, eos_token_id: int, n_layer: int = 2,
                   hidden_size: int = 64, n_head: int = 4, n_kv_head: int = 2,
-                  max_positions: int = 256, seed: int = 0, **config_kwargs):
+                  max_positions: int = 256, seed: int = 0, config_class=None, **config_kwargs):
     """A randomly initialised Llama-style causal LM: rotary positions, RMSNorm, SwiGLU,
-    grouped-query attention (`n_kv_head` < `n_head`) and an untied LM head."""
+    grouped-query attention (`n_kv_head` < `n_head`) and an untied LM head. `config_class`:
+    `LlamaConfig` unless given (Mistral's takes the same fields)."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
-                         num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, **config_kwargs)
+    config = (config_class or LlamaConfig)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, **config_kwargs)
     return _from_config(config, seed)
 
 
@@ -178,13 +179,10 @@ def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int
     from transformers import MistralConfig
 
     tokenizer = make_metaspace_tokenizer(texts, vocab_size)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
-                           intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
-                           num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                           sliding_window=sliding_window, max_position_embeddings=256,
-                           tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                           eos_token_id=tokenizer.eos_token_id)
-    return _save(out_dir, tokenizer, _from_config(config, seed))
+    model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, n_layer,
+                          hidden_size, n_head, n_kv_head, seed=seed, config_class=MistralConfig,
+                          sliding_window=sliding_window)
+    return _save(out_dir, tokenizer, model)
 
 
 # ----------------------------------------------------------------------------- Qwen2-style
