@@ -52,19 +52,15 @@ RIVAL_COLUMNS = (("response", "completion"), ("text", "prompt"), ("text", "respo
                  ("text", "completion"))
 
 
-def _check_one_reading(row: dict, where: str) -> None:
-    for first, second in RIVAL_COLUMNS:
-        if _has(row, first) and _has(row, second):
-            raise TetherError(f"{where} has both {first!r} and {second!r}, which give its text two "
-                              "ways; keep one (docs/data.md lists the row shapes)")
-
-
 def sft_shape(row: dict, where: str) -> tuple[str, ...]:
     """The columns an SFT row is read by: `messages` first, then `prompt` with `completion` or
     `response`, then `text`; two rival columns (`RIVAL_COLUMNS`) are an error."""
     if _has(row, "messages"):
         return ("messages",)
-    _check_one_reading(row, where)
+    for first, second in RIVAL_COLUMNS:
+        if _has(row, first) and _has(row, second):
+            raise TetherError(f"{where} has both {first!r} and {second!r}, which give its text two "
+                              "ways; keep one (docs/data.md lists the row shapes)")
     if _has(row, "prompt"):
         for key in ("completion", "response"):
             if _has(row, key):
