@@ -98,7 +98,11 @@ def pack_rows(attention_mask: torch.Tensor, width: int = 0) -> Packing:
     lengths = real.sum(dim=1)
     n_of = lengths.tolist()
     width = max(width, max(n_of, default=0), 1)  # a sequence is never split over two rows
-    bins = _rows_of(n_of, width)
+    # the sequences of each packed row: `token_budget_cut` with the row width as the budget, empty
+    # sequences dropped (they have no slot)
+    nonempty = [i for i, n in enumerate(n_of) if n > 0]
+    parts = token_budget_cut([n_of[i] for i in nonempty], width) if nonempty else [[]]
+    bins = [[nonempty[j] for j in part] for part in parts]
     starts, used = [0] * rows, []  # the slot each sequence starts at; each packed row's end
     for packed_row, members in enumerate(bins):
         start = packed_row * width
@@ -121,11 +125,3 @@ def pack_rows(attention_mask: torch.Tensor, width: int = 0) -> Packing:
     shape = (len(bins), width)
     return Packing(index, slot, positions.reshape(shape), sequence.reshape(shape), lengths, rows,
                    padded_width, len(bins), width)
-
-
-def _rows_of(lengths: list[int], width: int) -> list[list[int]]:
-    """The sequences of each packed row: `token_budget_cut` with the row width as the budget,
-    empty sequences dropped (they have no slot)."""
-    real = [i for i, n in enumerate(lengths) if n > 0]
-    parts = token_budget_cut([lengths[i] for i in real], width) if real else [[]]
-    return [[real[j] for j in part] for part in parts]
