@@ -48,30 +48,23 @@ def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None
     return messages
 
 
-def prompt_tools(row: dict, where: str, tools: list[dict] | None = None) -> list[dict] | None:
-    """The tool schemas a prompt is rendered with: `tools` when given (--tools), else the row's
-    `tools` column (TRL's form, `tether.data.tool_calls`), which only a chat prompt can show."""
-    if tools is not None:
-        return tools
-    tools = row_tools(row, where)
-    if tools and prompt_messages(row, where) is None:
-        raise TetherError(f"{where} has a 'tools' column but a plain-text prompt, which cannot "
-                          "show the model its tools; give the prompt as chat messages, or drop "
-                          "'tools'")
-    return tools
-
-
 def _prompt(tokenizer, row: dict, where: str, tools: list[dict] | None
             ) -> tuple[str, list[dict] | None, list[dict] | None]:
     """(the text a policy continues, the chat as the template got it or None for a plain-text
-    prompt, the tool schemas it was rendered with).
+    prompt, the tool schemas it was rendered with: `tools` when given (--tools), else the row's
+    `tools` column (TRL's form, `tether.data.tool_calls`), which only a chat prompt can show).
 
     A chat is rendered with the generation prompt. After an assistant turn, a template without one
     (Mistral's `[INST]` format) would leave the policy after that turn's EOS, with no turn open.
     Tool calls and schemas are checked to be written (`prepare_tool_chat`): a template made
     before tools would drop them, and the policy answer a prompt it never saw."""
     messages = prompt_messages(row, where)
-    tools = prompt_tools(row, where, tools)
+    if tools is None:
+        tools = row_tools(row, where)
+        if tools and messages is None:
+            raise TetherError(f"{where} has a 'tools' column but a plain-text prompt, which "
+                              "cannot show the model its tools; give the prompt as chat messages, "
+                              "or drop 'tools'")
     if messages is None:
         return plain_text(row, "prompt", where), None, tools
     messages = prepare_tool_chat(lambda ms, ts: render_chat(tokenizer, ms, False, where, ts),
