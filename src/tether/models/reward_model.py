@@ -173,15 +173,13 @@ class RewardModel(nn.Module):
             head = {k: v.detach().float().contiguous().cpu() for k, v in self.head.state_dict().items()}
             tok = tokenizer if tokenizer is not None else self.tokenizer
             pad_id = None if tok is None else tok.pad_token_id
-            classifier = (None if self.lora is not None
-                          else sequence_classifier(self.backbone, self.head, pad_id))
             if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
                 with named_portably(self.lora.peft, TRAINED) as loaded:
                     self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
                                                    save_embedding_layers=False)
                 _add_score_to_adapter(tmp, head["weight"])
                 write_location(tmp, loaded, out, remembered_base(self.lora.peft))
-            elif classifier is not None:
+            elif (classifier := sequence_classifier(self.backbone, self.head, pad_id)) is not None:
                 classifier.save_pretrained(tmp)
             else:  # transformers has no sequence-classification model for it: the v1 layout
                 self.backbone.save_pretrained(tmp)
@@ -232,16 +230,14 @@ class RewardModel(nn.Module):
         `packed`: the rows' real tokens run as packed rows without padding
         (tether.models.packed); the hidden state put back in its padded slot, so the same scores.
         """
-        if packed:
-            hidden = packed_final_hidden(self.backbone, input_ids, attention_mask)  # [B, T, d]
-            return self._score(last_real(hidden, attention_mask))
-        if context_length is not None:
+        if context_length is not None and not packed:
             groups = sharing(self.backbone, input_ids, attention_mask, context_length)
             last_hidden = None if groups is None else shared_last_hidden(
                 self.backbone, input_ids, attention_mask, context_length, groups)
             if last_hidden is not None:
                 return self._score(last_hidden)
-        hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, d]
+        hidden = (packed_final_hidden(self.backbone, input_ids, attention_mask) if packed
+                  else self.hidden_states(input_ids, attention_mask))  # [B, T, d]
         return self._score(last_real(hidden, attention_mask))
 
     def _score(self, last_hidden: torch.Tensor) -> torch.Tensor:
