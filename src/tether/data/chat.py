@@ -172,16 +172,6 @@ def turn_spans(tokenizer, messages: list[dict], trained: list[int], where: str,
     return full[:spans[-1][1]], spans
 
 
-def split_chat(tokenizer, messages: list[dict], where: str = "data",
-               tools: list[dict] | None = None) -> tuple[str, str]:
-    """(prompt text, response text) for a chat whose last message is the assistant's reply."""
-    if not messages or messages[-1].get("role") != "assistant":
-        raise TetherError(f"{where}: each 'messages' row must end with an assistant message "
-                          "(the response to learn)")
-    text, [(start, _)] = turn_spans(tokenizer, messages, [len(messages) - 1], where, tools)
-    return text[:start], text[start:]
-
-
 def _end_at_turn_token(tokenizer, response: str) -> str:
     """Drop the whitespace a template writes after the reply's end-of-turn token ("</s>\n",
     "<|im_end|>\n"): generation stops at that token, so the policy never emits what follows,
@@ -270,9 +260,11 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
         reply = _reply(turns, prompt_messages, what, where)
         if not calls_of(reply):  # a pure call says something: its calls
             check_reply(reply["content"], f"'{what}'", where)
-        prompt_text, response_text = split_chat(tokenizer, prompt_messages + [reply], where, tools)
-        texts.append(response_text)
-    return prompt_text, texts
+        # the prompt text is what comes before the reply's turn
+        text, [(start, _)] = turn_spans(tokenizer, prompt_messages + [reply],
+                                        [len(prompt_messages)], where, tools)
+        texts.append(text[start:])
+    return text[:start], texts
 
 
 def truncate_chat(tokenizer, messages: list[dict], max_tokens: int, encode,
