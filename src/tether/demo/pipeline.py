@@ -13,7 +13,6 @@ Each stage is called through its Python API with a typed config, exactly as a us
 from __future__ import annotations
 
 import html
-import json
 import time
 from pathlib import Path
 
@@ -105,20 +104,16 @@ def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, rew
 
 def read_curve(run_dir: Path, name: str, seed: int) -> Curve:
     """Evaluation metrics and samples of one PPO run, from its metrics.jsonl and samples.jsonl."""
-    curve = Curve(name, seed)
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
+    from tether.tools.report import read_run, read_samples
+
+    curve = Curve(name, seed, samples=read_samples(run_dir))
+    for row in read_run(run_dir).metrics:
         if "eval/score" not in row:
             continue
         curve.steps.append(int(row["step"]))
         for key, value in row.items():
             if key.startswith(("eval/", "objective/beta")):
                 curve.values.setdefault(key, []).append(float(value))
-    samples_path = run_dir / "samples.jsonl"
-    if samples_path.exists():
-        for line in samples_path.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            curve.samples[int(row["step"])] = row["samples"]
     return curve
 
 

@@ -89,6 +89,17 @@ def read_run(path: str | Path) -> RunRecord:
     return RunRecord(path.name, path, config, metrics)
 
 
+def read_samples(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """step -> the samples a run logged with each evaluation (`path/samples.jsonl`; {} without
+    one): prompt, response and scores per held-out prompt."""
+    out = {}
+    if (path / "samples.jsonl").exists():
+        for line in (path / "samples.jsonl").read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            out[int(row["step"])] = row["samples"]
+    return out
+
+
 def metric_names(runs: list[RunRecord]) -> list[str]:
     """Every numeric metric any run logged, sorted by namespace then name."""
     names = {key for run in runs for row in run.metrics for key, value in row.items()

@@ -38,6 +38,7 @@ from tether.tools.report import (
     plt,
     png_data,
     read_run,
+    read_samples,
     relative_link,
     write_page,
 )
@@ -69,23 +70,14 @@ def collect(sweep: Sweep) -> list[RunPoints]:
             points.gold_by_prompt[0] = [s["gold_score"] for s in record["samples"]]
         else:
             rows = [r for r in read_run(path).metrics if "eval/gold_score" in r]
-            points.gold_by_prompt = _sample_golds(path / "samples.jsonl")
+            points.gold_by_prompt = {step: [s["gold_score"] for s in samples]
+                                     for step, samples in read_samples(path).items()}
         for row in rows:
             points.steps.append(int(row["step"]))
             for key, name in METRICS.items():
                 points.values.setdefault(key, []).append(float(row.get(name, float("nan"))))
         if points.steps:
             out.append(points)
-    return out
-
-
-def _sample_golds(path: Path) -> dict[int, list[float]]:
-    """step -> the per-prompt gold scores PPO logged with each evaluation (samples.jsonl)."""
-    out = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with_step = json.loads(line)
-            out[int(with_step["step"])] = [s["gold_score"] for s in with_step["samples"]]
     return out
 
 
