@@ -40,6 +40,7 @@ from tether.tools.report import (
     read_run,
     read_samples,
     relative_link,
+    rows_html,
     write_page,
 )
 from tether.tools.sweep_plan import PlannedRun, Sweep, state, unplanned
@@ -410,10 +411,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
-    header = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
-    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                    for row in rows)
-    body.append(f"<table id='sweep-table'><tr>{header}</tr>{cells}</table>{EXPLAIN}")
+    body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
+                f"</table>{EXPLAIN}")
     if points:
         body += [figure_html(data, title, caption, colours)
                  for title, data, caption, colours in figures(groups, points)]
