@@ -160,16 +160,6 @@ def write_csv(path: Path, points: list[RunPoints], axes: list[str]) -> None:
 MARKERS = {"DPO": "s", "IPO": "D"}
 
 
-def _palette(groups: list[Group]) -> Palette:
-    """One colour per setting for the sweep's figures, handed out in the groups' order, so the
-    sweep page and the demo page (which embeds these figures) colour each setting alike, and no
-    setting takes a colour of the demo's own runs (RUN_COLOURS)."""
-    palette = Palette()
-    for g in groups:
-        palette(g.label)
-    return palette
-
-
 def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
     """Each PPO group: mean over seeds against mean KL, a band of one standard error; each
     DPO/IPO group: one marker with error bars."""
@@ -253,7 +243,12 @@ def _fit_figure(fitted: list[Group], palette: Palette):
 def figures(groups: list[Group], points: list[RunPoints]
             ) -> list[tuple[str, str, str, dict[str, str]]]:
     """[(title, png, caption, legend colours)]; one colour per setting in every figure."""
-    palette = _palette(groups)
+    # One colour per setting, handed out in the groups' order, so the sweep page and the demo
+    # page (which embeds these figures) colour each setting alike, and no setting takes a colour
+    # of the demo's own runs (RUN_COLOURS).
+    palette = Palette()
+    for g in groups:
+        palette(g.label)
     out = []
 
     def add(fig, title: str, caption: str) -> None:
