@@ -121,6 +121,17 @@ def output_path(cfg: EvalConfig) -> Path:
     return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
 
 
+def checked_reference(cfg: EvalConfig, tokenizer) -> str:
+    """The model the KL is measured against: --reference, else the run's starting model
+    (`default_reference`), else the policy itself (KL 0); another model must share the policy's
+    vocabulary, checked from its tokenizer before any model loads."""
+    path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
+    if path != cfg.model:
+        ref_tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
+        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    return path
+
+
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
         write: bool = True) -> EvalResult:
     """Evaluate `cfg.model`; returns the metrics and samples (also written as JSON when
@@ -135,10 +146,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     prompt_ids = []
     if not cfg.episodic:  # checked now; encoded for the run below
         prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
-    reference_path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
-    if reference_path != cfg.model:
-        ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    reference_path = checked_reference(cfg, tokenizer)
     models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
                                                    if reference_path != cfg.model else [])
     check_sampled_models(models, cfg.reward_model, {cfg.prompts: prompt_ids},
