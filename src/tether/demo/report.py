@@ -262,7 +262,8 @@ def _samples_html(curves: list[Curve], per_point: int = 4) -> str:
                      + rows_html([("model", "prompt", "response", "proxy", "gold")], "th"))
         for label, step in _sample_points(curve):
             parts += [rows_html([(label, s["prompt"], s["response"], f"{s['score']:+.2f}",
-                                  f"{s['gold_score']:+.2f}")]) for s in curve.samples[step][:per_point]]
+                                  f"{s['gold_score']:+.2f}")])
+                      for s in curve.samples[step][:per_point]]
         parts.append("</table>")
     return "\n".join(parts)
 
