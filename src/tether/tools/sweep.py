@@ -184,9 +184,8 @@ def check_functions(sweep: Sweep) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    """`tether sweep GRID.yaml [--jobs N] [--output-dir DIR]`."""
-    if argv and not argv[0].startswith("--"):
-        argv = ["--grid", *argv]
+    """`tether sweep GRID.yaml [--jobs N] [--output-dir DIR]` (parse_config reads GRID.yaml as
+    --grid: SweepConfig.POSITIONAL)."""
     cfg = parse_config(SweepConfig, argv, prog="tether sweep")
     sweep = plan(cfg.grid, cfg.output_dir or None)
     check_functions(sweep)  # before anything is written
