@@ -160,11 +160,6 @@ def legend_colours(fig) -> dict[str, str]:
     return out
 
 
-def integer_axis(axis) -> None:
-    """Ticks at whole numbers only, for steps and batches (never 1.2)."""
-    axis.set_major_locator(MaxNLocator(integer=True))
-
-
 def png_data(fig) -> str:
     """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
     buffer = io.BytesIO()
@@ -209,7 +204,7 @@ def plot_metrics(runs: list[RunRecord], names: list[str]
                     ax.plot(steps, values, "-o" if len(steps) < 3 else "-", markersize=4,
                             color=palette(run.name), label=run.name)
             ax.set(title=name, xlabel="step")
-            integer_axis(ax.xaxis)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: never 1.2
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
