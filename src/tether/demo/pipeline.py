@@ -144,8 +144,7 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     from tether.tools import evaluate
     from tether.tools.config import EvalConfig
 
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    # (`tether eval` creates a missing parent of its output, as --output-dir is created)
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
