@@ -305,7 +305,8 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     return path, console_table(curves, found)
 
 
-_BODY = """<p>A small language model learned to write short movie reviews (SFT). A reward model learned
+_BODY = """\
+<p>A small language model learned to write short movie reviews (SFT). A reward model learned
 what reviewers like from a limited set of noisy preference pairs (the <i>proxy</i>). PPO then
 optimised the proxy three ways: with no KL penalty, with a fixed beta, and with the adaptive
 controller that keeps KL(pi || pi_SFT) near a target. DPO and IPO learned from the same pairs
