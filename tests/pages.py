@@ -133,7 +133,7 @@ def fake_sweep(gold_gains=((0.0, 0.0), (1.0, 0.3), (4.0, 0.2))):
     returns (groups, points) for sweep_report.figures."""
     from tether.tools.frontier import gao_fit
     from tether.tools.sweep_plan import PlannedRun
-    from tether.tools.sweep_report import Group, RunPoints
+    from tether.tools.sweep_results import Group, RunPoints
 
     def run(name, stage, beta, kls, golds):
         planned = PlannedRun(f"{name}-seed0", stage, 0, {"beta": beta}, {"beta": beta})

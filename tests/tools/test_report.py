@@ -17,6 +17,8 @@ from tether.tools.report import (
     plot_metrics,
     plt,
     read_run,
+    read_samples,
+    rows_html,
     write_report,
 )
 
@@ -64,6 +66,16 @@ def test_browser_check_catches_a_broken_image(runs, tmp_path):
     out.write_text(text[:start] + "AAAA" + text[start + 40:])  # a damaged PNG
     with pytest.raises(AssertionError):
         check_report_page(out, 3, {})
+
+
+def test_rows_html_escapes_every_cell_and_read_samples_keys_them_by_step(runs):
+    # A header row of th cells, then td rows; text that looks like markup is shown, not parsed.
+    assert rows_html([("a", "<b>")], "th") + rows_html([["1 & 2", ""]]) == (
+        "<tr><th>a</th><th>&lt;b&gt;</th></tr><tr><td>1 &amp; 2</td><td></td></tr>")
+    assert read_samples(runs[0]) == {}  # no samples.jsonl: no evaluations logged
+    (runs[1] / "samples.jsonl").write_text('{"step": 0, "samples": [{"gold_score": 0.5}]}\n'
+                                           '{"step": 6, "samples": [{"gold_score": -1.0}]}\n')
+    assert read_samples(runs[1]) == {0: [{"gold_score": 0.5}], 6: [{"gold_score": -1.0}]}
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path, capsys):

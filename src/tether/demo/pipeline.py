@@ -13,7 +13,6 @@ Each stage is called through its Python API with a typed config, exactly as a us
 from __future__ import annotations
 
 import html
-import json
 import time
 from pathlib import Path
 
@@ -79,42 +78,42 @@ PPO_BATCH, MAX_NEW_TOKENS = 32, 20
 GOLD_FN = "tether.demo.task:gold_reward"
 
 
+def ppo_fields(cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
+               batches: int) -> dict:
+    """What every PPO run of the demo is given, its sweep's runs too (so that beta 0 there is the
+    first batches of ppo-no-kl, `sweep_scope`): the run's name, seed, beta and cadence of
+    evaluations aside."""
+    return {"device": cfg.device, "policy": policy, "reward_model": reward_model,
+            "prompts": paths["prompts"], "eval_prompts": paths["eval_prompts"],
+            "gold_fn": GOLD_FN, "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * batches,
+            "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
+            "ppo_epochs": 4, "save_every": checkpoint_every(batches), "sample_every": 0}
+
+
 def run_ppo(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str, reward_model: str,
             name: str, seed: int) -> Curve:
     from tether.train import ppo
 
-    run_name = f"{name}-seed{seed}"
-    ppo_cfg = ppo.PPOConfig(
-        run_name=run_name, output_dir=str(root), seed=seed, device=cfg.device, policy=policy,
-        reward_model=reward_model, prompts=paths["prompts"], eval_prompts=paths["eval_prompts"],
-        batch_size=PPO_BATCH, total_episodes=PPO_BATCH * cfg.ppo_batches,
-        max_new_tokens=MAX_NEW_TOKENS, lr=cfg.ppo_lr, lr_schedule="constant", ppo_epochs=4,
-        gold_fn=GOLD_FN, eval_every=max(1, cfg.ppo_batches // 20),
-        save_every=checkpoint_every(cfg.ppo_batches), sample_every=0,
-        resume=cfg.resume and (root / run_name).exists(), **PPO_VARIANTS[name](cfg))
-    try:
-        ppo.run(ppo_cfg)
-    except AlreadyFinished:  # (a finished run is not handed to a worker: `finished_result`)
-        pass
-    return read_curve(root / run_name, name, seed)
+    # (a finished run is not handed to a worker: `finished_result`)
+    _train(ppo, ppo.PPOConfig, root, cfg, run_name=f"{name}-seed{seed}", output_dir=str(root),
+           seed=seed, eval_every=max(1, cfg.ppo_batches // 20),
+           **ppo_fields(cfg, paths, policy, reward_model, cfg.ppo_batches),
+           **PPO_VARIANTS[name](cfg))
+    return read_curve(root / f"{name}-seed{seed}", name, seed)
 
 
 def read_curve(run_dir: Path, name: str, seed: int) -> Curve:
     """Evaluation metrics and samples of one PPO run, from its metrics.jsonl and samples.jsonl."""
-    curve = Curve(name, seed)
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
+    from tether.tools.report import read_run, read_samples
+
+    curve = Curve(name, seed, samples=read_samples(run_dir))
+    for row in read_run(run_dir).metrics:
         if "eval/score" not in row:
             continue
         curve.steps.append(int(row["step"]))
         for key, value in row.items():
             if key.startswith(("eval/", "objective/beta")):
                 curve.values.setdefault(key, []).append(float(value))
-    samples_path = run_dir / "samples.jsonl"
-    if samples_path.exists():
-        for line in samples_path.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            curve.samples[int(row["step"])] = row["samples"]
     return curve
 
 
@@ -145,8 +144,7 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     from tether.tools import evaluate
     from tether.tools.config import EvalConfig
 
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    # (`tether eval` creates a missing parent of its output, as --output-dir is created)
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
@@ -173,15 +171,10 @@ def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
     from tether.tools import sweep
 
     grid = {"name": "sweep", "output_dir": str(root), "seeds": [cfg.seed], "ppo": {
-        "policy": policy, "reward_model": reward_model, "prompts": paths["prompts"],
-        "eval_prompts": paths["eval_prompts"], "gold_fn": GOLD_FN,
-        "batch_size": PPO_BATCH, "total_episodes": PPO_BATCH * cfg.sweep_batches,
-        "max_new_tokens": MAX_NEW_TOKENS, "lr": cfg.ppo_lr, "lr_schedule": "constant",
-        "ppo_epochs": 4, "save_every": checkpoint_every(cfg.sweep_batches),
+        **ppo_fields(cfg, paths, policy, reward_model, cfg.sweep_batches),
         # four evaluations after step 0 (two under --quick, whose sweep is a sketch)
         "eval_every": max(1, cfg.sweep_batches // (2 if cfg.quick else 4)),
-        "sample_every": 0, "device": cfg.device, "kl_ctl": "fixed",
-        "beta": list(cfg.sweep_betas)}}
+        "kl_ctl": "fixed", "beta": list(cfg.sweep_betas)}}
     grid_path, text = root / "data" / "sweep.yaml", yaml.safe_dump(grid)
     if not grid_path.is_file() or grid_path.read_text(encoding="utf-8") != text:
         grid_path.write_text(text, encoding="utf-8")  # (on --resume: kept, as the data are)
@@ -224,16 +217,11 @@ def sweep_scope(cfg: DemoConfig) -> str:
 def demo_settings(root: Path, cfg: DemoConfig, minutes: float, jobs: int,
                   resumed: bool = False) -> dict[str, str]:
     """Every value that shaped the results, read back from the runs' own config.yaml files."""
-    import yaml
-
     from tether import version
     from tether.tools.report import read_run
 
-    def saved(run: str) -> dict:
-        return yaml.safe_load((root / run / "config.yaml").read_text(encoding="utf-8"))
-
-    sft, rm, dpo, ipo = saved("sft"), saved("rm"), saved("dpo"), saved("ipo")
-    ppo = saved(f"ppo-fixed-seed{cfg.seed}")
+    sft, rm, dpo, ipo, ppo = (read_run(root / run).config for run in (
+        "sft", "rm", "dpo", "ipo", f"ppo-fixed-seed{cfg.seed}"))
     rm_accuracy = read_run(root / "rm").series("eval/accuracy")[1]
     seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
     offline = "lr {lr:g}, beta {beta:g}, {epochs} epochs, batch {batch_size}"

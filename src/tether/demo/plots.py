@@ -10,10 +10,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # no screen needed; the demo runs on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
 from tether.tools.frontier import mean_and_stderr  # noqa: E402
-from tether.tools.report import GUIDE, Palette, integer_axis, legend_colours  # noqa: E402
+from tether.tools.report import GUIDE, Palette, legend_colours  # noqa: E402
 
 MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 SEED_STYLES = ("-", "--", ":", "-.")
@@ -40,12 +41,11 @@ def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
 
 
 def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
-              palette: Palette | None = None) -> None:
-    """Against the step (`x_name` None: whole-number ticks) or another metric (its mean over
-    seeds per step); each run in its palette colour."""
-    palette = palette or Palette()
+              palette: Palette) -> None:
+    """Against the step (`x_name` None: whole-number ticks, never 1.2) or another metric (its
+    mean over seeds per step); each run in its palette colour."""
     if x_name is None:
-        integer_axis(ax.xaxis)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for run, group in by_run(curves).items():
         if all(len(c.steps) == 1 for c in group):
             _points(ax, run, group, x_name, y_name, palette)

@@ -16,6 +16,7 @@ from pathlib import Path
 from tether.demo.curves import PPO_RUNS, Curve, by_run, mean_series, pooled_golds
 from tether.demo.plots import plot_all
 from tether.tools.frontier import paired_difference, peak_then_fall
+from tether.tools.report import config_html, figure_tag, page, read_run, rows_html, write_page
 
 
 @dataclass
@@ -258,14 +259,11 @@ def _samples_html(curves: list[Curve], per_point: int = 4) -> str:
         if curve.seed != min(c.seed for c in curves if c.run == curve.run):
             continue  # one seed's examples per run keeps the page readable
         parts.append(f"<h3>{html.escape(curve.run)} (seed {curve.seed})</h3><table>"
-                     "<tr><th>model</th><th>prompt</th><th>response</th><th>proxy</th>"
-                     "<th>gold</th></tr>")
+                     + rows_html([("model", "prompt", "response", "proxy", "gold")], "th"))
         for label, step in _sample_points(curve):
-            for s in curve.samples[step][:per_point]:
-                parts.append(
-                    f"<tr><td>{html.escape(label)}</td><td>{html.escape(s['prompt'])}</td>"
-                    f"<td>{html.escape(s['response'])}</td><td>{s['score']:+.2f}</td>"
-                    f"<td>{s['gold_score']:+.2f}</td></tr>")
+            parts += [rows_html([(label, s["prompt"], s["response"], f"{s['score']:+.2f}",
+                                  f"{s['gold_score']:+.2f}")])
+                      for s in curve.samples[step][:per_point]]
         parts.append("</table>")
     return "\n".join(parts)
 
@@ -288,42 +286,26 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     `run_dirs`: the runs whose configs the settings section diffs and links (tether.tools.report);
     `sweep_html`: the demo's beta sweep section, already rendered.
     """
-    from tether.tools.report import FIGURE_TABLE_STYLE, config_html, figure_tag, read_run
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     figures = plot_all(curves, out, kl_target)
     found = verdicts(curves, kl_target)
-    table = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                    for row in summary_rows(curves))
     images = "".join(figure_tag(name, title, "", colours)
                      for title, (name, colours) in figures.items())
     settings_items = "".join(f"<li>{html.escape(k)}: {html.escape(v)}</li>"
                              for k, v in settings.items())
     configs = config_html([read_run(d) for d in run_dirs], out) if run_dirs else ""
-    step0 = html.escape(step0_note(curves))
-    page = _PAGE.format(
-        header="".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS), table=table,
+    body = _BODY.format(
+        table=rows_html([SUMMARY_COLUMNS], "th") + rows_html(summary_rows(curves)),
         verdicts=_verdicts_html(found) or "<li>No PPO runs to judge.</li>", images=images,
         samples=_samples_html(curves), settings=settings_items, configs=configs,
-        sweep=sweep_html, figure_table_style=FIGURE_TABLE_STYLE, step0=step0)
-    path = out / "report.html"
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
+        sweep=sweep_html, step0=html.escape(step0_note(curves)))
+    path = write_page(out / "report.html", page("tether demo: the KL leash at work", body,
+                                                "The KL leash at work"))
     return path, console_table(curves, found)
 
 
-_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>tether demo: the KL leash at work</title>
-<style>
-body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
-  line-height: 1.45; }}
-li.holds b {{ color: #1a7f37; }} li.fails b {{ color: #b42318; }}
-li.unshown b {{ color: #9a6700; }} .note {{ color: #444; }}
-{figure_table_style}
-</style></head><body>
-<h1>The KL leash at work</h1>
+_BODY = """\
 <p>A small language model learned to write short movie reviews (SFT). A reward model learned
 what reviewers like from a limited set of noisy preference pairs (the <i>proxy</i>). PPO then
 optimised the proxy three ways: with no KL penalty, with a fixed beta, and with the adaptive
@@ -337,7 +319,7 @@ computed on the per-prompt scores of the same held-out prompts (paired), pooled 
 "Not shown" means every change points the claimed way but one is within twice its error: more
 seeds would be needed (about as many as said, if the changes held). "Does not hold" means the
 numbers contradict the claim.</p>
-<table id="summary-table"><tr>{header}</tr>{table}</table>
+<table id="summary-table">{table}</table>
 <p>Proxy and gold are means over held-out prompts; KL is the mean over those prompts of the summed
 per-token log-ratio log pi(y) - log pi_SFT(y) of the sampled response; distinct-2 is the share of
 unique word pairs among all generated word pairs. The SFT model, DPO and IPO are evaluated once,
@@ -361,6 +343,4 @@ rises again to hold the policy there.</p>
 and IPO: the model named, after its training.</p>
 {samples}
 <h2 id="settings-heading">Settings</h2><ul id="settings">{settings}</ul>
-{configs}
-</body></html>
-"""
+{configs}"""

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -35,7 +36,7 @@ from tether.models.pretrained import (
     policy_eos_ids,
 )
 from tether.models.reward_model import position_limit
-from tether.rl.engines import check_engine_settings, make_engine
+from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.evaluation import (
     EVAL_SEED_OFFSET,
     Evaluation,
@@ -50,7 +51,7 @@ from tether.run.config import config_to_dict, recorded_input_path
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
-from tether.tools.config import EvalConfig
+from tether.tools.config import EvalConfig, SamplingConfig
 from tether.tools.outputs import check_output, function_file
 
 # The config fields that name a run's starting model, in the order that decides it: an explicit
@@ -121,6 +122,35 @@ def output_path(cfg: EvalConfig) -> Path:
     return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
 
 
+def checked_reference(cfg: EvalConfig, tokenizer) -> str:
+    """The model the KL is measured against: --reference, else the run's starting model
+    (`default_reference`), else the policy itself (KL 0); another model must share the policy's
+    vocabulary, checked from its tokenizer before any model loads."""
+    path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
+    if path != cfg.model:
+        ref_tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
+        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    return path
+
+
+def evaluation_source(cfg: SamplingConfig, policy, tokenizer, device, rows: list[dict],
+                      episodic: bool, reward, env, tools: list) -> tuple[RolloutEngine, Any]:
+    """The engine and the rollout source that sample `policy` as PPO's held-out evaluation does:
+    the prompts encoded by `eval_inputs`, or (`episodic`) each row an episode of `env` or
+    `tools`, within the model's positions, its environment seeded apart from training's. The
+    caller closes both."""
+    eos = policy_eos_ids(tokenizer, policy, cfg.model)
+    inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not episodic else None
+    limit = position_limit(policy.config, tokenizer) if episodic else None
+    engine = make_engine(cfg, policy, d=on_device(device), longest_prompt=longest_prompt(
+        cfg, inputs.prompt_ids if inputs else [], limit))
+    return engine, make_source(cfg, engine, tokenizer, prompts=inputs.prompts if inputs else [],
+                               prompt_ids=inputs.prompt_ids if inputs else [], rows=rows,
+                               reward=reward, env=env, tools=tools, eos_token_ids=eos,
+                               device=device, source_name=cfg.prompts, context_limit=limit,
+                               env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
+
+
 def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | None = None,
         write: bool = True) -> EvalResult:
     """Evaluate `cfg.model`; returns the metrics and samples (also written as JSON when
@@ -135,10 +165,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     prompt_ids = []
     if not cfg.episodic:  # checked now; encoded for the run below
         prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
-    reference_path = cfg.reference or default_reference(cfg.model, cfg.base) or cfg.model
-    if reference_path != cfg.model:
-        ref_tokenizer = load_tokenizer(reference_path, trust_remote_code=cfg.trust_remote_code)
-        check_same_vocabulary(tokenizer, {"reference model": (ref_tokenizer, None)})
+    reference_path = checked_reference(cfg, tokenizer)
     models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
                                                    if reference_path != cfg.model else [])
     check_sampled_models(models, cfg.reward_model, {cfg.prompts: prompt_ids},
@@ -158,17 +185,8 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     # the whole chunk by default; a smaller one may differ in rounding).
     rewards = wiring.build(cfg, user, tokenizer, device, served=served,
                            prompt_files=(cfg.prompts,), chunk=cfg.batch_size)
-    eos = policy_eos_ids(tokenizer, policy, cfg.model)
-    inputs = eval_inputs(tokenizer, cfg.prompts, eos, cfg) if not cfg.episodic else None
-    limit = position_limit(policy.config, tokenizer) if cfg.episodic else None
-    engine = make_engine(cfg, policy, d=on_device(device), longest_prompt=longest_prompt(
-        cfg, inputs.prompt_ids if inputs else [], limit))
-    source = make_source(cfg, engine, tokenizer, prompts=inputs.prompts if inputs else [],
-                         prompt_ids=inputs.prompt_ids if inputs else [], rows=rows,
-                         reward=rewards.reward or rewards.functions, env=user.env,
-                         tools=user.tools, eos_token_ids=eos, device=device,
-                         source_name=cfg.prompts, context_limit=limit,
-                         env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
+    engine, source = evaluation_source(cfg, policy, tokenizer, device, rows, cfg.episodic,
+                                       rewards.reward or rewards.functions, user.env, user.tools)
     try:
         metrics, samples = evaluate_policy(
             Evaluation(source, len(rows), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET),

@@ -19,17 +19,17 @@ from tether.models.base_location import check_base_option
 from tether.models.limits import check_sampled_models
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
-from tether.models.reward_model import position_limit
 from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
-from tether.rl.sources import load_tools, longest_prompt, make_source
+from tether.rl.sources import load_tools
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
 from tether.tools.config import GenerateConfig
+from tether.tools.evaluate import evaluation_source
 from tether.tools.outputs import check_output
 
 SAMPLE_SEED_STRIDE = 1_000_003  # sample s of an episode draws the noise of seed + s strides
@@ -104,14 +104,8 @@ def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[
     policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
                             base=cfg.base)
     use_threads(cfg.threads, policy, device)
-    eos = policy_eos_ids(tokenizer, policy, cfg.model)
-    limit = position_limit(policy.config, tokenizer)
-    engine = make_engine(cfg, policy, longest_prompt=longest_prompt(cfg, [], limit),
-                         d=on_device(device))
-    source = make_source(cfg, engine, tokenizer, prompts=[], prompt_ids=[], rows=rows,
-                         reward=None, env=env, tools=tools, eos_token_ids=eos, device=device,
-                         source_name=cfg.prompts, context_limit=limit,
-                         env_seed_base=cfg.seed + EVAL_SEED_OFFSET)
+    engine, source = evaluation_source(cfg, policy, tokenizer, device, rows, True, None, env,
+                                       tools)
     indices = list(range(len(rows)))
     out: list[list[dict]] = [[] for _ in rows]
     try:

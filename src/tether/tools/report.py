@@ -16,6 +16,7 @@ import html
 import io
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,17 @@ def read_run(path: str | Path) -> RunRecord:
     return RunRecord(path.name, path, config, metrics)
 
 
+def read_samples(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """step -> the samples a run logged with each evaluation (`path/samples.jsonl`; {} without
+    one): prompt, response and scores per held-out prompt."""
+    out = {}
+    if (path / "samples.jsonl").exists():
+        for line in (path / "samples.jsonl").read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            out[int(row["step"])] = row["samples"]
+    return out
+
+
 def metric_names(runs: list[RunRecord]) -> list[str]:
     """Every numeric metric any run logged, sorted by namespace then name."""
     names = {key for run in runs for row in run.metrics for key, value in row.items()
@@ -148,11 +160,6 @@ def legend_colours(fig) -> dict[str, str]:
     return out
 
 
-def integer_axis(axis) -> None:
-    """Ticks at whole numbers only, for steps and batches (never 1.2)."""
-    axis.set_major_locator(MaxNLocator(integer=True))
-
-
 def png_data(fig) -> str:
     """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
     buffer = io.BytesIO()
@@ -197,7 +204,7 @@ def plot_metrics(runs: list[RunRecord], names: list[str]
                     ax.plot(steps, values, "-o" if len(steps) < 3 else "-", markersize=4,
                             color=palette(run.name), label=run.name)
             ax.set(title=name, xlabel="step")
-            integer_axis(ax.xaxis)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: never 1.2
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
@@ -220,8 +227,14 @@ def config_diff(configs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     return shared, differing
 
 
-def _cell(value: Any) -> str:
-    return f"<td>{html.escape('' if value is None else json.dumps(value))}</td>"
+def rows_html(rows: Iterable[Iterable[str]], cell: str = "td") -> str:
+    """Table rows of text, each cell escaped (`cell` "th": header cells)."""
+    return "".join("<tr>" + "".join(f"<{cell}>{html.escape(c)}</{cell}>" for c in row) + "</tr>"
+                   for row in rows)
+
+
+def _json(value: Any) -> str:
+    return "" if value is None else json.dumps(value)
 
 
 def config_html(runs: list[RunRecord], page_dir: Path) -> str:
@@ -230,12 +243,11 @@ def config_html(runs: list[RunRecord], page_dir: Path) -> str:
     shared, differing = config_diff([run.config for run in runs])
     links = "".join(f"<li><a href='{html.escape(relative_link(run.path / 'config.yaml', page_dir))}'>"
                     f"{html.escape(run.name)}/config.yaml</a></li>" for run in runs)
-    header = "<tr><th>field</th>" + "".join(f"<th>{html.escape(r.name)}</th>" for r in runs)
-    rows = "".join(f"<tr><td>{html.escape(k)}</td>{''.join(_cell(v) for v in values)}</tr>"
-                   for k, values in differing.items())
-    same = "".join(f"<tr><td>{html.escape(k)}</td>{_cell(v)}</tr>" for k, v in shared.items())
+    header = rows_html([["field", *(r.name for r in runs)]], "th")
+    rows = rows_html([k, *map(_json, values)] for k, values in differing.items())
+    same = rows_html([k, _json(v)] for k, v in shared.items())
     return (f"<ul class='config-links'>{links}</ul>"
-            f"<table id='config-diff'>{header}</tr>{rows or '<tr><td>(none)</td></tr>'}</table>"
+            f"<table id='config-diff'>{header}{rows or '<tr><td>(none)</td></tr>'}</table>"
             f"<details><summary>{len(shared)} fields the runs share</summary>"
             f"<table id='config-shared'>{same}</table></details>")
 
@@ -244,11 +256,16 @@ def relative_link(target: Path, start: Path) -> str:
     return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
 
 
-# Figures and tables, shared by every page (the demo's too). A figure is a framed block with its
-# caption tight under its image and space before the next, so a caption never reads as the next
-# figure's heading; a table wider than the page scrolls inside itself (display: block) and long
-# cells wrap, so the page itself never scrolls sideways.
-FIGURE_TABLE_STYLE = """table { border-collapse: collapse; margin: 1em 0; display: block;
+# The style of every page (the demo's too). A finding's first word is green where it holds, red
+# where it fails, amber where it is not shown yet (the demo's verdicts). A figure is a framed block
+# with its caption tight under its image and space before the next, so a caption never reads as
+# the next figure's heading; a table wider than the page scrolls inside itself (display: block)
+# and long cells wrap, so the page itself never scrolls sideways.
+STYLE = """body { font-family: sans-serif; max-width: 1150px; margin: 2em auto; padding: 0 1em;
+  line-height: 1.45; }
+li.holds b { color: #1a7f37; } li.fails b { color: #b42318; } li.unshown b { color: #9a6700; }
+.note { color: #555; }
+table { border-collapse: collapse; margin: 1em 0; display: block;
   max-width: 100%; overflow-x: auto; }
 td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 0.9em;
   overflow-wrap: anywhere; min-width: 4em; }
@@ -256,16 +273,12 @@ img { max-width: 100%; display: block; }
 figure { margin: 0 0 2.5em 0; padding: 0.6em; border: 1px solid #ddd; border-radius: 4px; }
 figcaption { margin-top: 0.3em; color: #333; font-size: 0.92em; }"""
 
-STYLE = ("""body { font-family: sans-serif; max-width: 1150px; margin: 2em auto; padding: 0 1em;
-  line-height: 1.45; }
-li.holds b { color: #1a7f37; } li.fails b { color: #b42318; } .note { color: #555; }
-""" + FIGURE_TABLE_STYLE)
 
-
-def page(title: str, body: str) -> str:
+def page(title: str, body: str, heading: str = "") -> str:
+    """A whole page: `title` in the browser's tab, `heading` (default: the title) above `body`."""
     return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+            f"<h1>{html.escape(heading or title)}</h1>\n{body}\n</body></html>\n")
 
 
 def write_page(path: Path, text: str) -> Path:

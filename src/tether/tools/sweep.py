@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -38,20 +39,14 @@ from tether.train import dpo, ppo
 
 
 def execute_run(run: PlannedRun) -> None:
-    """One run through its stage's own `run`, resumed when it was started before."""
+    """One run through its stage's own `run`, resumed when it was started before; a DPO/IPO
+    policy is then scored by `tether eval`."""
     resume = state(run) == "broken"
     cfg = config_from_dict(config_class(run.stage), {**run.fields, "resume": resume})
-    if run.stage == "ppo":
-        try:
-            ppo.run(cfg)
-        except AlreadyFinished:
-            pass
-        return
-    try:
-        dpo.run(cfg)
-    except AlreadyFinished:  # trained before; only its evaluation was missing
-        pass
-    evaluate.run(config_from_dict(EvalConfig, run.eval_fields))
+    with contextlib.suppress(AlreadyFinished):  # (DPO/IPO: only its evaluation was missing)
+        (ppo if run.stage == "ppo" else dpo).run(cfg)
+    if run.stage == "dpo":
+        evaluate.run(config_from_dict(EvalConfig, run.eval_fields))
 
 
 # What locates a run rather than shapes it; with rundir's harmless fields, never a "change".
@@ -129,8 +124,7 @@ def check_recorded(sweep: Sweep) -> None:
 
 def save_plan(sweep: Sweep) -> None:
     """plan/<run>.yaml: a record of the grid's runs, one file each."""
-    sweep.root.mkdir(parents=True, exist_ok=True)
-    (sweep.root / "plan").mkdir(exist_ok=True)
+    (sweep.root / "plan").mkdir(parents=True, exist_ok=True)
     for run in sweep.runs:
         text = yaml.safe_dump(dataclasses.asdict(run), sort_keys=False)
         (sweep.root / "plan" / f"{run.name}.yaml").write_text(text, encoding="utf-8")
@@ -190,9 +184,8 @@ def check_functions(sweep: Sweep) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    """`tether sweep GRID.yaml [--jobs N] [--output-dir DIR]`."""
-    if argv and not argv[0].startswith("--"):
-        argv = ["--grid", *argv]
+    """`tether sweep GRID.yaml [--jobs N] [--output-dir DIR]` (parse_config reads GRID.yaml as
+    --grid: SweepConfig.POSITIONAL)."""
     cfg = parse_config(SweepConfig, argv, prog="tether sweep")
     sweep = plan(cfg.grid, cfg.output_dir or None)
     check_functions(sweep)  # before anything is written

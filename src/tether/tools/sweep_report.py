@@ -1,31 +1,22 @@
-"""The sweep's results: results.csv and report.html (the frontier, Gao et al.'s fit, beta).
+"""The sweep's report: results.csv and report.html (the frontier, Gao et al.'s fit, beta).
 
-    collect()     each finished run's evaluation points: (step, KL, exact KL, proxy, gold)
-    summarise()   per group (a grid point over its seeds): mean and standard error per step,
-                  the gold gain over the start, the Gao fit, the observed peak
-    write()       the CSV, three figures, a table, the recommended beta with its evidence
+    sweep_results   each finished run's evaluation points, summarised per grid point
+    write()         the CSV, three figures, a table, the recommended beta with its evidence
 
 Figures are drawn with tether.tools.report's machinery (inline PNGs in one self-contained page).
 """
 
 from __future__ import annotations
 
-import csv
 import html
-import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tether.tools.frontier import (
-    GaoFit,
     Recommendation,
-    end_of_training,
     error_text,
     frontier,
-    gao_fit,
     mean_and_stderr,
-    peak_then_fall,
     recommend_beta,
 )
 from tether.tools.report import (
@@ -39,142 +30,13 @@ from tether.tools.report import (
     png_data,
     read_run,
     relative_link,
+    rows_html,
     write_page,
 )
-from tether.tools.sweep_plan import PlannedRun, Sweep, state, unplanned
-
-METRICS = {"kl": "eval/kl", "kl_exact": "eval/kl_exact", "proxy": "eval/score",
-           "gold": "eval/gold_score"}
-
-
-@dataclass
-class RunPoints:
-    run: PlannedRun
-    steps: list[int] = field(default_factory=list)
-    values: dict[str, list[float]] = field(default_factory=dict)  # METRICS key -> per step
-    gold_by_prompt: dict[int, list[float]] = field(default_factory=dict)  # step -> per prompt
-
-
-def collect(sweep: Sweep) -> list[RunPoints]:
-    """The evaluation points of every finished run (PPO: each evaluation; DPO/IPO: one)."""
-    out = []
-    for run in sweep.runs:
-        if state(run) != "done":
-            continue
-        path = sweep.root / run.name
-        points = RunPoints(run)
-        if run.stage == "dpo":
-            record = json.loads((path / "eval.json").read_text(encoding="utf-8"))
-            rows = [{"step": 0, **record["metrics"]}]
-            points.gold_by_prompt[0] = [s["gold_score"] for s in record["samples"]]
-        else:
-            rows = [r for r in read_run(path).metrics if "eval/gold_score" in r]
-            points.gold_by_prompt = _sample_golds(path / "samples.jsonl")
-        for row in rows:
-            points.steps.append(int(row["step"]))
-            for key, name in METRICS.items():
-                points.values.setdefault(key, []).append(float(row.get(name, float("nan"))))
-        if points.steps:
-            out.append(points)
-    return out
-
-
-def _sample_golds(path: Path) -> dict[int, list[float]]:
-    """step -> the per-prompt gold scores PPO logged with each evaluation (samples.jsonl)."""
-    out = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with_step = json.loads(line)
-            out[int(with_step["step"])] = [s["gold_score"] for s in with_step["samples"]]
-    return out
-
-
-@dataclass
-class Group:
-    """One grid point over its seeds: mean and standard error at each shared evaluation step."""
-
-    name: str
-    stage: str
-    beta: float
-    label: str  # what the plots call it: the grid values
-    seeds: list[int]
-    steps: list[int]
-    mean: dict[str, list[float]]
-    stderr: dict[str, list[float]]
-    final_gold: list[float]  # each seed's last gold
-    end_steps: list[int] = field(default_factory=list)  # the evaluations END_EVALS averages
-    end_gold: list[float] = field(default_factory=list)  # per (seed, prompt), seeds in order
-    fit: GaoFit | None = None
-    gains: list[tuple[float, float]] = field(default_factory=list)  # (KL, gold - start gold)
-    verdict: str = ""  # gold peaks then falls, or not, with its evidence (PPO)
-
-
-def _label(run: PlannedRun) -> str:
-    if run.stage == "dpo":
-        name = "IPO" if run.fields.get("loss") == "ipo" else "DPO"
-        return f"{name} beta {run.fields.get('beta', 0.1):g}"
-    extra = ", ".join(f"{k} {v}" for k, v in run.point.items() if k != "beta")
-    return f"PPO beta {run.fields.get('beta', 0.05):g}" + (f" ({extra})" if extra else "")
-
-
-# The recommendation's measure of the end of training: per prompt, the mean gold of the last
-# END_EVALS evaluations after step 0 (one evaluation can be a dip; frontier.end_of_training).
-END_EVALS = 3
-
-
-def summarise(points: list[RunPoints]) -> list[Group]:
-    groups: dict[str, list[RunPoints]] = {}
-    for p in points:
-        groups.setdefault(p.run.group, []).append(p)
-    out = []
-    for name, members in groups.items():
-        steps = sorted(set.intersection(*(set(m.steps) for m in members)))
-        first = members[0].run
-        mean, stderr = {}, {}
-        for key in METRICS:
-            per_step = [[m.values[key][m.steps.index(s)] for m in members] for s in steps]
-            stats = [mean_and_stderr(v) for v in per_step]
-            mean[key], stderr[key] = [m for m, _ in stats], [e for _, e in stats]
-        group = Group(name, first.stage, float(first.fields.get("beta", 0.05)), _label(first),
-                      [m.run.seed for m in members], steps, mean, stderr,
-                      [m.values["gold"][-1] for m in members])
-        group.end_steps = [s for s in steps if s > 0][-END_EVALS:] or steps[-1:]
-        ordered = sorted(members, key=lambda m: m.run.seed)
-        if all(s in m.gold_by_prompt for m in ordered for s in group.end_steps):
-            group.end_gold = [g for m in ordered for g in end_of_training(
-                [m.gold_by_prompt[s] for s in group.end_steps], END_EVALS)]
-        if first.stage == "ppo" and steps and steps[0] == 0:
-            for m in members:  # gold gain over that seed's own start (step 0, the SFT policy)
-                start = m.values["gold"][m.steps.index(0)]
-                group.gains += [(k, g - start) for k, g in zip(m.values["kl"], m.values["gold"])]
-            group.fit = gao_fit([k for k, _ in group.gains], [g for _, g in group.gains])
-            group.verdict = _verdict(group, members)
-        out.append(group)
-    return out
-
-
-def write_csv(path: Path, points: list[RunPoints], axes: list[str]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "stage", "group", "seed", *axes, "step", *METRICS])
-        for p in points:
-            for i, step in enumerate(p.steps):
-                writer.writerow([p.run.name, p.run.stage, p.run.group, p.run.seed,
-                                 *[p.run.point.get(a, "") for a in axes], step,
-                                 *[f"{p.values[k][i]:.6g}" for k in METRICS]])
-
+from tether.tools.sweep_plan import Sweep, unplanned
+from tether.tools.sweep_results import END_EVALS, Group, RunPoints, collect, summarise, write_csv
 
 MARKERS = {"DPO": "s", "IPO": "D"}
-
-
-def _palette(groups: list[Group]) -> Palette:
-    """One colour per setting for the sweep's figures, handed out in the groups' order, so the
-    sweep page and the demo page (which embeds these figures) colour each setting alike, and no
-    setting takes a colour of the demo's own runs (RUN_COLOURS)."""
-    palette = Palette()
-    for g in groups:
-        palette(g.label)
-    return palette
 
 
 def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
@@ -260,7 +122,12 @@ def _fit_figure(fitted: list[Group], palette: Palette):
 def figures(groups: list[Group], points: list[RunPoints]
             ) -> list[tuple[str, str, str, dict[str, str]]]:
     """[(title, png, caption, legend colours)]; one colour per setting in every figure."""
-    palette = _palette(groups)
+    # One colour per setting, handed out in the groups' order, so the sweep page and the demo
+    # page (which embeds these figures) colour each setting alike, and no setting takes a colour
+    # of the demo's own runs (RUN_COLOURS).
+    palette = Palette()
+    for g in groups:
+        palette(g.label)
     out = []
 
     def add(fig, title: str, caption: str) -> None:
@@ -283,24 +150,6 @@ def figures(groups: list[Group], points: list[RunPoints]
             "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
             "inside the data.")
     return out
-
-
-def _verdict(group: Group, members: list[RunPoints]) -> str:
-    """Peak then fall, judged on per-prompt scores pooled over seeds (frontier.peak_then_fall)."""
-    peak_index = max(range(len(group.steps)), key=lambda i: group.mean["gold"][i])
-    at = {name: group.steps[i] for name, i in (("start", 0), ("peak", peak_index),
-                                               ("final", len(group.steps) - 1))}
-    pooled = {name: [g for m in members for g in m.gold_by_prompt.get(step, [])]
-              for name, step in at.items()}
-    if peak_index == 0 or len({len(v) for v in pooled.values()}) != 1 or not pooled["start"]:
-        return "gold never rose above its start" if peak_index == 0 else ""
-    found = peak_then_fall(pooled["start"], pooled["peak"], pooled["final"],
-                           group.mean["kl"][peak_index])
-    label = ("gold peaks then falls" if found.holds else
-             "gold still rising at its last evaluation" if peak_index == len(group.steps) - 1
-             and found.rose else
-             "gold rises, no fall beyond noise" if found.rose else "no rise beyond noise")
-    return f"{label}: {found.evidence}"
 
 
 def _number(value: float | None, fmt: str) -> str:
@@ -418,10 +267,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
-    header = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
-    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                    for row in rows)
-    body.append(f"<table id='sweep-table'><tr>{header}</tr>{cells}</table>{EXPLAIN}")
+    body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
+                f"</table>{EXPLAIN}")
     if points:
         body += [figure_html(data, title, caption, colours)
                  for title, data, caption, colours in figures(groups, points)]
