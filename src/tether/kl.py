@@ -32,8 +32,7 @@ from typing import Protocol
 
 import torch
 
-from tether._checks import non_negative, positive, same_shape
-from tether.choices import KL_ESTIMATORS, entry, kl_allowed
+from tether.choices import KL_ESTIMATORS, entry, kl_allowed, non_negative, positive, same_shape
 from tether.logprobs import map_row_chunks
 
 # The estimators `estimate` and the KL-in-the-reward placement take, and the terms

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tether import kl as kl_lib
 from tether import logprobs as logprobs_lib
-from tether._checks import positive
+from tether.choices import positive
 
 # Logit elements per chunk: 2^22 fp32 = 16 MiB, the scratch size of tether.logprobs. Read at call
 # time, so tests can shrink it to force many chunks.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tether._checks import positive
+from tether.choices import positive
 
 # Rows of [V] logits processed at once: 2^22 fp32 elements = 16 MiB of scratch per chunk.
 CHUNK_ELEMENTS = 1 << 22
