@@ -117,8 +117,11 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
                       setup.tokenizer, raw_scores[mine])
             bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
-                            beta=f"{beta:.3g}")
+            # The KL shown cannot be negative (k1, what the controller may read, can on a
+            # batch): the exact KL where it was computed, else k3; its name says which.
+            shown = "kl_exact" if "objective/kl_exact" in metrics else "kl_k3"
+            bar.set_postfix(**{"score": f"{metrics['objective/score']:.3f}",
+                               shown: f"{metrics[f'objective/{shown}']:.3f}", "beta": f"{beta:.3g}"})
             # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
             watch.check(metrics, step)
             stopping = any_rank(interrupt.requested(), d)
