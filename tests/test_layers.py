@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md, "Layers"): every module imports alone, no import cycle (imports
+"""The package's shape (docs/design.md, "Layers"): every module imports alone, no import cycle (imports
 inside functions included), imports point down the layers, the root holds the public maths and
 the entry points only, no function in src runs past 80 lines, and every declared dependency is
 imported somewhere.

@@ -119,7 +119,7 @@ class KLPlacement:
     """Where the KL penalty acts (--kl-in, --kl-estimator resolved): per token in the reward,
     -beta * kl_t (PPO), or as a loss term beside the policy loss (GRPO), never both. As a loss
     term it takes the policy loss's reduction, so beta means what it means in the reward when
-    both are per-sequence sums (DESIGN.md)."""
+    both are per-sequence sums (docs/design.md)."""
 
     kl_in: str = "reward"  # "reward" or "loss"
     kl_estimator: str = "k1"  # a key of tether.choices.KL_ESTIMATORS allowed where kl_in says

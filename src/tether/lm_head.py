@@ -272,7 +272,7 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
         head: the LM head. An nn.Linear (bias optional; its weight may be the tied input
             embedding) takes the fused path above; any other module is checkpointed per chunk.
         tokens: [...] integer ids in [0, V), same leading shape as `hidden`.
-        temperature: T_s > 0, the sampling temperature (DESIGN.md, pitfalls).
+        temperature: T_s > 0, the sampling temperature (docs/design.md, pitfalls).
 
     Returns:
         [...] fp32 log-probs, differentiable with respect to `hidden` and the head's parameters.

@@ -88,7 +88,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         logits: [..., V], any float dtype (bf16 is upcast per chunk, so results are fp32-accurate).
         tokens: [...] integer ids, same leading shape as `logits`.
         temperature: T_s > 0, the temperature the tokens were sampled at; policy, old policy and
-            reference must all use it, or the KL between them is wrong (DESIGN.md, pitfalls).
+            reference must all use it, or the KL between them is wrong (docs/design.md, pitfalls).
 
     Returns:
         [...] fp32 log-probs, differentiable with respect to `logits`.

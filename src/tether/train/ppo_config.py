@@ -208,7 +208,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         return self.micro_batch_size or self.minibatch_size
 
     @property
-    def resolved_loss_aggregation(self) -> str:  # derived: auto follows the KL placement (DESIGN.md)
+    def resolved_loss_aggregation(self) -> str:  # derived: auto follows the KL placement (docs/design.md)
         if self.loss_aggregation != "auto":
             return self.loss_aggregation
         if self.kl_in == "loss" and not self.kl_per_token_mean:
