@@ -1,4 +1,4 @@
-"""tether._compat: an extension wheel built for another torch (the CUDA torchvision that vLLM's
+"""tether.hide_mismatched_extensions: an extension wheel built for another torch (the CUDA torchvision that vLLM's
 CPU build pulls beside the CPU torch) is hidden before transformers looks for it; matching ones
 and torch itself are left alone. Fake packages in a temporary site directory, in a fresh
 interpreter, so nothing real is hidden."""

@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md, "Layers"): every module imports alone, no import cycle (imports
+"""The package's shape (docs/design.md, "Layers"): every module imports alone, no import cycle (imports
 inside functions included), imports point down the layers, the root holds the public maths and
 the entry points only, no function in src runs past 80 lines, and every declared dependency is
 imported somewhere.
@@ -24,8 +24,9 @@ SRC = ROOT / "src" / "tether"
 
 # Lower layers first; a module may import its own layer (without a cycle) and the ones below it.
 LAYERS = [
-    {"tether.errors", "tether._checks", "tether.choices", "tether.kl", "tether.logprobs",
-     "tether.advantages", "tether.losses", "tether.lm_head"},  # the public maths and its tables
+    # the public maths and its tables
+    {"tether.errors", "tether.choices", "tether.kl", "tether.logprobs", "tether.advantages",
+     "tether.scores", "tether.losses", "tether.objectives", "tether.lm_head"},
     {"tether.run"},  # configs, run directories, checkpoints, processes: no data format
     {"tether.data"},
     {"tether.models"},
@@ -35,8 +36,8 @@ LAYERS = [
     {"tether.demo"},
     {"tether.cli", "tether.__main__"},
 ]
-ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "_checks", "_compat", "choices", "kl",
-                "logprobs", "advantages", "losses", "lm_head"}
+ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "choices", "kl", "logprobs",
+                "advantages", "scores", "losses", "objectives", "lm_head"}
 
 
 def module_name(path: Path) -> str:
@@ -51,8 +52,8 @@ def layer_of(name: str) -> int:
     for rank, members in enumerate(LAYERS):
         if any(name == m or name.startswith(m + ".") for m in members):
             return rank
-    # the package and what it runs on import (tether._compat) sit below every layer
-    return -1 if name in ("tether", "tether._compat") else len(LAYERS)
+    # the package (and what it runs on import) sits below every layer
+    return -1 if name == "tether" else len(LAYERS)
 
 
 def imported(path: Path) -> set[str]:

@@ -487,7 +487,8 @@ def test_a_new_objective_reads_its_inputs_by_name_through_the_update(monkeypatch
     # its function and one table entry (tether.choices.POLICY_LOSSES): update_loss hands every
     # input it has to the objective by name, and the loss is the objective's, reduced.
     from tether import choices
-    from tether.losses import LossInputs, PolicyLoss
+    from tether.losses import PolicyLoss
+    from tether.objectives import LossInputs
     from tether.rl.scoring import Forward
     from tether.rl.update import Counts, LossBatch, UpdateSpec, update_loss
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 # tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
 # with the vllm extra it hides the torchvision built for another torch before transformers
-# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+# looks for it (tether.hide_mismatched_extensions; tests/bench/test_bench_import_order.py holds the rule).
 import tether  # noqa: F401
 
 BENCH = Path(__file__).resolve().parent

@@ -35,7 +35,7 @@ from pathlib import Path
 
 # tether first, before transformers, TRL or vLLM (here or in what this imports): in a venv
 # with the vllm extra it hides the torchvision built for another torch before transformers
-# looks for it (tether._compat; tests/bench/test_bench_import_order.py holds the rule).
+# looks for it (tether.hide_mismatched_extensions; tests/bench/test_bench_import_order.py holds the rule).
 import tether as _tether  # noqa: F401  (the name `tether` is the function below)
 
 HERE = Path(__file__).resolve().parent
@@ -58,9 +58,6 @@ FULL = dict(hidden_size=64, n_layer=3, n_head=2, window=32,
 QUICK = dict(hidden_size=32, n_layer=1, n_head=2, window=32,
              sft=["--max-steps", 30],
              grpo=["--total-episodes", 64, "--batch-size", 32])
-# --threads 2: on 2 cores this model's SFT step took 0.07 s with 2 threads and 0.13 s with 1
-# (tether's automatic choice for a model under 10M parameters).
-COMMON = ["--device", "cpu", "--threads", 2]
 EPISODE = ["--max-turns", 3, "--max-new-tokens", 32]  # --max-new-tokens is per turn
 
 
@@ -163,12 +160,12 @@ def tool_args() -> list[str]:
             "--reward-fn", f"{shown(HERE / 'rewards.py')}:correct"]
 
 
-def evaluate(model: Path, prompts: Path, out: Path) -> tuple[dict, float]:
+def evaluate(model: Path, prompts: Path, out: Path, common: list) -> tuple[dict, float]:
     """Held-out figures of `model`, one episode per question sampled at temperature 1:
     success (the reward's mean), tool_call_rate (episodes with a `<tool_call>` in any of the
     model's turns), tool_calls and tool_errors (per episode, as tether counts them)."""
     seconds = tether("eval", "--model", model, "--prompts", prompts, *tool_args(), *EPISODE,
-                     "--batch-size", 100, *COMMON, "--output", out)
+                     "--batch-size", 100, *common, "--output", out)
     record = json.loads(out.read_text())
     metrics, samples = record["metrics"], record["samples"]
     return {"questions": len(samples), "success": metrics["eval/score"],
@@ -185,57 +182,90 @@ def grpo_curve(metrics_path: Path) -> dict:
             for key in ("objective/score", "env/tool_calls", "objective/kl")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke test of under a minute")
-    parser.add_argument("--out", default="calculator-run", help="directory for everything")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def run_seed(args, seed: int, out: Path) -> dict:
+    """Every stage for one seed in `out`; returns its summary (also written as summary.json)."""
     settings = QUICK if args.quick else FULL
-    out = Path(args.out).resolve()
     runs = out / "runs"
     if runs.exists():
         sys.exit(f"{shown(out)} already holds a run; choose another --out or delete it")
     out.mkdir(parents=True, exist_ok=True)
-    seed = ["--seed", args.seed]
+    common = ["--device", "cpu", "--threads", args.threads, "--seed", seed]
     seconds: dict[str, float] = {}
 
     start = time.perf_counter()
-    files = write_data(out, args.seed)
-    parameters = build_base(out / "base", settings, args.seed)
+    files = write_data(out, seed)
+    parameters = build_base(out / "base", settings, seed)
     seconds["data_and_base"] = time.perf_counter() - start
     print(f"data and a {parameters / 1e6:.2f}M-parameter base model in "
           f"{seconds['data_and_base']:.1f} s, in {shown(out)}")
 
     seconds["sft"] = tether(
         "sft", "--model", out / "base", "--data", files["sft"], *settings["sft"],
-        "--batch-size", 16, "--lr", 3e-3, "--warmup-steps", 20, "--max-length", 384, *COMMON,
-        *seed, "--run-name", "sft", "--output-dir", runs, "--save-every", 0, "--log-every", 50,
+        "--batch-size", 16, "--lr", 3e-3, "--warmup-steps", 20, "--max-length", 384, *common,
+        "--run-name", "sft", "--output-dir", runs, "--save-every", 0, "--log-every", 50,
         "--report-to", "none")
     before, seconds["eval_sft"] = evaluate(runs / "sft" / "final", files["held_out"],
-                                           out / "eval_sft.json")
+                                           out / "eval_sft.json", common[:4])
     seconds["grpo"] = tether(
         "grpo", "--policy", runs / "sft" / "final", "--prompts", files["prompts"], *tool_args(),
         *EPISODE, "--max-episode-tokens", 128, "--samples-per-prompt", 8, *settings["grpo"],
-        "--lr", 1e-3, "--beta", 0.01, *COMMON, *seed, "--run-name", "grpo",
+        "--lr", 1e-3, "--beta", 0.01, *common, "--run-name", "grpo",
         "--output-dir", runs, "--save-every", 0, "--sample-every", 0, "--report-to", "none")
     after, seconds["eval_grpo"] = evaluate(runs / "grpo" / "final", files["held_out"],
-                                           out / "eval_grpo.json")
+                                           out / "eval_grpo.json", common[:4])
     seconds["total"] = time.perf_counter() - start
 
-    summary = {"quick": args.quick, "seed": args.seed, "parameters": parameters,
+    summary = {"quick": args.quick, "seed": seed, "parameters": parameters,
                "sft": before, "grpo": after,
                "grpo_training": grpo_curve(runs / "grpo" / "metrics.jsonl"),
-               "seconds": seconds, "commands": COMMANDS}
+               "seconds": seconds, "commands": list(COMMANDS)}
+    COMMANDS.clear()
     figures = [*before.values(), *after.values(), *seconds.values()]
     if not all(math.isfinite(v) for v in figures):
         sys.exit(f"a figure is not finite: {summary}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\n{'held out':16}{'SFT':>8}{'GRPO':>8}")
-    for key in before:
-        print(f"{key:16}" + "".join(f"{v:8d}" if isinstance(v, int) else f"{v:8.3f}"
-                                    for v in (before[key], after[key])))
-    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+    return summary
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), least and most."""
+    mean = sum(values) / len(values)
+    sd = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+          if len(values) > 1 else 0.0)
+    return {"mean": mean, "sd": sd, "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke test of under a minute")
+    parser.add_argument("--out", default="calculator-run", help="directory for everything")
+    parser.add_argument("--seeds", default="0",
+                        help="seeds, joined by commas: each runs every stage in <out>/seed<N>/ "
+                             "(data split, base, sampling); summary.json has each figure's mean "
+                             "and spread over them")
+    parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
+    # 2 threads: on 2 cores this model's SFT step took 0.07 s with 2 and 0.13 s with 1 (tether's
+    # automatic choice for a model under 10M parameters)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every stage")
+    args = parser.parse_args()
+    seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out).resolve()
+    summaries = [run_seed(args, seed, out / f"seed{seed}" if len(seeds) > 1 else out)
+                 for seed in seeds]
+    table = {policy: {key: spread([s[policy][key] for s in summaries])
+                      for key in summaries[0][policy]} for policy in ("sft", "grpo")}
+    total = spread([s["seconds"]["total"] for s in summaries])
+    if len(seeds) > 1:
+        (out / "summary.json").write_text(json.dumps(
+            {"quick": args.quick, "seeds": seeds, "held_out": table, "seconds_total": total,
+             "per_seed": [str(out / f"seed{seed}" / "summary.json") for seed in seeds]},
+            indent=1) + "\n")
+    print(f"\nheld out, over seeds {','.join(map(str, seeds))}: mean (sd; min-max)")
+    print(f"{'':16}{'SFT':>28}{'GRPO':>28}")
+    for key in table["sft"]:
+        print(f"{key:16}" + "".join(f"{c['mean']:10.3f} ({c['sd']:.3f}; {c['min']:.3f}-{c['max']:.3f})"
+                                    for c in (table["sft"][key], table["grpo"][key])))
+    print(f"seconds per seed: {total['mean']:.0f} (min {total['min']:.0f}, max {total['max']:.0f})")
     print(f"written to {shown(out / 'summary.json')}")
 
 

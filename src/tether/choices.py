@@ -18,6 +18,9 @@ from a table is an error at the table (`entry`), never a fall-through to another
 option that acts only with some entries is in their `options`: given with another entry, it is
 refused (`tether.run.scopes`).
 
+Beside the tables, the maths layer's argument checks (`same_shape`, `positive`, `non_negative`,
+`masked_mean`): one-line errors that name the problem and the fix, as `entry` gives for a name.
+
 An entry names its function by `module:function` (`Ref`), imported when first called: the
 configs, `--help` and every refusal read these tables before torch loads (a config module imports
 no torch), and an engine's optional package (vLLM) is imported only when asked for. The names
@@ -196,8 +199,8 @@ def kl_allowed(placement: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Objective:
-    """A policy objective (`tether.losses`): (inputs: LossInputs, clip, clip_high) ->
-    (per-token loss [B, T], where the clip or cap acted [B, T])."""
+    """A policy objective (`tether.objectives`): (inputs: LossInputs) -> (per-token loss
+    [B, T], where the clip or cap acted [B, T])."""
 
     about: str
     fn: Callable
@@ -205,13 +208,40 @@ class Objective:
 
 POLICY_LOSSES: dict[str, Objective] = {
     "ppo": Objective("the clipped surrogate (Schulman et al. 2017)",
-                     Ref("tether.losses:clipped_surrogate")),
+                     Ref("tether.objectives:clipped_surrogate")),
     "cispo": Objective("REINFORCE on log pi with a capped, detached weight (MiniMax-M1 2025)",
-                       Ref("tether.losses:cispo")),
+                       Ref("tether.objectives:cispo")),
 }
 
 # --importance-level: (log_ratio [B, T], mask [B, T]) -> the log-ratio the ratio exponentiates
 IMPORTANCE_LEVELS: dict[str, Callable] = {
-    "token": Ref("tether.losses:token_log_ratio"),  # PPO
-    "sequence": Ref("tether.losses:sequence_log_ratio"),  # GSPO
+    "token": Ref("tether.objectives:token_log_ratio"),  # PPO
+    "sequence": Ref("tether.objectives:sequence_log_ratio"),  # GSPO
 }
+
+
+# ----------------------------------------------------------------------------- argument checks
+# (tensors duck-typed: this module imports no torch)
+
+def same_shape(**tensors) -> None:
+    """Raise ValueError unless every tensor has the same shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"shape mismatch: {listed}; pass tensors of one shape")
+
+
+def positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def masked_mean(x, mask):
+    """Mean of `x` over positions where `mask` is true (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)

@@ -32,8 +32,7 @@ from typing import Protocol
 
 import torch
 
-from tether._checks import non_negative, positive, same_shape
-from tether.choices import KL_ESTIMATORS, entry, kl_allowed
+from tether.choices import KL_ESTIMATORS, entry, kl_allowed, non_negative, positive, same_shape
 from tether.logprobs import map_row_chunks
 
 # The estimators `estimate` and the KL-in-the-reward placement take, and the terms
@@ -120,7 +119,7 @@ class KLPlacement:
     """Where the KL penalty acts (--kl-in, --kl-estimator resolved): per token in the reward,
     -beta * kl_t (PPO), or as a loss term beside the policy loss (GRPO), never both. As a loss
     term it takes the policy loss's reduction, so beta means what it means in the reward when
-    both are per-sequence sums (DESIGN.md)."""
+    both are per-sequence sums (docs/design.md)."""
 
     kl_in: str = "reward"  # "reward" or "loss"
     kl_estimator: str = "k1"  # a key of tether.choices.KL_ESTIMATORS allowed where kl_in says

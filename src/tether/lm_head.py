@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tether import kl as kl_lib
 from tether import logprobs as logprobs_lib
-from tether._checks import positive
+from tether.choices import positive
 
 # Logit elements per chunk: 2^22 fp32 = 16 MiB, the scratch size of tether.logprobs. Read at call
 # time, so tests can shrink it to force many chunks.
@@ -272,7 +272,7 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
         head: the LM head. An nn.Linear (bias optional; its weight may be the tied input
             embedding) takes the fused path above; any other module is checkpointed per chunk.
         tokens: [...] integer ids in [0, V), same leading shape as `hidden`.
-        temperature: T_s > 0, the sampling temperature (DESIGN.md, pitfalls).
+        temperature: T_s > 0, the sampling temperature (docs/design.md, pitfalls).
 
     Returns:
         [...] fp32 log-probs, differentiable with respect to `hidden` and the head's parameters.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tether._checks import positive
+from tether.choices import positive
 
 # Rows of [V] logits processed at once: 2^22 fp32 elements = 16 MiB of scratch per chunk.
 CHUNK_ELEMENTS = 1 << 22
@@ -88,7 +88,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         logits: [..., V], any float dtype (bf16 is upcast per chunk, so results are fp32-accurate).
         tokens: [...] integer ids, same leading shape as `logits`.
         temperature: T_s > 0, the temperature the tokens were sampled at; policy, old policy and
-            reference must all use it, or the KL between them is wrong (DESIGN.md, pitfalls).
+            reference must all use it, or the KL between them is wrong (docs/design.md, pitfalls).
 
     Returns:
         [...] fp32 log-probs, differentiable with respect to `logits`.

@@ -14,9 +14,10 @@ short response's tokens more than a long one's. When the KL is a loss term besid
 loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
 reward placement.
 
-Policy losses are functions of one bundle of named inputs (`LossInputs`), each an entry of
-`tether.choices.POLICY_LOSSES` over the ratios of `IMPORTANCE_LEVELS`, read by `policy_loss`
-with a `PolicyLoss` spec; a new objective is one function and one entry, whatever it reads.
+Policy losses are the objectives of `tether.objectives` (functions of one bundle of named
+inputs, `LossInputs`), each an entry of `tether.choices.POLICY_LOSSES`, over the ratios of
+`IMPORTANCE_LEVELS`, reduced by `policy_loss` with a `PolicyLoss` spec; a new objective is one
+function and one entry, whatever it reads.
 
 Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
 or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
@@ -32,9 +33,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tether._checks import masked_mean, non_negative, same_shape
-from tether.choices import IMPORTANCE_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, entry
+from tether.choices import (
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    KLEstimator,
+    entry,
+    masked_mean,
+    non_negative,
+    same_shape,
+)
 from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS
+from tether.objectives import LossInputs
 
 AGGREGATIONS = ("token", "sequence", "sum")
 
@@ -71,56 +81,6 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token
 
 
 # ----------------------------------------------------------------------------- policy losses
-
-@dataclass(frozen=True)
-class LossInputs:
-    """What a policy objective reads, by name: all [B, T] but the clips and the group. An
-    objective takes the bundle and reads what it needs, so one that needs another input (the
-    reference's log-probs, the engine's, its group) is its function and one entry
-    of `tether.choices.POLICY_LOSSES`, nothing else (`tether.rl.update.update_loss` passes every
-    input it has)."""
-
-    ratio: torch.Tensor  # the importance ratio (--importance-level), from the clamped log-ratio
-    logprobs: torch.Tensor  # log pi(y_t) under the policy being updated, differentiable
-    old_logprobs: torch.Tensor  # log pi_old(y_t), at rollout time
-    advantages: torch.Tensor
-    mask: torch.Tensor  # bool: the tokens that carry the loss
-    clip: float  # eps, the ratio's lower clip
-    clip_high: float  # eps_high (eps when not given)
-    ref_logprobs: torch.Tensor | None = None  # log ref(y_t)
-    engine_logprobs: torch.Tensor | None = None  # the sampling engine's log-probs (behaviour)
-    group_size: int = 1  # k: the samples of one prompt, in consecutive rows
-
-
-def clipped_surrogate(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO (Schulman et al. 2017, eq. 7), negated: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)).
-    Clipped where the clipped branch is the larger loss; the ratio carries the gradient."""
-    pg_loss1 = -x.advantages * x.ratio
-    pg_loss2 = -x.advantages * torch.clamp(x.ratio, 1.0 - x.clip, 1.0 + x.clip_high)
-    return torch.maximum(pg_loss1, pg_loss2), pg_loss2 > pg_loss1
-
-
-def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1, 2025, eq. 4-5): -sg(min(r, 1 + eps_high)) A log pi, REINFORCE on log pi
-    with a capped, detached importance weight, so no token's gradient is dropped, only bounded.
-    Capped where r > 1 + eps_high; the lower clip is unused."""
-    weight = x.ratio.clamp(max=1.0 + x.clip_high).detach()
-    return -weight * x.advantages * x.logprobs, x.ratio > 1.0 + x.clip_high
-
-
-def token_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each token's own log-ratio [B, T] (PPO)."""
-    return log_ratio
-
-
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each response's mean log-ratio over its true tokens [B, 1], shared by its tokens (GSPO,
-    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7: s_i = exp(mean_t log r_t), a
-    length-normalised sequence ratio, differentiable through the mean, so a response is clipped or
-    kept whole; its clip range is ~1e-3, not 0.2)."""
-    m = mask.to(log_ratio.dtype)
-    return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
-
 
 @dataclass(frozen=True)
 class PolicyLoss:
@@ -247,13 +207,7 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         (penalty, stats): scalar penalty, without beta; detached stats `kl_per_sequence` (mean
         over sequences of the summed c) and `kl_per_token` (masked token mean of c).
     """
-    term = entry(KL_ESTIMATORS, estimator, "KL loss estimator")
-    if not term.in_loss:
-        raise ValueError(f"KL estimator {estimator!r} cannot be a loss term: its expected "
-                         f"gradient is {term.gradient}; use one of {', '.join(LOSS_ESTIMATORS)}")
-    if term.token is None:
-        raise ValueError("the exact KL needs the full logits: compute tether.kl.exact(logits, "
-                         "ref_logits) per position and pass it to exact_kl_penalty")
+    term = _loss_term(estimator)
     same_shape(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                mask=mask)
     real = mask.bool()
@@ -269,6 +223,18 @@ def kl_penalty(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs:
         same_shape(logprobs=logprobs, weights=weights)
         per_token = per_token * torch.where(real, weights.detach(), 0.0)
     return _reduced_penalty(per_token, mask, aggregation, denominator)
+
+
+def _loss_term(estimator: str) -> KLEstimator:
+    """The per-token loss term `estimator` names, or why it cannot be one (its table's facts)."""
+    term = entry(KL_ESTIMATORS, estimator, "KL loss estimator")
+    if not term.in_loss:
+        raise ValueError(f"KL estimator {estimator!r} cannot be a loss term: its expected "
+                         f"gradient is {term.gradient}; use one of {', '.join(LOSS_ESTIMATORS)}")
+    if term.token is None:
+        raise ValueError("the exact KL needs the full logits: compute tether.kl.exact(logits, "
+                         "ref_logits) per position and pass it to exact_kl_penalty")
+    return term
 
 
 def exact_kl_penalty(exact_kl: torch.Tensor, mask: torch.Tensor, aggregation: str = "sum",

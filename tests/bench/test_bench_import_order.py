@@ -2,7 +2,7 @@
 peft, datasets or accelerate, or a module of its own folder that imports them.
 
 Why: in a venv with the vllm extra on a CPU machine, vLLM's CPU build pulls torchvision built for
-CUDA torch. `import tether` marks it absent (tether._compat) before transformers looks for it;
+CUDA torch. `import tether` marks it absent (tether.hide_mismatched_extensions) before transformers looks for it;
 transformers decides once, when it is first imported, whether torchvision is there, so when it
 comes first it counts on a torchvision that tether then hides, and its image utilities (which
 vLLM imports) fail with "No module named 'torchvision.io'; 'torchvision' is not a package".

@@ -18,11 +18,13 @@ RUN = Path(__file__).resolve().parents[2] / "examples" / "calculator" / "run.py"
 @pytest.mark.slow
 def test_quick_calculator_example(tmp_path):
     # A subprocess, as a user runs it: the script puts its own folder on sys.path.
-    done = subprocess.run([sys.executable, str(RUN), "--quick", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(RUN), "--quick", "--out", str(tmp_path / "out"),
+                           "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    commands = [line for line in done.stdout.splitlines() if line.startswith("$ tether ")]
     for stage in ("tether sft ", "tether eval ", "tether grpo "):
-        assert f"$ {stage}" in done.stdout, stage  # each command is printed as typed
+        assert any(c.startswith(f"$ {stage}") for c in commands), stage  # printed as typed
+    assert commands and all("--threads 1 " in c for c in commands)  # the example's --threads
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     for policy in ("sft", "grpo"):
         figures = summary[policy]

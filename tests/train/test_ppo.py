@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from update_helpers import loss_on, prompt_batch, update_on
 
-from tether.advantages import ScoreNormalizer, kl_shaped_rewards
+from tether.advantages import kl_shaped_rewards
 from tether.cli import main
 from tether.data.prompts import prompt_indices
 from tether.errors import TetherError
@@ -23,6 +23,7 @@ from tether.models.tiny import save_tiny
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.run.parse import parse_config
+from tether.scores import ScoreNormalizer
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build
 
@@ -406,3 +407,25 @@ def test_rollout_carries_its_temperature_and_other_ones_are_refused(env, tiny_mo
     assert scored.logprobs.equal(again.logprobs)
     with pytest.raises(ValueError, match="temperature 1.0 for responses sampled at 0.7"):
         score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, 8)
+
+
+@pytest.mark.parametrize("estimator, shown", [("k1", "kl_exact"), ("exact", "kl_exact")])
+def test_the_progress_line_shows_a_kl_that_cannot_be_negative(env, tiny_model_dir, capsys,
+                                                               estimator, shown):
+    # issue 47: grpo's line showed k1 (`kl=-0.023`), which can be negative on a batch. It shows
+    # the exact KL where the batch computed it (else k3), named so, and equal to the metric.
+    from tether.cli import main
+
+    kl_in = "reward" if estimator == "k1" else "loss"
+    argv = ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(env / "prompts.jsonl"),
+            "--reward-fn", f"{env / 'rewards.py'}:length_reward", "--run-name",
+            f"progress-{estimator}", "--output-dir", str(env / "runs"), "--batch-size", "8",
+            "--total-episodes", "16", "--max-new-tokens", "6", "--device", "cpu",
+            "--save-every", "0", "--kl-in", kl_in, "--kl-estimator", estimator]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if ": step " in line]
+    metrics = [json.loads(x) for x in (env / "runs" / f"progress-{estimator}" /
+                                      "metrics.jsonl").read_text().splitlines()]
+    assert lines and " kl=" not in lines[-1]
+    value = float(lines[-1].split(f" {shown}=")[1].split()[0])
+    assert value >= 0 and value == pytest.approx(metrics[-1][f"objective/{shown}"], abs=1e-3)

@@ -34,7 +34,6 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from tether.advantages import ScoreNormalizer, overlong_penalty
 from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.forward import autocast
@@ -42,12 +41,10 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm
 from tether.models.saving import save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
-from tether.rl.evaluation import evaluate_policy, measure_responses
 from tether.rl.reward import NonFiniteScore
 from tether.rl.reward.pool import gather_failed
 from tether.rl.roles import any_rank, check_same_beta, gather_rollout
-from tether.rl.rollout import Rollout, decode_responses
-from tether.rl.scoring import explained_variance, kl_sums
+from tether.rl.rollout import Rollout
 from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -57,9 +54,11 @@ from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.run.user_code.load import function_name
+from tether.scores import ScoreNormalizer, overlong_penalty
 from tether.train.ppo_config import PPOConfig
+from tether.train.ppo_log import batch_metrics, final_evaluation, log_batch, log_evaluation
 from tether.train.ppo_setup import Setup, batch_rows, build
-from tether.train.ppo_watch import Watch, collapsed, nothing_learned, watch_for
+from tether.train.ppo_watch import Watch, nothing_learned, watch_for
 
 __all__ = ["PPOConfig", "run", "cli"]
 
@@ -119,8 +118,11 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
                       setup.tokenizer, raw_scores[mine])
             bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{seq_kl:.3f}",
-                            beta=f"{beta:.3g}")
+            # The KL shown cannot be negative (k1, what the controller may read, can on a
+            # batch): the exact KL where it was computed, else k3; its name says which.
+            shown = "kl_exact" if "objective/kl_exact" in metrics else "kl_k3"
+            bar.set_postfix(**{"score": f"{metrics['objective/score']:.3f}",
+                               shown: f"{metrics[f'objective/{shown}']:.3f}", "beta": f"{beta:.3g}"})
             # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
             watch.check(metrics, step)
             stopping = any_rank(interrupt.requested(), d)
@@ -287,61 +289,6 @@ def penalised_scores(raw_scores: torch.Tensor, rollout: Rollout, cfg: PPOConfig)
     return scores
 
 
-def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tensor,
-                  done: BatchUpdate, beta: float, seq_kl: float, lr: float, elapsed: float,
-                  has_critic: bool) -> dict[str, float]:
-    """The batch's metric line (docs/ppo.md defines each), the same on every rank. Every count
-    and mean is over the tokens the policy sampled."""
-    mask, old = rollout.action_mask, done.old
-    n_tokens = int(mask.sum())
-    metrics = {
-        "objective/score": raw_scores.mean().item(),
-        "objective/kl": seq_kl,
-        "objective/beta": beta,
-        "objective/rlhf_reward": scores.mean().item() - beta * seq_kl,
-        "policy/entropy": (old.entropy.sum() / n_tokens).item(),
-        "rollout/response_len": mask.sum(1).float().mean().item(),
-        "rollout/eos_rate": rollout.ended.float().mean().item(),
-        **kl_sums(old, mask),
-        "perf/tokens_per_s": n_tokens / elapsed,
-        "perf/episodes_per_s": len(rollout) / elapsed,
-        "perf/rollout_s": elapsed - done.update_s,
-        "perf/update_s": done.update_s,
-        "optim/lr": lr,
-        **done.stats,
-    }
-    if has_critic:
-        metrics["value/explained_var"] = explained_variance(old.values, done.returns, mask)
-    metrics["policy/collapsed"] = float(collapsed(metrics))
-    return metrics
-
-
-def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
-    """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics.
-
-    Under several processes every rank evaluates every prompt alike (the same noise, the same
-    numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
-    with autocast(cfg.mixed_precision, setup.device):
-        # Sampled with the same seed each time: successive evaluations differ only through the
-        # policy (tether.rl.evaluation.evaluate_policy).
-        metrics, samples = evaluate_policy(
-            setup.eval, lambda rollout: setup.roles.peek(lambda policy, _critic: (
-                measure_responses(policy, setup.reference, rollout, cfg.chunked_lm_head))),
-            setup.gold)
-    rundir.log_samples(step, samples)
-    return metrics
-
-
-def final_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig) -> dict[str, float]:
-    """The held-out evaluation of the final policy, logged at the last batch, unless the last
-    batch already had one (--eval-every dividing the run); {} without --eval-prompts."""
-    if not cfg.eval_prompts or (cfg.eval_every and cfg.n_batches % cfg.eval_every == 0):
-        return {}
-    metrics = log_evaluation(rundir, setup, cfg, cfg.n_batches)
-    rundir.log(cfg.n_batches, metrics)
-    return metrics
-
-
 def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
             normalizer: ScoreNormalizer, watch: Watch) -> int:
     """With --resume: the latest checkpoint into every rank's models, optimizer, schedule,
@@ -399,28 +346,6 @@ def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step:
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config,
                     tensors=tensors)
-
-
-def log_batch(rundir: RunDir, cfg: PPOConfig, step: int, metrics: dict[str, float],
-              prompts: list[str], rollout: Rollout, tokenizer, raw_scores: torch.Tensor) -> None:
-    """The metric line and sample table (rank 0 writes them; the table shows this rank's rows of
-    the batch, `rollout`, the first of the global batch)."""
-    if step % cfg.log_every == 0 or step == cfg.n_batches or "eval/score" in metrics:
-        rundir.log(step, metrics)
-    if cfg.sample_every and step % cfg.sample_every == 0:
-        responses = decode_responses(tokenizer, rollout)  # only when a table is due
-        rundir.log_text(step, "samples", sample_table(prompts, responses, raw_scores))
-
-
-def sample_table(prompts: list[str], responses: list[str], scores: torch.Tensor,
-                 n: int = 4) -> str:
-    """A markdown table of the first `n` prompts, responses and scores (TensorBoard text)."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")[:300]
-    lines = ["| prompt | response | score |", "|---|---|---|"]
-    lines += [f"| {cell(p)} | {cell(r)} | {float(s):.3f} |"
-              for p, r, s in zip(prompts[:n], responses[:n], scores[:n].tolist(), strict=True)]
-    return "\n".join(lines)
 
 
 def cli(argv: list[str]) -> int:

@@ -11,7 +11,6 @@ from typing import ClassVar, Literal
 
 from tether.choices import (
     ADVANTAGES,
-    ENGINES,
     IMPORTANCE_LEVELS,
     KL_CONTROLLERS,
     KL_DEFAULTS,
@@ -27,75 +26,13 @@ from tether.run.config import (
     SamplingOptions,
     require_positive,
 )
-from tether.run.scopes import Scope, from_table
+from tether.run.scopes import Scope
+from tether.train.ppo_scopes import SCOPES
 
 # --dynamic-sampling's most rounds: each costs as much as the batch itself, and a batch that
 # needs more has almost no group with differing rewards (verl's DAPO scripts use 10)
 MAX_DYNAMIC_ROUNDS = 100
 
-
-def _with(fact: str) -> list[str]:
-    """The advantage estimators with `fact` (tether.choices.Advantage)."""
-    return [name for name, a in ADVANTAGES.items() if getattr(a, fact)]
-
-
-def _advantage_fix(name: str) -> str:
-    command = ADVANTAGES[name].command
-    return f"use tether {command} (--advantage {name})" if command else f"pass --advantage {name}"
-
-
-def _own_logprobs(cfg) -> bool:
-    return ENGINES[cfg.engine].own_logprobs
-
-
-OWN_ENGINES = " or ".join(f"--engine {name}" for name, e in ENGINES.items() if e.own_logprobs)
-CRITIC = Scope(f"the critic of --advantage {' or '.join(_with('uses_critic'))}",
-               lambda c: c.uses_critic, lambda c: f"--advantage {c.advantage}, which has no critic",
-               _advantage_fix(_with("uses_critic")[0]))
-EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
-                   lambda c: "no --eval-prompts", "pass --eval-prompts")
-
-# The options that act only under another setting: each estimator's and controller's own (their
-# tables' `options`), the critic's, the discount, the engines' (tether.run.scopes refuses one the
-# user gave where it would do nothing: tether rloo --scale-rewards batch trained as if it were
-# absent).
-SCOPES = from_table("advantage", ADVANTAGES, _advantage_fix) | from_table(
-    "kl_ctl", KL_CONTROLLERS) | dict.fromkeys(("critic", "vf_coef", "value_clip_range"), CRITIC) | {
-    "gamma": Scope(f"--advantage {' or '.join(_with('discounts'))}",
-                   lambda c: ADVANTAGES[c.advantage].discounts,
-                   lambda c: f"--advantage {c.advantage}, which discounts nothing",
-                   f"use --advantage {' or '.join(_with('discounts'))}"),
-    "kl_per_token_mean": Scope(
-        "--kl-in loss and no --loss-aggregation",
-        lambda c: c.kl_in == "loss" and c.loss_aggregation == "auto",
-        lambda c: (f"--kl-in {c.kl_in}" if c.kl_in != "loss"
-                   else f"--loss-aggregation {c.loss_aggregation}"),
-        "pass --kl-in loss without --loss-aggregation (which replaces it)"),
-    "eval_every": EVALUATION, "gold_fn": EVALUATION,
-    "generator_threads": Scope("--max-staleness above 0", lambda c: c.max_staleness > 0,
-                               lambda c: "--max-staleness 0, which starts no generator process",
-                               "pass --max-staleness (docs/engine.md)"),
-    # an engine's own log-probs, or a stale copy's (--max-staleness): the truncated weight acts
-    "engine_is_cap": Scope(f"{OWN_ENGINES} or --max-staleness above 0",
-                           lambda c: _own_logprobs(c) or c.max_staleness > 0,
-                           lambda c: f"--engine {c.engine} and --max-staleness 0",
-                           f"pass {OWN_ENGINES} or --max-staleness"),
-    # with --max-staleness a row's KL to the stale copy grows with every step: masking by it
-    # would drop rows for the staleness the decoupled loss corrects
-    "engine_mask_kl": Scope(
-        f"{OWN_ENGINES} and --max-staleness 0",
-        lambda c: _own_logprobs(c) and not c.max_staleness,
-        lambda c: (f"--engine {c.engine}" if not c.max_staleness else
-                   f"--max-staleness {c.max_staleness}, whose decoupled loss corrects the "
-                   "staleness (a row's KL to the stale copy grows with every step)"),
-        f"pass {OWN_ENGINES}; with --max-staleness, use --engine-is-cap"),
-    "reward_per_turn": Scope(
-        f"--env or --tools and --advantage {' or '.join(n for n in ADVANTAGES if n not in _with('compares_group'))}",
-        lambda c: c.episodic and not ADVANTAGES[c.advantage].compares_group,
-        lambda c: ("no environment" if not c.episodic else f"--advantage {c.advantage}, which "
-                   "compares whole episodes (their summed reward)"),
-        "pass --env or --tools with --advantage gae or reinforce++"),
-}
 
 # The truncation of the decoupled importance weight when --max-staleness is on and
 # --engine-is-cap is not given (Yao et al. 2025 use 2 for the engine's mismatch alone).
@@ -107,10 +44,10 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
 
     STAGE: ClassVar[str] = "ppo"  # the command; recorded in the run directory
+    # (a field redefined for its default without a docstring keeps its base's help)
     SCOPES: ClassVar[dict[str, Scope]] = SCOPES
 
     run_name: str = "ppo"
-    """Name of the run; everything is written to <output_dir>/<run_name>/."""
     log_every: int = 1
     """PPO batches between metric log lines (metrics.jsonl and the --report-to trackers)."""
     save_every: int = 10
@@ -271,7 +208,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         return self.micro_batch_size or self.minibatch_size
 
     @property
-    def resolved_loss_aggregation(self) -> str:  # derived: auto follows the KL placement (DESIGN.md)
+    def resolved_loss_aggregation(self) -> str:  # derived: auto follows the KL placement (docs/design.md)
         if self.loss_aggregation != "auto":
             return self.loss_aggregation
         if self.kl_in == "loss" and not self.kl_per_token_mean:
@@ -404,11 +341,9 @@ class RLOOConfig(PPOConfig):
     STAGE: ClassVar[str] = "rloo"  # the command; recorded in the run directory
 
     run_name: str = "rloo"
-    """Name of the run; everything is written to <output_dir>/<run_name>/."""
     advantage: Literal[tuple(ADVANTAGES)] = "rloo"
     """Advantage estimator (rloo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
-    """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch (RLOO is on-policy REINFORCE: one)."""
 
@@ -422,11 +357,9 @@ class GRPOConfig(PPOConfig):
     STAGE: ClassVar[str] = "grpo"  # the command; recorded in the run directory
 
     run_name: str = "grpo"
-    """Name of the run; everything is written to <output_dir>/<run_name>/."""
     advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator (grpo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
-    """Responses sampled per prompt (k, consecutive rows); rloo and grpo compare them (k >= 2)."""
     kl_in: Literal["reward", "loss"] = "loss"
     """Where the KL penalty goes (GRPO: the loss)."""
     kl_per_token_mean: bool = True

@@ -189,21 +189,26 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                            env=user.env, tools=user.tools, eos_token_ids=eos, device=device,
                            source_name=name, context_limit=limit, env_seed_base=env_seed_base,
                            score_ahead=score_ahead)
-    evaluation = None
-    if cfg.eval_prompts:  # the same kind of source as training's, on the held-out rows
-        table = load_rows(cfg.eval_prompts)
-        evaluation = Evaluation(source(held_out.prompts if held_out else [],
-                                       held_out.prompt_ids if held_out else [], table,
-                                       cfg.eval_prompts, cfg.seed + EVAL_SEED_OFFSET),
-                                len(table), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET)
     return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
                  scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
                  reward_model=rewards.model, gold=rewards.gold,
                  reward_functions=rewards.functions, eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, n_rows=len(rows), eval=evaluation,
+                 prompt_ids=prompt_ids, n_rows=len(rows), eval=_evaluation(cfg, source, held_out),
                  spec=update_spec(cfg, d), engine=engine, steps=steps,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _evaluation(cfg: PPOConfig, source, held_out) -> Evaluation | None:
+    """The held-out evaluation (None without --eval-prompts): the same kind of source as
+    training's (`source(texts, ids, rows, name, env_seed_base)`), on the held-out rows, sampled
+    from a stream of its own (`held_out`: their encoding, for prompts answered once)."""
+    if not cfg.eval_prompts:
+        return None
+    table, seed = load_rows(cfg.eval_prompts), cfg.seed + EVAL_SEED_OFFSET
+    return Evaluation(source(held_out.prompts if held_out else [],
+                             held_out.prompt_ids if held_out else [], table, cfg.eval_prompts,
+                             seed), len(table), cfg.batch_size, seed)
 
 
 def _models(cfg: PPOConfig, tokenizer, lora: LoraSpec, device: torch.device,

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether._checks import same_shape
+from tether.choices import same_shape
 
 
 @dataclass(frozen=True)

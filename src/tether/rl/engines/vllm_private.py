@@ -6,7 +6,7 @@ things have no public API, and live here:
 
     inspect_in_process vLLM inspects a model class in a child Python, which imports the CUDA
                        torchvision wheel the CPU build pulls in and dies; here it runs in this
-                       process, where tether has marked that wheel absent (tether._compat)
+                       process, where tether has marked that wheel absent (tether.hide_mismatched_extensions)
     lora_supported     does vLLM implement LoRA on this architecture (a private class lookup)
     reload_weights     push whole weights layer by layer, through each layer's own loader
                        (the worker's `reload_weights`, which also repacks the CPU GEMM weights)
