@@ -56,7 +56,13 @@ from tether.run.slicing import rank_slice
 from tether.run.user_code.load import function_name
 from tether.scores import ScoreNormalizer, overlong_penalty
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_log import batch_metrics, final_evaluation, log_batch, log_evaluation
+from tether.train.ppo_log import (
+    batch_metrics,
+    final_evaluation,
+    log_batch,
+    log_evaluation,
+    progress_fields,
+)
 from tether.train.ppo_setup import Setup, batch_rows, build
 from tether.train.ppo_watch import Watch, nothing_learned, watch_for
 
@@ -118,11 +124,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             log_batch(rundir, cfg, step, metrics, prompts[mine], rollout.select(mine),
                       setup.tokenizer, raw_scores[mine])
             bar.update(1)
-            # The KL shown cannot be negative (k1, what the controller may read, can on a
-            # batch): the exact KL where it was computed, else k3; its name says which.
-            shown = "kl_exact" if "objective/kl_exact" in metrics else "kl_k3"
-            bar.set_postfix(**{"score": f"{metrics['objective/score']:.3f}",
-                               shown: f"{metrics[f'objective/{shown}']:.3f}", "beta": f"{beta:.3g}"})
+            bar.set_postfix(**progress_fields(metrics))
             # Decided from global numbers, so every rank stops or saves alike; rank 0 warns.
             watch.check(metrics, step)
             stopping = any_rank(interrupt.requested(), d)

@@ -46,6 +46,16 @@ def batch_metrics(rollout: Rollout, raw_scores: torch.Tensor, scores: torch.Tens
     return metrics
 
 
+def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress line's figures: the score, a KL that cannot be negative (k1, what the
+    controller may read, can on a batch: the exact KL where the batch computed it, else k3,
+    named kl_exact or kl_k3) and beta."""
+    shown = "kl_exact" if "objective/kl_exact" in metrics else "kl_k3"
+    return {"score": f"{metrics['objective/score']:.3f}",
+            shown: f"{metrics[f'objective/{shown}']:.3f}",
+            "beta": f"{metrics['objective/beta']:.3g}"}
+
+
 def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> dict[str, float]:
     """Evaluate on the held-out prompts; log the samples (samples.jsonl) and return the metrics.
 
