@@ -15,12 +15,15 @@ start-up), a row past the model's positions is the server's one line, a non-fini
 `checked_model_scores`'. A batch is cut into one contiguous part per endpoint, posted at once
 and put back in order (tether.run.user_code.calls: a thread each); a connection error or a 5xx
 is retried with backoff, and a score that never comes stops the run with one line naming the
-URL, never a silent zero.
+URL, never a silent zero. A server started with an API key gets it from $TETHER_RM_API_KEY, the
+variable the server reads too (`Authorization: Bearer KEY`, never written to a run's files); its
+401 is one line, not retried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -32,6 +35,7 @@ import torch
 from tether.errors import TetherError
 from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
 from tether.rl.reward.models import check_chat_prompts
+from tether.run.config import RM_API_KEY_ENV
 from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
@@ -92,6 +96,9 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
     it was sent) and a timeout (a hung server would hang again) are one line at once."""
     data = None if body is None else json.dumps(body).encode("utf-8")
     headers = {"Content-Type": "application/json"} if data is not None else {}
+    key = os.environ.get(RM_API_KEY_ENV, "")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url + path, data=data, headers=headers)
     hung = (f"--reward-url {url}: no answer to {path} within {timeout:g} s "
             "(--reward-url-timeout); check the server, or raise --reward-url-timeout; "
@@ -100,6 +107,11 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return json.loads(answer.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise TetherError(f"--reward-url {url}: the server wants its API key, and "
+                              + (f"${RM_API_KEY_ENV} is not it" if key else
+                                 f"${RM_API_KEY_ENV} is not set") + "; set it to the key the "
+                              "server was started with") from None
         problem = f"the server answered {path} with {_error_line(exc)}"
         if exc.code < 500:
             raise TetherError(f"--reward-url {url}: {problem}") from None
