@@ -430,6 +430,20 @@ def test_a_400_is_not_retried(monkeypatch):
     assert stub.posts == 1
 
 
+def test_a_401_is_one_line_not_retried(monkeypatch):
+    monkeypatch.setattr(remote_reward, "BACKOFF_S", 0.01)
+    monkeypatch.delenv("TETHER_RM_API_KEY", raising=False)
+    stub = Stub([401])
+    try:
+        with pytest.raises(TetherError, match=f"^--reward-url {stub.url}: the server wants its "
+                                              "API key, and .TETHER_RM_API_KEY is not set; set "
+                                              "it to the key the server was started with$"):
+            score_remote(connect([stub.url]), PLAIN, RESPONSES, timeout=10)
+    finally:
+        stub.close()
+    assert stub.posts == 1
+
+
 @pytest.mark.parametrize("stage", ["grpo", "eval"])
 def test_a_hung_endpoint_stops_the_run_with_one_line(stage, workdir, capsys):
     stub = Stub(["hang"])

@@ -286,14 +286,14 @@ class RewardModel(nn.Module):
             raise ValueError("score_texts needs the reward model's tokenizer")
         limit = max_length or position_limit(self.backbone.config, self.tokenizer) or 4096
         rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
-        # a prompt alone past the limit is skipped, then counted here: encode_sft's own line for
-        # it names SFT's --max-length and --on-long-prompt, which no caller of this has
-        examples, stats = encode_sft(self.tokenizer, rows, limit, on_long_prompt="skip",
-                                     source="reward model scoring")
-        if stats.truncated or stats.skipped_long_prompt:
-            raise TetherError(f"{stats.truncated + stats.skipped_long_prompt} prompt + response "
-                              f"rows are longer than the {limit} tokens the reward model reads; "
-                              f"{too_long}")
+        # encoded uncut, then measured here: encode_sft's own line for a prompt past its limit
+        # names SFT's --max-length and --on-long-prompt, which no caller of this has
+        examples, _ = encode_sft(self.tokenizer, rows, 2**62, source="reward model scoring")
+        lengths = [len(ex.prompt) + len(ex.responses[0]) for ex in examples]
+        for i, length in enumerate(lengths):
+            if length > limit:
+                raise TetherError(f"prompt + response {i} is {length} tokens, more than the "
+                                  f"{limit} the reward model reads; {too_long}")
         device = self.head.weight.device
         scores = []
         for start in range(0, len(examples), batch_size):

@@ -30,7 +30,7 @@ EXTRAS = {
     # the environment adapters (docs/agents.md): imported when one is used, never with tether
     "reasoning_gym": ("reasoning-gym", "reasoning-gym"),
     "openenv": ("openenv-core", "openenv"),
-    "uvicorn": ("uvicorn", "serve"),  # the server of `tether serve-rm`
+    "uvicorn": ("uvicorn", "serve-rm"),  # the server of `tether serve-rm`
 }
 
 # The demo extra holds the report extra too (pyproject.toml): one install for `tether demo`.
