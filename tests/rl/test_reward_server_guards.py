@@ -163,6 +163,21 @@ def test_rows_over_the_limit_are_413_and_no_rows_none(rms):  # noqa: F811
         assert ask(server.url + "/score", rows(PLAIN[:3], RESPONSES[:3]))[0] == 200
 
 
+@pytest.mark.parametrize("limit, why", [({"max_rows": 3}, "3 rows, 64 MB"),
+                                         ({"max_body_mb": 1e-4}, "4096 rows, 0.0001 MB")])
+def test_a_request_past_the_servers_limits_is_one_line_at_the_client(limit, why, rms):  # noqa: F811
+    # the client reads the limits off /info and says so before it sends: a large body refused
+    # while it is sent would reset the connection, which reads as a dead server
+    with served(rms["gpt2"], **limit) as server:
+        endpoints = connect([server.url])
+        with pytest.raises(TetherError) as caught:
+            score_remote(endpoints, PLAIN, RESPONSES, timeout=60)
+    assert str(caught.value) == (
+        f"--reward-url {server.url}: a request of 4 rows and 0.0 MB, more than the server takes "
+        f"({why}); start tether serve-rm with a larger --max-rows or --max-body-mb, or give more "
+        "endpoints")
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe{}", b"[" * 100_000,
                                   b'{"prompts": ' + b"[" * 100_000, b"1e999999" * 2,
                                   b'{"prompts": [[[[]]]], "responses": ["a"]}'])

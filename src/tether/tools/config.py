@@ -133,7 +133,7 @@ class ServeRMConfig(DeviceOptions):
     """Rows per forward: each request is scored this many rows at a time, the requests in flight taking turns."""
     api_key: str = ""
     """The key every request must carry (Authorization: Bearer KEY); default: $TETHER_RM_API_KEY, which --reward-url sends (the variable keeps it off the command line). Required unless --host is loopback."""
-    max_body_mb: float = 16.0
+    max_body_mb: float = 64.0
     """The largest request body read, in MB; a larger one is HTTP 413, refused before it is read whole."""
     max_rows: int = 4096
     """The most rows one POST /score may carry; more is HTTP 413."""

@@ -3,7 +3,7 @@
     MODEL -> tether.rl.reward.models.load_scoring_model
                                                      loaded as the in-process reward model is
     GET  /info                                       name, kind, chat template, positions, dtype,
-                                                     tokenizer and model fingerprints
+                                                     limits, tokenizer and model fingerprints
     POST /score {"prompts": [...], "responses": [...]} -> {"scores": [...]}
                                                      the model's `score_texts`, --batch-size rows
                                                      per forward: the in-process scores exactly
@@ -103,7 +103,8 @@ def model_info(model: nn.Module, cfg: ServeRMConfig, kind: str) -> dict:
     tokenizer_print = tokenizer_fingerprint(model.tokenizer)
     return {"model": public_name(cfg.model), "kind": kind, "chat_template": has_chat_template(model),
             "max_length": position_limit(config, model.tokenizer), "dtype": cfg.dtype,
-            "batch_size": cfg.batch_size, "tokenizer": tokenizer_print,
+            "batch_size": cfg.batch_size, "max_rows": cfg.max_rows,
+            "max_body_mb": cfg.max_body_mb, "tokenizer": tokenizer_print,
             "fingerprint": model_fingerprint(model, tokenizer_print)}
 
 
