@@ -92,6 +92,13 @@ def test_sweep_names_the_report_extra_before_any_run(tmp_path, tiny_model_dir):
     assert not (tmp_path / "runs").exists()
 
 
+def test_serve_rm_names_its_extra(tmp_path):
+    done = tether(["serve-rm", str(tmp_path), "--port", "0"], hidden=("uvicorn",))
+    one_error_line(done, "tether serve-rm needs the serve-rm extra (uvicorn is not installed): "
+                         "pip install -e '.[serve-rm]'")
+    assert "loading torch" not in done.stdout  # refused before torch and the model load
+
+
 def test_report_to_tensorboard_without_it_names_the_extra(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "s.jsonl", sft_rows(4))
     done = tether(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--run-name", "t",

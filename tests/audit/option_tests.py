@@ -611,3 +611,11 @@ OPTION_TESTS |= {"online:max_staleness": [AHEAD], "online:generator_threads": [A
 OPTION_TESTS |= {f"serve-rm:{name}": [SERVED + "test_serve_rm_loads_and_scores_as_told"]
                  for name in ("model", "host", "port", "device", "threads", "dtype", "batch_size",
                               "trust_remote_code")}
+# serve-rm off loopback (issue 48): its key and its limits
+GUARDS = "tests/rl/test_reward_server_guards.py::"
+OPTION_TESTS |= {
+    "serve-rm:api_key": [GUARDS + "test_every_request_needs_the_key[0.0.0.0-option]",
+                         GUARDS + "test_every_request_needs_the_key[127.0.0.1-option]"],
+    "serve-rm:max_body_mb": [GUARDS + "test_a_body_over_the_limit_is_413_before_it_is_read"],
+    "serve-rm:max_rows": [GUARDS + "test_rows_over_the_limit_are_413_and_no_rows_none"],
+}

@@ -17,7 +17,8 @@ SMOKES = {"bench/adapter_record.py": "test_adapter_record_rows",
           "bench/threads.py": "test_threads_rows",
           "bench/async_generation.py": "test_async_generation_settings",
           "bench/demo_time.py": "test_demo_time_times_the_demo",
-          "bench/engine.py": "test_engine_without_vllm_compares_native_alone"}
+          "bench/engine.py": "test_engine_without_vllm_compares_native_alone",
+          "bench/serve_rm_load.py": "test_serve_rm_load_rows"}
 
 
 def test_adapter_record_rows(capsys):
@@ -30,6 +31,19 @@ def test_adapter_record_rows(capsys):
     big = finite(line_starting(out, "Llama-2-7B shapes (bf16): ").split(": ")[1], 4)
     assert (tiny[1], big[1]) == (21, 291)
     finite(line_starting(out, "SHA-256: "))
+
+
+def test_serve_rm_load_rows(capsys):
+    # tether serve-rm in a process of its own (one thread), the clients here; no float is
+    # compared across the two, only latencies printed and the burst answered
+    run_main("bench/serve_rm_load.py", "--small-clients", "2", "--requests", "2",
+             "--large-rows", "16", "--small-rows", "2", "--batch-size", "8", "--burst", "16",
+             "--width", "32", "--layers", "1")
+    out = capsys.readouterr().out
+    for name in ("small", "large"):
+        assert all(ms > 0 for ms in row(out, name, 6))  # alone, together, one at a time
+    assert line_starting(out, "burst: ") == ("burst: 16 of 16 connections answered (GET /info, "
+                                             "all at once)")
 
 
 def test_multiturn_encoding_rows(capsys):

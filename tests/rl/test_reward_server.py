@@ -93,8 +93,7 @@ def served(path, batch_size: int = 4, dtype: str = "float32"):
     try:
         yield server
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
         thread.join()
 
 
@@ -144,27 +143,27 @@ def test_serve_rm_loads_and_scores_as_told(rms, monkeypatch):
     torch.set_num_threads(threads)  # this process's again (the server set its own)
     sizes = []
     score_texts = server.model.score_texts
-    monkeypatch.setattr(server.model, "score_texts", lambda p, r, batch_size: (
-        sizes.append(batch_size) or score_texts(p, r, batch_size)))
+    monkeypatch.setattr(server.model, "score_texts", lambda p, r, batch_size, **kw: (
+        sizes.append(batch_size) or score_texts(p, r, batch_size, **kw)))
     thread = serve(server)
     try:
         assert server.url == f"http://127.0.0.2:{port}"
         endpoints = connect([server.url])
         score_remote(endpoints, PLAIN, RESPONSES, timeout=60)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
         thread.join()
     assert seen == {"device": "cpu", "path": str(rms["llama"]), "dtype": "bfloat16",
                     "trust": True, "threads": threads + 1}
-    assert sizes == [3] and endpoints[0].info["dtype"] == "bfloat16"
+    assert sizes == [3, 3] and endpoints[0].info["dtype"] == "bfloat16"  # rows 0-2, then 3
     assert server.model.model.dtype == torch.bfloat16
 
 
 def test_info_says_what_the_client_checks(rms):
     with served(rms["llama"]) as server, served(rms["gpt2"]) as other:
         info = connect([server.url])[0].info
-        assert info["model"] == str(rms["llama"]) and info["kind"] == "classifier"
+        # the model by its directory's name: its path would say where the server's files are
+        assert info["model"] == "llama" and info["kind"] == "classifier"
         assert info["chat_template"] is True and info["max_length"] == 256
         assert info["dtype"] == "float32" and info["batch_size"] == 4
         assert len(info["tokenizer"]) == 16 and len(info["fingerprint"]) == 16
@@ -425,6 +424,20 @@ def test_a_400_is_not_retried(monkeypatch):
     try:
         with pytest.raises(TetherError, match=f"^--reward-url {stub.url}: the server answered "
                                               "/score with CUDA out of memory$"):
+            score_remote(connect([stub.url]), PLAIN, RESPONSES, timeout=10)
+    finally:
+        stub.close()
+    assert stub.posts == 1
+
+
+def test_a_401_is_one_line_not_retried(monkeypatch):
+    monkeypatch.setattr(remote_reward, "BACKOFF_S", 0.01)
+    monkeypatch.delenv("TETHER_RM_API_KEY", raising=False)
+    stub = Stub([401])
+    try:
+        with pytest.raises(TetherError, match=f"^--reward-url {stub.url}: the server wants its "
+                                              "API key, and .TETHER_RM_API_KEY is not set; set "
+                                              "it to the key the server was started with$"):
             score_remote(connect([stub.url]), PLAIN, RESPONSES, timeout=10)
     finally:
         stub.close()

@@ -41,7 +41,7 @@ from tether.errors import TetherError
 from tether.models.adapter_checks import check_adapter_files
 from tether.models.lora import ADAPTER_CONFIG, TRAINED, adapter_base, is_adapter, load_adapter
 from tether.models.pretrained import _check_exists, _from_pretrained
-from tether.models.reward_model import REWARD_JSON, position_limit
+from tether.models.reward_model import LOWER_LENGTHS, REWARD_JSON, position_limit
 
 CLASSIFIER = "classifier"  # reward_model_kind: a sequence-classification checkpoint
 CLASSIFIER_ADAPTER = "classifier adapter"  # a peft adapter for one
@@ -239,15 +239,16 @@ class HubRewardModel(nn.Module):
                 config.pad_token_id = None
 
     @torch.no_grad()
-    def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16
-                    ) -> torch.Tensor:
+    def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
+                    too_long: str = LOWER_LENGTHS) -> torch.Tensor:
         """Scores `[N]` of (prompt, response) pairs, `batch_size` rows per forward; a prompt is a
-        string or a list of chat messages."""
+        string or a list of chat messages. A row past the model's positions is one line ending
+        in `too_long` (the fix the caller can give)."""
         rows = [self.encode(p, r) for p, r in zip(prompts, responses, strict=True)]
         for i, ids in enumerate(rows):
             if self.max_length is not None and len(ids) > self.max_length:
                 raise TetherError(f"reward model {self.name}: prompt + response {i} is {len(ids)} "
                                   f"tokens under its tokenizer, more than the {self.max_length} "
-                                  "it can read; lower --max-prompt-len or --max-new-tokens")
+                                  f"it can read; {too_long}")
         return torch.cat([self._score_rows(rows[start:start + batch_size])
                           for start in range(0, len(rows), batch_size)])

@@ -62,6 +62,7 @@ from tether.models.pretrained import (
 from tether.models.saving import atomic_dir
 from tether.run.checkpoint import check_finite_weights
 
+LOWER_LENGTHS = "lower --max-prompt-len or --max-new-tokens"  # a too-long row's fix, in a run
 REWARD_JSON = "tether_reward.json"
 REWARD_FORMAT = "tether-reward-v2"
 REWARD_HEAD = "reward_head.safetensors"  # before v2: the head (weight and bias) beside the trunk
@@ -254,22 +255,26 @@ class RewardModel(nn.Module):
 
     @torch.no_grad()
     def score_texts(self, prompts: list, responses: list[str], batch_size: int = 16,
-                    max_length: int | None = None) -> torch.Tensor:
+                    max_length: int | None = None, too_long: str = LOWER_LENGTHS) -> torch.Tensor:
         """Normalised scores `[N]` of (prompt, response) texts, encoded exactly as `tether rm`
         encoded its training pairs: the prompt under the one encoding rule (a chat prompt, a
         list of messages, through the chat template), the response with EOS appended, which is
         where the score is read. Without that EOS a score is read at an arbitrary token.
         `max_length`: the longest row (default: what the trunk can read); a longer one is an
-        error, since cutting it would cut the EOS the score is read at."""
+        error ending in `too_long` (the fix the caller can give), since cutting it would cut the
+        EOS the score is read at."""
         if self.tokenizer is None:
             raise ValueError("score_texts needs the reward model's tokenizer")
         limit = max_length or position_limit(self.backbone.config, self.tokenizer) or 4096
         rows = [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)]
-        examples, stats = encode_sft(self.tokenizer, rows, limit, source="reward model scoring")
-        if stats.truncated:
-            raise TetherError(f"{stats.truncated} prompt + response rows are longer than the "
-                              f"{limit} tokens the reward model reads; lower --max-prompt-len or "
-                              "--max-new-tokens")
+        # encoded uncut, then measured here: encode_sft's own line for a prompt past its limit
+        # names SFT's --max-length and --on-long-prompt, which no caller of this has
+        examples, _ = encode_sft(self.tokenizer, rows, 2**62, source="reward model scoring")
+        lengths = [len(ex.prompt) + len(ex.responses[0]) for ex in examples]
+        for i, length in enumerate(lengths):
+            if length > limit:
+                raise TetherError(f"prompt + response {i} is {length} tokens, more than the "
+                                  f"{limit} the reward model reads; {too_long}")
         device = self.head.weight.device
         scores = []
         for start in range(0, len(examples), batch_size):

@@ -21,6 +21,9 @@ from tether.run.scopes import Scope, from_table
 C = TypeVar("C")
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The API key of `tether serve-rm`, read by the server (unless --api-key) and sent by --reward-url:
+# an environment variable, so the secret is neither in a run's config.yaml nor on a command line
+RM_API_KEY_ENV = "TETHER_RM_API_KEY"
 
 
 @dataclass(kw_only=True)
@@ -227,7 +230,7 @@ class RewardOptions(Section):
     reward_model: str = ""
     """A reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (give this, --reward-url or --reward-fn)."""
     reward_url: str = ""
-    """A reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas, each batch split over them (give this, --reward-model or --reward-fn; docs/rm.md)."""
+    """A reward model served by `tether serve-rm`: http://HOST:PORT, several joined by commas, each batch split over them (give this, --reward-model or --reward-fn; docs/rm.md); a server's API key goes in $TETHER_RM_API_KEY."""
     reward_url_timeout: float = 300.0
     """Seconds one --reward-url request may take; past it the command ends with one line, exit 2, its checkpoints intact."""
     reward_fn: str = ""

@@ -30,6 +30,7 @@ EXTRAS = {
     # the environment adapters (docs/agents.md): imported when one is used, never with tether
     "reasoning_gym": ("reasoning-gym", "reasoning-gym"),
     "openenv": ("openenv-core", "openenv"),
+    "uvicorn": ("uvicorn", "serve-rm"),  # the server of `tether serve-rm`
 }
 
 # The demo extra holds the report extra too (pyproject.toml): one install for `tether demo`.
@@ -37,6 +38,7 @@ STAGE_NEEDS = {
     "demo": ("matplotlib", "vaderSentiment"),
     "report": ("matplotlib",),
     "sweep": ("matplotlib",),  # its runs need nothing more, but its report page does
+    "serve-rm": ("uvicorn",),
 }
 
 

@@ -10,11 +10,14 @@ settings gives the numbers its step 0 logged.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tether.errors import TetherError
 from tether.run.config import (
+    RM_API_KEY_ENV,
     DeviceOptions,
     EnvOptions,
     LMHeadOptions,
@@ -123,14 +126,41 @@ class ServeRMConfig(DeviceOptions):
     model: str
     """The reward model: `tether rm`'s output (full or LoRA) or a hub/local sequence classifier with one label (given as the command's first argument)."""
     host: str = "127.0.0.1"
-    """Address to listen on (0.0.0.0: every interface; the API has no authentication)."""
+    """Address to listen on (0.0.0.0: every interface, which needs an API key; plain HTTP: put a TLS proxy in front off a private network)."""
     port: int = 8000
     """Port to listen on (0: any free one, named in the ready line)."""
     batch_size: int = 16
-    """Rows per forward (a request of more rows is scored this many at a time)."""
+    """Rows per forward: each request is scored this many rows at a time, the requests in flight taking turns."""
+    api_key: str = ""
+    """The key every request must carry (Authorization: Bearer KEY); default: $TETHER_RM_API_KEY, which --reward-url sends (the variable keeps it off the command line). Required unless --host is loopback."""
+    max_body_mb: float = 64.0
+    """The largest request body read, in MB; a larger one is HTTP 413, refused before it is read whole."""
+    max_rows: int = 4096
+    """The most rows one POST /score may carry; more is HTTP 413."""
+
+    @property
+    def key(self) -> str:
+        """The API key in force: --api-key, else $TETHER_RM_API_KEY ("" for none)."""
+        return self.api_key or os.environ.get(RM_API_KEY_ENV, "")
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "batch_size")
+        require_positive(self, "batch_size", "max_body_mb", "max_rows")
         if not 0 <= self.port <= 65535:
             raise TetherError(f"--port {self.port} is not a port; give 0 to 65535 (0: any free one)")
+        if not (self.key or is_loopback(self.host)):
+            raise TetherError(f"--host {self.host} is reachable beyond this machine and the API "
+                              f"would be open to anyone: set {RM_API_KEY_ENV} (or --api-key) to "
+                              "a secret the clients share, or serve on 127.0.0.1")
+        if self.key and not (self.key.isascii() and self.key.isprintable() and " " not in self.key):
+            raise TetherError("the API key must be printable ASCII without spaces (an HTTP header "
+                              "carries it)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine alone: localhost or a loopback address (a name that is
+    not localhost may resolve elsewhere, so it is not)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

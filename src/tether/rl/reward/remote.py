@@ -3,7 +3,7 @@
 The protocol (docs/rm.md, "Serving a reward model"), JSON both ways:
 
     GET  /info   -> {"model", "kind", "chat_template", "max_length", "tokenizer", "fingerprint",
-                     "dtype", "batch_size"}
+                     "dtype", "batch_size", "max_rows", "max_body_mb"}
     POST /score  {"prompts": [...], "responses": [...]} -> {"scores": [...]}
     an error     -> HTTP 4xx or 5xx with {"error": "<one line>"}
 
@@ -15,12 +15,15 @@ start-up), a row past the model's positions is the server's one line, a non-fini
 `checked_model_scores`'. A batch is cut into one contiguous part per endpoint, posted at once
 and put back in order (tether.run.user_code.calls: a thread each); a connection error or a 5xx
 is retried with backoff, and a score that never comes stops the run with one line naming the
-URL, never a silent zero.
+URL, never a silent zero. A server started with an API key gets it from $TETHER_RM_API_KEY, the
+variable the server reads too (`Authorization: Bearer KEY`, never written to a run's files); its
+401 is one line, not retried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -32,6 +35,7 @@ import torch
 from tether.errors import TetherError
 from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
 from tether.rl.reward.models import check_chat_prompts
+from tether.run.config import RM_API_KEY_ENV
 from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
@@ -86,12 +90,15 @@ class Unanswered(Exception):
     what went wrong, and the fix."""
 
 
-def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
-    """GET (body None) or POST `body` to url + path and return the JSON answer. A connection
-    error or a 5xx is `Unanswered`, for `_requests` to try again; a 4xx (the server refused what
-    it was sent) and a timeout (a hung server would hang again) are one line at once."""
-    data = None if body is None else json.dumps(body).encode("utf-8")
+def _request(url: str, path: str, data: bytes | None, timeout: float) -> dict:
+    """GET (data None) or POST the JSON `data` to url + path and return the JSON answer. A
+    connection error or a 5xx is `Unanswered`, for `_requests` to try again; a 4xx (the server
+    refused what it was sent) and a timeout (a hung server would hang again) are one line at
+    once."""
     headers = {"Content-Type": "application/json"} if data is not None else {}
+    key = os.environ.get(RM_API_KEY_ENV, "")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url + path, data=data, headers=headers)
     hung = (f"--reward-url {url}: no answer to {path} within {timeout:g} s "
             "(--reward-url-timeout); check the server, or raise --reward-url-timeout; "
@@ -100,6 +107,11 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return json.loads(answer.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise TetherError(f"--reward-url {url}: the server wants its API key, and "
+                              + (f"${RM_API_KEY_ENV} is not it" if key else
+                                 f"${RM_API_KEY_ENV} is not set") + "; set it to the key the "
+                              "server was started with") from None
         problem = f"the server answered {path} with {_error_line(exc)}"
         if exc.code < 500:
             raise TetherError(f"--reward-url {url}: {problem}") from None
@@ -113,9 +125,9 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> dict:
                          "check the server's log") from None
 
 
-def _requests(requests: list[tuple[str, str, dict | None]], timeout: float, retries: int
+def _requests(requests: list[tuple[str, str, bytes | None]], timeout: float, retries: int
               ) -> list[dict]:
-    """Each `(url, path, body)` request at once (`_request`), its answer in order; an
+    """Each `(url, path, data)` request at once (`_request`), its answer in order; an
     `Unanswered` one is tried again `retries` times, BACKOFF_S apart and doubling, then is one
     line naming its URL."""
     runner = Runner(workers=max(len(requests), 1), retries=retries, retry_delay=BACKOFF_S)
@@ -163,13 +175,27 @@ def _parts(n_rows: int, n_parts: int) -> list[range]:
     return bounds
 
 
+def _body(endpoint: Endpoint, prompts: list[Prompt], responses: list[str]) -> bytes:
+    """One endpoint's POST /score body, or one line when it is past what the server takes (its
+    /info's max_rows and max_body_mb): refused there, a large body would reset the connection
+    while it is sent, which reads as a dead server."""
+    data = json.dumps({"prompts": prompts, "responses": responses}).encode("utf-8")
+    max_rows, max_mb = endpoint.info.get("max_rows"), endpoint.info.get("max_body_mb")
+    if (max_rows and len(prompts) > max_rows) or (max_mb and len(data) > max_mb * 1e6):
+        raise TetherError(f"--reward-url {endpoint.url}: a request of {len(prompts)} rows and "
+                          f"{len(data) / 1e6:.1f} MB, more than the server takes ({max_rows} "
+                          f"rows, {max_mb:g} MB); start tether serve-rm with a larger --max-rows "
+                          "or --max-body-mb, or give more endpoints")
+    return data
+
+
 def score_remote(endpoints: list[Endpoint], prompts: list[Prompt], responses: list[str],
                  timeout: float, retries: int = RETRIES) -> torch.Tensor:
     """Scores `[N]` of (prompt, response) pairs from the endpoints: one contiguous part each,
     posted at once, put back in the rows' order."""
     parts = _parts(len(prompts), len(endpoints))
-    answers = _requests([(endpoint.url, "/score", {"prompts": [prompts[i] for i in rows],
-                                                   "responses": [responses[i] for i in rows]})
+    answers = _requests([(endpoint.url, "/score", _body(endpoint, [prompts[i] for i in rows],
+                                                        [responses[i] for i in rows]))
                          for endpoint, rows in zip(endpoints, parts)], timeout, retries)
     scores = []
     for endpoint, rows, answer in zip(endpoints, parts, answers):
