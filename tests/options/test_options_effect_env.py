@@ -244,8 +244,11 @@ def cli_run(tool, model, envs, tmp_path, name, *extra) -> list[dict]:
 @pytest.mark.parametrize("tool", ["generate", "eval"])
 def test_episode_options_of_generate_and_eval(tool, tiny_model_dir, tmp_path, envs, capsys):
     env, stops = f"{envs}:Endless", ["--stop-strings", *STOPS]
-    cli_run(tool, tiny_model_dir, envs, tmp_path, "two", "--env", env, "--max-turns", "2", *stops)
+    out = cli_run(tool, tiny_model_dir, envs, tmp_path, "two", "--env", env, "--max-turns", "2",
+                  *stops)
     assert max(x["turn"] for x in logged(envs)) == 2
+    if tool == "generate":  # counted as what they are (issue 47)
+        assert f"{len(out)} episodes written to " in capsys.readouterr().err
     (envs.parent / "episodes.jsonl").unlink()
     out = cli_run(tool, tiny_model_dir, envs, tmp_path, "budget", "--env", f"{envs}:Long",
                   "--max-turns", "8", "--max-episode-tokens", "30",

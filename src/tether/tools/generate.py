@@ -134,7 +134,8 @@ def cli(argv: list[str]) -> int:
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if cfg.output:
         atomic_write_bytes(Path(cfg.output), text.encode("utf-8"))
-        print(f"{len(rows)} responses written to {cfg.output}", file=sys.stderr)
+        what = "episodes" if cfg.env or cfg.tools else "responses"
+        print(f"{len(rows)} {what} written to {cfg.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
