@@ -75,7 +75,7 @@ class Rollout:
         real tokens; what follows them, `responses` [B, R] right-padded, `response_mask` True on
         its real tokens; `ended` [B]. `optional`: the per-row fields engine_logprobs,
         action_mask, episode, versions (absent: None). Per-row lists become these tensors by
-        `tether.data.prompts.left_pad` (prompts) and `right_padded` (what follows them)."""
+        `left_pad` (prompts) and `right_padded` (what follows them)."""
         return cls(torch.cat([prompt_ids, responses], dim=1),
                    torch.cat([prompt_mask.long(), response_mask.long()], dim=1), response_mask,
                    ended, prompt_ids.shape[1], temperature, **optional)
@@ -185,6 +185,16 @@ def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype,
     for r, values in enumerate(rows):
         out[r, :len(values)] = torch.tensor(values, dtype=dtype)
     return out.to(device)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and mask (long) with each sequence right-aligned: the prompt half of the layout
+    above, `right_padded`'s rows reversed and flipped back."""
+    width = max(len(s) for s in sequences)
+    ids = right_padded([list(s)[::-1] for s in sequences], width, pad_id, torch.long, device)
+    mask = right_padded([[1] * len(s) for s in sequences], width, 0, torch.long, device)
+    return ids.flip(1), mask.flip(1)
 
 
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from tether.data.prompts import left_pad
 from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls
@@ -32,7 +31,13 @@ from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
 from tether.rl.env.tools import tools_environment
 from tether.rl.reward import FailedRows, Reward
-from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+from tether.rl.rollout import (
+    Rollout,
+    apply_stop_strings,
+    decode_responses,
+    left_pad,
+    sampling_uniforms,
+)
 from tether.run.user_code.load import load_function
 
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tether.data.prompts import left_pad
 from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls, checked_prompt, checked_step
 from tether.rl.env.render import Renderer
-from tether.rl.rollout import Rollout, apply_stop_strings, right_padded
+from tether.rl.rollout import Rollout, apply_stop_strings, left_pad, right_padded
 from tether.run.distributed import global_max
 
 
