@@ -43,8 +43,7 @@ from tether.models.pretrained import load_trainable_lm, save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.evaluation import evaluate_policy, measure_responses
 from tether.rl.reward import NonFiniteScore
-from tether.rl.reward.pool import gather_failed
-from tether.rl.roles import any_rank, check_same_beta, gather_rollout
+from tether.rl.roles import any_rank, check_same_beta, gather_failed, gather_rollout
 from tether.rl.rollout import Rollout, decode_responses
 from tether.rl.scoring import explained_variance, kl_sums
 from tether.rl.update import BatchUpdate, update_batch
