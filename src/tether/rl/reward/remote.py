@@ -30,8 +30,8 @@ from functools import partial
 import torch
 
 from tether.errors import TetherError
-from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
-from tether.rl.reward.models import check_chat_prompts
+from tether.rl.reward import Prompt, Reward, RewardScores
+from tether.rl.reward.models import check_chat_prompts, checked_model_scores
 from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
