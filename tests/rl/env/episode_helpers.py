@@ -9,7 +9,8 @@ import torch
 
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
-from tether.rl.engines import SamplesWhenAsked, native
+from tether.rl.engines import native
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer

@@ -62,7 +62,7 @@ class RolloutEngine(Protocol):
     load_state_dict   the same, restored by --resume before the run's first sync; the batches in
                 flight are then asked for again (`prefetch`, `submit`), oldest first
     An engine that samples only when asked inherits the methods it has nothing to do in
-    (`SamplesWhenAsked`).
+    (`native.SamplesWhenAsked`, the native engine's).
     """
 
     own_logprobs: bool
@@ -86,37 +86,6 @@ class RolloutEngine(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-class SamplesWhenAsked:
-    """The protocol's methods for an engine that samples only when asked, on weights it does not
-    keep a copy of: nothing to prefetch (work runs when its result is asked for, `jobs.Deferred`),
-    nothing to free, to take or to checkpoint. An engine inherits them and writes `sample` and
-    whatever it does differently (vLLM: `sleep`, `sync`, `close`)."""
-
-    own_logprobs = False
-    lockstep = False
-
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass
-
-    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T]:
-        return Deferred(lambda: work(self))
-
-    def sleep(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class EngineSettings(Protocol):

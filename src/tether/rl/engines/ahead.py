@@ -50,8 +50,8 @@ from torch import nn
 
 from tether.choices import ENGINES, entry
 from tether.errors import TetherError
-from tether.rl.engines import SamplesWhenAsked
 from tether.rl.engines.jobs import Background
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
 from tether.run.optim import StepCounter

@@ -47,7 +47,8 @@ from torch import nn
 
 from tether.choices import ENGINES
 from tether.errors import TetherError
-from tether.rl.engines import SamplesWhenAsked, vllm_private
+from tether.rl.engines import vllm_private
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.vllm_limits import (
     check_head_size,
     check_kv_cache,
