@@ -29,6 +29,7 @@ from refusals import refused
 from tether.losses import PolicyLoss, policy_loss
 from tether.rl import update as update_module
 from tether.rl.engines import ahead
+from tether.rl.engines.generator import sequence_logprobs
 from tether.rl.engines.mismatch import (
     Correction,
     correction_weights,
@@ -315,12 +316,12 @@ def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
             version, now = engine.probe(ids, mask)
             assert version == step + 1
             assert (now - before).abs().max() > 1e-4, step  # the new adapter, not the initial one
-            mine = ahead.sequence_logprobs(model, ids, mask)
+            mine = sequence_logprobs(model, ids, mask)
             assert (now - mine).abs().max() < 1e-5
             before = now
     finally:
         engine.close()
-    assert engine.process.exitcode == 0
+    assert engine.launched.process.exitcode == 0
 
 
 def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_dir):

@@ -205,6 +205,19 @@ def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tens
     return torch.rand((n_rows, max_new_tokens), generator=generator)
 
 
+def sampling_noise(uniforms: torch.Tensor | None, generator: torch.Generator | None, rows: int,
+                   max_new_tokens: int, temperature: float) -> torch.Tensor:
+    """An engine's noise for `rows` rows: `uniforms` [rows, max_new_tokens] (`sampling_uniforms`'
+    rows), or as many drawn from `generator` (on its device; the global stream without one). A
+    `temperature` <= 0 is refused: sampling is from softmax(logits / T)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling")
+    if uniforms is not None:
+        return uniforms
+    return torch.rand((rows, max_new_tokens), generator=generator,
+                      device=generator.device if generator is not None else "cpu")
+
+
 def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
                        pad_token_id: int) -> Rollout:
     """Cut each response just after the first token that completes one of `stop_strings`.

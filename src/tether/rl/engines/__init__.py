@@ -6,6 +6,7 @@
     vllm_limits   what vLLM's settings need of the model (checked before it starts), and its
                   start-up errors in tether's words
     mismatch      how far the engine's log-probs are from the trainer's, and the corrections
+    weights       the policy's weights as an engine is sent them (vLLM's, the generator's copy)
 
 Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
 `tether generate` hold one and never ask which it is. `make_engine` reads the engine's name, the

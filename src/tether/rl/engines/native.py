@@ -29,7 +29,7 @@ from tether.models import shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
 from tether.rl.engines import RolloutEngine
 from tether.rl.engines.jobs import Deferred
-from tether.rl.rollout import Rollout
+from tether.rl.rollout import Rollout, sampling_noise
 from tether.run import distributed
 from tether.run.distributed import Dist
 
@@ -145,14 +145,9 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
             `engine_logprobs` (0 after a row's end): the behaviour policy's, when this model is a
             copy sampling ahead of the trainer.
     """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 for sampling")
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
-    if uniforms is None:
-        uniforms = torch.rand((batch, max_new_tokens), generator=generator,
-                              device=generator.device if generator is not None else "cpu")
-    uniforms = uniforms.to(device)
+    uniforms = sampling_noise(uniforms, generator, batch, max_new_tokens, temperature).to(device)
     all_done = all_done or (lambda alive: not bool(alive.any()))
     attention_mask = prompt_mask.long()
     position_ids = position_ids_from_mask(attention_mask)
