@@ -127,6 +127,24 @@ class Rollout:
         return list(joined.values())
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn is sampled (--max-new-tokens, --temperature, --stop-strings, the EOS set)."""
+
+    max_new_tokens: int
+    temperature: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    stop_strings: tuple[str, ...] = ()
+
+    def engine_settings(self, max_new_tokens: int, uniforms: torch.Tensor) -> dict:
+        """`RolloutEngine.sample`'s settings for a turn of at most `max_new_tokens` tokens, each
+        row drawn from its row of `uniforms`."""
+        return {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
+                "eos_token_ids": list(self.eos_token_ids), "pad_token_id": self.pad_token_id,
+                "uniforms": uniforms}
+
+
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
 ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "action_mask", "ended",
               "engine_logprobs", "episode", "versions")
