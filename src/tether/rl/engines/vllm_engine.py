@@ -130,15 +130,6 @@ class EngineOptions:
     seed: int
 
 
-def _architecture_supports(architecture: str) -> tuple[bool, bool]:
-    """(vLLM implements `architecture`, and with LoRA)."""
-    from vllm.model_executor.models import ModelRegistry
-
-    if architecture not in ModelRegistry.get_supported_archs():
-        return False, False
-    return True, vllm_private.lora_supported(architecture)
-
-
 @contextlib.contextmanager
 def _rng_kept(device: torch.device):
     """vLLM seeds the global RNGs when it starts; the trainer's streams must not move."""
@@ -214,14 +205,16 @@ class VLLMEngine(SamplesWhenAsked):
 
     def _serving_mode(self, architecture: str, asked: str | None) -> str | None:
         """None (full weights), "adapter" or "merged"; refuses what vLLM cannot run here."""
-        known, lora_ok = _architecture_supports(architecture)
-        if not known:
+        from vllm.model_executor.models import ModelRegistry
+
+        if architecture not in ModelRegistry.get_supported_archs():
             raise TetherError(f"vLLM has no implementation of {architecture}; use --engine native")
         check_head_size(self.model.config, self.device.type)
         if self.peft is None:
             return None
         if asked is not None:
             return asked
+        lora_ok = vllm_private.lora_supported(architecture)  # vLLM implements LoRA on it
         if not lora_ok:
             print(f"note: vLLM serves no LoRA adapter on {architecture}; the engine gets the "
                   "merged weights after each update", file=sys.stderr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -141,7 +142,8 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
             limits: EpisodeLimits, sampling: Sampling, tokenizer, device: torch.device,
             where: Callable[[int], str]) -> Episodes:
     """run_episodes' work on environments already made."""
-    firsts = calls.gather([_bound(env.reset, row, seed) for env, row, seed in zip(envs, rows, seeds)],
+    firsts = calls.gather([partial(env.reset, row, seed)
+                           for env, row, seed in zip(envs, rows, seeds)],
                           [f"reset of {where(i)}" for i in range(len(rows))])
     episodes = []
     for i, (env, row, seed, first) in enumerate(zip(envs, rows, seeds, firsts)):
@@ -178,7 +180,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
             first_turn = sampled
         actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
                    for j, i in enumerate(live)]
-        results = calls.gather([_bound(episodes[i].env.step, actions[j][0])
+        results = calls.gather([partial(episodes[i].env.step, actions[j][0])
                                 for j, i in enumerate(live)],
                                [f"step of {where(i)}, turn {turn}" for i in live])
         for j, i in enumerate(live):
@@ -190,10 +192,6 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
         return _one_turn(first_turn, episodes)
     return _laid_out(episodes, pad_token_id, device, sampling.temperature, engine.own_logprobs,
                      versioned)
-
-
-def _bound(method, *args) -> Callable:
-    return lambda: method(*args)
 
 
 def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],
