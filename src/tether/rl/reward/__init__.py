@@ -12,11 +12,11 @@
 
 This module holds what they share: the `Reward` the loop calls, the `RewardScores` it gets, the
 pool's `FailedRows`, and what a score must be (`MAX_SCORE`); each is checked where it is made
-(a function's by `functions.py`, a reward model's by `models.py`). Whatever a function does wrong (raises, calls
-`sys.exit`, returns NaN, the wrong count, an unordered set or anything but numbers in order)
-stops the run with one line that names the function, where it failed and the fix, before
-anything of the batch reaches the optimiser; loading it, its deadline and its event loop are
-the user's code's (tether.run.user_code).
+(a function's by `functions.py`, a reward model's by `models.py`). Whatever a function does
+wrong (raises, calls `sys.exit`, returns NaN, the wrong count, an unordered set or anything but
+numbers in order) stops the run with one line that names the function, where it failed and the
+fix, before anything of the batch reaches the optimiser; loading it, its deadline and its event
+loop are the user's code's (tether.run.user_code).
 """
 
 from __future__ import annotations
