@@ -1,6 +1,6 @@
 """Held-out evaluation of a policy: proxy and gold reward, KL to the reference, diversity.
 
-One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, batch size, seed) and one
+One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, seed) and one
 function measures (`evaluate_policy`), for PPO's periodic evaluation, `tether eval` and the
 demo alike, so every policy in a comparison is measured the same way: the same prompt ids, the
 same seeded sampling stream at the same temperature, the same KL formula. The SFT model scored
@@ -82,9 +82,8 @@ def measure_responses(policy: nn.Module, reference: nn.Module, rollout: Rollout,
     out = {"kl": ((scored.logprobs - scored.ref_logprobs) * action_mask).sum(1),
            "ent": (scored.entropy * action_mask).sum(1) / action_mask.sum(1).clamp(min=1),
            "len": action_mask.sum(1), "eos": rollout.ended.float()}
-    exact = (scored.exact_kl * action_mask).sum(1)
-    if bool(torch.isfinite(exact).all()):  # NaN where the heads do not allow it
-        out["kl_exact"] = exact
+    if not bool(scored.exact_kl.isnan().all()):  # all NaN: the heads do not allow it
+        out["kl_exact"] = (scored.exact_kl * action_mask).sum(1)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
