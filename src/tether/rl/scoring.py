@@ -104,15 +104,6 @@ def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: to
     return scores, values
 
 
-def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> float:
-    """The rollout's own sampling temperature; a different `temperature` is refused (log-probs
-    at another temperature than the sampling one make the ratio and the KL wrong)."""
-    if temperature is not None and temperature != rollout.temperature:
-        raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
-                         f"{rollout.temperature}")
-    return rollout.temperature
-
-
 @torch.no_grad()
 def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, rollout: Rollout,
                   temperature: float | None, chunk_size: int, chunked: bool = True,
@@ -123,8 +114,13 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     `policy_and_values`, the one the update uses: same rows, same code, so the first epoch's ratio
     is exactly 1. `chunked`: log-probs and entropies through the LM head in chunks
     (tether.lm_head; no [B, R, V] logits). `packed`: each chunk's forwards on packed rows.
+    `temperature`: None, or the rollout's own; another is refused (log-probs at another
+    temperature than the sampling one make the ratio and the KL wrong).
     """
-    temperature = sampling_temperature(rollout, temperature)
+    if temperature is not None and temperature != rollout.temperature:
+        raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
+                         f"{rollout.temperature}")
+    temperature = rollout.temperature
     parts = []
     context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
