@@ -440,12 +440,12 @@ def test_pooled_rewards_of_batches_sampled_ahead_are_scored_in_the_background(
     from tether.rl import sources
 
     scorers: list[str] = []
-    real = sources.PromptSource._answered
+    real = sources.PromptSource.work
 
     def answered(self, engine, rows, mine, noise_seed):
         scorers.append(threading.current_thread().name)
         return real(self, engine, rows, mine, noise_seed)
-    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    monkeypatch.setattr(sources.PromptSource, "work", answered)
     kw = dict(max_staleness=1, reward_workers=4)
     ahead_run = ppo.run(grpo(tiny_model_dir, prompts_file, "scored-ahead", **kw),
                         reward_fn=length_reward)
@@ -459,7 +459,7 @@ def test_pooled_rewards_of_batches_sampled_ahead_are_scored_in_the_background(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     scorers.clear()
     monkeypatch.undo()
-    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    monkeypatch.setattr(sources.PromptSource, "work", answered)
     ppo.run(grpo(tiny_model_dir, prompts_file, "no-pool", max_staleness=1, total_episodes=8),
             reward_fn=length_reward)
     assert scorers == ["MainThread"] * 2
