@@ -141,8 +141,7 @@ def large_workload(prompts: list[str], args) -> Workload:
 def rollout_batch(work: Workload, index: int, device: str):
     """Batch `index`: its own rows // K prompts, each K times in consecutive rows (GRPO's
     layout), left-padded, and the rows' noise (as the loop draws it, seeded by the batch)."""
-    from tether.data.prompts import left_pad
-    from tether.rl.rollout import sampling_uniforms
+    from tether.rl.rollout import left_pad, sampling_uniforms
 
     n = work.rows // K
     rows = [ids for ids in work.prompt_ids[index * n:(index + 1) * n] for _ in range(K)]

@@ -32,7 +32,7 @@ def update_on(setup, rollout, old, advantages, returns, kl_beta: float,
 def prompt_batch(setup, cfg, batch: int, round_: int = 0):
     """The prompt texts of batch `batch` and their ids and mask, left-padded on the device to
     the global batch's width: what the single-turn source samples from (tether.rl.sources)."""
-    from tether.data.prompts import left_pad
+    from tether.rl.rollout import left_pad
     from tether.train.ppo_setup import batch_rows
 
     rows = batch_rows(setup, cfg, batch, round_)

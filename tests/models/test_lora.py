@@ -349,7 +349,7 @@ def _lora_grads(lora_runs, data, tmp_path, checkpointing: bool, recompute_contex
 
     import tether.train.ppo_setup as ppo_setup
     from tether.advantages import gae, kl_shaped_rewards
-    from tether.rl.update import update_mode
+    from tether.rl.scoring import update_mode
 
     cfg = _ppo_cfg(data, lora_runs["base"], tmp_path, f"g{checkpointing}{recompute_context}",
                    reward_model=str(lora_runs["rm"]), gradient_checkpointing=checkpointing)

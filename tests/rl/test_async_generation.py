@@ -29,6 +29,7 @@ from refusals import refused
 from tether.losses import PolicyLoss, policy_loss
 from tether.rl import update as update_module
 from tether.rl.engines import ahead
+from tether.rl.engines.generator import sequence_logprobs
 from tether.rl.engines.mismatch import (
     Correction,
     correction_weights,
@@ -315,12 +316,12 @@ def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
             version, now = engine.probe(ids, mask)
             assert version == step + 1
             assert (now - before).abs().max() > 1e-4, step  # the new adapter, not the initial one
-            mine = ahead.sequence_logprobs(model, ids, mask)
+            mine = sequence_logprobs(model, ids, mask)
             assert (now - mine).abs().max() < 1e-5
             before = now
     finally:
         engine.close()
-    assert engine.process.exitcode == 0
+    assert engine.launched.process.exitcode == 0
 
 
 def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_dir):
@@ -439,12 +440,12 @@ def test_pooled_rewards_of_batches_sampled_ahead_are_scored_in_the_background(
     from tether.rl import sources
 
     scorers: list[str] = []
-    real = sources.PromptSource._answered
+    real = sources.PromptSource.work
 
     def answered(self, engine, rows, mine, noise_seed):
         scorers.append(threading.current_thread().name)
         return real(self, engine, rows, mine, noise_seed)
-    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    monkeypatch.setattr(sources.PromptSource, "work", answered)
     kw = dict(max_staleness=1, reward_workers=4)
     ahead_run = ppo.run(grpo(tiny_model_dir, prompts_file, "scored-ahead", **kw),
                         reward_fn=length_reward)
@@ -458,7 +459,7 @@ def test_pooled_rewards_of_batches_sampled_ahead_are_scored_in_the_background(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     scorers.clear()
     monkeypatch.undo()
-    monkeypatch.setattr(sources.PromptSource, "_answered", answered)
+    monkeypatch.setattr(sources.PromptSource, "work", answered)
     ppo.run(grpo(tiny_model_dir, prompts_file, "no-pool", max_staleness=1, total_episodes=8),
             reward_fn=length_reward)
     assert scorers == ["MainThread"] * 2

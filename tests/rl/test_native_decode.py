@@ -10,14 +10,13 @@ import pytest
 import torch
 from conftest import sample_texts
 
-from tether.data.prompts import left_pad
 from tether.models import forward as shared_prompt
 from tether.models.forward import position_ids_from_mask
 from tether.models.lora import LoraSpec, add_adapter
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
 from tether.rl.engines.native import ModelForward, prefill, sample_responses
-from tether.rl.rollout import sampling_uniforms
+from tether.rl.rollout import left_pad, sampling_uniforms
 
 TEXTS = ["the", "a good film and the plot was very long and boring but the", "the movie was",
          "it", "fun and quite loved", "the ending was short and the music was dull and"]

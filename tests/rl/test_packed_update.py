@@ -159,15 +159,15 @@ def test_grpo_cli_with_pack_and_token_budget(env, tiny_llama_dir, capsys, monkey
     """Both options reach the update through the config: every update forward is packed, and a
     minibatch of 2 prompts x 2 samples runs as more than one micro-batch (a budget of 24 tokens
     holds at most a row or two of ~10-token prompts and 6-token responses)."""
-    from tether.rl import update
+    from tether.rl import scoring
 
     calls = []
-    original = update.update_forward
+    original = scoring.update_forward
 
     def recording(policy, critic, reference, sub, chunked, exact, keep_hidden, packed=False):
         calls.append((len(sub), packed))
         return original(policy, critic, reference, sub, chunked, exact, keep_hidden, packed)
-    monkeypatch.setattr(update, "update_forward", recording)
+    monkeypatch.setattr(scoring, "update_forward", recording)
     code = main(["grpo", "--policy", str(tiny_llama_dir), "--prompts", str(env / "prompts.jsonl"),
                  "--output-dir", str(env / "runs"), "--run-name", "cli_pack",
                  "--reward-fn", f"{env / 'rewards.py'}:length_reward", "--batch-size", "4",

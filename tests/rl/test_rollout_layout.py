@@ -8,7 +8,7 @@ import torch
 
 from tether.rl.engines.vllm_engine import _layout
 from tether.rl.env.episodes import Episode, Segment, _laid_out, _one_turn
-from tether.rl.rollout import Rollout, right_padded
+from tether.rl.rollout import Rollout, left_pad, right_padded
 
 PAD = 99  # a pad id no token below uses, so a misplaced pad shows
 
@@ -44,6 +44,13 @@ def test_right_padded_puts_each_row_first_and_the_fill_after():
     assert floats.dtype == torch.float32
     assert floats.tolist() == torch.tensor([[0.1, 0.0], [-1.5, 0.3]], dtype=torch.float32).tolist()
     assert right_padded([[True], []], 2, False, torch.bool).tolist() == [[True, False], [False] * 2]
+
+
+def test_left_pad_puts_each_row_last_and_the_pads_before():
+    ids, mask = left_pad([[5, 6, 7], [8], (9, 10)], PAD, "cpu")
+    assert ids.tolist() == [[5, 6, 7], [PAD, PAD, 8], [PAD, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long
 
 
 def test_the_vllm_engine_s_lists_are_laid_out_to_the_given_width():

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from test_distributed_ppo import assert_same_run, metrics, one_process
 from torchrun_helpers import ROOT, torchrun_command
 
-from tether.rl.engines import ahead
+from tether.rl.engines import generator
 
 pytestmark = [pytest.mark.slow, pytest.mark.across_processes]
 
@@ -217,7 +217,7 @@ from tether.run.optim import StepCounter
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 engine = ahead.start(SimpleNamespace(engine="native"), model, None, StepCounter(), 1, 0,
                      torch.device("cpu"))
-print(engine.process.pid, flush=True)
+print(engine.launched.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -228,7 +228,7 @@ def test_a_killed_trainers_generator_ends(tiny_model_dir):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     pid = int(result.stdout.split()[0])
-    deadline = time.monotonic() + 10 * ahead.POLL_S
+    deadline = time.monotonic() + 10 * generator.POLL_S
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid)

@@ -1,5 +1,5 @@
 """Prompts for generation: `{prompt}` or `{messages}` rows encoded by the one encoding rule
-(`tether.data.encoding`), the seeded order they are drawn in, and left-padded prompt batches.
+(`tether.data.encoding`) and the seeded order they are drawn in.
 
 A prompt row has `prompt` (a string, or a list of messages) or `messages`; other columns (TRL's
 `completion`, `chosen`, `rejected`, a reference answer) are ignored, so a prompt-completion or
@@ -172,15 +172,3 @@ def prompt_indices(n_prompts: int, batch_size: int, seed: int, batch: int) -> li
         out += take
         position += len(take)
     return out
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] ids and mask with each sequence right-aligned (left padding)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
-

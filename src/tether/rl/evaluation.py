@@ -1,6 +1,6 @@
 """Held-out evaluation of a policy: proxy and gold reward, KL to the reference, diversity.
 
-One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, batch size, seed) and one
+One helper builds the inputs (`eval_inputs`: prompt encoding, EOS set, seed) and one
 function measures (`evaluate_policy`), for PPO's periodic evaluation, `tether eval` and the
 demo alike, so every policy in a comparison is measured the same way: the same prompt ids, the
 same seeded sampling stream at the same temperature, the same KL formula. The SFT model scored
@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from tether.data.prompts import load_prompts
-from tether.models.trunk_head import exact_kl_at, score_responses
 from tether.rl.reward import Reward
 from tether.rl.reward.pool import check_scored
 from tether.rl.rollout import Rollout
-from tether.rl.sources import RolloutSource
+from tether.rl.scoring import score_rollout
+from tether.rl.sources import Collected, RolloutSource
 
 # The held-out sampling stream is seeded apart from the training one (run seed + this), so an
 # evaluation never replays a training batch's draws.
@@ -31,12 +31,10 @@ EVAL_SEED_OFFSET = 7_919
 
 
 class EvalSettings(Protocol):
-    """The fields an evaluation reads, named as in PPOConfig (and `tether eval`'s EvalConfig)."""
+    """The fields an evaluation's inputs read, named as in PPOConfig (and `tether eval`'s
+    EvalConfig)."""
 
     max_prompt_len: int
-    max_new_tokens: int
-    temperature: float
-    batch_size: int
     seed: int
 
 
@@ -47,9 +45,6 @@ class EvalInputs:
     prompts: list[str]  # the prompt texts a reward function reads
     prompt_ids: list[list[int]]  # their ids under the one encoding rule (tether.data.encoding)
     eos_token_ids: list[int]  # every id that ends a response
-    max_new_tokens: int
-    temperature: float
-    batch_size: int  # prompts per sampling chunk: part of the seeded stream, so fixed here
     seed: int  # the sampling generator's seed (run seed + EVAL_SEED_OFFSET)
 
 
@@ -57,11 +52,9 @@ def eval_inputs(tokenizer, prompts_source: str, eos: list[int],
                 settings: EvalSettings) -> EvalInputs:
     """The inputs of a held-out evaluation: prompts encoded by the rule every stage uses
     (`tether.data.load_prompts`, cut to `max_prompt_len`), the EOS set (`policy_eos_ids`), and
-    the sampling chunk size and seed. PPO and `tether eval` both call this."""
+    the sampling seed. PPO, `tether eval` and `tether generate` call this."""
     prompts, prompt_ids = load_prompts(prompts_source, tokenizer, settings.max_prompt_len)
-    return EvalInputs(prompts, prompt_ids, list(eos), settings.max_new_tokens,
-                      settings.temperature, settings.batch_size,
-                      settings.seed + EVAL_SEED_OFFSET)
+    return EvalInputs(prompts, prompt_ids, list(eos), settings.seed + EVAL_SEED_OFFSET)
 
 
 def distinct_ngrams(sequences: Sequence[Sequence], n: int) -> float:
@@ -83,19 +76,14 @@ def measure_responses(policy: nn.Module, reference: nn.Module, rollout: Rollout,
     """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk, each [B],
     over the tokens the policy sampled (`action_mask`). `chunked_lm_head`: log-probs and
     entropies through the LM head in chunks (tether.lm_head)."""
-    args = (rollout.input_ids, rollout.attention_mask, rollout.context_length,
-            rollout.temperature)  # the log-probs of what was sampled, at its temperature
-    mask = rollout.action_mask
-    scores = score_responses(policy, *args, chunked=chunked_lm_head, entropy=True, hidden=True,
-                             mask=mask)
-    ref = score_responses(reference, *args, chunked=chunked_lm_head, hidden=True, mask=mask)
-    action_mask = mask.float()  # [B, R]
-    out = {"kl": ((scores.logprobs - ref.logprobs) * action_mask).sum(1),
-           "ent": (scores.entropy * action_mask).sum(1) / action_mask.sum(1).clamp(min=1),
+    # the log-probs of what was sampled, at its temperature, as the loop scores pi_old
+    scored = score_rollout(policy, reference, None, rollout, None, len(rollout), chunked_lm_head)
+    action_mask = rollout.action_mask.float()  # [B, R]
+    out = {"kl": ((scored.logprobs - scored.ref_logprobs) * action_mask).sum(1),
+           "ent": (scored.entropy * action_mask).sum(1) / action_mask.sum(1).clamp(min=1),
            "len": action_mask.sum(1), "eos": rollout.ended.float()}
-    exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, rollout.temperature, mask)
-    if exact is not None:
-        out["kl_exact"] = (exact * action_mask).sum(1)
+    if not bool(scored.exact_kl.isnan().all()):  # all NaN: the heads do not allow it
+        out["kl_exact"] = (scored.exact_kl * action_mask).sum(1)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
@@ -145,27 +133,14 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
     for start in range(0, len(rows), evaluation.chunk):
         part = evaluation.source.collect(rows, slice(start, start + evaluation.chunk),
                                          evaluation.seed)
-        last = part.rollout.last_rows().cpu()
-        measured = per_episode(measure(part.rollout), part.rollout)
-        # Held-out prompts are fixed, so a row the reward pool could not score cannot be drawn
-        # again: one line, as a raising function is without the pool (tether.rl.reward.pool).
-        check_scored(part.failed, "the held-out evaluation")
-        if part.scores is not None:
-            measured["score"] = part.scores.float().cpu()[last]
-        picked = [t for t, keep in zip(part.texts, last.tolist()) if keep]
+        measured, chunk_prompts, chunk_texts = measured_chunk(part, measure, gold)
         token_ids += part.rollout.sampled_ids()  # an episode's turns joined
-        prompts += [p for p, keep in zip(part.prompts, last.tolist()) if keep]
-        texts += picked
-        if gold is not None:
-            table = ([r for r, keep in zip(part.rows, last.tolist()) if keep] if part.rows
-                     else None)  # the prompt rows (`rows` above is the row indices)
-            scored = gold(prompts[-len(picked):], picked, part.rollout, table)
-            check_scored(scored.failed, "the held-out evaluation's gold reward")
-            measured["gold"] = scored.scores.float().cpu()
+        prompts += chunk_prompts
+        texts += chunk_texts
         for key, value in measured.items():
             parts.setdefault(key, []).append(value)
         for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes
-            env[key] = env.get(key, 0.0) + value * len(picked)
+            env[key] = env.get(key, 0.0) + value * len(chunk_texts)
     joined = {k: torch.cat(v) for k, v in parts.items()}
     names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
              "kl_exact": "eval/kl_exact", "ent": "eval/entropy", "len": "eval/response_len",
@@ -183,6 +158,28 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
     samples = [{"prompt": p, "response": r, "score": s, "gold_score": g}
                for p, r, s, g in zip(prompts, texts, per_prompt("score"), per_prompt("gold"))]
     return metrics, samples
+
+
+def measured_chunk(part: Collected, measure: Measure, gold: Reward | None
+                   ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """One chunk's per-episode measures (`measure`'s, the source's score, the gold score), and
+    its prompts and texts, each episode's once (its last row's)."""
+    last = part.rollout.last_rows().cpu()
+    measured = per_episode(measure(part.rollout), part.rollout)
+    # Held-out prompts are fixed, so a row the reward pool could not score cannot be drawn
+    # again: one line, as a raising function is without the pool (tether.rl.reward.pool).
+    check_scored(part.failed, "the held-out evaluation")
+    if part.scores is not None:
+        measured["score"] = part.scores.float().cpu()[last]
+    keep = last.tolist()
+    prompts = [p for p, k in zip(part.prompts, keep) if k]
+    texts = [t for t, k in zip(part.texts, keep) if k]
+    if gold is not None:
+        table = [r for r, k in zip(part.rows, keep) if k] if part.rows else None  # prompt rows
+        scored = gold(prompts, texts, part.rollout, table)
+        check_scored(scored.failed, "the held-out evaluation's gold reward")
+        measured["gold"] = scored.scores.float().cpu()
+    return measured, prompts, texts
 
 
 def per_episode(measured: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, torch.Tensor]:

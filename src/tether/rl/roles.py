@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
+from tether.rl.reward import FailedRows
 from tether.rl.rollout import Rollout, episode_numbers, padded_to
 from tether.run import distributed
 from tether.run.distributed import Dist
@@ -121,17 +122,34 @@ def gather_rollout(rollout: Rollout, d: Dist, pad_token_id: int) -> Rollout:
     numbered = distributed.global_max(int(rollout.episode is not None), d)
     if numbered:  # episodes everywhere, renumbered below
         rollout = replace(rollout, episode=rollout.episode_ids())
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == torch.bool:  # gloo has no bool
-            return distributed.all_gather_rows(t.to(torch.uint8), d).bool()
-        return distributed.all_gather_rows(t, d)
-    gathered = rollout.map_rows(gather)
+    gathered = rollout.map_rows(lambda t: gather_rows(t, d))
     if not numbered:
         return gathered
     counts = distributed.all_gather_rows(torch.tensor([len(rollout)]), d).tolist()
     blocks = torch.split(gathered.episode, counts)
     return replace(gathered, episode=torch.cat(episode_numbers(blocks)))
+
+
+def gather_rows(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Every rank's rows of `t`, in rank order (`distributed.all_gather_rows`; a bool tensor
+    travels as uint8: gloo has no bool)."""
+    if t.dtype == torch.bool:
+        return distributed.all_gather_rows(t.to(torch.uint8), d).bool()
+    return distributed.all_gather_rows(t, d)
+
+
+def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows | None:
+    """Every rank's rows the reward pool could not score (tether.rl.reward.pool), in rank order,
+    as the global batch's (`offset`: this rank's first row in it); the causes travel only when
+    some row failed (every rank agrees on that, from the gathered mask)."""
+    if failed is None:
+        return None
+    mask = gather_rows(failed.failed, d)
+    causes: dict[int, str] = {}
+    if mask.any():
+        causes = dict(distributed.all_gather_objects(
+            [(row + offset, why) for row, why in failed.causes.items()], d))
+    return FailedRows(mask, gather_rows(failed.retries, d), causes)
 
 
 def gather_in_order(part: torch.Tensor, batch: int, minibatch: int, d: Dist) -> torch.Tensor:

@@ -75,7 +75,7 @@ class Rollout:
         real tokens; what follows them, `responses` [B, R] right-padded, `response_mask` True on
         its real tokens; `ended` [B]. `optional`: the per-row fields engine_logprobs,
         action_mask, episode, versions (absent: None). Per-row lists become these tensors by
-        `tether.data.prompts.left_pad` (prompts) and `right_padded` (what follows them)."""
+        `left_pad` (prompts) and `right_padded` (what follows them)."""
         return cls(torch.cat([prompt_ids, responses], dim=1),
                    torch.cat([prompt_mask.long(), response_mask.long()], dim=1), response_mask,
                    ended, prompt_ids.shape[1], temperature, **optional)
@@ -125,6 +125,24 @@ class Rollout:
                                       self.action_mask.bool(), strict=True):
             joined.setdefault(episode, []).extend(row[mask].tolist())
         return list(joined.values())
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn is sampled (--max-new-tokens, --temperature, --stop-strings, the EOS set)."""
+
+    max_new_tokens: int
+    temperature: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    stop_strings: tuple[str, ...] = ()
+
+    def engine_settings(self, max_new_tokens: int, uniforms: torch.Tensor) -> dict:
+        """`RolloutEngine.sample`'s settings for a turn of at most `max_new_tokens` tokens, each
+        row drawn from its row of `uniforms`."""
+        return {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
+                "eos_token_ids": list(self.eos_token_ids), "pad_token_id": self.pad_token_id,
+                "uniforms": uniforms}
 
 
 # The per-row tensors of a Rollout: what selecting, gathering and concatenating rows carries.
@@ -187,12 +205,35 @@ def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype,
     return out.to(device)
 
 
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and mask (long) with each sequence right-aligned: the prompt half of the layout
+    above, `right_padded`'s rows reversed and flipped back."""
+    width = max(len(s) for s in sequences)
+    ids = right_padded([list(s)[::-1] for s in sequences], width, pad_id, torch.long, device)
+    mask = right_padded([[1] * len(s) for s in sequences], width, 0, torch.long, device)
+    return ids.flip(1), mask.flip(1)
+
+
 def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tensor:
     """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
     seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
     the world size or the chunking, and a resumed run draws what the uninterrupted one did."""
     generator = torch.Generator().manual_seed(seed)
     return torch.rand((n_rows, max_new_tokens), generator=generator)
+
+
+def sampling_noise(uniforms: torch.Tensor | None, generator: torch.Generator | None, rows: int,
+                   max_new_tokens: int, temperature: float) -> torch.Tensor:
+    """An engine's noise for `rows` rows: `uniforms` [rows, max_new_tokens] (`sampling_uniforms`'
+    rows), or as many drawn from `generator` (on its device; the global stream without one). A
+    `temperature` <= 0 is refused: sampling is from softmax(logits / T)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling")
+    if uniforms is not None:
+        return uniforms
+    return torch.rand((rows, max_new_tokens), generator=generator,
+                      device=generator.device if generator is not None else "cpu")
 
 
 def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],

@@ -10,6 +10,10 @@ Notation: B rollout batch, b a micro-batch's rows, R response width, d hidden si
                          micro-batch (`Forward`), run inside the DDP/FSDP2 wrapper by the update
     scored_from_forward  pi_old read off the update's own forward, when one forward is both
                          (tether.rl.update.one_pass)
+    Forwards             the update's forwards, one of which `score_old` may have run already
+    score_old            step 2 of the update: pi_old by `score_batch`, or off the update's own
+                         first forward (`scored_from_forward`), whichever `one_pass` says
+    update_mode          the models' mode while the update runs (gradient checkpointing)
 
 Every log-prob is taken at the rollout's own sampling temperature; everything the tokens the
 policy did not sample could hold is zeroed (`action_mask`). The loss itself is computed from these
@@ -18,6 +22,8 @@ tensors, outside any model call (tether.rl.update.update_loss).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +34,7 @@ from tether import kl as kl_lib
 from tether.errors import TetherError
 from tether.lm_head import head_entropy
 from tether.models.critic import ValueHead
+from tether.models.forward import autocast
 from tether.models.trunk_head import (
     ResponseScores,
     exact_kl_at,
@@ -97,15 +104,6 @@ def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: to
     return scores, values
 
 
-def sampling_temperature(rollout: Rollout, temperature: float | None = None) -> float:
-    """The rollout's own sampling temperature; a different `temperature` is refused (log-probs
-    at another temperature than the sampling one make the ratio and the KL wrong)."""
-    if temperature is not None and temperature != rollout.temperature:
-        raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
-                         f"{rollout.temperature}")
-    return rollout.temperature
-
-
 @torch.no_grad()
 def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, rollout: Rollout,
                   temperature: float | None, chunk_size: int, chunked: bool = True,
@@ -116,8 +114,13 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     `policy_and_values`, the one the update uses: same rows, same code, so the first epoch's ratio
     is exactly 1. `chunked`: log-probs and entropies through the LM head in chunks
     (tether.lm_head; no [B, R, V] logits). `packed`: each chunk's forwards on packed rows.
+    `temperature`: None, or the rollout's own; another is refused (log-probs at another
+    temperature than the sampling one make the ratio and the KL wrong).
     """
-    temperature = sampling_temperature(rollout, temperature)
+    if temperature is not None and temperature != rollout.temperature:
+        raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
+                         f"{rollout.temperature}")
+    temperature = rollout.temperature
     parts = []
     context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
@@ -126,13 +129,9 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
         scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                            context, temperature, chunked=chunked, entropy=True,
                                            hidden=True, mask=mask, packed=packed)
-        ref = score_responses(reference, sub.input_ids, sub.attention_mask, context, temperature,
-                              chunked=chunked, hidden=True, mask=mask, packed=packed)
+        ref = score_reference(reference, sub, chunked, packed)
         exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature, mask)
-        parts.append(Scored(logprobs=scores.logprobs, ref_logprobs=ref.logprobs,
-                            values=_kept(values.float(), mask), entropy=scores.entropy,
-                            exact_kl=(exact.float() if exact is not None
-                                      else torch.full(mask.shape, float("nan"), device=mask.device))))
+        parts.append(_scored(scores.logprobs, ref.logprobs, values, scores.entropy, exact, mask))
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
 
 
@@ -202,10 +201,7 @@ def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: tor
               chunked: bool, packed: bool = False) -> torch.Tensor:
     """KL(pi || ref) over the vocabulary at each response position [b, R], differentiable in the
     policy's `hidden` states; the reference is scored here, without a gradient."""
-    with torch.no_grad():
-        ref = score_responses(reference, sub.input_ids, sub.attention_mask, sub.context_length,
-                              sub.temperature, chunked=chunked, hidden=True,
-                              mask=sub.action_mask, packed=packed)
+    ref = score_reference(reference, sub, chunked, packed)  # without a gradient
     per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature,
                                sub.action_mask)
     if per_position is None:
@@ -233,16 +229,17 @@ def scored_from_forward(policy: nn.Module, reference: nn.Module, rollout: Rollou
     mask = rollout.action_mask
     exact = exact_kl_at(policy, reference, forward.hidden.detach(), ref.hidden,
                         rollout.temperature, mask)
-    return Scored(logprobs=forward.logprobs.detach(), ref_logprobs=ref.logprobs,
-                  values=_kept(forward.values.detach().float(), mask),
-                  entropy=_entropy(policy, rollout, forward.hidden, chunked),
-                  exact_kl=(exact.float() if exact is not None
-                            else torch.full(mask.shape, float("nan"), device=mask.device)))
+    return _scored(forward.logprobs.detach(), ref.logprobs, forward.values.detach(),
+                   _entropy(policy, rollout, forward.hidden, chunked), exact, mask)
 
 
-def _kept(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`values` where `mask` is true, 0 elsewhere (selected: 0 x NaN would be NaN)."""
-    return torch.where(mask.bool(), values, 0.0)
+def _scored(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor,
+            entropy: torch.Tensor, exact: torch.Tensor | None, mask: torch.Tensor) -> Scored:
+    """The `Scored` of a forward's tensors: the values (fp32) where `mask` is true, 0 elsewhere
+    (selected: 0 x NaN would be NaN); the exact KL (fp32) NaN where it could not be computed."""
+    return Scored(logprobs, ref_logprobs, torch.where(mask.bool(), values.float(), 0.0), entropy,
+                  exact.float() if exact is not None
+                  else torch.full(mask.shape, float("nan"), device=mask.device))
 
 
 def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked: bool):
@@ -259,6 +256,78 @@ def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked:
     picked = head_entropy(hidden.detach()[mask.bool()], head, rollout.temperature)
     return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).index_put(
         (mask.bool(),), picked)
+
+
+class Forwards:
+    """The update's forwards: `self(rows)` runs the policy and critic (and, for an exact KL term,
+    the reference) on those rows of the rollout, inside the wrapper (`Roles.call`), and returns
+    tensors. One forward may be kept (`kept`, by `score_old`): the next call for the same rows
+    takes it. `spec`: the update's (`tether.rl.update.UpdateSpec`: its LM-head chunking, packing
+    and KL estimator); `kl_beta`: the KL term's coefficient in the loss."""
+
+    def __init__(self, roles: Roles, reference: nn.Module, rollout: Rollout, spec,
+                 kl_beta: float):
+        self.roles, self.reference, self.rollout, self.spec = roles, reference, rollout, spec
+        self.exact = kl_beta > 0 and spec.kl.kl_estimator == "exact"
+        self.kept: tuple[torch.Tensor, Forward] | None = None
+
+    def run(self, rows: torch.Tensor, keep_hidden: bool = False) -> Forward:
+        return self.roles.call(update_forward, self.reference, self.rollout.select(rows),
+                               self.spec.chunked_lm_head, self.exact, keep_hidden, self.spec.pack)
+
+    def __call__(self, rows: torch.Tensor) -> Forward:
+        if self.kept is not None:
+            kept_rows, forward = self.kept
+            self.kept = None
+            if not torch.equal(kept_rows, rows):
+                raise RuntimeError("the kept forward is for other rows (a bug: please report it)")
+            return forward
+        return self.run(rows)
+
+
+@contextlib.contextmanager
+def update_mode(gradient_checkpointing: bool, *models: nn.Module | None):
+    """Training mode for the update when gradient checkpointing is on, eval mode again after.
+
+    transformers recomputes a layer's activations only while the module is in training mode, but
+    PPO keeps its models in eval mode so that rollout and update forwards agree. Dropout is already
+    zeroed everywhere (`disable_dropout`), so training mode computes exactly what eval mode does
+    and the first epoch's ratio stays exactly 1.
+    """
+    trained = [m for m in models if m is not None] if gradient_checkpointing else ()
+    for model in trained:
+        model.train()
+    try:
+        yield
+    finally:
+        for model in trained:
+            model.eval()
+
+
+def score_old(roles: Roles, reference: nn.Module, rollout: Rollout, spec, forwards: Forwards,
+              one_pass: bool) -> tuple[Scored, float | None]:
+    """Step 2 of the update: pi_old, the reference and V_old on the batch's sampled tokens
+    (`spec`: the update's `tether.rl.update.UpdateSpec`). Two passes: `score_batch`, without
+    gradients, before the update's own forwards. One pass (`one_pass`, tether.rl.update): the
+    update's forward on the whole batch, kept in `forwards` for its first micro-batch, and pi_old
+    read off it (`scored_from_forward`); the time it started is returned too, where the update's
+    clock starts (None with two passes)."""
+    device = rollout.input_ids.device
+    if not one_pass:
+        with autocast(spec.mixed_precision, device):
+            return score_batch(roles, reference, rollout, spec.minibatch_size, spec.micro_rows,
+                               spec.chunked_lm_head, spec.pack, spec.micro_batch_tokens), None
+    with autocast(spec.mixed_precision, device):
+        ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
+    started = time.perf_counter()  # the update's forward is this batch's scoring pass too
+    everything = torch.arange(len(rollout), device=device)
+    with update_mode(spec.gradient_checkpointing, roles.policy, roles.critic):
+        with autocast(spec.mixed_precision, device):
+            forward = forwards.run(everything, keep_hidden=True)
+            old = scored_from_forward(roles.policy, reference, rollout, forward, ref,
+                                      spec.chunked_lm_head)
+    forwards.kept = (everything, forward)
+    return old, started
 
 
 def kl_sums(old: Scored, mask: torch.Tensor) -> dict[str, float]:

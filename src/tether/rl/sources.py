@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from tether.data.prompts import left_pad
 from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls
@@ -32,22 +31,18 @@ from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
 from tether.rl.env.tools import tools_environment
 from tether.rl.reward import FailedRows, Reward
-from tether.rl.rollout import Rollout, apply_stop_strings, decode_responses, sampling_uniforms
+from tether.rl.rollout import (
+    Rollout,
+    Sampling,
+    apply_stop_strings,
+    decode_responses,
+    left_pad,
+    sampling_uniforms,
+)
 from tether.run.user_code.load import load_function
 
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
 ENV_SEED_STRIDE = 1_000_033  # an episode's environment seed: the run's seed and its prompt row
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a turn is sampled (--max-new-tokens, --temperature, --stop-strings, the EOS set)."""
-
-    max_new_tokens: int
-    temperature: float
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass
@@ -77,27 +72,27 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-class AheadBatches:
-    """The batches a source hands its engine ahead of their `collect` (`RolloutEngine.submit`):
-    `work(engine, rows, mine, noise_seed)` collects one through `engine`. An engine sampling
-    ahead runs it now, in the background; `take` gives the result, or runs the work now for a
-    batch never handed over (a --dynamic-sampling refill)."""
+class SubmittedAhead:
+    """A source that hands each batch whole to its engine ahead of its `collect`
+    (`RolloutEngine.submit`): `prefetch` submits `self.work(engine, rows, mine, noise_seed)`,
+    which an engine sampling ahead runs now, in the background; `collect` takes its result, or
+    runs the work now for a batch never handed over (a --dynamic-sampling refill)."""
 
-    def __init__(self, engine: RolloutEngine, work):
-        self.engine, self.work = engine, work
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.pending: dict[tuple, object] = {}  # a batch's key -> its handle, not yet taken
 
     @staticmethod
     def key(rows: list[int], mine: slice, noise_seed: int) -> tuple:
         return tuple(rows), (mine.start, mine.stop, mine.step), noise_seed  # slices: unhashable
 
-    def submit(self, rows: list[int], mine: slice, noise_seed: int) -> None:
+    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
         key = self.key(rows, mine, noise_seed)
         if key not in self.pending:
             self.pending[key] = self.engine.submit(
                 lambda engine: self.work(engine, rows, mine, noise_seed))
 
-    def take(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
+    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
         started = self.pending.pop(self.key(rows, mine, noise_seed), None)
         if started is not None:
             return started.result()
@@ -132,19 +127,17 @@ class PromptSource:
         ids, mask = left_pad([self.prompt_ids[i] for i in rows[mine]], s.pad_token_id,
                              self.device)
         uniforms = sampling_uniforms(noise_seed, len(rows), s.max_new_tokens)[mine]
-        return ids, mask, {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                           "eos_token_ids": list(s.eos_token_ids),
-                           "pad_token_id": s.pad_token_id, "uniforms": uniforms}
+        return ids, mask, s.engine_settings(s.max_new_tokens, uniforms)
 
     def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
         ids, mask, settings = self.request(rows, mine, noise_seed)
         self.engine.prefetch(ids, mask, **settings)
 
     def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
-        return self._answered(self.engine, rows, mine, noise_seed)
+        return self.work(self.engine, rows, mine, noise_seed)
 
-    def _answered(self, engine: RolloutEngine, rows: list[int], mine: slice,
-                  noise_seed: int) -> Collected:
+    def work(self, engine: RolloutEngine, rows: list[int], mine: slice,
+             noise_seed: int) -> Collected:
         """The rows answered by `engine`, cut at the stop strings, and scored."""
         s = self.sampling
         ids, mask, settings = self.request(rows, mine, noise_seed)
@@ -163,7 +156,7 @@ class PromptSource:
         pass
 
 
-class PromptsScoredAhead(PromptSource):
+class PromptsScoredAhead(SubmittedAhead, PromptSource):
     """`PromptSource` for an engine sampling ahead of the trainer and a reward that does not run
     on the trainer's main thread anyway (the reward pool's workers, a reward server): a batch
     asked for ahead is sampled and scored in the background (`RolloutEngine.submit`), so
@@ -171,19 +164,11 @@ class PromptsScoredAhead(PromptSource):
     stays on the main thread (`PromptSource`): one that times itself with SIGALRM
     (math_verify) can only run there."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ahead = AheadBatches(self.engine, self._answered)
 
-    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
-        self.ahead.submit(rows, mine, noise_seed)
-
-    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
-        return self.ahead.take(rows, mine, noise_seed)
-
-
-class EnvSource:
-    """Each prompt row the start of an episode (tether.rl.env.episodes)."""
+class EnvSource(SubmittedAhead):
+    """Each prompt row the start of an episode (tether.rl.env.episodes): a batch's episodes are
+    handed to the engine whole (`SubmittedAhead`), so that one sampling ahead of the trainer
+    runs them, environment and all, while the trainer updates."""
 
     def __init__(self, engine: RolloutEngine, calls: EnvCalls, renderer: Renderer,
                  rows: Sequence[dict], limits: EpisodeLimits, sampling: Sampling, run_seed: int,
@@ -192,20 +177,11 @@ class EnvSource:
         self.rows, self.limits, self.sampling = rows, limits, sampling
         self.run_seed, self.tokenizer, self.device = run_seed, tokenizer, device
         self.source_name = source_name
-        self.ahead = AheadBatches(engine, self._episodes)
+        super().__init__()
 
-    def collect(self, rows: list[int], mine: slice, noise_seed: int) -> Collected:
-        """The batch's episodes: sampled ahead (`prefetch`) when they were, else now."""
-        return self.ahead.take(rows, mine, noise_seed)
-
-    def prefetch(self, rows: list[int], mine: slice, noise_seed: int) -> None:
-        """Hand this batch's episodes to the engine (`RolloutEngine.submit`): one sampling ahead
-        of the trainer runs them now, environment and all, while the trainer updates; `collect`
-        takes them."""
-        self.ahead.submit(rows, mine, noise_seed)
-
-    def _episodes(self, engine: RolloutEngine, rows: list[int], mine: slice,
-                  noise_seed: int) -> Collected:
+    def work(self, engine: RolloutEngine, rows: list[int], mine: slice,
+             noise_seed: int) -> Collected:
+        """This batch's episodes, sampled by `engine`."""
         s = self.sampling
         indices = rows[mine]
 
@@ -215,9 +191,7 @@ class EnvSource:
         episodes = run_episodes(engine, self.calls, self.renderer,
                                 [self.rows[i] for i in indices],
                                 [env_seed(self.run_seed, i) for i in indices], noise, self.limits,
-                                tokenizer=self.tokenizer, temperature=s.temperature,
-                                eos_token_ids=s.eos_token_ids, pad_token_id=s.pad_token_id,
-                                stop_strings=s.stop_strings, device=self.device,
+                                s, tokenizer=self.tokenizer, device=self.device,
                                 where=lambda j: f"episode of {self.source_name} row {indices[j]}")
         table = [self.rows[indices[j]] for j in episodes.rollout.episode_ids().tolist()]
         return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,

@@ -20,9 +20,9 @@ forward (one epoch, one minibatch, no micro-batches, one process: rloo's and grp
 pi_old is the policy the update differentiates, on the same rows, so the update's own forward
 scores it and the ratio is 1 by construction: one policy forward per batch instead of two (TRL's
 GRPOTrainer skips the old-policy pass the same way when num_iterations = 1). `one_pass` decides
-it; the forward is kept (`Forwards.keep`) and the update's first micro-batch takes it instead of
-running the models again. The shaping, the advantages, the loss and the step are the same code
-either way, because the loss reads tensors, not models.
+it; the forward is kept (`tether.rl.scoring.score_old`) and the update's first micro-batch takes
+it instead of running the models again. The shaping, the advantages, the loss and the step are
+the same code either way, because the loss reads tensors, not models.
 
 Memory knobs: a minibatch runs as micro-batches of `micro_rows` rows (or of at most
 `micro_batch_tokens` tokens), forward and backward each, gradients summed; every loss term is
@@ -35,7 +35,6 @@ upcasts), values, KL and the losses stay fp32.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -48,17 +47,10 @@ from tether.errors import TetherError
 from tether.kl import KLPlacement
 from tether.losses import PolicyLoss, exact_kl_penalty, kl_penalty, policy_loss, value_loss
 from tether.models.forward import autocast
-from tether.rl.engines.mismatch import Correction, engine_mismatch, staleness_metrics
+from tether.rl.engines.mismatch import Correction, engine_mismatch
 from tether.rl.roles import Roles, sum_stats
 from tether.rl.rollout import Rollout
-from tether.rl.scoring import (
-    Forward,
-    Scored,
-    score_batch,
-    score_reference,
-    scored_from_forward,
-    update_forward,
-)
+from tether.rl.scoring import Forward, Forwards, Scored, score_old, update_mode
 from tether.run.distributed import Dist
 from tether.run.optim import backward, clip_and_step
 from tether.run.slicing import chunks, rank_slice, token_parts
@@ -218,34 +210,6 @@ TOKEN_MEANS = POLICY_MEANS + VALUE_MEANS
 
 # ----------------------------------------------------------------------------- the forwards
 
-class Forwards:
-    """The update's forwards: `self(rows)` runs the policy and critic (and, for an exact KL term,
-    the reference) on those rows of the rollout, inside the wrapper (`Roles.call`), and returns
-    tensors. One forward may be kept (`keep`): the next call for the same rows takes it."""
-
-    def __init__(self, roles: Roles, reference: nn.Module, rollout: Rollout, spec: UpdateSpec,
-                 kl_beta: float):
-        self.roles, self.reference, self.rollout, self.spec = roles, reference, rollout, spec
-        self.exact = kl_beta > 0 and spec.kl.kl_estimator == "exact"
-        self.kept: tuple[torch.Tensor, Forward] | None = None
-
-    def run(self, rows: torch.Tensor, keep_hidden: bool = False) -> Forward:
-        return self.roles.call(update_forward, self.reference, self.rollout.select(rows),
-                               self.spec.chunked_lm_head, self.exact, keep_hidden, self.spec.pack)
-
-    def keep(self, rows: torch.Tensor, forward: Forward) -> None:
-        self.kept = (rows, forward)
-
-    def __call__(self, rows: torch.Tensor) -> Forward:
-        if self.kept is not None:
-            kept_rows, forward = self.kept
-            self.kept = None
-            if not torch.equal(kept_rows, rows):
-                raise RuntimeError("the kept forward is for other rows (a bug: please report it)")
-            return forward
-        return self.run(rows)
-
-
 def one_pass(spec: UpdateSpec, rows: int, d: Dist) -> bool:
     """Whether the batch of `rows` rows gets one optimizer step over all its rows in one forward
     on one process, so that the update's forward also scores pi_old. Under torchrun each rank
@@ -288,26 +252,11 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
     """
     spec = spec.for_batch(len(rollout), roles.dist)
     mask = rollout.action_mask
-    device = rollout.input_ids.device
     reward_beta, loss_beta = spec.kl.betas(beta)
     forwards = Forwards(roles, reference, rollout, spec, loss_beta)
-    # 2. pi_old, the reference and V_old on the sampled tokens.
-    if one_pass(spec, len(rollout), roles.dist):
-        with autocast(spec.mixed_precision, device):
-            ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
-        started = time.perf_counter()  # the update's forward is this batch's scoring pass too
-        everything = torch.arange(len(rollout), device=device)
-        with update_mode(spec.gradient_checkpointing, roles.policy, roles.critic):
-            with autocast(spec.mixed_precision, device):
-                forward = forwards.run(everything, keep_hidden=True)
-                old = scored_from_forward(roles.policy, reference, rollout, forward, ref,
-                                          spec.chunked_lm_head)
-        forwards.keep(everything, forward)
-    else:
-        with autocast(spec.mixed_precision, device):
-            old = score_batch(roles, reference, rollout, spec.minibatch_size, spec.micro_rows,
-                              spec.chunked_lm_head, spec.pack, spec.micro_batch_tokens)
-        started = None
+    # 2. pi_old, the reference and V_old on the sampled tokens (one pass or two).
+    old, started = score_old(roles, reference, rollout, spec, forwards,
+                             one_pass(spec, len(rollout), roles.dist))
     # 3. Per-token rewards: -beta * kl_t, the score on the last sampled token; the advantages.
     rewards, kl = kl_shaped_rewards(scores, old.logprobs, old.ref_logprobs, mask, reward_beta,
                                     spec.kl.reward_estimator, placed)
@@ -323,12 +272,9 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
         # Sampled ahead (--max-staleness), pi_engine is the stale behaviour policy: decoupled
         # PPO, the weight always on, the staleness measured apart from the kernels' mismatch.
         weights, engine_stats = engine_mismatch(old.logprobs, rollout.engine_logprobs, mask,
-                                                spec.correction)
+                                                spec.correction, rollout.versions, version,
+                                                spec.max_staleness)
         advantages = advantages * weights if weights is not None else advantages
-        if rollout.versions is not None:  # engine_kl again, on the current version's rows only
-            engine_stats = {k: v for k, v in engine_stats.items() if k != "rollout/engine_kl"}
-            engine_stats |= staleness_metrics(old.logprobs, rollout.engine_logprobs,
-                                              rollout.versions, mask, version, spec.max_staleness)
     # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
     batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated, weights)
     started = started or time.perf_counter()
@@ -439,22 +385,3 @@ def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec: UpdateSpec, d:
     lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
     cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
     return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]
-
-
-@contextlib.contextmanager
-def update_mode(gradient_checkpointing: bool, *models: nn.Module | None):
-    """Training mode for the update when gradient checkpointing is on, eval mode again after.
-
-    transformers recomputes a layer's activations only while the module is in training mode, but
-    PPO keeps its models in eval mode so that rollout and update forwards agree. Dropout is already
-    zeroed everywhere (`disable_dropout`), so training mode computes exactly what eval mode does
-    and the first epoch's ratio stays exactly 1.
-    """
-    trained = [m for m in models if m is not None] if gradient_checkpointing else ()
-    for model in trained:
-        model.train()
-    try:
-        yield
-    finally:
-        for model in trained:
-            model.eval()

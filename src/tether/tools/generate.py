@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tether.data.prompts import left_pad, load_prompts
+from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
 from tether.models.base_location import check_base_option
 from tether.models.limits import check_sampled_models
@@ -22,7 +22,7 @@ from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
-from tether.rl.rollout import apply_stop_strings, decode_responses
+from tether.rl.rollout import apply_stop_strings, decode_responses, left_pad
 from tether.rl.sources import load_tools
 from tether.run.checkpoint import atomic_write_bytes
 from tether.run.distributed import on_device

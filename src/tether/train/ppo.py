@@ -42,8 +42,7 @@ from tether.models.pretrained import load_trainable_lm
 from tether.models.saving import save_trained_lm
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.reward import NonFiniteScore
-from tether.rl.reward.pool import gather_failed
-from tether.rl.roles import any_rank, check_same_beta, gather_rollout
+from tether.rl.roles import any_rank, check_same_beta, gather_failed, gather_rollout
 from tether.rl.rollout import Rollout
 from tether.rl.update import BatchUpdate, update_batch
 from tether.run import interrupt

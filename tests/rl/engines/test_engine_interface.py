@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from tether.choices import ENGINES, Engine
 from tether.errors import TetherError
-from tether.rl.engines import SamplesWhenAsked, native
+from tether.rl.engines import native
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.run.distributed import Dist
 from tether.run.parse import parse_config
 from tether.train.ppo import run

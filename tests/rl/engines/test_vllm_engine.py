@@ -33,14 +33,13 @@ from offline_fixtures import sft_rows, write_jsonl  # noqa: E402
 from torchrun_helpers import torchrun  # noqa: E402
 
 from tether.cli import main  # noqa: E402
-from tether.data.prompts import left_pad  # noqa: E402
 from tether.models.lora import LoraSpec  # noqa: E402
 from tether.models.prepare import disable_dropout, fuse_gelu  # noqa: E402
 from tether.models.pretrained import load_tokenizer, load_trainable_lm  # noqa: E402
 from tether.models.tiny import save_tiny_llama  # noqa: E402
 from tether.models.trunk_head import score_responses  # noqa: E402
 from tether.rl.engines.vllm_engine import EngineOptions, VLLMEngine  # noqa: E402
-from tether.rl.rollout import sampling_uniforms  # noqa: E402
+from tether.rl.rollout import left_pad, sampling_uniforms  # noqa: E402
 from tether.run.distributed import current  # noqa: E402
 from tether.train.ppo import run  # noqa: E402
 from tether.train.ppo_config import GRPOConfig, PPOConfig  # noqa: E402

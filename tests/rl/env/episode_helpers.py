@@ -9,11 +9,12 @@ import torch
 
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
-from tether.rl.engines import SamplesWhenAsked, native
+from tether.rl.engines import native
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
-from tether.rl.rollout import sampling_uniforms
+from tether.rl.rollout import Sampling, sampling_uniforms
 from tether.run.distributed import Dist
 
 
@@ -62,9 +63,8 @@ def episodes(policy: Policy, factory, rows: list[dict], *, max_turns: int = 3,
         seeds if seeds is not None else list(range(len(rows))),
         lambda turn: sampling_uniforms(seed + 1000 * turn, len(rows), max_new_tokens),
         EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens, max_context),
-        tokenizer=tokenizer, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id, stop_strings=list(stop_strings),
-        device=torch.device("cpu"))
+        Sampling(max_new_tokens, 1.0, (tokenizer.eos_token_id,), tokenizer.pad_token_id,
+                 tuple(stop_strings)), tokenizer=tokenizer, device=torch.device("cpu"))
 
 
 class Scripted(InProcess):
@@ -111,6 +111,6 @@ def scripted_episodes(engine: Scripted, factory, rows: list[dict], *, tools=None
         engine, EnvCalls(factory, 10.0, workers=4),
         Renderer(tokenizer, max_prompt, max_observation, tools), rows, list(range(len(rows))),
         lambda turn: sampling_uniforms(turn, len(rows), max_new_tokens),
-        EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens), tokenizer=tokenizer,
-        temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id, stop_strings=[], device=torch.device("cpu"))
+        EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens),
+        Sampling(max_new_tokens, 1.0, (tokenizer.eos_token_id,), tokenizer.pad_token_id),
+        tokenizer=tokenizer, device=torch.device("cpu"))

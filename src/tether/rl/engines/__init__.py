@@ -6,6 +6,7 @@
     vllm_limits   what vLLM's settings need of the model (checked before it starts), and its
                   start-up errors in tether's words
     mismatch      how far the engine's log-probs are from the trainer's, and the corrections
+    weights       the policy's weights as an engine is sent them (vLLM's, the generator's copy)
 
 Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
 `tether generate` hold one and never ask which it is. `make_engine` reads the engine's name, the
@@ -62,7 +63,7 @@ class RolloutEngine(Protocol):
     load_state_dict   the same, restored by --resume before the run's first sync; the batches in
                 flight are then asked for again (`prefetch`, `submit`), oldest first
     An engine that samples only when asked inherits the methods it has nothing to do in
-    (`SamplesWhenAsked`).
+    (`native.SamplesWhenAsked`, the native engine's).
     """
 
     own_logprobs: bool
@@ -86,37 +87,6 @@ class RolloutEngine(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-class SamplesWhenAsked:
-    """The protocol's methods for an engine that samples only when asked, on weights it does not
-    keep a copy of: nothing to prefetch (work runs when its result is asked for, `jobs.Deferred`),
-    nothing to free, to take or to checkpoint. An engine inherits them and writes `sample` and
-    whatever it does differently (vLLM: `sleep`, `sync`, `close`)."""
-
-    own_logprobs = False
-    lockstep = False
-
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass
-
-    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T]:
-        return Deferred(lambda: work(self))
-
-    def sleep(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class EngineSettings(Protocol):

@@ -28,18 +28,17 @@ dtype, which the queue moves into shared memory; each sync is its own snapshot, 
 never writes over weights the generator has not read yet. Under torchrun each rank runs its own
 generator on its slice of the rows; under FSDP2 its copy is made before the policy is sharded,
 and each sync gathers the shards whole (`flatten`, on every rank alike).
+
+This module is the trainer's side; what runs in the generator process is
+`tether.rl.engines.generator`.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import importlib
-import multiprocessing
 import os
-import queue
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,45 +49,15 @@ from torch import nn
 
 from tether.choices import ENGINES, entry
 from tether.errors import TetherError
-from tether.rl.engines import SamplesWhenAsked
+from tether.rl.engines.generator import next_message, serve
 from tether.rl.engines.jobs import Background
+from tether.rl.engines.native import SamplesWhenAsked
+from tether.rl.engines.weights import flatten, trainable
 from tether.rl.rollout import Rollout
-from tether.run.distributed import Dist
 from tether.run.optim import StepCounter
 
-# The generator is silent past start-up; a check of its liveness every this many seconds while
-# the trainer waits for it.
-POLL_S = 1.0
 START_TIMEOUT_S = 600.0
 T = TypeVar("T")
-# What the generator imports as soon as it starts: the copy of the policy needs them to arrive.
-PRELOAD = ("transformers", "tether.rl.engines.native", "tether.models.forward")  # a copy of a large model takes a while to arrive
-
-
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters the trainer changes, in the model's order: what a sync sends."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def flatten(params: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat CPU copy per dtype of `params` (in order): one shared-memory block each. An
-    FSDP2 shard is gathered whole first (a collective: every rank flattens its params in the
-    same order)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-        by_dtype.setdefault(p.dtype, []).append(whole.detach().reshape(-1).cpu())
-    return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
-
-
-def unflatten_into(params: list[torch.Tensor], flat: dict[torch.dtype, torch.Tensor]) -> None:
-    """Copy `flatten`'s output back into `params` (the same order, shapes and dtypes)."""
-    offsets = dict.fromkeys(flat, 0)
-    with torch.no_grad():
-        for p in params:
-            start = offsets[p.dtype]
-            p.copy_(flat[p.dtype][start:start + p.numel()].view_as(p))
-            offsets[p.dtype] = start + p.numel()
 
 
 def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> str:
@@ -105,82 +74,6 @@ def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: d
     return digest.hexdigest()
 
 
-@dataclass
-class Sampled:
-    """A rollout the generator returned and the version that sampled it."""
-
-    rollout: Rollout
-    version: int
-
-
-# ----------------------------------------------------------------------------- generator side
-
-def serve(threads: int, inbox, outbox) -> None:
-    """The generator process. It starts before the trainer has loaded its models (`launch`),
-    so its imports overlap the loading, and waits for ("start", replica, settings, longest
-    prompt, device, generator): its engine (`generator`, the entry's in `tether.choices.ENGINES`)
-    on `replica`, the (model, peft) copy of the policy. It then serves `inbox` in order until "close". Messages:
-    ("weights",
-    version, flat) load them into the copy and the engine; ("sample", ticket, ids, mask,
-    settings) sample with the current weights and answer (ticket, version, rollout);
-    ("logprobs", ticket, ids, mask) answer the copy's log-probs of those sequences (`probe`)."""
-    engine = None
-    trainer = multiprocessing.parent_process()
-    try:
-        torch.set_num_threads(threads)
-        for name in PRELOAD:  # while the trainer loads its models, not after
-            importlib.import_module(name)
-        message = next_message(inbox, trainer)
-        if message is None or message[0] != "start":
-            return
-        _, (model, peft), settings, longest_prompt, device, generator = message
-        engine = generator(settings, model, peft, longest_prompt, Dist(device=device))
-        params, version = trainable(model), 0
-        outbox.put(("ready", os.getpid(), torch.get_num_threads()))
-        while (message := next_message(inbox, trainer)) is not None:
-            kind = message[0]
-            if kind == "close":
-                return
-            if kind == "weights":
-                _, version, flat = message
-                unflatten_into(params, flat)
-                engine.sync()  # vLLM takes them from the copy; the native engine samples it
-            elif kind == "sample":
-                _, ticket, ids, mask, asked = message
-                rollout = engine.sample(ids.to(device), mask.to(device), **asked)
-                outbox.put((ticket, version, rollout.map_rows(lambda t: t.cpu())))
-            elif kind == "logprobs":
-                _, ticket, ids, mask = message
-                outbox.put((ticket, version,
-                            sequence_logprobs(model, ids.to(device), mask.to(device)).cpu()))
-    except Exception:  # noqa: BLE001 - any failure goes back to the trainer, which names it
-        outbox.put(("error", None, traceback.format_exc()))
-    finally:
-        if engine is not None:
-            engine.close()
-
-
-def next_message(inbox, trainer) -> tuple | None:
-    """The inbox's next message, or None once the trainer is gone: a trainer killed outside its
-    `close` (SIGKILL, out of memory) sends no "close", and without this the copy would wait,
-    and hold its memory, forever."""
-    while True:
-        try:
-            return inbox.get(timeout=POLL_S)
-        except queue.Empty:
-            if trainer is not None and not trainer.is_alive():
-                return None
-
-
-@torch.no_grad()
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, L - 1] log p(ids[:, t + 1] | ids[:, :t + 1]) under `model` (right-padded `ids`)."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
-
-
-# ----------------------------------------------------------------------------- trainer side
-
 class AheadEngine(SamplesWhenAsked):
     """A `RolloutEngine` whose samples come from the generator process (see the module's
     docstring). `prefetch` asks for a batch without waiting; `sample` takes a prefetched batch
@@ -191,9 +84,9 @@ class AheadEngine(SamplesWhenAsked):
     own_logprobs = True
     lockstep = False  # each rank's generator is a process of its own: no collective in sampling
 
-    def __init__(self, process, inbox, outbox, counter: StepCounter, params: list[nn.Parameter],
+    def __init__(self, launched: Launched, counter: StepCounter, params: list[nn.Parameter],
                  device: torch.device, keep: int = 0):
-        self.process, self.inbox, self.outbox = process, inbox, outbox
+        self.launched = launched
         self.counter, self.params, self.device = counter, params, device
         self.pending: dict[str, int] = {}  # request key -> ticket, asked for, not yet taken
         self.ready: dict[int, tuple[int, object]] = {}  # ticket -> (version, answer), arrived
@@ -265,7 +158,7 @@ class AheadEngine(SamplesWhenAsked):
         self.history = deque(held[:-1], maxlen=self.history.maxlen)
 
     def close(self) -> None:  # a job still running ends on its next request: the process is gone
-        Launched(self.process, self.inbox, self.outbox).close()
+        self.launched.close()
 
     # -- for tests and checks
     def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -316,20 +209,18 @@ class AheadEngine(SamplesWhenAsked):
         return self.tickets
 
     def _put(self, message: tuple) -> None:
-        if not self.process.is_alive():
+        if not self.launched.process.is_alive():
             raise self._ended()
-        self.inbox.put(message)
+        self.launched.inbox.put(message)
 
     def _answer(self, ticket: int) -> tuple[int, object]:
         started = time.perf_counter()
         try:
             while ticket not in self.ready:
-                try:
-                    got, version, answer = self.outbox.get(timeout=POLL_S)
-                except queue.Empty:
-                    if not self.process.is_alive():
-                        raise self._ended() from None
-                    continue
+                message = next_message(self.launched.outbox, self.launched.process)
+                if message is None:
+                    raise self._ended()
+                got, version, answer = message
                 if got == "error":
                     raise RuntimeError(f"the generator process failed:\n{answer}")
                 self.ready[got] = (version, answer)
@@ -339,7 +230,7 @@ class AheadEngine(SamplesWhenAsked):
 
     def _ended(self) -> TetherError:
         return TetherError(f"the generator process (--max-staleness) ended with exit code "
-                           f"{self.process.exitcode} (out of memory, or killed); lower "
+                           f"{self.launched.process.exitcode} (out of memory, or killed); lower "
                            "--max-staleness or --batch-size, or pass --max-staleness 0")
 
 
@@ -428,21 +319,16 @@ def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCount
     generator = entry(ENGINES, settings.engine, "engine").generator
     launched.inbox.put(("start", replica, settings, longest_prompt, device, generator))
     del replica
-    process, outbox = launched.process, launched.outbox
-    engine = AheadEngine(process, launched.inbox, outbox, counter, trainable(model), device, keep)
+    engine = AheadEngine(launched, counter, trainable(model), device, keep)
     if keep:  # the weights the copy holds: every batch until the first sync samples them
         engine.history.append((counter.version, flatten(engine.params)))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:  # the copy arrives, or the process ends (its traceback is on stderr)
-        try:
-            answer = outbox.get(timeout=POLL_S)
-            break
-        except queue.Empty:
-            if not process.is_alive() or time.monotonic() > deadline:
-                engine.close()
-                raise TetherError(f"the generator process (--max-staleness) did not start "
-                                  f"(exit code {process.exitcode}); see the lines above, or pass "
-                                  "--max-staleness 0") from None
+    # the copy arrives, or the process ends (its traceback is on stderr)
+    answer = next_message(launched.outbox, launched.process, time.monotonic() + START_TIMEOUT_S)
+    if answer is None:
+        engine.close()
+        raise TetherError(f"the generator process (--max-staleness) did not start (exit code "
+                          f"{launched.process.exitcode}); see the lines above, or pass "
+                          "--max-staleness 0")
     if answer[0] == "error":
         engine.close()
         raise RuntimeError(f"the generator process failed to start:\n{answer[2]}")

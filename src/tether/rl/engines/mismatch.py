@@ -107,16 +107,25 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
 
 
 def engine_mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
-                    mask: torch.Tensor, correction: Correction
-                    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+                    mask: torch.Tensor, correction: Correction,
+                    versions: torch.Tensor | None = None, current: int = 0,
+                    max_staleness: int = 0) -> tuple[torch.Tensor | None, dict[str, float]]:
     """What the loop does with an engine's own log-probs: ([B, R] weights for the advantages,
     or None when `correction` is off; the stats of `mismatch_metrics`, and of
-    `correction_weights` when it is on)."""
+    `correction_weights` when it is on). With `versions` (rows sampled ahead: the arguments of
+    `staleness_metrics`), the staleness too, and `rollout/engine_kl` on the rows of the current
+    version alone."""
     stats = mismatch_metrics(trainer_logprobs, engine_logprobs, mask)
-    if not correction.active:
-        return None, stats
-    weights, corrected = correction_weights(trainer_logprobs, engine_logprobs, mask, correction)
-    return weights, stats | corrected
+    weights = None
+    if correction.active:
+        weights, corrected = correction_weights(trainer_logprobs, engine_logprobs, mask,
+                                                correction)
+        stats |= corrected
+    if versions is not None:  # engine_kl again, on the current version's rows only
+        stats = {k: v for k, v in stats.items() if k != "rollout/engine_kl"}
+        stats |= staleness_metrics(trainer_logprobs, engine_logprobs, versions, mask, current,
+                                   max_staleness)
+    return weights, stats
 
 
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:

@@ -9,6 +9,9 @@ times), then one token per row per step through transformers' KV cache (`ModelFo
 model's own forward, so any causal LM and wrapper works, and under FSDP2 each layer's hooks
 gather its parameters).
 
+What it does not do (prefetch, sleep, sync, checkpoint: its weights are the trainer's) is
+`SamplesWhenAsked`, which every engine that samples only when asked inherits.
+
 Each row's tokens depend on its own noise only (`tether.rl.rollout.sampling_uniforms`), not on the
 batch it is sampled in, so any split of a global batch (ranks, chunks) samples what the whole batch
 would, and a resumed run draws what the uninterrupted one did.
@@ -17,16 +20,51 @@ would, and a resumed run draws what the uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tether.models import forward as shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
-from tether.rl.engines import SamplesWhenAsked
-from tether.rl.rollout import Rollout
+from tether.rl.engines import RolloutEngine
+from tether.rl.engines.jobs import Deferred
+from tether.rl.rollout import Rollout, sampling_noise
 from tether.run import distributed
 from tether.run.distributed import Dist
+
+T = TypeVar("T")
+
+
+class SamplesWhenAsked:
+    """The protocol's methods for an engine that samples only when asked, on weights it does not
+    keep a copy of: nothing to prefetch (work runs when its result is asked for, `jobs.Deferred`),
+    nothing to free, to take or to checkpoint. An engine inherits them and writes `sample` and
+    whatever it does differently (vLLM: `sleep`, `sync`, `close`)."""
+
+    own_logprobs = False
+    lockstep = False
+
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        pass
+
+    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T]:
+        return Deferred(lambda: work(self))
+
+    def sleep(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class NativeEngine(SamplesWhenAsked):
@@ -107,14 +145,9 @@ def sample_responses(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: t
             `engine_logprobs` (0 after a row's end): the behaviour policy's, when this model is a
             copy sampling ahead of the trainer.
     """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 for sampling")
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
-    if uniforms is None:
-        uniforms = torch.rand((batch, max_new_tokens), generator=generator,
-                              device=generator.device if generator is not None else "cpu")
-    uniforms = uniforms.to(device)
+    uniforms = sampling_noise(uniforms, generator, batch, max_new_tokens, temperature).to(device)
     all_done = all_done or (lambda alive: not bool(alive.any()))
     attention_mask = prompt_mask.long()
     position_ids = position_ids_from_mask(attention_mask)

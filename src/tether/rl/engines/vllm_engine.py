@@ -47,7 +47,8 @@ from torch import nn
 
 from tether.choices import ENGINES
 from tether.errors import TetherError
-from tether.rl.engines import SamplesWhenAsked, vllm_private
+from tether.rl.engines import vllm_private
+from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.vllm_limits import (
     check_head_size,
     check_kv_cache,
@@ -57,7 +58,8 @@ from tether.rl.engines.vllm_limits import (
     start_failure,
     vllm_cause,
 )
-from tether.rl.rollout import Rollout, right_padded
+from tether.rl.engines.weights import adapter_tensors, hf_weights
+from tether.rl.rollout import Rollout, right_padded, sampling_noise
 from tether.run.distributed import Dist, global_max
 
 # The LoRA ranks vLLM accepts for max_lora_rank.
@@ -126,57 +128,6 @@ class EngineOptions:
     dtype: str  # float32, bfloat16, float16: what the engine computes in
     max_model_len: int  # the longest prompt plus the longest response
     seed: int
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from an FSDP2 shard (a collective: every rank calls it in the same order)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def hf_weights(model: nn.Module, merge_adapter: str | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of `model` under its transformers checkpoint's names and layouts. LoRA
-    layers give their base weight under the original name (`q_proj.base_layer.weight` ->
-    `q_proj.weight`) and no adapter tensors, or, with `merge_adapter`, W + (alpha / r) B A of that
-    adapter (peft's own delta, Conv1D layouts included). Under FSDP2 every rank must call this:
-    each shard is gathered whole."""
-    merged = {}
-    if merge_adapter is not None:
-        for name, module in model.named_modules():
-            if merge_adapter in getattr(module, "lora_A", {}) and hasattr(module,
-                                                                         "get_delta_weight"):
-                merged[f"{name}.base_layer.weight"] = module
-    for key, value in model.state_dict().items():
-        if ".lora_" in key:
-            continue
-        value = _full(value).detach()
-        if key in merged:
-            value = value + _full(merged[key].get_delta_weight(merge_adapter)).detach()
-        yield key.replace(".base_layer.", "."), value
-
-
-def adapter_tensors(peft_model: nn.Module, adapter: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(the adapter's tensors under peft's saved names, its config as a dict): what
-    `save_pretrained` would write, without writing it."""
-    from peft import get_peft_model_state_dict
-
-    # The embeddings tether resized for its pad token are the base's, pushed with it; peft would
-    # otherwise add them to the adapter, which vLLM refuses.
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter,
-                                      save_embedding_layers=False)
-    config = peft_model.peft_config[adapter].to_dict()
-    if isinstance(config.get("target_modules"), set | frozenset):
-        config["target_modules"] = sorted(config["target_modules"])
-    return {k: _full(v).detach().clone() for k, v in state.items()}, config
-
-
-def _architecture_supports(architecture: str) -> tuple[bool, bool]:
-    """(vLLM implements `architecture`, and with LoRA)."""
-    from vllm.model_executor.models import ModelRegistry
-
-    if architecture not in ModelRegistry.get_supported_archs():
-        return False, False
-    return True, vllm_private.lora_supported(architecture)
 
 
 @contextlib.contextmanager
@@ -254,14 +205,16 @@ class VLLMEngine(SamplesWhenAsked):
 
     def _serving_mode(self, architecture: str, asked: str | None) -> str | None:
         """None (full weights), "adapter" or "merged"; refuses what vLLM cannot run here."""
-        known, lora_ok = _architecture_supports(architecture)
-        if not known:
+        from vllm.model_executor.models import ModelRegistry
+
+        if architecture not in ModelRegistry.get_supported_archs():
             raise TetherError(f"vLLM has no implementation of {architecture}; use --engine native")
         check_head_size(self.model.config, self.device.type)
         if self.peft is None:
             return None
         if asked is not None:
             return asked
+        lora_ok = vllm_private.lora_supported(architecture)  # vLLM implements LoRA on it
         if not lora_ok:
             print(f"note: vLLM serves no LoRA adapter on {architecture}; the engine gets the "
                   "merged weights after each update", file=sys.stderr)
@@ -348,13 +301,9 @@ class VLLMEngine(SamplesWhenAsked):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if temperature <= 0:
-            raise ValueError("temperature must be > 0 for sampling")
+        batch = len(prompt_ids)
+        uniforms = sampling_noise(uniforms, generator, batch, max_new_tokens, temperature)
         self.wake()
-        batch, context = prompt_ids.shape
-        if uniforms is None:
-            uniforms = torch.rand((batch, max_new_tokens), generator=generator,
-                                  device=generator.device if generator is not None else "cpu")
         eos = sorted({int(t) for t in eos_token_ids})
         mask = prompt_mask.bool().cpu()
         requests = [TokensPrompt(prompt_token_ids=prompt_ids[b].cpu()[mask[b]].tolist())

@@ -23,7 +23,8 @@ from typing import Any
 
 from tether.data.chat import chat_messages
 from tether.errors import TetherError
-from tether.rl.reward import MAX_SCORE, out_of_range
+from tether.rl.reward import MAX_SCORE
+from tether.rl.reward.functions import out_of_range
 from tether.run.user_code.calls import Call, Runner
 from tether.run.user_code.load import function_name
 

@@ -23,17 +23,17 @@ it out: a one-turn environment gives what a reward function gives, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
-from tether.data.prompts import left_pad
 from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls, checked_prompt, checked_step
 from tether.rl.env.render import Renderer
-from tether.rl.rollout import Rollout, apply_stop_strings, right_padded
+from tether.rl.rollout import Rollout, Sampling, apply_stop_strings, left_pad, right_padded
 from tether.run.distributed import global_max
 
 
@@ -108,20 +108,18 @@ class Episodes:
 
 
 def run_episodes(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, rows: list[dict],
-                 seeds: list[int], noise: Callable[[int], torch.Tensor], limits: EpisodeLimits, *,
-                 tokenizer, temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
-                 stop_strings: Sequence[str], device: torch.device,
+                 seeds: list[int], noise: Callable[[int], torch.Tensor], limits: EpisodeLimits,
+                 sampling: Sampling, *, tokenizer, device: torch.device,
                  where: Callable[[int], str] = lambda i: f"episode {i}") -> Episodes:
     """Episodes for `rows` (one each, environment seeds `seeds`), the engine sampling turn t
-    with `noise(t)` [E, max_new_tokens] (row i's noise is episode i's). `where(i)` names episode
-    i in errors (its prompt-file row). Every environment's optional `close()` is called once
-    its batch is over, whether it ended well or not."""
+    with `noise(t)` [E, max_new_tokens] (row i's noise is episode i's) as `sampling` says (its
+    temperature, EOS set, pad id and stop strings; the turns' lengths are `limits`'). `where(i)`
+    names episode i in errors (its prompt-file row). Every environment's optional `close()` is
+    called once its batch is over, whether it ended well or not."""
     envs = calls.make(len(rows))
     try:
-        out = _sample(engine, calls, renderer, envs, rows, seeds, noise, limits,
-                      tokenizer=tokenizer, temperature=temperature, eos_token_ids=eos_token_ids,
-                      pad_token_id=pad_token_id, stop_strings=stop_strings, device=device,
-                      where=where)
+        out = _sample(engine, calls, renderer, envs, rows, seeds, noise, limits, sampling,
+                      tokenizer, device, where)
     except BaseException:
         _close(calls, envs, where, quiet=True)  # the first error is the one to report
         raise
@@ -141,11 +139,11 @@ def _close(calls: EnvCalls, envs: list, where: Callable[[int], str], quiet: bool
 
 def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: list,
             rows: list[dict], seeds: list[int], noise: Callable[[int], torch.Tensor],
-            limits: EpisodeLimits, *, tokenizer, temperature: float,
-            eos_token_ids: Sequence[int], pad_token_id: int, stop_strings: Sequence[str],
-            device: torch.device, where: Callable[[int], str]) -> Episodes:
+            limits: EpisodeLimits, sampling: Sampling, tokenizer, device: torch.device,
+            where: Callable[[int], str]) -> Episodes:
     """run_episodes' work on environments already made."""
-    firsts = calls.gather([_bound(env.reset, row, seed) for env, row, seed in zip(envs, rows, seeds)],
+    firsts = calls.gather([partial(env.reset, row, seed)
+                           for env, row, seed in zip(envs, rows, seeds)],
                           [f"reset of {where(i)}" for i in range(len(rows))])
     episodes = []
     for i, (env, row, seed, first) in enumerate(zip(envs, rows, seeds, firsts)):
@@ -156,9 +154,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                               f"reads at most {limits.max_context}: no room for a turn; lower "
                               "--max-prompt-len")
         episodes.append(Episode(row, seed, env, [Segment(ids)], messages, text))
-    sampling = dict(temperature=temperature, eos_token_ids=list(eos_token_ids),
-                    pad_token_id=pad_token_id)
-    eos = set(eos_token_ids)
+    pad_token_id, eos = sampling.pad_token_id, set(sampling.eos_token_ids)
     first_turn, versioned = None, False  # versioned: the engine tags tokens (sampling ahead)
     for turn in range(limits.max_turns):
         live = [i for i, e in enumerate(episodes) if not e.over]
@@ -173,19 +169,18 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
             break
         if not live:  # this rank's episodes are over: a context it has, sampled and dropped
             ids, mask = left_pad([episodes[0].segments[0].prompt], pad_token_id, device)
-            engine.sample(ids, mask, max_new_tokens=width, uniforms=noise(turn)[:1, :width],
-                          **sampling)
+            engine.sample(ids, mask, **sampling.engine_settings(width, noise(turn)[:1, :width]))
             continue
         ids, mask = left_pad([episodes[i].context() for i in live], pad_token_id, device)
-        sampled = engine.sample(ids, mask, max_new_tokens=width,
-                                uniforms=noise(turn)[live][:, :width], **sampling)
-        sampled = apply_stop_strings(sampled, tokenizer, stop_strings, pad_token_id)
+        sampled = engine.sample(ids, mask,
+                                **sampling.engine_settings(width, noise(turn)[live][:, :width]))
+        sampled = apply_stop_strings(sampled, tokenizer, sampling.stop_strings, pad_token_id)
         versioned = sampled.versions is not None
         if turn == 0:
             first_turn = sampled
         actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
                    for j, i in enumerate(live)]
-        results = calls.gather([_bound(episodes[i].env.step, actions[j][0])
+        results = calls.gather([partial(episodes[i].env.step, actions[j][0])
                                 for j, i in enumerate(live)],
                                [f"step of {where(i)}, turn {turn}" for i in live])
         for j, i in enumerate(live):
@@ -195,11 +190,8 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                      eos, label)
     if first_turn is not None and all(len(e.rewards) == 1 for e in episodes):
         return _one_turn(first_turn, episodes)
-    return _laid_out(episodes, pad_token_id, device, temperature, engine.own_logprobs, versioned)
-
-
-def _bound(method, *args) -> Callable:
-    return lambda: method(*args)
+    return _laid_out(episodes, pad_token_id, device, sampling.temperature, engine.own_logprobs,
+                     versioned)
 
 
 def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],

@@ -165,20 +165,27 @@ def _schema(url: str) -> dict:
                           "server or fix its URL") from exc
 
 
+def _one_field(fields: dict[str, bool], what: str, named: str | None, fix: str) -> str:
+    """`named`, or the one string field of `fields` (name -> whether it holds text), or one line
+    listing them; `fix`: how to name the one meant."""
+    if named is None:
+        text = [k for k, is_text in fields.items() if is_text]
+        if len(text) != 1:
+            raise TetherError(f"the OpenEnv {what} has {len(text)} string fields "
+                              f"({', '.join(fields)}); {fix} or pass a function")
+        return text[0]
+    if named not in fields:
+        raise TetherError(f"the OpenEnv {what} has no field {named!r}; it has "
+                          f"{', '.join(fields) or 'none'}")
+    return named
+
+
 def _text_field(schema: dict, what: str, named: str | None) -> str:
-    """`named`, or the one string field of a JSON schema, or one line listing its fields."""
-    fields = {k: v for k, v in schema.get("properties", {}).items() if k not in SKIPPED}
-    if named is not None:
-        if named not in fields:
-            raise TetherError(f"the OpenEnv {what} has no field {named!r}; it has "
-                              f"{', '.join(fields) or 'none'}")
-        return named
-    text = [k for k, v in fields.items() if v.get("type") == "string"]
-    if len(text) != 1:
-        raise TetherError(f"the OpenEnv {what} has {len(text)} string fields ({', '.join(fields)})"
-                          f"; name the one the policy's text goes to (action=<field>) or pass "
-                          "a function")
-    return text[0]
+    """`named`, or the one string field of a JSON schema (`_one_field`)."""
+    fields = {k: v.get("type") == "string" for k, v in schema.get("properties", {}).items()
+              if k not in SKIPPED}
+    return _one_field(fields, what, named, "name the one the policy's text goes to "
+                      "(action=<field>)")
 
 
 def _field_action(field: str) -> Callable[[str], dict]:
@@ -198,17 +205,8 @@ def _field_reader(field: str | None) -> Callable[[Any], Any]:
         else:  # the generic client's dict, or a plain object of the client's own
             values = dict(observation) if isinstance(observation, dict) else vars(observation)
         values = {k: v for k, v in values.items() if k not in SKIPPED}
-        name = field
-        if name is None:
-            text = [k for k, v in values.items() if isinstance(v, str)]
-            if len(text) != 1:
-                raise TetherError(f"the OpenEnv observation has {len(text)} string fields "
-                                  f"({', '.join(values)}); name the one to show the policy "
-                                  "(observation=<field>) or pass a function")
-            name = text[0]
-        if name not in values:
-            raise TetherError(f"the OpenEnv observation has no field {name!r}; it has "
-                              f"{', '.join(values) or 'none'}")
+        name = _one_field({k: isinstance(v, str) for k, v in values.items()}, "observation",
+                          field, "name the one to show the policy (observation=<field>)")
         value = values[name]
         return value if isinstance(value, (str, list)) else str(value)
     return read

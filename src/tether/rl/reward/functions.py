@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,15 +42,7 @@ from transformers import TrainerState
 
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
-from tether.rl.reward import (
-    MAX_SCORE,
-    FailedRows,
-    Prompt,
-    RewardFn,
-    RewardScores,
-    out_of_range,
-    returned_scores,
-)
+from tether.rl.reward import MAX_SCORE, FailedRows, Prompt, RewardFn, RewardScores
 from tether.rl.reward.pool import RewardPool, ScoreRefused
 from tether.run.user_code.calls import Call
 from tether.run.user_code.deadline import Deadline
@@ -67,6 +60,7 @@ TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 # Columns that are the prompt or a reference completion, never passed as keywords (TRL drops
 # `prompt`, `completion` and `completion_ids`; `messages` is tether's other prompt column)
 PROMPT_COLUMNS = frozenset({"prompt", "messages", "completion", "completion_ids"})
+FIX = "it must return a list of one finite float per response, in their order"
 
 
 @dataclass(frozen=True)
@@ -120,11 +114,10 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
     `timeout`: seconds the call may take (--reward-fn-timeout; 0: no limit), past which the
     process prints one line and exits with code 2 (`tether.run.user_code.deadline`: a hung call
     cannot be stopped, only left)."""
-    name = function_name(fn)
-    fix = "it must return a list of one finite float per response, in their order"
-    hung = (f"{what} {name} did not return within {timeout:g} s (--reward-fn-timeout); fix the "
-            "hang, or raise --reward-fn-timeout (0: no limit); checkpoints written so far are "
-            "intact")
+    def hung() -> str:  # the deadline's line, built only when it passes
+        return (f"{what} {function_name(fn)} did not return within {timeout:g} s "
+                "(--reward-fn-timeout); fix the hang, or raise --reward-fn-timeout (0: no limit); "
+                "checkpoints written so far are intact")
     try:
         with Deadline(timeout, hung):
             scores = (fn(**keywords) if keywords is not None
@@ -132,14 +125,76 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
             if inspect.isawaitable(scores):  # an `async def` function: its coroutine, run now
                 scores = run_coroutine(scores)
     except (Exception, SystemExit) as exc:  # the user's code, on one line; Ctrl-C stays Ctrl-C
-        raise TetherError(f"{what} {name} raised {raised(exc, own_file(fn))}; fix the function "
-                          f"({fix}); checkpoints written so far are intact") from exc
-    values = returned_scores(scores, len(responses), what, name, allow_none)
+        raise TetherError(f"{what} {function_name(fn)} raised {raised(exc, own_file(fn))}; fix "
+                          f"the function ({FIX}); checkpoints written so far are intact") from exc
+    values = returned_scores(scores, len(responses), what, fn, allow_none)
     bad = [(i, why) for i, v in enumerate(values) if v is not None and (why := out_of_range(v))]
     if bad:
-        raise TetherError(f"{what} {name} returned {bad[0][1]} for response {bad[0][0]}; {fix}, "
-                          f"each within +-{MAX_SCORE:g}")
+        raise TetherError(f"{what} {function_name(fn)} returned {bad[0][1]} for response "
+                          f"{bad[0][0]}; {FIX}, each within +-{MAX_SCORE:g}")
     return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+
+
+def returned_scores(scores: Any, n: int, what: str, fn: Callable, allow_none: bool = False
+                    ) -> list[float | None]:
+    """What the reward function `fn` returned for `n` responses, as floats (None kept with
+    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range."""
+    values = _ordered_numbers(scores, allow_none)
+    if values is None:
+        raise TetherError(f"{what} {function_name(fn)} returned {_shown(scores)}, not a list of "
+                          f"numbers in the responses' order; {FIX}")
+    if len(values) != n:
+        raise TetherError(f"{what} {function_name(fn)} returned {len(values)} scores for {n} "
+                          f"responses; {FIX}")
+    return values
+
+
+def _ordered_numbers(scores: Any, allow_none: bool = False) -> list[float | None] | None:
+    """The scores as floats, or None unless they are real numbers in a defined order: a list or
+    tuple (not a str, whose characters float() would read), or a 1-D tensor or array.
+    `allow_none`: None items are kept (as None) instead of refusing the list."""
+    if isinstance(scores, (list, tuple)):
+        items = list(scores)
+    elif getattr(scores, "ndim", None) == 1 and hasattr(scores, "tolist"):  # tensor, ndarray
+        items = scores.tolist()
+    else:  # a set or dict (no order of the responses'), a generator, a string, a scalar, None
+        return None
+    if not all(_is_real(s) or (allow_none and s is None) for s in items):
+        return None
+    return [None if s is None else float(s) for s in items]
+
+
+def _is_real(value: Any) -> bool:
+    """A real number: int, float, bool, a numpy scalar, or a 0-d tensor or array of one."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return isinstance(value, numbers.Real)
+
+
+def _shown(value: Any) -> str:
+    """What a function returned, in a few words (and why a set cannot do)."""
+    text = f"{type(value).__name__} {str(value)[:60]}"
+    if isinstance(value, (set, frozenset)):
+        text += " (a set has no order: its scores would go to the wrong responses)"
+    return text
+
+
+def out_of_range(value: float) -> str | None:
+    """Why `value` cannot be a score (not finite, or past MAX_SCORE), or None."""
+    if not math.isfinite(value):
+        return f"a non-finite score ({value})"
+    if abs(value) > MAX_SCORE:
+        return f"a score of {value:g} (past +-{MAX_SCORE:g}: float32 maths on it overflows)"
+    return None
+
+
+def check_reward_fn_timeout(timeout: float, default: float, has_functions: bool) -> None:
+    """--reward-fn-timeout times the reward and gold functions: a value other than the default
+    with neither is an option that would be accepted and ignored."""
+    if timeout != default and not has_functions:
+        raise TetherError(f"--reward-fn-timeout {timeout:g} limits the calls of --reward-fn and "
+                          "--gold-fn functions, and this run has none; drop it (an environment's "
+                          "calls have --env-timeout)")
 
 
 def takes_trl_arguments(fn: Callable, columns: Sequence[str]) -> bool:
@@ -257,7 +312,7 @@ class RewardFunctions:
         for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
                                                              completion_ids)):
             name = function_name(f.fn)
-            check = partial(one_score, self.what, name)
+            check = partial(one_score, self.what, f.fn)
             for i in range(n):
                 run = (partial(f.fn, **row_keywords(keywords, i)) if keywords is not None
                        else partial(f.fn, [prompts[i]], [responses[i]]))
@@ -286,11 +341,11 @@ def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
     return {k: v if k == "trainer_state" else v[i:i + 1] for k, v in keywords.items()}
 
 
-def one_score(what: str, name: str, value: Any) -> float | None:
+def one_score(what: str, fn: Callable, value: Any) -> float | None:
     """A pooled call's return (one response's): its score, None (the function does not apply),
     ScoreRefused when it is NaN, inf or out of range (a failed row), TetherError when it is not
-    one number (a bug: `returned_scores`). `what` and `name` name the function in errors."""
-    [score] = returned_scores(value, 1, what, name, allow_none=True)
+    one number (a bug: `returned_scores`). `what` and `fn` name the function in errors."""
+    [score] = returned_scores(value, 1, what, fn, allow_none=True)
     why = None if score is None else out_of_range(score)
     if why is not None:
         raise ScoreRefused(why)

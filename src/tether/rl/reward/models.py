@@ -23,7 +23,8 @@ from tether.models.hub_reward import TETHER, load_hub_reward_model, reward_model
 from tether.models.prepare import freeze, fuse_gelu
 from tether.models.pretrained import check_same_vocabulary
 from tether.models.reward_model import RewardModel
-from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
+from tether.rl.reward import NonFiniteScore, Prompt, Reward, RewardScores
+from tether.rl.reward.functions import out_of_range
 
 
 def reward_from_model(reward_model: nn.Module, chunk: int, name: str = "") -> Reward:
@@ -39,6 +40,23 @@ def reward_from_model(reward_model: nn.Module, chunk: int, name: str = "") -> Re
                             for i in range(0, len(rollout), chunk)])
         return RewardScores(checked_model_scores(scores, name, prompts), {})
     return reward
+
+
+def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torch.Tensor:
+    """`scores` [B] of the reward model `name`, or `NonFiniteScore` naming the first row whose
+    score is NaN, inf or past MAX_SCORE. A reward model's forward is finite on finite weights
+    and inputs, so the cause is in it (NaN or inf weights, or weights so large its float32
+    forward overflows), never the policy's learning rate, which is where the loss's NaN would
+    point a batch later."""
+    for row, value in enumerate(scores.tolist()):
+        why = out_of_range(value)
+        if why is not None:
+            prompt = str(prompts[row])[:40] if row < len(prompts) else "?"
+            raise NonFiniteScore(f"the reward model {name} gave response {row} (prompt "
+                                 f"{prompt!r}) {why}: its weights hold NaN or inf, or are so "
+                                 "large that its forward overflows; check or retrain the reward "
+                                 "model, and what it reads; checkpoints written so far are intact")
+    return scores
 
 
 def prompt_originals(tokenizer, *sources: str) -> dict[str, Prompt]:

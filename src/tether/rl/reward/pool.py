@@ -35,11 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from tether.errors import TetherError
 from tether.rl.reward import FailedRows
-from tether.run.distributed import Dist, all_gather_objects, all_gather_rows
 from tether.run.user_code.calls import Refused, Runner
 
 MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
@@ -89,21 +86,6 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
     if retries != default_retries and workers <= 1:
         raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
                           "there is none; pass --reward-workers N (N > 1) or drop it")
-
-
-def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows | None:
-    """Every rank's failed rows, in rank order, as the global batch's (`offset`: this rank's
-    first row in it); the causes travel only when some row failed (every rank agrees on that,
-    from the gathered mask)."""
-    if failed is None:
-        return None
-    mask = all_gather_rows(failed.failed.to(torch.uint8), d).bool()  # gloo has no bool
-    retries = all_gather_rows(failed.retries, d)
-    causes: dict[int, str] = {}
-    if mask.any():
-        pairs = all_gather_objects([(row + offset, why) for row, why in failed.causes.items()], d)
-        causes = dict(pairs)
-    return FailedRows(mask, retries, causes)
 
 
 def check_scored(failed: FailedRows | None, what: str) -> None:

@@ -33,8 +33,8 @@ from functools import partial
 import torch
 
 from tether.errors import TetherError
-from tether.rl.reward import Prompt, Reward, RewardScores, checked_model_scores
-from tether.rl.reward.models import check_chat_prompts
+from tether.rl.reward import Prompt, Reward, RewardScores
+from tether.rl.reward.models import check_chat_prompts, checked_model_scores
 from tether.run.config import RM_API_KEY_ENV
 from tether.run.user_code.calls import Call, Runner
 
@@ -163,16 +163,10 @@ def connect(urls: list[str], timeout: float = INFO_TIMEOUT_S) -> list[Endpoint]:
     return endpoints
 
 
-def _parts(n_rows: int, n_parts: int) -> list[range]:
-    """Rows 0..n_rows-1 cut into at most `n_parts` contiguous parts, the first ones a row longer."""
-    size, extra = divmod(n_rows, n_parts)
-    bounds, start = [], 0
-    for k in range(n_parts):
-        stop = start + size + (k < extra)
-        if stop > start:
-            bounds.append(range(start, stop))
-        start = stop
-    return bounds
+def _parts(n_rows: int, n_parts: int) -> list[list[int]]:
+    """Rows 0..n_rows-1 cut into at most `n_parts` contiguous parts, the first ones a row longer
+    (`torch.tensor_split`'s cut; an empty part left out)."""
+    return [part.tolist() for part in torch.arange(n_rows).tensor_split(n_parts) if len(part)]
 
 
 def _body(endpoint: Endpoint, prompts: list[Prompt], responses: list[str]) -> bytes:

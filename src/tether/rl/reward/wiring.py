@@ -22,9 +22,10 @@ from torch import nn
 from tether.errors import TetherError
 from tether.models.hub_reward import check_reward_model
 from tether.rl.env.load import load_environment
-from tether.rl.reward import Reward, check_reward_fn_timeout
+from tether.rl.reward import Reward
 from tether.rl.reward.functions import (
     RewardFunctions,
+    check_reward_fn_timeout,
     load_reward_function,
     load_reward_functions,
     reward_from_functions,

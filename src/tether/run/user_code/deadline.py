@@ -70,7 +70,7 @@ class _Watchdog:
                 deadline, message = min(self._deadlines.values(), default=(math.inf, ""))
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _end_process(message)
+                    _end_process(message() if callable(message) else message)
                 # at most TIMEOUT_MAX at a time (a wait past it raises): --reward-fn-timeout 1e300
                 wait = None if deadline == math.inf else min(left, threading.TIMEOUT_MAX)
                 self._sleeping_until = deadline if wait is None else time.monotonic() + wait
@@ -104,7 +104,8 @@ if hasattr(os, "register_at_fork"):  # POSIX
 
 class Deadline:
     """`with Deadline(seconds, message):` the block must end within `seconds` (0: no limit), or
-    the process prints `error: <message>` and exits with code 2 (module docstring)."""
+    the process prints `error: <message>` and exits with code 2 (module docstring). `message`
+    may be a function returning it, called only then."""
 
     __slots__ = ("seconds", "message", "token")
 
