@@ -304,8 +304,7 @@ def _prompt_rows(cfg: PPOConfig, tokenizer
         if cfg.eval_prompts and not load_rows(cfg.eval_prompts):
             raise TetherError(f"--eval-prompts {cfg.eval_prompts} holds no rows; give at least one")
         return [], [], rows, []
-    stage = type(cfg).__name__.removesuffix("Config").lower()  # ppo, rloo, grpo
-    announce(f"{stage} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
+    announce(f"{cfg.STAGE} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     eval_ids = []
     if cfg.eval_prompts:
