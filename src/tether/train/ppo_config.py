@@ -219,14 +219,6 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     def resolved_kl_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
         return KL_DEFAULTS[self.kl_in] if self.kl_estimator == "auto" else self.kl_estimator
 
-    def check_micro_batches(self) -> None:
-        """A minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)."""
-        require_positive(self, "micro_batch_tokens", allow_zero=True)
-        if self.micro_batch_tokens and self.micro_batch_size:
-            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
-                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
-                              "pass one of them")
-
     def validate(self) -> None:
         super().validate()
         self._check_kl()
@@ -282,7 +274,12 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
             raise TetherError(f"--micro-batch-size {self.micro_batch_size} must divide the minibatch "
                               f"of {self.minibatch_size} rows (--batch-size {self.batch_size} / "
                               f"--num-minibatches {self.num_minibatches}); or 0 for the whole minibatch")
-        self.check_micro_batches()
+        # a minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.micro_batch_size:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
+                              "pass one of them")
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")
