@@ -304,10 +304,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
 
     def _check_staleness(self) -> None:
         require_positive(self, "max_staleness", "generator_threads", allow_zero=True)
-        if not self.max_staleness:
-            return
         steps = self.steps_per_batch
-        if self.max_staleness < steps:
+        if 0 < self.max_staleness < steps:  # (0: synchronous)
             raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
                               f"optimizer steps each batch takes (--ppo-epochs {self.ppo_epochs} x "
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
