@@ -96,7 +96,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     # ---- reward shaping and the KL penalty
     reward_per_turn: bool = False
     """Environments: each turn's reward on that turn's last token (credit by turn, for gae and reinforce++), instead of the episode's summed reward on its last token; --score-norm and --reward-clip then shape the length penalties alone."""
-    kl_in: Literal["reward", "loss"] = "reward"
+    kl_in: Literal[tuple(KL_DEFAULTS)] = "reward"
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
     kl_estimator: Literal[("auto", *KL_ESTIMATORS)] = "auto"
     """KL estimator (tether.choices.KL_ESTIMATORS); auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
@@ -355,7 +355,7 @@ class GRPOConfig(PPOConfig):
     advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator (grpo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
-    kl_in: Literal["reward", "loss"] = "loss"
+    kl_in: Literal[tuple(KL_DEFAULTS)] = "loss"
     """Where the KL penalty goes (GRPO: the loss)."""
     kl_per_token_mean: bool = True
     """KL term and surrogate as token means over the batch (GRPO's form); --loss-aggregation, when given, replaces it."""
