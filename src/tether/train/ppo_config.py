@@ -96,7 +96,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     # ---- reward shaping and the KL penalty
     reward_per_turn: bool = False
     """Environments: each turn's reward on that turn's last token (credit by turn, for gae and reinforce++), instead of the episode's summed reward on its last token; --score-norm and --reward-clip then shape the length penalties alone."""
-    kl_in: Literal["reward", "loss"] = "reward"
+    kl_in: Literal[tuple(KL_DEFAULTS)] = "reward"
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
     kl_estimator: Literal[("auto", *KL_ESTIMATORS)] = "auto"
     """KL estimator (tether.choices.KL_ESTIMATORS); auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
@@ -219,14 +219,6 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     def resolved_kl_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
         return KL_DEFAULTS[self.kl_in] if self.kl_estimator == "auto" else self.kl_estimator
 
-    def check_micro_batches(self) -> None:
-        """A minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)."""
-        require_positive(self, "micro_batch_tokens", allow_zero=True)
-        if self.micro_batch_tokens and self.micro_batch_size:
-            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
-                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
-                              "pass one of them")
-
     def validate(self) -> None:
         super().validate()
         self._check_kl()
@@ -282,7 +274,12 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
             raise TetherError(f"--micro-batch-size {self.micro_batch_size} must divide the minibatch "
                               f"of {self.minibatch_size} rows (--batch-size {self.batch_size} / "
                               f"--num-minibatches {self.num_minibatches}); or 0 for the whole minibatch")
-        self.check_micro_batches()
+        # a minibatch is cut by rows (--micro-batch-size) or by tokens (--micro-batch-tokens)
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.micro_batch_size:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--micro-batch-size {self.micro_batch_size} both cut a minibatch; "
+                              "pass one of them")
         if self.n_batches < 1:
             raise TetherError(f"--total-episodes {self.total_episodes} is less than one batch of "
                               f"{self.batch_size}; raise it")
@@ -307,10 +304,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
 
     def _check_staleness(self) -> None:
         require_positive(self, "max_staleness", "generator_threads", allow_zero=True)
-        if not self.max_staleness:
-            return
         steps = self.steps_per_batch
-        if self.max_staleness < steps:
+        if 0 < self.max_staleness < steps:  # (0: synchronous)
             raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
                               f"optimizer steps each batch takes (--ppo-epochs {self.ppo_epochs} x "
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
@@ -360,7 +355,7 @@ class GRPOConfig(PPOConfig):
     advantage: Literal[tuple(ADVANTAGES)] = "grpo"
     """Advantage estimator (grpo here; see tether ppo --help)."""
     samples_per_prompt: int = 4
-    kl_in: Literal["reward", "loss"] = "loss"
+    kl_in: Literal[tuple(KL_DEFAULTS)] = "loss"
     """Where the KL penalty goes (GRPO: the loss)."""
     kl_per_token_mean: bool = True
     """KL term and surrogate as token means over the batch (GRPO's form); --loss-aggregation, when given, replaces it."""

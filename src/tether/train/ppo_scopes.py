@@ -20,10 +20,6 @@ def _advantage_fix(name: str) -> str:
     return f"use tether {command} (--advantage {name})" if command else f"pass --advantage {name}"
 
 
-def _own_logprobs(cfg) -> bool:
-    return ENGINES[cfg.engine].own_logprobs
-
-
 OWN_ENGINES = " or ".join(f"--engine {name}" for name, e in ENGINES.items() if e.own_logprobs)
 CRITIC = Scope(f"the critic of --advantage {' or '.join(_with('uses_critic'))}",
                lambda c: c.uses_critic, lambda c: f"--advantage {c.advantage}, which has no critic",
@@ -53,14 +49,14 @@ SCOPES = from_table("advantage", ADVANTAGES, _advantage_fix) | from_table(
                                "pass --max-staleness (docs/engine.md)"),
     # an engine's own log-probs, or a stale copy's (--max-staleness): the truncated weight acts
     "engine_is_cap": Scope(f"{OWN_ENGINES} or --max-staleness above 0",
-                           lambda c: _own_logprobs(c) or c.max_staleness > 0,
+                           lambda c: ENGINES[c.engine].own_logprobs or c.max_staleness > 0,
                            lambda c: f"--engine {c.engine} and --max-staleness 0",
                            f"pass {OWN_ENGINES} or --max-staleness"),
     # with --max-staleness a row's KL to the stale copy grows with every step: masking by it
     # would drop rows for the staleness the decoupled loss corrects
     "engine_mask_kl": Scope(
         f"{OWN_ENGINES} and --max-staleness 0",
-        lambda c: _own_logprobs(c) and not c.max_staleness,
+        lambda c: ENGINES[c.engine].own_logprobs and not c.max_staleness,
         lambda c: (f"--engine {c.engine}" if not c.max_staleness else
                    f"--max-staleness {c.max_staleness}, whose decoupled loss corrects the "
                    "staleness (a row's KL to the stale copy grows with every step)"),

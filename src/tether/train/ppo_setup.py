@@ -273,10 +273,16 @@ def _engine(cfg: PPOConfig, lm: TrainableLM, roles: Roles, steps: StepCounter,
 
 def _config_checks(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]],
                    device) -> LoraSpec:
-    """What the models' configs (config.json, tokenizers) can refuse, before any weights load
-    (`_check_models`, the LoRA targets, the engine's settings); returns the policy's LoRA
-    settings."""
-    _check_models(cfg, tokenizer, prompt_sets)
+    """What the models' configs (config.json, tokenizers) alone can refuse, before any weights
+    load: the reference's vocabulary, then a reward model or classifier as the policy or
+    reference and samples longer than a model that reads them can take (`check_sampled_models`),
+    the LoRA targets, the engine's settings; returns the policy's LoRA settings."""
+    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
+    models = [(cfg.policy, "--policy", "")] + ([(cfg.ref_model, "--ref-model", "")]
+                                                if cfg.ref_model else [])
+    check_sampled_models(models, cfg.reward_model, prompt_sets, max_prompt_len=cfg.max_prompt_len,
+                         max_new_tokens=cfg.max_new_tokens, episodic=cfg.episodic,
+                         trust_remote_code=cfg.trust_remote_code)
     lora = LoraSpec.from_config(cfg)
     check_targets(cfg.policy, lora, cfg.trust_remote_code)
     if not cfg.episodic:  # an episode's length is bounded by the model: checked at the start
@@ -298,25 +304,12 @@ def _prompt_rows(cfg: PPOConfig, tokenizer
         if cfg.eval_prompts and not load_rows(cfg.eval_prompts):
             raise TetherError(f"--eval-prompts {cfg.eval_prompts} holds no rows; give at least one")
         return [], [], rows, []
-    stage = type(cfg).__name__.removesuffix("Config").lower()  # ppo, rloo, grpo
-    announce(f"{stage} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
+    announce(f"{cfg.STAGE} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
     eval_ids = []
     if cfg.eval_prompts:
         eval_ids = load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
     return prompts, prompt_ids, rows, eval_ids
-
-
-def _check_models(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[int]]]) -> None:
-    """What the models' configs and tokenizers alone can refuse, before any weights load: the
-    reference's vocabulary, then a reward model or classifier as the policy or reference and
-    samples longer than a model that reads them can take (`check_sampled_models`)."""
-    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
-    models = [(cfg.policy, "--policy", "")] + ([(cfg.ref_model, "--ref-model", "")]
-                                                if cfg.ref_model else [])
-    check_sampled_models(models, cfg.reward_model, prompt_sets, max_prompt_len=cfg.max_prompt_len,
-                         max_new_tokens=cfg.max_new_tokens, episodic=cfg.episodic,
-                         trust_remote_code=cfg.trust_remote_code)
 
 
 def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:

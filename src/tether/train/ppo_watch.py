@@ -10,6 +10,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 
+from tether.choices import ADVANTAGES
 from tether.errors import TetherError
 from tether.train.ppo_config import PPOConfig
 
@@ -111,7 +112,7 @@ def nothing_learned(step: int, rows: int, loss_rows: int, zero_advantages: bool,
         only = " for the policy (only the critic learned)" if has_critic else ""
         return (f"batch {step}: {_truncated(cfg, rows)} and --mask-truncated left nothing to "
                 f"train on{only}; {_truncation_fix(cfg)}")
-    if zero_advantages and cfg.advantage in ("rloo", "grpo"):
+    if zero_advantages and ADVANTAGES[cfg.advantage].compares_group:
         fix = (f"even after --dynamic-sampling {cfg.dynamic_sampling} rounds: check that the "
                "reward tells responses apart" if cfg.dynamic_sampling else
                "check that the reward tells responses apart, or resample such groups with "
