@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from tether import version
 from tether.errors import AlreadyFinished, TetherError
@@ -27,61 +27,57 @@ from tether.run import interrupt, parent
 from tether.run.extras import require_engine, require_stage
 from tether.run.interrupt import Interrupted
 
+
+class Stage(NamedTuple):
+    """A `tether` command: the module whose `cli(argv)` runs it, its config class (importable
+    without torch: `tether <stage> --help` loads only that), and its line in `tether --help`."""
+
+    module: str
+    config_module: str
+    config_class: str
+    help: str
+
+
 STAGES = {
-    "sft": "tether.train.sft",
-    "rm": "tether.train.reward",
-    "dpo": "tether.train.dpo",
-    "ppo": "tether.train.ppo",
-    "rloo": "tether.train.rloo",
-    "grpo": "tether.train.grpo",
-    "demo": "tether.demo",
-    "generate": "tether.tools.generate",
-    "eval": "tether.tools.evaluate",
-    "report": "tether.tools.report",
-    "set-base": "tether.tools.set_base",
-    "sweep": "tether.tools.sweep",
-    "serve-rm": "tether.tools.serve_rm",
+    "sft": Stage("tether.train.sft", "tether.train.offline_config", "SFTConfig",
+                 "supervised fine-tuning: next-token loss on response tokens"),
+    "rm": Stage("tether.train.reward", "tether.train.offline_config", "RMConfig",
+                "reward model: Bradley-Terry loss on preference pairs"),
+    "dpo": Stage("tether.train.dpo", "tether.train.offline_config", "DPOConfig",
+                 "DPO / IPO: preference optimisation against a frozen reference"),
+    "ppo": Stage("tether.train.ppo", "tether.train.ppo_config", "PPOConfig",
+                 "PPO with a per-token KL penalty to the reference (any --advantage)"),
+    "rloo": Stage("tether.train.rloo", "tether.train.ppo_config", "RLOOConfig",
+                  "RLOO: k samples per prompt, leave-one-out baseline, no critic"),
+    "grpo": Stage("tether.train.grpo", "tether.train.ppo_config", "GRPOConfig",
+                  "GRPO: k samples per prompt, group-normalised advantages, KL in the loss"),
+    "demo": Stage("tether.demo", "tether.demo.config", "DemoConfig",
+                  "a small end-to-end run on a tiny local model"),
+    "generate": Stage("tether.tools.generate", "tether.tools.config", "GenerateConfig",
+                      "sample responses from any saved policy to JSONL"),
+    "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
+                  "held-out evaluation of any saved policy: proxy, gold, KL, diversity"),
+    "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
+                    "run directories of any stage on one HTML page, configs diffed"),
+    "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",
+                      "re-point a LoRA adapter at its base model where it is now (checked first)"),
+    "sweep": Stage("tether.tools.sweep", "tether.tools.config", "SweepConfig",
+                   "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier"),
+    "serve-rm": Stage("tether.tools.serve_rm", "tether.tools.config", "ServeRMConfig",
+                      "a reward model over HTTP, for --reward-url of the online stages and eval"),
 }
 
-# Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
-CONFIGS = {
-    "sft": ("tether.train.offline_config", "SFTConfig"),
-    "rm": ("tether.train.offline_config", "RMConfig"),
-    "dpo": ("tether.train.offline_config", "DPOConfig"),
-    "ppo": ("tether.train.ppo_config", "PPOConfig"),
-    "rloo": ("tether.train.ppo_config", "RLOOConfig"),
-    "grpo": ("tether.train.ppo_config", "GRPOConfig"),
-    "demo": ("tether.demo.config", "DemoConfig"),
-    "generate": ("tether.tools.config", "GenerateConfig"),
-    "eval": ("tether.tools.config", "EvalConfig"),
-    "report": ("tether.tools.config", "ReportConfig"),
-    "set-base": ("tether.tools.config", "SetBaseConfig"),
-    "sweep": ("tether.tools.config", "SweepConfig"),
-    "serve-rm": ("tether.tools.config", "ServeRMConfig"),
-}
 
-HELP = {
-    "sft": "supervised fine-tuning: next-token loss on response tokens",
-    "rm": "reward model: Bradley-Terry loss on preference pairs",
-    "dpo": "DPO / IPO: preference optimisation against a frozen reference",
-    "ppo": "PPO with a per-token KL penalty to the reference (any --advantage)",
-    "rloo": "RLOO: k samples per prompt, leave-one-out baseline, no critic",
-    "grpo": "GRPO: k samples per prompt, group-normalised advantages, KL in the loss",
-    "demo": "a small end-to-end run on a tiny local model",
-    "generate": "sample responses from any saved policy to JSONL",
-    "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
-    "report": "run directories of any stage on one HTML page, configs diffed",
-    "set-base": "re-point a LoRA adapter at its base model where it is now (checked first)",
-    "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
-    "serve-rm": "a reward model over HTTP, for --reward-url of the online stages and eval",
-}
+def config_class(stage: str) -> type:
+    """The config class of `tether <stage>`, imported without torch."""
+    return getattr(importlib.import_module(STAGES[stage].config_module), STAGES[stage].config_class)
 
 
 def usage() -> str:
     lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]",
              "       tether --version", "", "stages:"]
     width = max(map(len, STAGES))
-    lines += [f"  {name:<{width}}  {HELP[name]}" for name in STAGES]
+    lines += [f"  {name:<{width}}  {stage.help}" for name, stage in STAGES.items()]
     lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
               "Flags override values from --config; errors exit with code 2."]
     return "\n".join(lines)
@@ -117,10 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
         from tether.run.parse import parse_config
 
-        module_name, class_name = CONFIGS[stage]
-        config = getattr(importlib.import_module(module_name), class_name)
         try:
-            parse_config(config, ["--help"], prog=f"tether {stage}")
+            parse_config(config_class(stage), ["--help"], prog=f"tether {stage}")
         except SystemExit as exc:
             return int(exc.code or 0)
         except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
@@ -142,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     try:
-        module = importlib.import_module(STAGES[stage])
+        module = importlib.import_module(STAGES[stage].module)
     except ModuleNotFoundError as exc:
-        if exc.name == STAGES[stage]:
+        if exc.name == STAGES[stage].module:
             print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
             return 2
         raise
@@ -170,9 +164,7 @@ def preflight(stage: str, argv: list[str]) -> str:
     from tether.run.parse import parse_config
     from tether.run.trackers import auto_note
 
-    module_name, class_name = CONFIGS[stage]
-    cfg = parse_config(getattr(importlib.import_module(module_name), class_name), argv,
-                       prog=f"tether {stage}")
+    cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
