@@ -3,7 +3,8 @@ calls, how a config is recorded (`config_to_dict`) and what its paths mean, and 
 reach the settings of the code that reads them (`section`).
 
 Every stage config is a dataclass that inherits `RunConfig`; each field has a type, a default and a
-docstring, which tyro turns into `--help`. Reading one from flags and YAML is `tether.run.parse`.
+docstring, which `--help` shows (`tether.run.config_help`). Reading one from flags and YAML is
+`tether.run.parse`.
 """
 
 from __future__ import annotations
