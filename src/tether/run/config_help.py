@@ -16,6 +16,8 @@ import textwrap
 import typing
 from typing import Any, Literal
 
+from tether.run.scopes import field_default
+
 SECTION = re.compile(r"^\s*# ---- ([^(]+?)\s*(\(.*\))?\s*$")
 WIDTH = 100
 
@@ -84,12 +86,8 @@ def _flag(name: str, tp: Any) -> str:
 def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
     """`required` for a field without a default (a default factory's value is a default, e.g.
     `[]`: such a field is never required); a required field shows no default."""
-    if f.default is not dataclasses.MISSING:
-        shown = f"default: {f.default!r}"
-    elif f.default_factory is not dataclasses.MISSING:
-        shown = f"default: {f.default_factory()!r}"
-    else:
-        shown = "required"
+    default = field_default(f)
+    shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
     if f.name == positional:
         shown += "; or give it as the first argument(s), before any flag"
     return shown

@@ -24,6 +24,7 @@ from tether.errors import TetherError
 from tether.run import scopes, trl_names
 from tether.run.config import C, resolve_paths
 from tether.run.config_help import COMMA_LISTS, help_text
+from tether.run.scopes import field_default
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
@@ -93,8 +94,7 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
     """Build `cls` from a dict (e.g. a saved config), checking names, types and `validate()`."""
     values = _check_dict(cls, d, f"{cls.__name__} dict")
     missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in values]
+               if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
         raise TetherError(f"missing required config field '{missing[0]}'")
     cfg = resolve_paths(cls(**values))
@@ -223,8 +223,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 def _check_required(cls: type, values: dict[str, Any], prog: str) -> None:
     """Name every required field that neither the YAML file nor a flag gives, on one line."""
     missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in values]
+               if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
         raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "

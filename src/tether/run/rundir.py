@@ -46,6 +46,7 @@ from tether.run import distributed, lock
 from tether.run.atomic import atomic_write_bytes, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict, resolved_record
+from tether.run.scopes import field_default
 from tether.run.trackers import parse_report_to, start_trackers
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
@@ -415,13 +416,8 @@ def recorded(cfg: Any) -> dict[str, Any]:
 
 def field_defaults(cfg: Any) -> dict[str, Any]:
     """Each field's default (a default factory's value too); fields without one are left out."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(cfg)}
+    return {name: value for name, value in defaults.items() if value is not dataclasses.MISSING}
 
 
 def announce(line: str) -> None:
