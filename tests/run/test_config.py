@@ -7,8 +7,9 @@ from typing import Literal
 import pytest
 
 from tether.errors import TetherError
-from tether.run.config import RunConfig, config_to_dict, resolve_paths
+from tether.run.config import RunConfig, config_to_dict
 from tether.run.parse import config_from_dict, parse_config
+from tether.run.paths import resolve_paths
 
 
 @dataclass(kw_only=True)

@@ -22,8 +22,9 @@ import yaml
 
 from tether.errors import TetherError
 from tether.run import scopes, trl_names
-from tether.run.config import C, resolve_paths
+from tether.run.config import C
 from tether.run.config_help import COMMA_LISTS, help_text
+from tether.run.paths import resolve_paths
 from tether.run.scopes import field_default
 
 

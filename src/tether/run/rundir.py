@@ -45,7 +45,8 @@ from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
 from tether.run.atomic import atomic_write_bytes, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
-from tether.run.config import config_to_dict, resolved_record
+from tether.run.config import config_to_dict
+from tether.run.paths import resolved_record
 from tether.run.scopes import field_default
 from tether.run.trackers import parse_report_to, start_trackers
 

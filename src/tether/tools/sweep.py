@@ -26,9 +26,10 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.reward.functions import load_reward_functions
 from tether.run import interrupt, lock
-from tether.run.config import config_to_dict, resolved_paths
+from tether.run.config import config_to_dict
 from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
+from tether.run.paths import resolved_paths
 from tether.run.rundir import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, SweepConfig
