@@ -118,9 +118,8 @@ class RunConfig(DeviceOptions, LMHeadOptions):
         from tether.run.trackers import parse_report_to
 
         parse_report_to(self.report_to)
-        for name in ("log_every",):
-            if getattr(self, name) < 1:
-                raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.log_every < 1:
+            raise TetherError(f"config field 'log_every' must be >= 1, got {self.log_every}")
         require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
         require_positive(self, "lora_alpha")
         if self.lora_dropout >= 1:
@@ -128,8 +127,7 @@ class RunConfig(DeviceOptions, LMHeadOptions):
         if self.mixed_precision == "bf16" and self.dtype == "float16":
             raise TetherError("--mixed-precision bf16 would recast float16 weights to bfloat16; "
                               "use --dtype float32 (or bfloat16) with it")
-        if self.save_every < 0:
-            raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
+        require_positive(self, "save_every", allow_zero=True)
 
 
 # Tokens a chat template may write around one observation (role markers, the next turn's
