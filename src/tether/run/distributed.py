@@ -165,26 +165,19 @@ def on_device(device: torch.device) -> Dist:
     return replace(current(), device=device)
 
 
-# ----------------------------------------------------------------------------- data
-
-
 # ----------------------------------------------------------------------------- statistics
 
 def all_reduce_sum(t: torch.Tensor, d: Dist | None = None) -> torch.Tensor:
     """Sum of `t` over ranks (a new tensor; `t` itself is unchanged). No grad flows through."""
     d = d or current()
-    if not d.active:
-        return t.detach().clone()
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    if d.active:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
 
 def global_sum(x: float | int, d: Dist | None = None) -> float:
     """A Python number summed over ranks (token counts, row counts, loss parts)."""
-    d = d or current()
-    if not d.active:
-        return float(x)
     return float(all_reduce_sum(torch.tensor(float(x), dtype=torch.float64), d))
 
 
