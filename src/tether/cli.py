@@ -110,25 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
-        from tether.run.parse import parse_config
-
-        try:
-            parse_config(config_class(stage), ["--help"], prog=f"tether {stage}")
-        except SystemExit as exc:
-            return int(exc.code or 0)
-        except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-            return 0
     # The config first, before torch: a bad option, file or missing extra fails in a fraction
     # of a second, and a good one gets a first line at once, not after seconds of imports.
+    # --help is the config's alone (no torch, no transformers): its help page, then exit.
     try:
-        first_line = preflight(stage, rest)
+        first_line = preflight(stage, ["--help"] if "-h" in rest or "--help" in rest else rest)
     except TetherError as exc:
         _report(f"error: {exc}")
         return 2
     except SystemExit as exc:
         return int(exc.code or 0)
+    except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     if first_line and int(os.environ.get("RANK", "0")) == 0:
         print(first_line, flush=True)  # stdout, with the progress lines (stderr: errors only)
     # The stages' own progress lines tell the story; transformers' load and save bars only add
