@@ -227,17 +227,10 @@ class RunDir:
         if not self.writes:
             return
         for path in (self.metrics_path, self.samples_path):
-            if not path.exists():
-                continue
-            keep = []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a partial line: the step it belonged to runs again
-                if record.get("step", 0) <= after_step:
-                    keep.append(line)
-            atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
+            if path.exists():  # a partial line goes: the step it belonged to runs again
+                keep = [line for line, record in _json_lines(path)
+                        if record.get("step", 0) <= after_step]
+                atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _sinks(self) -> list:
         """The trackers of `--report-to` (by default TensorBoard when installed), started at first
@@ -275,13 +268,7 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []
-        records = []
-        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # empty, or cut off by a kill
-        return records
+        return [record for _, record in _json_lines(self.metrics_path)]
 
     def close(self) -> None:
         """Close the trackers and free the directory for the next process (`release`)."""
@@ -301,6 +288,16 @@ def _writer_process() -> bool:
     """Whether this process will write the run directory, known before torchrun's group is
     joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
     return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
+
+
+def _json_lines(path: Path) -> list[tuple[str, Any]]:
+    """(line, its JSON) for each line of a JSONL file that parses: an empty line, or one cut off
+    by a kill, is left out."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append((line, json.loads(line)))
+    return out
 
 
 def run_finished(path: str | Path) -> bool:
