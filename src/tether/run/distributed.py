@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from tether.errors import TetherError
 
@@ -300,10 +301,8 @@ def wrap(model: nn.Module, d: Dist) -> nn.Module:
         fully_shard(inner, mesh=mesh)
         _say_layout(inner, d, "FSDP2")
         return inner
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     ids = [d.device.index] if d.device.type == "cuda" else None
-    wrapped = DDP(inner, device_ids=ids)
+    wrapped = DistributedDataParallel(inner, device_ids=ids)
     _say_layout(inner, d, "DDP")
     return wrapped
 
@@ -341,9 +340,10 @@ def _say_layout(model: nn.Module, d: Dist, mode: str) -> None:
 
 
 def unwrap(wrapped: nn.Module) -> nn.Module:
-    """The user's model inside `wrap`'s result (for saving, LoRA adapters, config)."""
-    inner = wrapped.module if hasattr(wrapped, "module") and not isinstance(wrapped, Parallel) \
-        else wrapped
+    """The user's model inside `wrap`'s result, a DDP or `Parallel` wrapper (a plain module as it
+    is): for saving, LoRA adapters, config; its parameter names are the one-process names, the
+    same at every world size."""
+    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
     return inner.module if isinstance(inner, Parallel) else inner
 
 

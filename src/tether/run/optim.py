@@ -22,8 +22,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.run import distributed
-from tether.run.checkpoint import plain_model
-from tether.run.distributed import Dist
+from tether.run.distributed import Dist, unwrap
 
 
 class StepCounter:
@@ -143,7 +142,7 @@ def clip_and_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
 def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
     """An offline stage's step: `clip_and_step` on the gradients of `model` (possibly wrapped),
     then one step of the learning-rate schedule. Returns the gradient norm before clipping."""
-    params = [p for p in plain_model(model).parameters() if p.grad is not None]
+    params = [p for p in unwrap(model).parameters() if p.grad is not None]
     grad_norm = clip_and_step(params, optimizer, max_grad_norm)
     scheduler.step()
     return grad_norm
