@@ -36,7 +36,8 @@ from tether.models.lora import (
     load_adapter,
     set_trainable,
 )
-from tether.run.checkpoint import check_finite_weights, replace_dir
+from tether.run.atomic import replace_dir
+from tether.run.checkpoint import check_finite_weights
 
 PAD_TOKEN = "<|pad|>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -62,7 +62,8 @@ from tether.models.pretrained import (
     load_trainable_lm,
 )
 from tether.models.shared_prompt import shared_last_hidden, sharing
-from tether.run.checkpoint import check_finite_weights, replace_dir
+from tether.run.atomic import replace_dir
+from tether.run.checkpoint import check_finite_weights
 
 REWARD_JSON = "tether_reward.json"
 REWARD_FORMAT = "tether-reward-v2"

@@ -45,7 +45,7 @@ from tether.rl.evaluation import (
 )
 from tether.rl.reward import wiring
 from tether.rl.sources import longest_prompt, make_source
-from tether.run.checkpoint import atomic_write_bytes
+from tether.run.atomic import atomic_write_bytes
 from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device

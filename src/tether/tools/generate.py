@@ -25,7 +25,7 @@ from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses
 from tether.rl.sources import load_tools, longest_prompt, make_source
-from tether.run.checkpoint import atomic_write_bytes
+from tether.run.atomic import atomic_write_bytes
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads
