@@ -45,12 +45,9 @@ def make_optimizer(models: nn.Module | Sequence[nn.Module], lr: float,
     """AdamW over the trainable parameters of `models` (each shared tensor once); decay on
     matrices only (biases and norms are not shrunk, as in GPT-2/nanoGPT)."""
     models = [models] if isinstance(models, nn.Module) else list(models)
-    params, seen = [], set()
-    for model in models:
-        for p in model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    # each shared tensor once, where it first appears (a dict keeps the first key's place)
+    unique = {id(p): p for model in models for p in model.parameters() if p.requires_grad}
+    params = list(unique.values())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
