@@ -185,16 +185,14 @@ def global_sum(x: float | int, d: Dist | None = None) -> float:
 def global_max(x: int, d: Dist | None = None) -> int:
     """A Python integer's maximum over ranks (the rollout width every rank pads to)."""
     d = d or current()
-    if not d.active:
-        return int(x)
     out = torch.tensor(int(x), dtype=torch.int64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    if d.active:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return int(out)
 
 
 def global_mean(total: float, count: float, d: Dist | None = None) -> float:
     """sum_r total_r / sum_r count_r: a mean over all ranks' rows, not a mean of rank means."""
-    d = d or current()
     both = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64), d)
     return float(both[0] / both[1].clamp(min=1.0))
 
@@ -249,7 +247,6 @@ def gather_objects(obj: Any, d: Dist | None = None) -> list[Any] | None:
 
 def all_agree(flag: bool, d: Dist | None = None) -> bool:
     """True on every rank iff `flag` is true on every rank (e.g. "my step was finite")."""
-    d = d or current()
     return global_sum(0.0 if flag else 1.0, d) == 0.0
 
 
