@@ -152,19 +152,16 @@ def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[st
 # ----------------------------------------------------------------------------- command line
 
 def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
-    path, rest, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
+    path, rest, args = None, [], iter(argv)
+    for arg in args:
         if arg == "--config":
-            if i + 1 >= len(argv):
+            path = next(args, None)  # the next argument, whatever it looks like
+            if path is None:
                 raise TetherError("--config needs a path to a YAML file")
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
+        elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-        i += 1
     return path, rest
 
 
