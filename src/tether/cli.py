@@ -178,8 +178,7 @@ ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it be
 def _report(message: str) -> None:
     """Print one error line: at once on rank 0 (or alone); on another rank only if torchrun has
     not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report)."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         from tether.run import distributed
 
         distributed.teardown()  # the other ranks see the group end instead of waiting on us
