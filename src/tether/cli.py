@@ -129,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     # noise (and, off a terminal, lines of control characters).
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    try:
-        module = importlib.import_module(STAGES[stage].module)
-    except ModuleNotFoundError as exc:
-        if exc.name == STAGES[stage].module:
-            print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(STAGES[stage].module)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         # torchrun stops ranks with SIGTERM when one fails: keep its default (end at once) rather
         # than the graceful stop-at-the-next-step, which a rank stuck in a collective never reaches.
