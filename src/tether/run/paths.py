@@ -31,11 +31,6 @@ def input_path(value: str) -> str:
     return os.path.abspath(expanded) if expanded and os.path.exists(expanded) else expanded
 
 
-def output_path(value: str) -> str:
-    """`~` expanded and made absolute (empty stays empty: the field's default place)."""
-    return os.path.abspath(os.path.expanduser(value)) if value else value
-
-
 def function_path(spec: str) -> str:
     """`file.py:function` with its file resolved as `input_path` does. `module:function` for a
     one-name module that is a file in the current directory (`task:gold`, ./task.py: the loader
@@ -58,10 +53,10 @@ def resolved_paths(values: dict[str, Any]) -> dict[str, Any]:
     def resolve(name: str, value: Any) -> Any:
         if isinstance(value, list):
             return [resolve(name, v) for v in value]
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str) or not value:  # empty stays empty: the default place
             return value
-        if name in OUTPUT_PATH_FIELDS:
-            return output_path(value)
+        if name in OUTPUT_PATH_FIELDS:  # `~` expanded and made absolute
+            return os.path.abspath(os.path.expanduser(value))
         if name in INPUT_PATH_FIELDS:
             return input_path(value)
         if name in FUNCTION_FIELDS:  # several joined by commas (--reward-fn a.py:f,b.py:g)
