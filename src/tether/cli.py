@@ -189,7 +189,6 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 def _run(module, rest: list[str]) -> int:
-    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
         return int(module.cli(rest) or 0)
     except AlreadyFinished as exc:
@@ -213,7 +212,7 @@ def _run(module, rest: list[str]) -> int:
         _report(f"error: {exc}")
         return 2
     except Exception as exc:
-        if not (launched and _lost_peer(exc)):
+        if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ and _lost_peer(exc)):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # wait quietly for torchrun to stop us too
             from tether.run import distributed
