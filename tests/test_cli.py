@@ -141,3 +141,12 @@ def test_a_torchrun_rank_keeps_the_exit_code():
         capture_output=True, text=True, timeout=120,
         env=os.environ | {"RANK": "0", "WORLD_SIZE": "1"})
     assert launched.returncode == 2 and launched.stderr.startswith("error: unknown stage")
+
+
+def test_every_stage_module_ships_with_its_cli():
+    # `tether <stage>` imports STAGES[stage].module after the preflight: every one ships in the
+    # package (a missing one would end in a traceback, not an error line)
+    import importlib
+
+    for stage in STAGES.values():
+        assert callable(importlib.import_module(stage.module).cli)

@@ -6,13 +6,12 @@ removed fails here, not in front of a reader."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from pathlib import Path
 
 import pytest
 
-from tether.cli import CONFIGS
+from tether.cli import STAGES, config_class
 from tether.run.trl_names import ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +39,8 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])")
 
 def tether_options() -> set[str]:
     out = {"--config", "--help", "--version"}
-    for module, name in CONFIGS.values():
-        for field in dataclasses.fields(getattr(importlib.import_module(module), name)):
+    for stage in STAGES:
+        for field in dataclasses.fields(config_class(stage)):
             flag = "--" + field.name.replace("_", "-")
             out |= {flag, "--no-" + flag[2:]}  # a boolean also reads as --no-<name>
     return out

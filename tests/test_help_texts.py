@@ -14,22 +14,20 @@ default shows the value a config left alone gets (never "required").
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tether.cli import CONFIGS, main
+from tether.cli import STAGES, config_class, main
 from tether.errors import TetherError
 from tether.run.parse import parse_config
 from tether.tools.config import ReportConfig, SweepConfig
 
 
 def _config(stage: str) -> type:
-    module, name = CONFIGS[stage]
-    return getattr(importlib.import_module(module), name)
+    return config_class(stage)
 
 
 def _help(stage: str, capsys) -> str:
@@ -69,7 +67,7 @@ def _minimal_argv(cls: type) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("stage", list(CONFIGS))
+@pytest.mark.parametrize("stage", list(STAGES))
 def test_every_option_shows_its_real_default_or_required(stage, capsys):
     cls = _config(stage)
     shown = _options(_help(stage, capsys))
@@ -88,7 +86,7 @@ def test_every_option_shows_its_real_default_or_required(stage, capsys):
             assert "required" not in text
 
 
-@pytest.mark.parametrize("stage", list(CONFIGS))
+@pytest.mark.parametrize("stage", list(STAGES))
 def test_required_in_the_help_is_what_the_parser_requires(stage):
     # The required flags alone parse and validate: nothing else is required in secret; each one
     # left out is the one missing-option line, before anything loads.

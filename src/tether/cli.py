@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from tether import version
 from tether.errors import AlreadyFinished, TetherError
@@ -27,61 +27,57 @@ from tether.run import interrupt, parent
 from tether.run.extras import require_engine, require_stage
 from tether.run.interrupt import Interrupted
 
+
+class Stage(NamedTuple):
+    """A `tether` command: the module whose `cli(argv)` runs it, its config class (importable
+    without torch: `tether <stage> --help` loads only that), and its line in `tether --help`."""
+
+    module: str
+    config_module: str
+    config_class: str
+    help: str
+
+
 STAGES = {
-    "sft": "tether.train.sft",
-    "rm": "tether.train.reward",
-    "dpo": "tether.train.dpo",
-    "ppo": "tether.train.ppo",
-    "rloo": "tether.train.rloo",
-    "grpo": "tether.train.grpo",
-    "demo": "tether.demo",
-    "generate": "tether.tools.generate",
-    "eval": "tether.tools.evaluate",
-    "report": "tether.tools.report",
-    "set-base": "tether.tools.set_base",
-    "sweep": "tether.tools.sweep",
-    "serve-rm": "tether.tools.serve_rm",
+    "sft": Stage("tether.train.sft", "tether.train.offline_config", "SFTConfig",
+                 "supervised fine-tuning: next-token loss on response tokens"),
+    "rm": Stage("tether.train.reward", "tether.train.offline_config", "RMConfig",
+                "reward model: Bradley-Terry loss on preference pairs"),
+    "dpo": Stage("tether.train.dpo", "tether.train.offline_config", "DPOConfig",
+                 "DPO / IPO: preference optimisation against a frozen reference"),
+    "ppo": Stage("tether.train.ppo", "tether.train.ppo_config", "PPOConfig",
+                 "PPO with a per-token KL penalty to the reference (any --advantage)"),
+    "rloo": Stage("tether.train.rloo", "tether.train.ppo_config", "RLOOConfig",
+                  "RLOO: k samples per prompt, leave-one-out baseline, no critic"),
+    "grpo": Stage("tether.train.grpo", "tether.train.ppo_config", "GRPOConfig",
+                  "GRPO: k samples per prompt, group-normalised advantages, KL in the loss"),
+    "demo": Stage("tether.demo", "tether.demo.config", "DemoConfig",
+                  "a small end-to-end run on a tiny local model"),
+    "generate": Stage("tether.tools.generate", "tether.tools.config", "GenerateConfig",
+                      "sample responses from any saved policy to JSONL"),
+    "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
+                  "held-out evaluation of any saved policy: proxy, gold, KL, diversity"),
+    "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
+                    "run directories of any stage on one HTML page, configs diffed"),
+    "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",
+                      "re-point a LoRA adapter at its base model where it is now (checked first)"),
+    "sweep": Stage("tether.tools.sweep", "tether.tools.config", "SweepConfig",
+                   "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier"),
+    "serve-rm": Stage("tether.tools.serve_rm", "tether.tools.config", "ServeRMConfig",
+                      "a reward model over HTTP, for --reward-url of the online stages and eval"),
 }
 
-# Each stage's config class, importable without torch: `tether <stage> --help` loads only this.
-CONFIGS = {
-    "sft": ("tether.train.offline_config", "SFTConfig"),
-    "rm": ("tether.train.offline_config", "RMConfig"),
-    "dpo": ("tether.train.offline_config", "DPOConfig"),
-    "ppo": ("tether.train.ppo_config", "PPOConfig"),
-    "rloo": ("tether.train.ppo_config", "RLOOConfig"),
-    "grpo": ("tether.train.ppo_config", "GRPOConfig"),
-    "demo": ("tether.demo.config", "DemoConfig"),
-    "generate": ("tether.tools.config", "GenerateConfig"),
-    "eval": ("tether.tools.config", "EvalConfig"),
-    "report": ("tether.tools.config", "ReportConfig"),
-    "set-base": ("tether.tools.config", "SetBaseConfig"),
-    "sweep": ("tether.tools.config", "SweepConfig"),
-    "serve-rm": ("tether.tools.config", "ServeRMConfig"),
-}
 
-HELP = {
-    "sft": "supervised fine-tuning: next-token loss on response tokens",
-    "rm": "reward model: Bradley-Terry loss on preference pairs",
-    "dpo": "DPO / IPO: preference optimisation against a frozen reference",
-    "ppo": "PPO with a per-token KL penalty to the reference (any --advantage)",
-    "rloo": "RLOO: k samples per prompt, leave-one-out baseline, no critic",
-    "grpo": "GRPO: k samples per prompt, group-normalised advantages, KL in the loss",
-    "demo": "a small end-to-end run on a tiny local model",
-    "generate": "sample responses from any saved policy to JSONL",
-    "eval": "held-out evaluation of any saved policy: proxy, gold, KL, diversity",
-    "report": "run directories of any stage on one HTML page, configs diffed",
-    "set-base": "re-point a LoRA adapter at its base model where it is now (checked first)",
-    "sweep": "a grid of PPO and DPO/IPO runs from one YAML file, and the reward-KL frontier",
-    "serve-rm": "a reward model over HTTP, for --reward-url of the online stages and eval",
-}
+def config_class(stage: str) -> type:
+    """The config class of `tether <stage>`, imported without torch."""
+    return getattr(importlib.import_module(STAGES[stage].config_module), STAGES[stage].config_class)
 
 
 def usage() -> str:
     lines = ["usage: tether <stage> [--config FILE.yaml] [--field value ...]",
              "       tether --version", "", "stages:"]
     width = max(map(len, STAGES))
-    lines += [f"  {name:<{width}}  {HELP[name]}" for name in STAGES]
+    lines += [f"  {name:<{width}}  {stage.help}" for name, stage in STAGES.items()]
     lines += ["", "`tether <stage> --help` lists every field of that stage's config and its default.",
               "Flags override values from --config; errors exit with code 2."]
     return "\n".join(lines)
@@ -114,40 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if "-h" in rest or "--help" in rest:  # the config alone: no torch, no transformers
-        from tether.run.parse import parse_config
-
-        module_name, class_name = CONFIGS[stage]
-        config = getattr(importlib.import_module(module_name), class_name)
-        try:
-            parse_config(config, ["--help"], prog=f"tether {stage}")
-        except SystemExit as exc:
-            return int(exc.code or 0)
-        except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-            return 0
     # The config first, before torch: a bad option, file or missing extra fails in a fraction
     # of a second, and a good one gets a first line at once, not after seconds of imports.
+    # --help is the config's alone (no torch, no transformers): its help page, then exit.
     try:
-        first_line = preflight(stage, rest)
+        first_line = preflight(stage, ["--help"] if "-h" in rest or "--help" in rest else rest)
     except TetherError as exc:
         _report(f"error: {exc}")
         return 2
     except SystemExit as exc:
         return int(exc.code or 0)
+    except BrokenPipeError:  # `tether ppo --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     if first_line and int(os.environ.get("RANK", "0")) == 0:
         print(first_line, flush=True)  # stdout, with the progress lines (stderr: errors only)
     # The stages' own progress lines tell the story; transformers' load and save bars only add
     # noise (and, off a terminal, lines of control characters).
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    try:
-        module = importlib.import_module(STAGES[stage])
-    except ModuleNotFoundError as exc:
-        if exc.name == STAGES[stage]:
-            print(f"error: stage {stage!r} is not available in this build of tether", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(STAGES[stage].module)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         # torchrun stops ranks with SIGTERM when one fails: keep its default (end at once) rather
         # than the graceful stop-at-the-next-step, which a rank stuck in a collective never reaches.
@@ -170,9 +152,7 @@ def preflight(stage: str, argv: list[str]) -> str:
     from tether.run.parse import parse_config
     from tether.run.trackers import auto_note
 
-    module_name, class_name = CONFIGS[stage]
-    cfg = parse_config(getattr(importlib.import_module(module_name), class_name), argv,
-                       prog=f"tether {stage}")
+    cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
@@ -192,8 +172,7 @@ ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it be
 def _report(message: str) -> None:
     """Print one error line: at once on rank 0 (or alone); on another rank only if torchrun has
     not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report)."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         from tether.run import distributed
 
         distributed.teardown()  # the other ranks see the group end instead of waiting on us
@@ -210,7 +189,6 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 def _run(module, rest: list[str]) -> int:
-    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
         return int(module.cli(rest) or 0)
     except AlreadyFinished as exc:
@@ -234,7 +212,7 @@ def _run(module, rest: list[str]) -> int:
         _report(f"error: {exc}")
         return 2
     except Exception as exc:
-        if not (launched and _lost_peer(exc)):
+        if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ and _lost_peer(exc)):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # wait quietly for torchrun to stop us too
             from tether.run import distributed

@@ -22,7 +22,7 @@ import sys
 ENV = "TETHER_IGNORE_OPTION"
 
 # Config code that may see the real value: checking it and recording it are not "using" it.
-SEES_REAL_VALUE = {"validate", "_validate", "config_to_dict", "_check_resumed_config",
+SEES_REAL_VALUE = {"validate", "_validate", "config_to_dict", "check_resumed_config",
                    "parse_config", "config_from_dict", "_check_block_acts"}
 
 IGNORED_REQUIRED = {"run_name": "ignored-run-name"}

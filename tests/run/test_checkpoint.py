@@ -5,13 +5,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tether.run.checkpoint import (
-    atomic_save_file,
-    atomic_write_json,
-    list_checkpoints,
-    load_latest_checkpoint,
-    save_checkpoint,
-)
+from tether.run.atomic import atomic_save_file, atomic_write_json
+from tether.run.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 
 
 def _setup(seed):

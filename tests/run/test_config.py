@@ -1,12 +1,15 @@
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 import pytest
 
 from tether.errors import TetherError
-from tether.run.config import RunConfig, config_to_dict, resolve_paths
+from tether.run.config import RunConfig, config_to_dict
 from tether.run.parse import config_from_dict, parse_config
+from tether.run.paths import resolve_paths
 
 
 @dataclass(kw_only=True)
@@ -19,6 +22,10 @@ class DemoConfig(RunConfig):
     """Loss kind."""
     steps: int = 5
     """Steps."""
+    reward_weights: list[float] = dataclasses.field(default_factory=list)
+    """Weights (a list of numbers that may join its values with commas)."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Tags."""
 
 
 def test_flags_override_yaml(tmp_path):
@@ -89,3 +96,68 @@ def test_help_lists_every_field(capsys):
     for flag in ("--run-name", "--output-dir", "--seed", "--resume", "--lr", "--loss", "--steps"):
         assert flag in out
     assert "Learning rate" in out and "default: 0.001" in out
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--steps", "-3"], "steps", -3),  # a negative number is a value, not a flag
+    (["--steps=-3"], "steps", -3),
+    (["--steps", "1_000"], "steps", 1000),  # as Python's int() reads it
+    (["--lr", "-1e-3"], "lr", -1e-3),
+    (["--lr", "2"], "lr", 2.0),
+    (["--resume"], "resume", True),
+    (["--resume", "--no-resume"], "resume", False),  # the last of a repeated flag wins
+    (["--steps", "4", "--steps", "5"], "steps", 5),
+    (["--run_name", "b"], "run_name", "b"),  # underscores spell the same flag
+    (["--run-name", "-"], "run_name", "-"),  # `-` alone is a value
+    (["--tags", "a", "-1", "b"], "tags", ["a", "-1", "b"]),
+    (["--tags"], "tags", []),  # a list flag with no values: the empty list
+    (["--tags=a,b", "c"], "tags", ["a,b", "c"]),  # strings keep their commas
+    (["--reward-weights", "1,0.5", "-2"], "reward_weights", [1.0, 0.5, -2.0]),
+    (["--loss", "ipo"], "loss", "ipo"),
+])
+def test_flags_read_as_typed_values(argv, field, value):
+    cfg = parse_config(DemoConfig, ["--run-name", "a", *argv], prog="tether demo")
+    assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--steps", "1.5"], "config field 'steps' must be an integer, got '1.5'"),
+    (["--lr", "fast"], "config field 'lr' must be a number, got 'fast'"),
+    (["--lr", "nan"], "config field 'lr' must be a finite number, got nan"),
+    (["--reward-weights", "1,x"], "config field 'reward_weights' must be a number, got 'x'"),
+    (["--steps"], "--steps needs a value (see --help)"),
+    (["--steps", "-x"], "--steps needs a value (see --help)"),  # -x reads as a mistyped flag
+    (["--steps", "--lr", "1"], "--steps needs a value (see --help)"),
+    (["--resume=yes"], "--resume takes no value (got '--resume=yes'): --resume sets it, "
+                       "--no-resume clears it"),
+    (["--resume", "yes"], "unexpected argument 'yes': a value goes after its flag "
+                          "(see --help)"),
+    (["--steps", "4", "5"], "unexpected argument '5': a value goes after its flag "
+                            "(see --help)"),
+    (["-s", "1"], "unexpected argument '-s': a value goes after its flag "
+                  "(see --help)"),
+    (["--no-steps"], "unknown option --no-steps; did you mean --steps?"),  # not a bool
+    (["--loss", "hinge"], "config field 'loss' must be one of: sigmoid, ipo (got 'hinge')"),
+])
+def test_flag_mistakes_are_one_line_errors(argv, line):
+    with pytest.raises(TetherError) as info:
+        parse_config(DemoConfig, ["--run-name", "a", *argv], prog="tether demo")
+    assert str(info.value) == line
+
+
+def test_every_stage_field_has_a_type_flags_and_yaml_read():
+    """The flag reader and the type check know bool, int, float, str, a Literal of strings and a
+    list of int, float or str: a field of another type (Optional, a tuple) would pass unchecked."""
+    from tether.cli import STAGES, config_class
+
+    plain = (bool, int, float, str)
+    for stage in STAGES:
+        cls = config_class(stage)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            args = typing.get_args(tp)
+            ok = (tp in plain or (typing.get_origin(tp) is Literal
+                                  and all(isinstance(a, str) for a in args))
+                  or (typing.get_origin(tp) is list and args[0] in (int, float, str)))
+            assert ok, f"{cls.__name__}.{f.name}: {tp}"

@@ -21,8 +21,8 @@ from offline_fixtures import other_weights, sft_rows, write_jsonl
 from safetensors.torch import load_file
 
 from tether.cli import main
-from tether.run.config import resolved_paths
 from tether.run.parse import parse_config
+from tether.run.paths import resolved_paths
 from tether.run.rundir import RunDir
 from tether.train import sft
 from tether.train.offline_config import SFTConfig

@@ -10,13 +10,12 @@ options must exist for that stage. So the doc and `tether.run.trl_names.ROWS` ca
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from pathlib import Path
 
 import pytest
 
-from tether.cli import CONFIGS, main
+from tether.cli import config_class, main
 from tether.errors import TetherError
 from tether.run import trl_names
 from tether.run.parse import config_from_dict, parse_config
@@ -33,8 +32,7 @@ SETTING = re.compile(r"([a-z][a-z0-9_]*)(?:=(.+))?")
 
 
 def config(stage: str) -> type:
-    module, name = CONFIGS[stage]
-    return getattr(importlib.import_module(module), name)
+    return config_class(stage)
 
 
 def fields(stage: str) -> set[str]:

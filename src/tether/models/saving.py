@@ -17,7 +17,8 @@ from tether.models.adapter_checks import remembered_base
 from tether.models.base_location import named_portably, write_location
 from tether.models.lora import TRAINED
 from tether.models.pretrained import TrainableLM, eos_token_ids
-from tether.run.checkpoint import check_finite_weights, replace_dir
+from tether.run.atomic import replace_dir
+from tether.run.checkpoint import check_finite_weights
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Training checkpoints (weights, optimizer, scheduler, RNG, trainer state, the run's config).
 
 A checkpoint is a whole directory written under a temp name and renamed to `step_<N>` only once
-complete (`tether.run.atomic`, which also holds the atomic file writes re-exported here). Weights
+complete (`tether.run.atomic`, which also holds the atomic file writes). Weights
 are safetensors; optimizer and scheduler state use `torch.save` and are read back with
 `weights_only=True`.
 """
@@ -23,15 +23,9 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from tether.errors import TetherError
-
-# atomic_save_file, atomic_write_bytes and atomic_write_json stay importable from here, as they
-# were before the atomic writes had a module of their own
-from tether.run.atomic import (  # noqa: F401
-    atomic_save_file,
-    atomic_write_bytes,
-    atomic_write_json,
-    replace_dir,
-)
+from tether.run import distributed
+from tether.run.atomic import replace_dir
+from tether.run.distributed import unwrap
 
 STEP_PREFIX = "step_"
 TEMP_PREFIX = ".tmp-"  # a checkpoint being written; one left behind was cut off by a kill
@@ -103,18 +97,6 @@ def has_frozen_parameters(model: nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
-def plain_model(model: nn.Module) -> nn.Module:
-    """The user's model inside a DDP / `distributed.Parallel` wrapper (a plain module as it is);
-    its parameter names are the one-process names, the same at every world size."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from tether.run.distributed import Parallel
-
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model.module if isinstance(model, Parallel) else model
-
-
 def reshard(model: nn.Module) -> nn.Module:
     """Put every FSDP2 unit in `model` back to its sharded parameters. FSDP2 keeps the root unit
     gathered after a forward (its backward would need it again), so after a no-grad forward
@@ -143,7 +125,7 @@ def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
     `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
     holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
     out = {}
-    for name, param in plain_model(reshard(model)).named_parameters():
+    for name, param in unwrap(reshard(model)).named_parameters():
         if not param.requires_grad:
             continue
         full = _full(param.detach())
@@ -160,7 +142,7 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     _check_names(model, tensors)
-    params = {name: p for name, p in plain_model(reshard(model)).named_parameters()
+    params = {name: p for name, p in unwrap(reshard(model)).named_parameters()
               if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
@@ -172,7 +154,7 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
 
 
 def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    names = {name for name, p in plain_model(model).named_parameters() if p.requires_grad}
+    names = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
     if names != set(tensors):
         missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
         raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
@@ -182,7 +164,7 @@ def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
     """One module holding every model under its checkpoint name: optimizer state is keyed by
     parameter name through it (`policy.transformer.h.0...`), not by position."""
-    return nn.ModuleDict({name: plain_model(reshard(m)) for name, m in models.items()})
+    return nn.ModuleDict({name: unwrap(reshard(m)) for name, m in models.items()})
 
 
 def optimizer_state(models: dict[str, nn.Module], optimizer) -> dict[str, Any]:
@@ -239,8 +221,6 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
     dropout draws as many numbers as its tensor has elements, so ranks with rows of other
     lengths end a step with other states, and only their own make a resume bit-exact.
     """
-    from tether.run import distributed
-
     d = distributed.current()
     # every rank gathers and checks the same tensors (one error on all); rank 0 keeps them
     weights = {name: trainable_tensors(model, keep=d.is_main, what=f"the {name} at step {step}")
@@ -297,8 +277,6 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     otherwise. Returns the trainer `state` saved with it (with `step` added, and `tensors`: the
     other tensors saved with it, when there are any), or None when there is none.
     """
-    from tether.run import distributed
-
     d = distributed.current()
     # rank 0's view decides (another node may not see the directory: that is an error below)
     found = distributed.broadcast_object(list_checkpoints(ckpt_root) if d.is_main else None, d)

@@ -1,9 +1,10 @@
 """Typed stage configs: what every stage shares (`RunConfig`), the checks their `validate()`
-calls, how a config is recorded (`config_to_dict`) and what its paths mean, and how its values
-reach the settings of the code that reads them (`section`).
+calls, how a config is recorded (`config_to_dict`; what its paths mean is `tether.run.paths`), and
+how its values reach the settings of the code that reads them (`section`).
 
 Every stage config is a dataclass that inherits `RunConfig`; each field has a type, a default and a
-docstring, which tyro turns into `--help`. Reading one from flags and YAML is `tether.run.parse`.
+docstring, which `--help` shows (`tether.run.config_help`). Reading one from flags and YAML is
+`tether.run.parse`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from tether.choices import ENGINES
 from tether.errors import TetherError
+from tether.run.paths import resolved_paths
 from tether.run.scopes import Scope, from_table
 
 C = TypeVar("C")
@@ -119,9 +121,8 @@ class RunConfig(DeviceOptions, LMHeadOptions):
         from tether.run.trackers import parse_report_to
 
         parse_report_to(self.report_to)
-        for name in ("log_every",):
-            if getattr(self, name) < 1:
-                raise TetherError(f"config field '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.log_every < 1:
+            raise TetherError(f"config field 'log_every' must be >= 1, got {self.log_every}")
         require_positive(self, "lora_r", "lora_dropout", allow_zero=True)
         require_positive(self, "lora_alpha")
         if self.lora_dropout >= 1:
@@ -129,8 +130,7 @@ class RunConfig(DeviceOptions, LMHeadOptions):
         if self.mixed_precision == "bf16" and self.dtype == "float16":
             raise TetherError("--mixed-precision bf16 would recast float16 weights to bfloat16; "
                               "use --dtype float32 (or bfloat16) with it")
-        if self.save_every < 0:
-            raise TetherError(f"config field 'save_every' must be >= 0, got {self.save_every}")
+        require_positive(self, "save_every", allow_zero=True)
 
 
 # Tokens a chat template may write around one observation (role markers, the next turn's
@@ -302,33 +302,6 @@ def require_positive(cfg: Any, *names: str, allow_zero: bool = False) -> None:
             raise TetherError(f"config field '{name}' must be {bound}, got {value}")
 
 
-# ----------------------------------------------------------------------------- dict round trip
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain JSON/YAML-safe values (tuples become lists), its paths resolved
-    (`resolved_paths`): what a run directory records means the same from any directory."""
-    def plain(v: Any) -> Any:
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, Path):
-            return str(v)
-        return v
-    return resolved_paths({f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
-
-
-# ----------------------------------------------------------------------------- paths
-
-# The fields, of any stage or tool config, that name files and directories. They are resolved
-# when a config is parsed or recorded, so that a run's config.yaml names the same models and files
-# whatever directory `tether eval`, `report` or `--resume` later runs in (issue 23). Relative paths
-# are read against the current directory, as they always were; `~` is expanded in all of them.
-OUTPUT_PATH_FIELDS = frozenset({"output_dir", "output"})  # always local: made absolute
-INPUT_PATH_FIELDS = frozenset({"model", "base", "policy", "ref_model", "reward_model", "reference",
-                               "data", "eval_data", "normalize_data", "prompts", "eval_prompts",
-                               "runs", "grid", "adapter"})  # absolute when they exist here; else a hub name, kept
-FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn", "env", "tools"})  # file.py:function; module:function kept
-
-
 def section(cls: type[C], cfg: Any, **derived: Any) -> C:
     """The dataclass `cls` filled from the run's config by field name: each field takes
     `cfg.resolved_<name>` where the config derives one (an "auto" resolved), else `cfg.<name>`; a
@@ -349,100 +322,15 @@ def section(cls: type[C], cfg: Any, **derived: Any) -> C:
     return cls(**values)
 
 
-def input_path(value: str) -> str:
-    """`~` expanded; absolute when it names a file or directory that exists here. Anything else
-    stays as given: a hub name (`gpt2`, `org/name`), which the loaders look up after local paths
-    as this does, or a missing path, whose error then names what the user typed."""
-    expanded = os.path.expanduser(value)
-    return os.path.abspath(expanded) if expanded and os.path.exists(expanded) else expanded
+# ----------------------------------------------------------------------------- dict round trip
 
-
-def output_path(value: str) -> str:
-    """`~` expanded and made absolute (empty stays empty: the field's default place)."""
-    return os.path.abspath(os.path.expanduser(value)) if value else value
-
-
-def function_path(spec: str) -> str:
-    """`file.py:function` with its file resolved as `input_path` does. `module:function` for a
-    one-name module that is a file in the current directory (`task:gold`, ./task.py: the loader
-    looks there first) becomes that file's absolute `file.py:function`, so a later command from
-    another directory imports the same code, not its own ./task.py. Any other module stays as
-    written: it is found on the import path (an installed package), not at a path."""
-    file, sep, function = spec.rpartition(":")
-    if not sep:
-        return spec
-    if file.endswith(".py"):
-        return input_path(file) + sep + function
-    if file.isidentifier() and os.path.isfile(file + ".py"):
-        return os.path.abspath(file + ".py") + sep + function
-    return spec
-
-
-def resolved_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` (config field -> value) with every path field resolved by the rules above;
-    idempotent, so a recorded config resolves to itself."""
-    def resolve(name: str, value: Any) -> Any:
-        if isinstance(value, list):
-            return [resolve(name, v) for v in value]
-        if not isinstance(value, str) or not value:
-            return value
-        if name in OUTPUT_PATH_FIELDS:
-            return output_path(value)
-        if name in INPUT_PATH_FIELDS:
-            return input_path(value)
-        if name in FUNCTION_FIELDS:  # several joined by commas (--reward-fn a.py:f,b.py:g)
-            return ",".join(function_path(spec) for spec in value.split(","))
-        return value
-    return {name: resolve(name, value) for name, value in values.items()}
-
-
-def recorded_input_path(value: str, config_path: Path, field: str) -> str:
-    """An input path as a run's config.yaml (`config_path`) records it, for a command that reads
-    the record (`tether eval`'s default reference). tether writes these absolute (issue 23); a
-    relative one is a hand edit or an old run's, and means different things from different
-    directories (from the wrong one: another model, and a KL of 0.15 where it is 0). It is read
-    against the run directory (the config file's), where it means the same from anywhere; one
-    that names a file or directory only from the current directory, or a different one from
-    each, is refused, since which one was meant cannot be told. Neither: kept, a hub name."""
-    expanded = os.path.expanduser(value)
-    if os.path.isabs(expanded):
-        return expanded
-    beside_run = config_path.parent / expanded
-    from_here = Path(os.path.abspath(expanded))
-    fix = (f"write the absolute path of the model meant in {config_path}, or pass --reference "
-           "PATH")
-    if beside_run.exists():
-        if from_here.exists() and from_here.resolve() != beside_run.resolve():
-            raise TetherError(f"{config_path} records {field} {value!r}, a relative path that names "
-                              f"two different things: {beside_run} (from the run directory) and "
-                              f"{from_here} (from the current directory); {fix}")
-        return os.path.abspath(beside_run)
-    if from_here.exists():
-        raise TetherError(f"{config_path} records {field} {value!r}, a relative path (tether writes "
-                          f"absolute ones): it names {from_here} from the current directory but "
-                          "nothing from the run directory, so it depends on where the command "
-                          f"runs; {fix}")
-    return expanded
-
-
-def resolved_record(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
-    """A run's recorded config (`config_path`'s) with its paths resolved to compare with a
-    resumed one: a relative input path that names something from the run directory is that
-    (`recorded_input_path`'s reading), any other as `resolved_paths` reads it (an old run's,
-    relative to the directory it was made in, as then)."""
-    def from_run(name: str, value: Any) -> Any:
-        if name not in INPUT_PATH_FIELDS or not isinstance(value, str) or not value:
-            return value
-        beside_run = config_path.parent / os.path.expanduser(value)
-        relative = not os.path.isabs(os.path.expanduser(value))
-        return os.path.abspath(beside_run) if relative and beside_run.exists() else value
-    return resolved_paths({name: from_run(name, value) for name, value in values.items()})
-
-
-def resolve_paths(cfg: Any) -> Any:
-    """Resolve `cfg`'s path fields in place (`resolved_paths`); returns `cfg`."""
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for name, value in resolved_paths(values).items():
-        if value != values[name]:
-            setattr(cfg, name, value)
-    return cfg
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain JSON/YAML-safe values (tuples become lists), its paths resolved
+    (`resolved_paths`): what a run directory records means the same from any directory."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, Path):
+            return str(v)
+        return v
+    return resolved_paths({f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})

@@ -16,6 +16,8 @@ import textwrap
 import typing
 from typing import Any, Literal
 
+from tether.run.scopes import field_default
+
 SECTION = re.compile(r"^\s*# ---- ([^(]+?)\s*(\(.*\))?\s*$")
 WIDTH = 100
 
@@ -51,21 +53,21 @@ def field_sections(cls: type) -> dict[str, list[tuple[str, str]]]:
     optimisation), the shared ones (device, memory, run and logging) after them."""
     section_of: dict[str, str] = {}
     help_of: dict[str, str] = {}
+    # within a section, the fields of the most derived class first (a stage's own before those
+    # of the sections it inherits), each class's in its order: `declared`, the most derived
+    # class that declares each field (its rank in the MRO)
+    declared: dict[str, int] = {}
     classes = [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]
-    for klass in reversed(classes):
+    for rank, klass in reversed(list(enumerate(classes))):
         for name, section, doc in _class_fields(klass):
             section_of[name] = section or section_of.get(name, "options")
             help_of[name] = doc or help_of.get(name, "")
+            declared[name] = rank
     sections: dict[str, list[tuple[str, str]]] = {}
     for klass in classes:  # section order: the sections of the most derived class first
         for _, section, _ in _class_fields(klass):
             if section:
                 sections.setdefault(section, [])
-    # within a section, the fields of the most derived class first (a stage's own before those
-    # of the sections it inherits), each class's in its order
-    declared = {}
-    for rank, klass in reversed(list(enumerate(classes))):
-        declared |= {name: rank for name, _, _ in _class_fields(klass)}
     for field in sorted(dataclasses.fields(cls), key=lambda f: declared.get(f.name, 0)):
         sections.setdefault(section_of.get(field.name, "options"), []).append(
             (field.name, help_of.get(field.name, "")))
@@ -84,12 +86,8 @@ def _flag(name: str, tp: Any) -> str:
 def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
     """`required` for a field without a default (a default factory's value is a default, e.g.
     `[]`: such a field is never required); a required field shows no default."""
-    if f.default is not dataclasses.MISSING:
-        shown = f"default: {f.default!r}"
-    elif f.default_factory is not dataclasses.MISSING:
-        shown = f"default: {f.default_factory()!r}"
-    else:
-        shown = "required"
+    default = field_default(f)
+    shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
     if f.name == positional:
         shown += "; or give it as the first argument(s), before any flag"
     return shown

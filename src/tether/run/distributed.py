@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from tether.errors import TetherError
 
@@ -165,42 +166,33 @@ def on_device(device: torch.device) -> Dist:
     return replace(current(), device=device)
 
 
-# ----------------------------------------------------------------------------- data
-
-
 # ----------------------------------------------------------------------------- statistics
 
 def all_reduce_sum(t: torch.Tensor, d: Dist | None = None) -> torch.Tensor:
     """Sum of `t` over ranks (a new tensor; `t` itself is unchanged). No grad flows through."""
     d = d or current()
-    if not d.active:
-        return t.detach().clone()
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    if d.active:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
 
 def global_sum(x: float | int, d: Dist | None = None) -> float:
     """A Python number summed over ranks (token counts, row counts, loss parts)."""
-    d = d or current()
-    if not d.active:
-        return float(x)
     return float(all_reduce_sum(torch.tensor(float(x), dtype=torch.float64), d))
 
 
 def global_max(x: int, d: Dist | None = None) -> int:
     """A Python integer's maximum over ranks (the rollout width every rank pads to)."""
     d = d or current()
-    if not d.active:
-        return int(x)
     out = torch.tensor(int(x), dtype=torch.int64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    if d.active:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return int(out)
 
 
 def global_mean(total: float, count: float, d: Dist | None = None) -> float:
     """sum_r total_r / sum_r count_r: a mean over all ranks' rows, not a mean of rank means."""
-    d = d or current()
     both = all_reduce_sum(torch.tensor([float(total), float(count)], dtype=torch.float64), d)
     return float(both[0] / both[1].clamp(min=1.0))
 
@@ -255,7 +247,6 @@ def gather_objects(obj: Any, d: Dist | None = None) -> list[Any] | None:
 
 def all_agree(flag: bool, d: Dist | None = None) -> bool:
     """True on every rank iff `flag` is true on every rank (e.g. "my step was finite")."""
-    d = d or current()
     return global_sum(0.0 if flag else 1.0, d) == 0.0
 
 
@@ -307,10 +298,8 @@ def wrap(model: nn.Module, d: Dist) -> nn.Module:
         fully_shard(inner, mesh=mesh)
         _say_layout(inner, d, "FSDP2")
         return inner
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     ids = [d.device.index] if d.device.type == "cuda" else None
-    wrapped = DDP(inner, device_ids=ids)
+    wrapped = DistributedDataParallel(inner, device_ids=ids)
     _say_layout(inner, d, "DDP")
     return wrapped
 
@@ -348,9 +337,10 @@ def _say_layout(model: nn.Module, d: Dist, mode: str) -> None:
 
 
 def unwrap(wrapped: nn.Module) -> nn.Module:
-    """The user's model inside `wrap`'s result (for saving, LoRA adapters, config)."""
-    inner = wrapped.module if hasattr(wrapped, "module") and not isinstance(wrapped, Parallel) \
-        else wrapped
+    """The user's model inside `wrap`'s result, a DDP or `Parallel` wrapper (a plain module as it
+    is): for saving, LoRA adapters, config; its parameter names are the one-process names, the
+    same at every world size."""
+    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
     return inner.module if isinstance(inner, Parallel) else inner
 
 

@@ -257,10 +257,9 @@ def run_jobs(todo: list[Job], jobs: int, log_dir: Path, progress: Progress,
                             failures.get(job.name))
         return results, failures
     log_dir.mkdir(parents=True, exist_ok=True)
-    if workers is None:
-        with Workers(min(jobs, len(order))) as own:
-            return _run_in(own, order, log_dir, progress, keep_going, results, failures)
-    return _run_in(workers, order, log_dir, progress, keep_going, results, failures)
+    pool = Workers(min(jobs, len(order))) if workers is None else contextlib.nullcontext(workers)
+    with pool as running:  # workers started here are stopped here; the caller's stay its own
+        return _run_in(running, order, log_dir, progress, keep_going, results, failures)
 
 
 def _run_in(workers: Workers, order: list[Job], log_dir: Path, progress: Progress,

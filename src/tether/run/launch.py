@@ -73,12 +73,9 @@ def _stderr_kept_on_success():
         os.dup2(held.fileno(), 2)
         try:
             yield
-        except BaseException:
+        finally:  # (a raise goes on from here: what was held back is dropped)
             os.dup2(saved, 2)
             os.close(saved)
-            raise
-        os.dup2(saved, 2)
-        os.close(saved)
         held.seek(0)
         os.write(2, held.read())
 

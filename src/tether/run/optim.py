@@ -22,8 +22,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.run import distributed
-from tether.run.checkpoint import plain_model
-from tether.run.distributed import Dist
+from tether.run.distributed import Dist, unwrap
 
 
 class StepCounter:
@@ -46,12 +45,9 @@ def make_optimizer(models: nn.Module | Sequence[nn.Module], lr: float,
     """AdamW over the trainable parameters of `models` (each shared tensor once); decay on
     matrices only (biases and norms are not shrunk, as in GPT-2/nanoGPT)."""
     models = [models] if isinstance(models, nn.Module) else list(models)
-    params, seen = [], set()
-    for model in models:
-        for p in model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    # each shared tensor once, where it first appears (a dict keeps the first key's place)
+    unique = {id(p): p for model in models for p in model.parameters() if p.requires_grad}
+    params = list(unique.values())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
@@ -143,7 +139,7 @@ def clip_and_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
 def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
     """An offline stage's step: `clip_and_step` on the gradients of `model` (possibly wrapped),
     then one step of the learning-rate schedule. Returns the gradient norm before clipping."""
-    params = [p for p in plain_model(model).parameters() if p.grad is not None]
+    params = [p for p in unwrap(model).parameters() if p.grad is not None]
     grad_norm = clip_and_step(params, optimizer, max_grad_norm)
     scheduler.step()
     return grad_norm

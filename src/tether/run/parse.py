@@ -12,29 +12,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import io
 import math
 import textwrap
-import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import tyro
 import yaml
 
 from tether.errors import TetherError
 from tether.run import scopes, trl_names
-from tether.run.config import C, resolve_paths
-from tether.run.config_help import COMMA_LISTS
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+from tether.run.config import C
+from tether.run.config_help import COMMA_LISTS, help_text
+from tether.run.paths import resolve_paths
+from tether.run.scopes import field_default
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
-    """Check `value` against annotation `tp`; return it (ints widen to float). TetherError if not."""
+    """Check `value` against annotation `tp`; return it (ints widen to float). TetherError if not.
+    `tp` is a type a config field has: bool, int, float, str, a Literal, or a list of one of them
+    (tests/run/test_config.py holds every stage's fields to these)."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -42,45 +39,25 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             allowed = ", ".join(str(c) for c in choices)
             raise TetherError(f"config field '{name}' must be one of: {allowed} (got {value!r})")
         return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            with contextlib.suppress(TetherError):
-                return _coerce(name, arg, value)
-        raise TetherError(f"config field '{name}' must be {_type_name(tp)}, got {value!r}")
-    if origin in (list, tuple):
+    if origin is list:
         if not isinstance(value, (list, tuple)):
             raise TetherError(f"config field '{name}' must be a list, got {value!r}")
-        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
-        items = [_coerce(name, item_tp, v) for v in value]
-        return tuple(items) if origin is tuple else items
-    if tp is Any:
+        return [_coerce(name, typing.get_args(tp)[0], v) for v in value]
+    if tp not in _PLAIN:  # Any, or a type without a check of its own
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise TetherError(f"config field '{name}' must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TetherError(f"config field '{name}' must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TetherError(f"config field '{name}' must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise TetherError(f"config field '{name}' must be a string, got {value!r}")
-        return value
-    return value
+    if tp is float and isinstance(value, str):
+        value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+    accepted, said = _PLAIN[tp]
+    if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
+        raise TetherError(f"config field '{name}' must be {said}, got {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
+    return float(value) if tp is float else value
+
+
+# The plain types: what each accepts (ints widen to float; a bool is no number) and its name.
+_PLAIN = {bool: ((bool,), "true or false"), int: ((int,), "an integer"),
+          float: ((int, float), "a number"), str: ((str,), "a string")}
 
 
 def _float_spelling(text: str) -> float | str:
@@ -93,15 +70,11 @@ def _float_spelling(text: str) -> float | str:
     return value if math.isfinite(value) else text
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _check_dict(cls: type, d: dict[str, Any], source: str, prog: str | None = None) -> dict[str, Any]:
     """Reject unknown fields and wrongly typed values; return the coerced values."""
     if not isinstance(d, dict):
         raise TetherError(f"{source} must be a mapping of config fields, got {type(d).__name__}")
-    hints = _field_types(cls)
+    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     out = {}
     stage = getattr(cls, "STAGE", None)
@@ -122,8 +95,7 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
     """Build `cls` from a dict (e.g. a saved config), checking names, types and `validate()`."""
     values = _check_dict(cls, d, f"{cls.__name__} dict")
     missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in values]
+               if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
         raise TetherError(f"missing required config field '{missing[0]}'")
     cfg = resolve_paths(cls(**values))
@@ -137,8 +109,8 @@ def _validate(cfg: Any, named: set[str] | None = None) -> None:
     (`tether.run.scopes`). A dict (a sweep grid's run) skips them: a grid crosses its axes, so
     `kl_target` beside `kl_ctl: [fixed, adaptive]` is inert in half its runs by design; the grid
     checks its block as a whole (sweep_plan)."""
-    hints = _field_types(type(cfg))
-    for f in dataclasses.fields(cfg):  # flags were typed by tyro; re-check choices in one place
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):  # every field, its default too, checked in one place
         _coerce(f.name, hints[f.name], getattr(cfg, f.name))
     if hasattr(cfg, "validate"):
         cfg.validate()
@@ -180,19 +152,16 @@ def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[st
 # ----------------------------------------------------------------------------- command line
 
 def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
-    path, rest, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
+    path, rest, args = None, [], iter(argv)
+    for arg in args:
         if arg == "--config":
-            if i + 1 >= len(argv):
+            path = next(args, None)  # the next argument, whatever it looks like
+            if path is None:
                 raise TetherError("--config needs a path to a YAML file")
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
+        elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-        i += 1
     return path, rest
 
 
@@ -249,35 +218,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     return {} if data is None else data
 
 
-def _check_flags(cls: type, argv: list[str], prog: str | None = None) -> None:
-    """Catch unknown flags and values outside a field's choices ourselves, so the user gets one
-    line in the same words as for a YAML file, not a usage box."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    hints = _field_types(cls)
-    for i, arg in enumerate(argv):
-        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
-        if typing.get_origin(hints.get(name)) is not Literal:
-            continue
-        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
-        if value is not None:
-            _coerce(name, hints[name], value)
-    for i, arg in enumerate(argv):
-        if not arg.startswith("--") or arg in ("--help",):
-            continue
-        flag = arg[2:].split("=", 1)[0].replace("-", "_")
-        base = flag[3:] if flag.startswith("no_") else flag
-        if flag not in names and base not in names:
-            value = arg.split("=", 1)[1] if "=" in arg else (
-                argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
-            raise TetherError(unknown_flag(cls, arg.split("=", 1)[0], value, prog))
-
-
-def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: str) -> None:
+def _check_required(cls: type, values: dict[str, Any], prog: str) -> None:
     """Name every required field that neither the YAML file nor a flag gives, on one line."""
-    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in values and f.name not in given]
+               if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
         raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "
@@ -287,28 +231,83 @@ def _check_required(cls: type, values: dict[str, Any], argv: list[str], prog: st
 def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
     yaml_path, rest = _split_config_flag(list(argv))
-    rest = _split_number_lists(cls, _positional_flag(cls, rest))
+    rest = _positional_flag(cls, rest)
     if "-h" in rest or "--help" in rest:
-        from tether.run.config_help import help_text
-
         print(help_text(cls, prog or cls.__name__, _description(cls)))
         raise SystemExit(0)
-    _check_flags(cls, rest, prog)
+    flags = _read_flags(cls, rest, prog)
     raw = load_yaml(yaml_path) if yaml_path else {}
     values = _check_dict(cls, raw, yaml_path, prog) if yaml_path else {}
-    _check_required(cls, values, rest, prog or cls.__name__)
-    default = cls(**{f.name: values.get(f.name, _default_of(f)) for f in dataclasses.fields(cls)})
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            cfg = tyro.cli(cls, args=rest, default=default, prog=prog, description=_description(cls))
-    except SystemExit as exc:
-        if exc.code in (0, None):
-            raise
-        raise TetherError(_tyro_message(stderr.getvalue())) from None
-    resolve_paths(cfg)
-    _validate(cfg, _named(cls, rest) | (set() if _recorded(cls, raw) else set(values)))
+    _check_required(cls, values | flags, prog or cls.__name__)
+    cfg = resolve_paths(cls(**(values | flags)))
+    _validate(cfg, set(flags) | (set() if _recorded(cls, raw) else set(values)))
     return cfg
+
+
+def _read_flags(cls: type, argv: list[str], prog: str | None) -> dict[str, Any]:
+    """The fields the flags give, typed (`_coerce`): `--name value` or `--name=value`; a list's
+    values after one flag (`--stop-strings A B`, none: the empty list; a list of numbers in
+    `COMMA_LISTS` may join them with commas, `--reward-weights 1,0.5`); a bool's `--name` and
+    `--no-name`. The last of a repeated flag wins. An unknown flag is `unknown_flag`'s one line,
+    in the same words as for a YAML key."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        flag, eq, attached = argv[i].partition("=")
+        name = flag[2:].replace("-", "_")
+        negated = name not in fields and name[3:] in fields and name.startswith("no_")
+        if not flag.startswith("--"):  # a value no flag takes, or a short flag
+            raise TetherError(f"unexpected argument {argv[i]!r}: a value goes after its flag "
+                              "(see --help)")
+        if name not in fields and not (negated and hints[name[3:]] is bool):
+            value = attached if eq else (
+                argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
+            raise TetherError(unknown_flag(cls, flag, value, prog))
+        i += 1
+        field = name[3:] if negated else name
+        if hints[field] is bool:
+            if eq:
+                on = "--" + field.replace("_", "-")
+                raise TetherError(f"{flag} takes no value (got {argv[i - 1]!r}): {on} sets it, "
+                                  f"--no-{on[2:]} clears it")
+            out[field] = not negated
+            continue
+        many = typing.get_origin(hints[name]) is list
+        texts = [attached] if eq else []
+        while i < len(argv) and (many or not texts) and _is_value(argv[i]):
+            texts.append(argv[i])
+            i += 1
+        if not texts and not many:
+            raise TetherError(f"{flag} needs a value (see --help)")
+        if many:
+            item = typing.get_args(hints[name])[0]
+            if name in COMMA_LISTS and item is not str:  # --reward-weights 1,0.5
+                texts = [part for text in texts for part in text.split(",") if part]
+            out[name] = _coerce(name, hints[name], [_typed(item, text) for text in texts])
+        else:
+            out[name] = _coerce(name, hints[name], _typed(hints[name], texts[0]))
+    return out
+
+
+def _is_value(token: str) -> bool:
+    """Whether a token after a flag is a value, not the next flag: anything that does not start
+    with `-`, and, of those that do, `-` alone and numbers (`-1`, `-.5`, `-1e9`, `-inf`, `-nan`);
+    any other `-x` is taken for a mistyped flag, not swallowed as a value."""
+    key = token.partition("=")[0]
+    if not key.startswith("-"):
+        return True
+    return not key.startswith("--") and (not key[1:2].isalpha()
+                                         or key[1:].lower() in ("inf", "infinity", "nan"))
+
+
+def _typed(tp: Any, text: str) -> Any:
+    """A flag's text as a value of `tp`, as Python reads one (`int('1_000')`, `float('1e-4')`);
+    text that does not read as one stays text, for `_coerce` to refuse by the field's name."""
+    with contextlib.suppress(ValueError):
+        return int(text) if tp is int else float(text) if tp is float else text
+    return text
 
 
 def _recorded(cls: type, raw: dict[str, Any]) -> bool:
@@ -316,35 +315,6 @@ def _recorded(cls: type, raw: dict[str, Any]) -> bool:
     one whose `stage:` line was deleted to start another stage from it). It names every field,
     chosen or not, so only its changed values count as given; a hand-written file's keys all do."""
     return "stage" in raw or {f.name for f in dataclasses.fields(cls)} <= set(raw)
-
-
-def _named(cls: type, argv: list[str]) -> set[str]:
-    """The fields named on the command line (`--no-x` names `x`)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    flags = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
-    return {flag if flag in names else flag.removeprefix("no_") for flag in flags} & names
-
-
-def _split_number_lists(cls: type, argv: list[str]) -> list[str]:
-    """`--reward-weights 1,0.5` as `--reward-weights 1 0.5`: a list of numbers that may join its
-    values with commas (`COMMA_LISTS`) is split here, since the parser reads each value as one
-    number (a list of strings, `--tools`, is split by its own loader)."""
-    hints = _field_types(cls)
-    numbers = {name for name in COMMA_LISTS if name in hints
-               and typing.get_args(hints[name]) and typing.get_args(hints[name])[0] is not str}
-    out, splitting = [], False
-    for arg in argv:
-        if arg.startswith("--"):
-            flag, eq, value = arg.partition("=")
-            splitting = flag[2:].replace("-", "_") in numbers
-            if splitting and eq:
-                out += [flag, *[v for v in value.split(",") if v]]
-                splitting = False
-                continue
-            out.append(arg)
-        else:
-            out += [v for v in arg.split(",") if v] if splitting else [arg]
-    return out
 
 
 def _positional_flag(cls: type, argv: list[str]) -> list[str]:
@@ -366,22 +336,3 @@ def _description(cls: type) -> str:
               "underscores); flags given here override it.")
     return "\n".join(textwrap.wrap(" ".join(paragraph.split()), 100)) + "\n\n" + "\n".join(
         textwrap.wrap(config, 100, subsequent_indent=" " * 20))
-
-
-def _default_of(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return tyro.MISSING  # tyro then requires the flag
-
-
-def _tyro_message(text: str) -> str:
-    """Boil tyro's framed usage error down to its informative lines."""
-    keep = []
-    for line in text.splitlines():
-        line = line.strip(" │╭╮╰╯─|")  # noqa: B005 - a set of frame characters, on purpose
-        if line and not line.startswith(("usage:", "For full helptext", "─")):
-            keep.append(line)
-    msg = " ".join(keep) or "invalid command-line arguments"
-    return f"{msg} (see --help)"

@@ -28,7 +28,6 @@ process stops before it loads a model. Under torchrun rank 0 takes it, once for 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -45,7 +44,8 @@ from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
 from tether.run.atomic import atomic_write_bytes, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
-from tether.run.config import config_to_dict, resolved_record
+from tether.run.config import config_to_dict
+from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
 from tether.run.trackers import parse_report_to, start_trackers
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
@@ -59,18 +59,6 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-# Config fields whose change on --resume does not change what is trained (with
-# --resume-allow-changes); any other difference makes the resumed run a different run.
-HARMLESS_ON_RESUME = ("log_every", "save_every", "eval_every", "sample_every", "device",
-                      "threads", "report_to", "fsdp", "reward_fn_timeout", "reward_url",
-                      "reward_url_timeout", "reward_workers", "reward_retries")
-# reward_url: the same model at another address; reward_workers, reward_retries: the same
-# scores (a failure they turn into a redraw stopped the run without them)
-NOT_COMPARED = ("resume", "resume_allow_changes", "stage")  # the stage: `_check_stage`
-# Defaults tether has changed: a run that recorded the former one, resumed with today's, is no
-# change (report_to was tensorboard until TensorBoard became an extra; auto still takes it where
-# it is installed).
-FORMER_DEFAULTS = {"report_to": "tensorboard"}
 IN_USE_FIX = "wait for it to finish or choose another --run-name"
 
 
@@ -126,10 +114,8 @@ class RunDir:
         """
         new = recorded(cfg)
         self._config = self.checkpoint_config = new
-        allow = bool(new.get("resume_allow_changes"))
-        changes = None  # every rank refuses a resumed config that differs, before the lock is taken
-        if self.resume:
-            changes = self._check_resumed(new, field_defaults(cfg), allow)
+        # every rank refuses a resumed config that differs, before the lock is taken
+        changes = self._check_resumed(cfg) if self.resume else None
         self._claim()
         if not self.writes:  # the other ranks write nothing
             return self.config_path
@@ -137,7 +123,7 @@ class RunDir:
             for leftover in remove_temp_dirs(directory):
                 print(f"removed {leftover}, left by an interrupted write", file=sys.stderr)
         if self.resume and changes is None:  # written by another run since the check above
-            changes = self._check_resumed(new, field_defaults(cfg), allow)
+            changes = self._check_resumed(cfg)
         if changes is not None:
             if changes:
                 with open(self.path / "resumes.jsonl", "a", encoding="utf-8") as f:
@@ -154,71 +140,28 @@ class RunDir:
         """With --resume, refuse a config that differs from the run's now, before anything
         loads or starts (`save_config` checks again once the directory is claimed)."""
         if self.resume:
-            self._check_resumed(recorded(cfg), field_defaults(cfg),
-                                bool(getattr(cfg, "resume_allow_changes", False)))
+            self._check_resumed(cfg)
 
-    def _saved_config(self) -> tuple[dict[str, Any], str] | None:
-        """What the run recorded it was started with, and where: its config.yaml, else (deleted)
-        the config its newest checkpoint carries; None when it has neither (nothing ran yet)."""
-        if self.config_path.exists():
-            try:
-                old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
-                if not isinstance(old, dict):
-                    raise ValueError("not a mapping")
-            except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
-                raise TetherError(f"{self.config_path} cannot be read; the run cannot be resumed "
-                                  "safely: start a new run") from None
-            return old, str(self.config_path)
-        record = recorded_config(self.checkpoint_dir)
-        if record is None:
-            return None
-        if not record:
-            raise TetherError(f"{self.config_path} is missing and the checkpoints in "
-                              f"{self.checkpoint_dir} record no config (made before tether kept "
-                              "one there), so this resume cannot be checked against the run's "
-                              "settings; put config.yaml back, or start a new run under another "
-                              "--run-name")
-        return record, f"the config recorded in {self.checkpoint_dir} (config.yaml is missing)"
-
-    def _check_resumed(self, new: dict[str, Any], defaults: dict[str, Any],
-                       allow_harmless: bool) -> dict[str, Any] | None:
+    def _check_resumed(self, cfg: Any) -> dict[str, Any] | None:
         """The stage and config checks of a resume against what the run recorded (config.yaml;
         without it, its newest checkpoint's record; with both, the checkpoint's too, so an edited
         config.yaml cannot hide a change). None: nothing recorded yet, the resume starts fresh.
         Sets `checkpoint_config`, what the next checkpoints carry (the run's config, as saved)."""
-        saved = self._saved_config()
+        saved = saved_config(self.config_path, self.checkpoint_dir)
         if saved is None:
             return None
         old, source = saved
-        self._check_stage(old, new, source)
-        changes = self._check_resumed_config(new, defaults, allow_harmless, old, source)
+        new, defaults = recorded(cfg), field_defaults(cfg)
+        check_stage(self.path, old, new, source)
+        changes = check_resumed_config(new, defaults, bool(new.get("resume_allow_changes")), old,
+                                       source, self.config_path)
         if self.config_path.exists() and (record := recorded_config(self.checkpoint_dir)):
             where = f"the config recorded in {self.checkpoint_dir}"
-            self._check_stage(record, new, where)
-            self._check_resumed_config(new, defaults, True, record, where)  # results only
+            check_stage(self.path, record, new, where)
+            # results only
+            check_resumed_config(new, defaults, True, record, where, self.config_path)
         self.checkpoint_config = {"stage": new["stage"]} | old if "stage" in new else old
         return changes
-
-    def _check_stage(self, old: dict[str, Any], new: dict[str, Any], source: str) -> None:
-        """Refuse to go on with another stage's run (its weights, optimizer state, config).
-        A run from before the stage was recorded is told by its fields: each stage has fields
-        the others lack (ppo, rloo and grpo share theirs; their values are compared)."""
-        stage = new.get("stage")
-        if stage is None:
-            return
-        if "stage" in old:
-            if old["stage"] != stage:
-                raise TetherError(f"{self.path} is a tether {old['stage']} run ({source}); "
-                                  f"tether {stage} --resume would go on from its weights as "
-                                  f"{stage}: resume it with tether {old['stage']}, or choose "
-                                  "another --run-name")
-            return
-        foreign = sorted(k for k in old if k not in new)
-        if foreign:
-            raise TetherError(f"{self.path} was made by another stage than tether {stage} (its "
-                              f"config has {', '.join(foreign[:4])}, which {stage} has not; "
-                              f"{source}): resume it with the command that made it, or choose "
-                              "another --run-name")
 
     def _claim(self) -> None:
         """Rank 0 creates the directory and takes its lock, then checks again what `__init__`
@@ -243,34 +186,6 @@ class RunDir:
         if refusal is not None:
             kind, message = refusal
             raise (AlreadyFinished if kind == "finished" else TetherError)(message)
-
-    def _check_resumed_config(self, new: dict[str, Any], defaults: dict[str, Any],
-                              allow_harmless: bool, old: dict[str, Any], source: str
-                              ) -> dict[str, Any]:
-        """Refuse a resumed config that differs from the saved one, `old` (read from `source`);
-        returns the accepted harmless changes (for `resumes.jsonl`), {} when there are none."""
-        # a relative path (an old run's, or a hand edit) is read as `tether eval` reads it,
-        # against the run directory; else against here, as an old run was made
-        old = resolved_record(old, self.config_path)
-        changed = {k: (old.get(k), v) for k, v in new.items()
-                   if k not in NOT_COMPARED and k in old and old[k] != v
-                   and not (k in FORMER_DEFAULTS and old[k] == FORMER_DEFAULTS[k]
-                            and v == defaults.get(k))}
-        # A field tether gained after the run started is no change while it keeps its default.
-        changed |= {k: (None, v) for k, v in new.items()
-                    if k not in old and k not in NOT_COMPARED and defaults.get(k, object()) != v}
-        harmful = {k: d for k, d in changed.items() if k not in HARMLESS_ON_RESUME}
-        if harmful:
-            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(harmful.items()))
-            raise TetherError(f"--resume with a different config would mix two runs ({diff}); "
-                              f"resume with the settings in {source}, or start a new run under "
-                              "another --run-name")
-        if changed and not allow_harmless:
-            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-            raise TetherError(f"--resume with changed settings ({diff}); pass "
-                              "--resume-allow-changes to accept them (they do not change what is "
-                              "trained)")
-        return {k: {"saved": a, "now": b} for k, (a, b) in changed.items()}
 
     @contextlib.contextmanager
     def writing_final(self) -> Iterator[None]:
@@ -312,17 +227,10 @@ class RunDir:
         if not self.writes:
             return
         for path in (self.metrics_path, self.samples_path):
-            if not path.exists():
-                continue
-            keep = []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a partial line: the step it belonged to runs again
-                if record.get("step", 0) <= after_step:
-                    keep.append(line)
-            atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
+            if path.exists():  # a partial line goes: the step it belonged to runs again
+                keep = [line for line, record in _json_lines(path)
+                        if record.get("step", 0) <= after_step]
+                atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def _sinks(self) -> list:
         """The trackers of `--report-to` (by default TensorBoard when installed), started at first
@@ -360,13 +268,7 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []
-        records = []
-        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # empty, or cut off by a kill
-        return records
+        return [record for _, record in _json_lines(self.metrics_path)]
 
     def close(self) -> None:
         """Close the trackers and free the directory for the next process (`release`)."""
@@ -386,6 +288,16 @@ def _writer_process() -> bool:
     """Whether this process will write the run directory, known before torchrun's group is
     joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
     return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
+
+
+def _json_lines(path: Path) -> list[tuple[str, Any]]:
+    """(line, its JSON) for each line of a JSONL file that parses: an empty line, or one cut off
+    by a kill, is left out."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append((line, json.loads(line)))
+    return out
 
 
 def run_finished(path: str | Path) -> bool:
@@ -411,17 +323,6 @@ def recorded(cfg: Any) -> dict[str, Any]:
     that runs it; none for a config without one) first, then every field."""
     stage = getattr(type(cfg), "STAGE", None)
     return ({"stage": stage} if stage else {}) | config_to_dict(cfg)
-
-
-def field_defaults(cfg: Any) -> dict[str, Any]:
-    """Each field's default (a default factory's value too); fields without one are left out."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
 
 
 def announce(line: str) -> None:

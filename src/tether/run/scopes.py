@@ -67,16 +67,16 @@ def scopes_of(cls: type) -> dict[str, Scope]:
     return out
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """A config field's default (a default factory's value, made anew), or dataclasses.MISSING
+    for a required field."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
 def given(cfg: Any, named: Iterable[str] = ()) -> set[str]:
     """The fields the user gave (module docstring): `named` (flags, a hand-written --config
     file's keys) and every field whose value differs from its default."""
-    changed = set()
-    for f in dataclasses.fields(cfg):
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else dataclasses.MISSING)
-        if getattr(cfg, f.name) != default:
-            changed.add(f.name)
+    changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != field_default(f)}
     return changed | set(named)
 
 

@@ -16,6 +16,7 @@ padding a short one with a borrowed row marked not real.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -55,14 +56,15 @@ def micro_batches(rows: list[int], n: int) -> list[list[int]]:
     may be shorter and then splits into sizes that differ by at most one row. Callers weight each
     micro-batch by its share of the batch's rows or tokens, so uneven sizes are still exact.
     """
+    return [part for part in _even_parts(rows, n) if part]
+
+
+def _even_parts(rows: list[int], n: int) -> list[list[int]]:
+    """`rows` cut into `n` consecutive parts whose sizes differ by at most one, the longer ones
+    first; a part is empty when there are fewer rows than parts."""
     size, extra = divmod(len(rows), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + size + (1 if i < extra else 0)
-        if end > start:
-            out.append(rows[start:end])
-        start = end
-    return out
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [rows[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 def rank_micro_batches(indices: list[int], n_micro: int, d: Dist
@@ -78,13 +80,7 @@ def rank_micro_batches(indices: list[int], n_micro: int, d: Dist
     mine = shard(indices, d)
     if not d.active:
         return [(rows, True) for rows in micro_batches(mine, n_micro)]
-    size, extra = divmod(len(mine), n_micro)
-    out, start = [], 0
-    for i in range(n_micro):
-        end = start + size + (1 if i < extra else 0)
-        out.append((mine[start:end], True) if end > start else ([indices[0]], False))
-        start = end
-    return out
+    return [(rows, True) if rows else ([indices[0]], False) for rows in _even_parts(mine, n_micro)]
 
 
 def rank_chunks(n: int, chunk_size: int, d: Dist) -> list[tuple[list[int], bool]]:

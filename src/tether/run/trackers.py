@@ -74,17 +74,15 @@ class TensorBoard:
         self.writer.close()
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
-
-
 class WandB:
     def __init__(self, run_path: Path, run_name: str, config: dict[str, Any]):
         import wandb
 
-        # One wandb run per tether run: the id is stable, so a resumed run continues it.
+        # One wandb run per tether run: the id is stable (the run name and a digest of its
+        # path), so a resumed run continues it.
+        digest = hashlib.sha256(str(run_path.resolve()).encode()).hexdigest()[:8]
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tether"), name=run_name,
-                              id=f"{run_name}-{_digest(run_path)}",
+                              id=f"{run_name}-{digest}",
                               dir=str(run_path), config=config, resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

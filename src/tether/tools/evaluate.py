@@ -46,10 +46,11 @@ from tether.rl.evaluation import (
 )
 from tether.rl.reward import wiring
 from tether.rl.sources import longest_prompt, make_source
-from tether.run.checkpoint import atomic_write_bytes
-from tether.run.config import config_to_dict, recorded_input_path
+from tether.run.atomic import atomic_write_bytes
+from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
+from tether.run.paths import recorded_input_path
 from tether.run.threads import use_threads
 from tether.tools.config import EvalConfig, SamplingConfig
 from tether.tools.outputs import check_output, function_file

@@ -24,7 +24,7 @@ from tether.rl.env.load import load_environment
 from tether.rl.evaluation import EVAL_SEED_OFFSET, eval_inputs
 from tether.rl.rollout import apply_stop_strings, decode_responses, left_pad
 from tether.rl.sources import load_tools
-from tether.run.checkpoint import atomic_write_bytes
+from tether.run.atomic import atomic_write_bytes
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
 from tether.run.threads import use_threads

@@ -32,7 +32,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tether.errors import TetherError  # noqa: E402
-from tether.run.checkpoint import atomic_write_bytes  # noqa: E402
+from tether.run.atomic import atomic_write_bytes  # noqa: E402
 from tether.tools.outputs import check_output  # noqa: E402
 
 # Logged every step but about the machine, not the training: left out of the curves.

@@ -16,7 +16,7 @@ from tether.models.lora import LoraSpec
 from tether.models.pretrained import TrainableLM, load_trainable_lm
 from tether.models.saving import save_trained_lm
 from tether.run import distributed, interrupt
-from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
+from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.run.config import RunConfig
 from tether.run.optim import make_lr_schedule, make_optimizer
 from tether.run.rundir import RunDir
@@ -56,7 +56,7 @@ def start_training(run: RunDir, cfg: TrainConfig, model: nn.Module, n_rows: int)
     Returns (total_steps, optimizer, scheduler, state); `state["step"]` is where the loop resumes.
     """
     total_steps = count_steps(n_rows, cfg)
-    optimizer = make_optimizer(plain_model(model), cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer(distributed.unwrap(model), cfg.lr, cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
     state = resume_or_start(run, cfg, {"model": model}, optimizer, scheduler)
     return total_steps, optimizer, scheduler, state
