@@ -229,3 +229,28 @@ def test_cli_prints_one_line_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert err == ("error: --num-generations is TRL's name; tether's is --samples-per-prompt "
                    "(docs/from_trl.md)\n")
+
+
+def test_every_unknown_name_of_a_command_line_is_answered_at_once(capsys):
+    # A command copied from TRL holds several of its names: one line answers them all, each with
+    # the hint it gets alone, in the order given (issue 47: five round trips before).
+    argv = ["--policy", "p", "--num-generations", "8", "--learning_rate", "1e-6",
+            "--max-completion-length", "64", "--use-vllm", "--prompts", "q", "--polcy", "x"]
+    alone = [refusal("grpo", [flag, *value]).removesuffix(" (docs/from_trl.md)")
+             for flag, *value in (["--num-generations", "8"], ["--learning_rate", "1e-6"],
+                                  ["--max-completion-length", "64"], ["--use-vllm"],
+                                  ["--polcy", "x"])]
+    assert main(["grpo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: 5 names tether does not know: " + " | ".join(alone)
+                   + " (docs/from_trl.md)\n")
+
+
+def test_every_unknown_key_of_a_config_file_is_answered_at_once(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_generations: 8\npolicy: p\nmax_completion_length: 64\nbetta: 1\n")
+    message = refusal("grpo", ["--config", str(path)])
+    assert message.startswith("3 names tether does not know: config field 'num_generations' in ")
+    assert ("tether's is max_new_tokens | unknown config field 'betta' in "
+            f"{path}; did you mean 'beta'? (docs/from_trl.md)") in message
+    assert "\n" not in message

@@ -85,8 +85,9 @@ def _check_dict(cls: type, d: dict[str, Any], source: str, prog: str | None = No
                                   f"{value}), not {stage}; pass it to tether {value}, or delete its "
                                   f"'stage:' line to start a {stage} run from its settings")
             continue
-        if key not in names:
-            raise TetherError(unknown_key(cls, key, value, source, prog))
+        if key not in names:  # every unknown key of the file at once, not one per try
+            raise TetherError(joined([unknown_key(cls, k, v, source, prog) for k, v in d.items()
+                                      if k not in names and not (k == "stage" and stage)]))
         out[key] = _coerce(key, hints[key], value)
     return out
 
@@ -130,6 +131,31 @@ def unknown_key(cls: type, key: str, value: Any, source: str, prog: str | None =
     """The one line for a YAML key `cls` has no field for; `source` says where the key stands."""
     shown = (f"config field '{key}' in {source}", f"config field '{key}: {value}' in {source}")
     return _unknown(cls, str(key), value, prog, shown=shown, as_key=True)
+
+
+def joined(lines: list[str]) -> str:
+    """Several unknown names as one line, each with its own hint (a command line copied from TRL
+    holds several of its names: one round trip for all of them), the docs cited once."""
+    lines = list(dict.fromkeys(lines))
+    if len(lines) == 1:
+        return lines[0]
+    cite = f" ({trl_names.DOC})"
+    cited = any(line.endswith(cite) for line in lines)
+    return (f"{len(lines)} names tether does not know: "
+            + " | ".join(line.removesuffix(cite) for line in lines) + (cite if cited else ""))
+
+
+def _unknown_flags(argv: list[str], fields: set[str], hints: dict) -> list[tuple[str, Any]]:
+    """Every flag of `argv` that names no field, as typed, with the value after it (or None)."""
+    found = []
+    for i, token in enumerate(argv):
+        flag, eq, attached = token.partition("=")
+        name = flag[2:].replace("-", "_")
+        negated = name.startswith("no_") and hints.get(name[3:]) is bool
+        if flag.startswith("--") and name not in fields and not negated:
+            after = argv[i + 1] if i + 1 < len(argv) else "--"
+            found.append((flag, attached if eq else (None if after.startswith("--") else after)))
+    return found
 
 
 def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[str, str],
@@ -262,9 +288,8 @@ def _read_flags(cls: type, argv: list[str], prog: str | None) -> dict[str, Any]:
             raise TetherError(f"unexpected argument {argv[i]!r}: a value goes after its flag "
                               "(see --help)")
         if name not in fields and not (negated and hints[name[3:]] is bool):
-            value = attached if eq else (
-                argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
-            raise TetherError(unknown_flag(cls, flag, value, prog))
+            raise TetherError(joined([unknown_flag(cls, *unknown, prog)
+                                      for unknown in _unknown_flags(argv, fields, hints)]))
         i += 1
         field = name[3:] if negated else name
         if hints[field] is bool:
