@@ -254,3 +254,14 @@ def test_every_unknown_key_of_a_config_file_is_answered_at_once(tmp_path):
     assert ("tether's is max_new_tokens | unknown config field 'betta' in "
             f"{path}; did you mean 'beta'? (docs/from_trl.md)") in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("row", [r for r in trl_names.ROWS if not r.tether],
+                         ids=lambda r: f"{r.trl}-{r.value}")
+def test_no_row_says_tether_lacks_an_option_it_has(row):
+    # The table fell behind once: TRL's packing was answered "no such option" after --pack
+    # landed. A row that names no option must not be a name tether's configs use (or use
+    # with an -ing or a plural).
+    every = set().union(*(fields(stage) for stage in ONLINE + OFFLINE))
+    near = [f for f in every if row.trl in (f, f + "ing", f + "s", f + "es")]
+    assert not near, f"{row.trl} is answered 'no such option', but tether has --{near[0]}"

@@ -107,9 +107,8 @@ ROWS: tuple[Row, ...] = (
       for name in ("delta", "normalize_advantages", "top_entropy_quantile")),
     Row("reward_clip_range", None, "--reward-clip", "symmetric, [-c, c], after --score-norm"),
     Row("reward_funcs", None, "--reward-fn FILE.py:FUNCTION | --reward-model MODEL",
-        "one reward: combine several in your function"),
-    Row("reward_weights", None, "",
-        "it takes one reward (--reward-fn or --reward-model): weigh them inside your --reward-fn"),
+        "several functions as --reward-fn a.py:f,b.py:g, summed with --reward-weights"),
+    Row("reward_weights", None, "--reward-weights", "one weight per --reward-fn function"),
     Row("reward_processing_classes", None, "--reward-model",
         "it scores with the model's own tokenizer and chat template"),
     *(Row(name, None, "", "it samples plain softmax(z / T), so the log-probs it scores are the "
@@ -130,8 +129,8 @@ ROWS: tuple[Row, ...] = (
     Row("assistant_only_loss", None, "",
         "{messages} rows train the assistant turns only (--loss-on all or --loss-on last)"),
     Row("truncation_mode", None, "", _ONE_PASS, OFFLINE),
-    *(Row(name, None, "", "each row is one padded sequence")
-      for name in ("packing", "padding_free")),
+    *(Row(name, None, "--pack", "each forward on packed rows, attention and positions kept "
+          "within each row (docs/scaling.md)") for name in ("packing", "padding_free")),
     *(Row(name, None, "", "it ends responses with the tokenizer's EOS and adds a pad token "
           "that is never an EOS id (docs/loading.md)") for name in ("eos_token", "pad_token")),
     Row("chat_template_path", None, "", "it uses the tokenizer's own chat template: save yours "
