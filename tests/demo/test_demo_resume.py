@@ -38,6 +38,24 @@ def test_a_demo_there_is_refused_without_resume_and_with_other_settings(tmp_path
     assert (root / "report.html").read_text() == "a finished demo"
 
 
+def test_a_finished_demo_resumed_with_other_settings_is_refused_as_an_unfinished_one(tmp_path,
+                                                                                      capsys):
+    root = tmp_path / "demo"
+    record_settings(root, DemoConfig(quick=True, ppo_batches=4, sweep_batches=2))
+    (root / "report.html").write_text("a finished demo")
+    for options, named in ((["--seed", "5", *SMALL], "seed: 0 -> 5"),
+                           (["--ppo-batches", "4", "--sweep-batches", "2"], "quick: True -> False")):
+        assert main(["demo", "--resume", *options, "--output-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --resume with other settings than the demo in {root} was "
+                              f"started with ({named}); give the same options") and "\n" not in err
+    assert (root / "report.html").read_text() == "a finished demo"  # nothing rewritten
+    # a finished demo made before settings were recorded: nothing to run, as before
+    (root / "demo.yaml").unlink()
+    assert main(["demo", "--resume", "--output-dir", str(tmp_path)]) == 0
+    assert "already holds a finished demo" in capsys.readouterr().err
+
+
 def test_a_demo_made_before_settings_were_recorded_is_not_resumed(tmp_path, capsys):
     (tmp_path / "demo" / "sft").mkdir(parents=True)
     assert main(["demo", "--resume", "--output-dir", str(tmp_path)]) == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,29 @@ def test_a_base_moved_on_its_own_is_found_with_base_or_set_base(family, stash, t
     tether = load_causal_lm("runs/lora/final", load_tokenizer("runs/lora/final"))
     torch.testing.assert_close(_logits(plain.eval()), _logits(tether.eval()), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_an_adapter_given_as_the_base_is_refused_before_anything_loads(stash, tmp_path,
+                                                                      monkeypatch, capsys):
+    """An adapter directory passed where its base belongs: transformers would load the base that
+    adapter names instead, here a relative name that finds nothing from this directory, so a hub
+    name (before: 26 s of the hub's retries online, then "the weight files are damaged")."""
+    project = _project(stash, "llama", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    adapter = project / "runs" / "lora" / "final"
+
+    def nothing_loads(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", nothing_loads)
+    line = re.escape(f"--base {adapter} is a LoRA adapter directory (it has adapter_config.json), "
+                     f"not a base model; point --base at the base model the adapter {adapter} "
+                     "was trained on (its adapter_config.json names llama)")
+    prompts = project / "prompts.jsonl"
+    for argv in (["set-base", str(adapter), "--base", str(adapter)],
+                 _generate(adapter, prompts, tmp_path / "g.jsonl", "--base", str(adapter)),
+                 ["eval", "--model", str(adapter), "--prompts", str(prompts), "--base",
+                  str(adapter), *SAMPLING]):
+        refused(project, argv, line, capsys)
 
 
 def _jitter(model_dir):

@@ -38,9 +38,10 @@ NOT_COMPARED = ("output_dir", "run_name", "resume", "jobs")
 def check_root(root: Path, cfg: DemoConfig) -> bool:
     """Whether `root` holds a demo to resume (False: start one), or a one-line refusal.
 
-    Without --resume a root that holds a demo is refused, as it always was; with it, a finished
-    demo is `AlreadyFinished` (nothing to do), one started with other settings is refused, and a
-    root with no demo starts fresh, as a stage's --resume does in an empty run directory.
+    Without --resume a root that holds a demo is refused, as it always was; with it, one started
+    with other settings is refused (finished or not), a finished demo is `AlreadyFinished`
+    (nothing to do), and a root with no demo starts fresh, as a stage's --resume does in an empty
+    run directory.
     """
     holds = any((root / name).exists() for name in (SETTINGS, "report.html", "sft"))
     if not holds:
@@ -50,17 +51,21 @@ def check_root(root: Path, cfg: DemoConfig) -> bool:
     if not cfg.resume:
         raise TetherError(f"{root} already holds a demo; pass --resume to continue it (same "
                           "settings), --run-name NEW to keep it, or delete it to run again")
-    if (root / "report.html").exists():
-        raise AlreadyFinished(f"{root} already holds a finished demo ({root / 'report.html'}); "
-                              "nothing was run or rewritten")
+    finished = (root / "report.html").exists()
+    # (a finished demo is checked too: its report is of the settings it was started with, so a
+    # --resume with others would answer exit 0 and a report of settings not asked for)
     if not (root / SETTINGS).is_file():
-        raise TetherError(f"{root} holds a demo that recorded no settings ({SETTINGS}: made by an "
-                          "older tether), so --resume cannot check them; delete it to run again")
-    differences = changed_settings(root / SETTINGS, cfg)
-    if differences:
+        if not finished:  # (one finished by an older tether has nothing left to run: kept)
+            raise TetherError(f"{root} holds a demo that recorded no settings ({SETTINGS}: made "
+                              "by an older tether), so --resume cannot check them; delete it to "
+                              "run again")
+    elif differences := changed_settings(root / SETTINGS, cfg):
         raise TetherError(f"--resume with other settings than the demo in {root} was started "
                           f"with ({'; '.join(differences)}); give the same options, or start a "
                           "new demo under another --run-name")
+    if finished:
+        raise AlreadyFinished(f"{root} already holds a finished demo ({root / 'report.html'}); "
+                              "nothing was run or rewritten")
     return True
 
 

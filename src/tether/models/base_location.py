@@ -139,6 +139,7 @@ def resolve_base(adapter_dir: str | Path, base: str = "") -> str:
     """The base to load under the adapter at `adapter_dir` (the rules of the module docstring):
     an absolute path for a local base, a hub name otherwise. `base`: an explicit one (rule 1)."""
     if base:
+        check_base_option(str(adapter_dir), base)
         return local_or_hub(base)
     adapter_dir = Path(adapter_dir).expanduser()
     name = recorded_name(adapter_dir)
@@ -173,8 +174,15 @@ def _places(adapter_dir: Path, record: dict, name: str) -> list[Path]:
 
 
 def check_base_option(model: str, base: str) -> None:
-    """`--base` names the base of an adapter directory: refused, before anything loads, with a
-    `--model` that is none (a full model has no base to replace)."""
+    """`--base` names the base of an adapter directory (tether eval, generate, set-base; `base` of
+    `resolve_base`): refused, before anything loads, with a `--model` that is none (a full model
+    has no base to replace), and when it is an adapter directory itself: transformers would load
+    the base that adapter names instead, from the hub when that name is a path from elsewhere
+    (after its retries)."""
     if base and not (Path(model).expanduser() / ADAPTER_CONFIG).is_file():
         raise TetherError(f"--base applies to a LoRA adapter directory, and --model {model} is "
                           f"not one (no {ADAPTER_CONFIG}); drop --base")
+    if base and (Path(base).expanduser() / ADAPTER_CONFIG).is_file():
+        raise TetherError(f"--base {base} is a LoRA adapter directory (it has {ADAPTER_CONFIG}), "
+                          f"not a base model; point --base at the base model the adapter {model} "
+                          f"was trained on (its {ADAPTER_CONFIG} names {recorded_name(model)})")

@@ -26,7 +26,7 @@ from tether.models.adapter_checks import (
     check_base,
     read_base_record,
 )
-from tether.models.base_location import local_or_hub, portable_name, write_location
+from tether.models.base_location import portable_name, resolve_base, write_location
 from tether.models.lora import is_adapter
 from tether.models.pretrained import DTYPES, _check_exists, _from_pretrained
 from tether.tools.config import SetBaseConfig
@@ -41,8 +41,8 @@ def set_base(adapter_dir: str | Path, base: str, trust_remote_code: bool = False
         raise TetherError(f"{adapter_dir} is not a LoRA adapter directory (no "
                           "adapter_config.json); pass the final/ of a run trained with --lora-r")
     check_adapter_files(adapter)
-    _check_exists(base)
-    name = local_or_hub(base)
+    name = resolve_base(adapter, base)  # (an adapter given as the base is refused there)
+    _check_exists(name)
     record = read_base_record(adapter)
     if record is not None:  # loaded as the record was made, so the comparison is exact
         dtype = record.get("dtype") if record.get("dtype") in DTYPES else "float32"
