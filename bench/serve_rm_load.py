@@ -36,9 +36,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from transformers import AutoModelForSequenceClassification, GPT2Config
-from transformers.utils import logging as hf_logging
-
 from tether.models.tiny import EOS, make_tokenizer
 from tether.rl.reward.remote import connect, score_remote
 
@@ -47,6 +44,11 @@ WORDS = "the movie was good bad great dull fun plot actor scene film story music
 
 def build_model(root: Path, width: int, layers: int) -> Path:
     """A GPT-2 sequence classifier (one label) and its tokenizer, saved under `root`."""
+    # transformers only here, after tether (tests/bench/test_bench_import_order.py)
+    from transformers import AutoModelForSequenceClassification, GPT2Config
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     texts = [" ".join(random.Random(i).choices(WORDS, k=12)) for i in range(200)]
     tokenizer = make_tokenizer(texts, vocab_size=200)
     tokenizer.pad_token = EOS
@@ -150,7 +152,6 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    hf_logging.disable_progress_bar()
     large, small = rows(args.large_rows, 0), rows(args.small_rows, 1)
     with tempfile.TemporaryDirectory() as tmp:
         child, url = start_server(build_model(Path(tmp), args.width, args.layers),

@@ -21,9 +21,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from tether.models.tiny import save_tiny_llama
 from tether.rl.engines.native import sample_responses
+from tether.rl.rollout import left_pad
 from tether.run import distributed
 from tether.train.ppo_config import PPOConfig
-from tether.train.ppo_setup import build, prompt_batch
+from tether.train.ppo_setup import batch_rows, build
 
 GATHERS = [0]
 _all_gather = param_group.foreach_all_gather
@@ -50,7 +51,8 @@ def main() -> int:
                         batch_size=8, device="cpu", fsdp=True,
                         max_new_tokens=args.max_new_tokens, output_dir=tmp)
         setup = build(cfg, reward_fn=lambda prompts, responses: [0.0] * len(responses))
-        _, ids, mask = prompt_batch(setup, cfg, 0)
+        ids, mask = left_pad([setup.prompt_ids[i] for i in batch_rows(setup, cfg, 0)],
+                             setup.tokenizer.pad_token_id, setup.device)
 
         def generate(policy, _critic):
             return sample_responses(policy, ids, mask, max_new_tokens=args.max_new_tokens,

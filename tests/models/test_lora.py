@@ -4,6 +4,7 @@ copy of the base for every PPO role, and bit-identical resume."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -392,9 +393,12 @@ def test_gradient_checkpointing_with_lora_roles_keeps_each_adapters_gradients(lo
 
 def test_wrapping_and_loading_an_adapter_prints_no_deprecation_of_transformers(tiny_llama_dir,
                                                                               tmp_path):
-    # peft asks the model `is_gradient_checkpointing`, deprecated by transformers: tether's own
-    # LoRA calls must not print that FutureWarning (it came on every eval and generate load).
+    # peft before 0.22 asks the model `is_gradient_checkpointing`, deprecated by transformers:
+    # tether's own LoRA calls must not print that FutureWarning (it came on every eval and
+    # generate load). Newer peft asks the new name; the filter must then still be harmless.
     import warnings
+
+    from tether.models.lora import peft_quietly
 
     spec = LoraSpec(r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
     with warnings.catch_warnings(record=True) as caught:
@@ -403,8 +407,16 @@ def test_wrapping_and_loading_an_adapter_prints_no_deprecation_of_transformers(t
         wrapped.save_pretrained(tmp_path / "adapter")
         load_adapter(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), tmp_path / "adapter",
                      "trained")
-        # the warning is real without tether's filter: peft's own wrap still prints it
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
-                                  str(tmp_path / "adapter"))
     messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    assert sum("is_gradient_checkpointing" in m for m in messages) == 1  # peft's bare call only
+    assert not any("is_gradient_checkpointing" in m for m in messages), messages
+    # The filter itself, on the deprecated property directly (whatever peft's version asks):
+    # outside it the warning is real, inside it is gone.
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    if "is_gradient_checkpointing" not in dir(type(model)):
+        pytest.skip("this transformers has dropped is_gradient_checkpointing")
+    for quiet, expected in ((False, 1), (True, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with peft_quietly() if quiet else contextlib.nullcontext():
+                _ = model.is_gradient_checkpointing
+        assert sum("is_gradient_checkpointing" in str(w.message) for w in caught) == expected
