@@ -17,33 +17,29 @@ gradients), and the logged metrics and held-out accuracy come from every rank's 
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
 from tether.data.encoding import encode_preferences, encode_sft
 from tether.data.rows import load_rows
-from tether.errors import TetherError
 from tether.losses import bradley_terry_loss
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, longest_row, model_positions
-from tether.models.lora import LoraSpec, check_targets
-from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
+from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run import distributed
-from tether.run.launch import join, seed_everything
-from tether.run.optim import NonFiniteStep, backward, optimizer_step
+from tether.run.optim import backward, optimizer_step
 from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
+from tether.run.rundir import RunResult, announce, print_result
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
-    maybe_checkpoint,
+    open_run,
     save_final,
     start_training,
     step_micro_batches,
+    wrap_trained,
 )
 from tether.train.offline_config import RMConfig
 
@@ -152,59 +148,38 @@ def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
-    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    lora, run_dir, d = open_run(cfg)
 
-    seed_everything(cfg.seed)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
     use_threads(cfg.threads, model, d.device)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
-    run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
-                                                              len(train))
+    wrapped = wrap_trained(model, cfg, d)
+    steps = start_training(run_dir, cfg, wrapped, len(train))
     pad_id = tokenizer.pad_token_id
 
-    metrics: dict[str, float] = {}
-    bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
-    try:
-        for step in range(state["step"] + 1, total_steps + 1):
+    with steps:
+        for step in steps:
             indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
             chosen, rejected, margins = accumulate_pairs(wrapped, train, indices, cfg, d, pad_id)
             loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
                                     cfg.center_rewards_coef)
-            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            grad_norm = optimizer_step(wrapped, steps.optimizer, steps.scheduler, cfg.max_grad_norm)
             metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
                        "rewards/chosen": chosen.mean().item(),
                        "rewards/rejected": rejected.mean().item(),
                        "rewards/margin": (chosen - rejected).mean().item(),
                        "rewards/accuracy": (chosen > rejected).float().mean().item(),
-                       "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-            if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                       "train/grad_norm": grad_norm, "train/lr": steps.scheduler.get_last_lr()[0]}
+            if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < steps.total:
                 metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
-            if step % cfg.log_every == 0 or step == total_steps:
-                run_dir.log(step, metrics)
-            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
-                             scheduler, {"step": step})
-    except NonFiniteStep as exc:  # nothing of this step was applied or saved
-        raise TetherError(f"step {step}: {exc}") from None
-    finally:
-        bar.close()
-        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
-            run_dir.release()
+            steps.done(step, metrics)
 
     final = stats.as_metrics()
     if held_out:
         final |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
     if norm_examples:
         final |= fit_normalization(wrapped, norm_examples, pad_id, cfg.batch_size, d)
-    run_dir.log(total_steps, final)
+    run_dir.log(steps.total, final)
 
     def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
         fresh = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype,
@@ -218,8 +193,7 @@ def run(cfg: RMConfig) -> RunResult:
             owner.save_merged(run_dir.merged_dir, tokenizer)
 
     save_final(run_dir, wrapped, d, model, rebuild, save)
-    run_dir.close()
-    return RunResult(run_dir.final_dir, metrics | final)
+    return RunResult(run_dir.final_dir, steps.metrics | final)
 
 
 def cli(argv: list[str]) -> int:
