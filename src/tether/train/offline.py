@@ -20,6 +20,7 @@ from tether.models.lora import LoraSpec, check_targets
 from tether.models.prepare import enable_gradient_checkpointing
 from tether.models.pretrained import TrainableLM, load_trainable_lm
 from tether.models.saving import save_trained_lm
+from tether.rl.roles import any_rank
 from tether.run import distributed, interrupt
 from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
 from tether.run.launch import join, seed_everything
@@ -157,10 +158,8 @@ class Steps:
         if step % self.cfg.log_every == 0 or step == self.total:
             self.run_dir.log(step, metrics | (self.final if step == self.total else {}))
         due = self.cfg.save_every > 0 and step % self.cfg.save_every == 0 and step < self.total
-        asked = interrupt.requested()
-        d = distributed.current()
-        if d.active:  # a signal may reach the ranks at different steps: all stop at the same one
-            asked = not distributed.all_agree(not asked, d)
+        # a signal may reach the ranks at different steps: all stop at the same one
+        asked = any_rank(interrupt.requested(), distributed.current())
         if due or asked:
             save_checkpoint(self.run_dir.checkpoint_dir, step, {"model": self.model},
                             self.optimizer, self.scheduler,
