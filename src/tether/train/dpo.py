@@ -48,6 +48,7 @@ from tether.run.rundir import RunResult, announce, print_result
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
+    example_tokens,
     open_run,
     save_final_lm,
     start_training,
@@ -136,8 +137,7 @@ def pair_lengths(model, examples, indices: list[int], share_prompt: bool) -> lis
     """The tokens each pair of `indices` puts through the model: P + C + R in one shared-prompt
     row (when `collate` builds those for these pairs), else 2 P + C + R in two rows."""
     shared = share_prompt and can_share(model, [examples[k] for k in indices])
-    return [(1 if shared else 2) * len(examples[k].prompt)
-            + sum(len(r) for r in examples[k].responses[:2]) for k in indices]
+    return example_tokens(examples, indices, 1 if shared else 2)
 
 
 def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_logps,

@@ -184,6 +184,14 @@ def save_final_lm(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, lm: 
         owner, tokenizer, run_dir.final_dir, run_dir.merged_dir if cfg.merge_lora else None))
 
 
+def example_tokens(examples, indices: list[int], prompt_rows: int = 1) -> list[int]:
+    """The tokens each example of `indices` puts through the model, what a token budget cuts by:
+    its prompt `prompt_rows` times plus its responses (an SFT row's one: P + R; a pair in two
+    rows, `prompt_rows=2`: 2 P + C + R; in one shared-prompt row: P + C + R)."""
+    return [prompt_rows * len(examples[k].prompt) + sum(len(r) for r in examples[k].responses[:2])
+            for k in indices]
+
+
 def step_micro_batches(indices: list[int], lengths: list[int], cfg, d: distributed.Dist
                        ) -> list[tuple[list[int], bool]]:
     """This rank's micro-batches of the step's rows (SFT) or pairs (RM, DPO) `indices`: (rows,

@@ -35,6 +35,7 @@ from tether.run.rundir import RunResult, announce, print_result
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
+    example_tokens,
     open_run,
     save_final,
     start_training,
@@ -115,19 +116,14 @@ def _load_data(cfg: RMConfig, tokenizer):
     return examples, held_out, norm, stats
 
 
-def pair_lengths(examples, indices: list[int]) -> list[int]:
-    """The tokens each pair of `indices` puts through the model as two rows: 2 P + C + R."""
-    return [2 * len(examples[k].prompt) + sum(len(r) for r in examples[k].responses[:2])
-            for k in indices]
-
-
 def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,
                      pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
     micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each
     (pair by pair, in the micro-batches' order), gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
     cut is by each pair's tokens, chosen row plus rejected row (`step_micro_batches`)."""
-    micro = step_micro_batches(indices, pair_lengths(train, indices), cfg, d)
+    # each pair's tokens as two rows, chosen and rejected: 2 P + C + R
+    micro = step_micro_batches(indices, example_tokens(train, indices, 2), cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)

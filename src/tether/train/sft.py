@@ -33,6 +33,7 @@ from tether.run.parse import parse_config
 from tether.run.rundir import RunResult, announce, print_result
 from tether.run.threads import use_threads
 from tether.train.offline import (
+    example_tokens,
     open_run,
     save_final_lm,
     start_training,
@@ -59,11 +60,6 @@ def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True
     return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
 
 
-def sft_lengths(examples, indices: list[int]) -> list[int]:
-    """The tokens (prompt + response) of each row of `indices`: what a token budget cuts by."""
-    return [len(examples[i].prompt) + len(examples[i].responses[0]) for i in indices]
-
-
 def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
@@ -88,7 +84,7 @@ def run(cfg: SFTConfig) -> RunResult:
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
             micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
                      for rows, real in step_micro_batches(
-                         indices, sft_lengths(examples, indices), cfg, d)]
+                         indices, example_tokens(examples, indices), cfg, d)]
             # the whole global batch's tokens: every rank's part of the loss divides by it
             n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
             loss = 0.0
