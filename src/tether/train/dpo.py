@@ -80,22 +80,6 @@ def pair_logprobs(model, batch, chunked: bool = True, packed: bool = False
     return summed[:half], summed[half:], lengths[:half], lengths[half:]
 
 
-@torch.no_grad()
-def precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
-                            d: distributed.Dist, wrapped=None) -> torch.Tensor:
-    """Reference log-probs of every pair, `[N, 2]` (chosen, rejected) on the CPU, in one pass
-    split over the ranks and gathered. `ref_fn(batch)` is the reference's `pair_logprobs`;
-    `layout_model` decides the batch layout (`collate`); `wrapped`, the model `ref_fn` calls, is
-    left resharded."""
-    def score(rows):
-        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
-                                  cfg.share_prompt), d.device)
-        with autocast(cfg.mixed_precision, d.device):
-            chosen, rejected, _, _ = ref_fn(batch)
-        return torch.stack([chosen, rejected], dim=-1).float()
-    return gather_outputs(score, len(examples), cfg.batch_size, d, wrapped).cpu()
-
-
 def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
     """(the model that decides the batch layout, a function of the policy wrapper giving
     `ref_fn(batch)`, the reference's `pair_logprobs`). Built before the policy is wrapped: the
@@ -118,19 +102,30 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
 def reference_logps(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
                     d: distributed.Dist, wrapped):
     """`ref_logps(rows, batch)`: the reference's (chosen, rejected) log-probs of a micro-batch,
-    `[b]` each, by `ref_fn(batch)` (`_reference`) at every step; with --precompute-ref-logprobs
-    looked up in the table scored here, once (before a resumed checkpoint is loaded: the start's
-    log-probs), so that the caller can drop a separate reference."""
-    if cfg.precompute_ref_logprobs:
-        wrapped.eval()
-        table = precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id, cfg, d, wrapped)
-        wrapped.train()
-        return lambda rows, batch: table[rows].to(d.device).unbind(-1)
+    `[b]` each, by `ref_fn(batch)` (`_reference`: the reference's `pair_logprobs`) at every step.
+
+    With --precompute-ref-logprobs they are looked up instead in a table scored here, once
+    (before a resumed checkpoint is loaded: the start's log-probs), so that the caller can drop a
+    separate reference: every pair's, `[N, 2]` on the CPU, in one pass split over the ranks and
+    gathered, batched as `layout_model` decides (`collate`); `wrapped`, the model `ref_fn` calls,
+    is left resharded."""
+    if not cfg.precompute_ref_logprobs:
+        @torch.no_grad()
+        def live(rows, batch):
+            return ref_fn(batch)[:2]
+        return live
 
     @torch.no_grad()
-    def live(rows, batch):
-        return ref_fn(batch)[:2]
-    return live
+    def score(rows):
+        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
+                                  cfg.share_prompt), d.device)
+        with autocast(cfg.mixed_precision, d.device):
+            chosen, rejected, _, _ = ref_fn(batch)
+        return torch.stack([chosen, rejected], dim=-1).float()
+    wrapped.eval()
+    table = gather_outputs(score, len(examples), cfg.batch_size, d, wrapped).cpu()
+    wrapped.train()
+    return lambda rows, batch: table[rows].to(d.device).unbind(-1)
 
 
 def pair_lengths(model, examples, indices: list[int], share_prompt: bool) -> list[int]:
