@@ -43,14 +43,14 @@ from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.distributed import wrap_frozen
 from tether.run.optim import backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunResult, announce, print_result
+from tether.run.rundir import RunResult, announce
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
     example_tokens,
     open_run,
     save_final_lm,
+    stage_cli,
     start_training,
     step_micro_batches,
     wrap_trained,
@@ -245,6 +245,4 @@ def run(cfg: DPOConfig) -> RunResult:
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(DPOConfig, argv, prog="tether dpo")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(DPOConfig, run, argv)

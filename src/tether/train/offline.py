@@ -25,7 +25,8 @@ from tether.run import distributed, interrupt
 from tether.run.checkpoint import load_latest_checkpoint, plain_model, save_checkpoint
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, make_lr_schedule, make_optimizer
-from tether.run.rundir import RunDir, progress
+from tether.run.parse import parse_config
+from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_micro_batches, token_parts
 from tether.train.offline_config import TrainConfig
 
@@ -33,6 +34,14 @@ from tether.train.offline_config import TrainConfig
 def count_steps(n_rows: int, cfg: TrainConfig) -> int:
     """Optimizer steps for the run (derived: max_steps, else epochs * ceil(rows / batch))."""
     return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
+
+
+def stage_cli(config: type[TrainConfig], run: Callable[[Any], RunResult], argv: list[str]) -> int:
+    """`tether sft | rm | dpo [--config FILE.yaml] [--field value ...]`: the stage's config parsed
+    from `argv` (its command is `config.STAGE`), the run, and its result printed."""
+    cfg = parse_config(config, argv, prog=f"tether {config.STAGE}")
+    print_result(run(cfg))
+    return 0
 
 
 def save_final(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, owner: Any,

@@ -30,14 +30,14 @@ from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunResult, announce, print_result
+from tether.run.rundir import RunResult, announce
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
     example_tokens,
     open_run,
     save_final,
+    stage_cli,
     start_training,
     step_micro_batches,
     wrap_trained,
@@ -193,6 +193,4 @@ def run(cfg: RMConfig) -> RunResult:
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(RMConfig, argv, prog="tether rm")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(RMConfig, run, argv)

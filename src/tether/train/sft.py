@@ -29,13 +29,13 @@ from tether.models.pretrained import load_tokenizer, load_trainable_lm
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunResult, announce, print_result
+from tether.run.rundir import RunResult, announce
 from tether.run.threads import use_threads
 from tether.train.offline import (
     example_tokens,
     open_run,
     save_final_lm,
+    stage_cli,
     start_training,
     step_micro_batches,
     wrap_trained,
@@ -106,6 +106,4 @@ def run(cfg: SFTConfig) -> RunResult:
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(SFTConfig, argv, prog="tether sft")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(SFTConfig, run, argv)
