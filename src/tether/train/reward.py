@@ -70,10 +70,9 @@ def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dis
     def score(rows):
         batch = to_device(collate_pairs([examples[k] for k in rows], pad_id), d.device)
         return torch.stack(wrapped(pair_scores, batch, packed), dim=-1)  # [b, 2]: chosen, rejected
-    was_training = wrapped.training
     wrapped.eval()
     chosen, rejected = gather_outputs(score, len(examples), batch_size, d, wrapped).unbind(-1)
-    wrapped.train(was_training)
+    wrapped.train()  # called in training only: between steps and after the last
     correct = (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
     return {"eval/accuracy": correct / len(examples),
             "eval/loss": bradley_terry_loss(chosen, rejected).item()}
