@@ -90,6 +90,14 @@ def test_steps_log_every_n_and_the_last_with_final_and_checkpoint_when_due(tmp_p
     assert not _flock_is_free(run_dir.path)  # a finished loop keeps the directory: the save is next
 
 
+def test_no_checkpoint_at_the_last_step_even_when_it_is_due(tmp_path):
+    run_dir, steps = _start(tmp_path, save_every=5)  # 5 steps: the 5th is due, and the last
+    with steps:
+        for step in steps:
+            steps.done(step, {"train/loss": 1.0})
+    assert not run_dir.checkpoint_dir.exists() or not any(run_dir.checkpoint_dir.iterdir())
+
+
 def test_steps_resume_after_the_checkpoint_and_drop_the_later_lines(tmp_path):
     run_dir, steps = _start(tmp_path, log_every=1, save_every=2)
     with pytest.raises(KeyboardInterrupt), steps:
