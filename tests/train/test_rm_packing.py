@@ -20,9 +20,9 @@ from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run.distributed import Dist, Parallel
 from tether.run.slicing import token_budget_cut
-from tether.train.offline import step_micro_batches
+from tether.train.offline import example_tokens, step_micro_batches
 from tether.train.offline_config import RMConfig
-from tether.train.reward import accumulate_pairs, pair_lengths, rm_loss
+from tether.train.reward import accumulate_pairs, rm_loss
 
 CENTER = 0.05  # the centring term on too: both terms are pair means
 
@@ -71,7 +71,7 @@ def test_every_cut_packed_or_not_gives_the_same_step(family, request):
     torch.manual_seed(0)
     model = RewardModel.from_causal_lm(model_dir, tok).double().eval()
     examples = _pairs(tok)
-    lengths = pair_lengths(examples, list(range(8)))
+    lengths = example_tokens(examples, list(range(8)), 2)  # two rows per pair: 2 P + C + R
     assert len(set(lengths)) > 2
     budget = max(lengths) + 10
     assert 1 < len(token_budget_cut(lengths, budget)) < 8  # uneven parts: the weights matter

@@ -23,20 +23,16 @@ the reference's: with LoRA it is the policy's own model with the adapter off.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, to_device
 from tether.data.encoding import encode_preferences
 from tether.data.rows import load_rows
-from tether.errors import TetherError
 from tether.losses import dpo_loss
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, language_model, longest_row
-from tether.models.lora import LoraSpec, check_targets
 from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
-from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
+from tether.models.prepare import disable_dropout
 from tether.models.pretrained import (
     TrainableLM,
     load_tokenizer,
@@ -46,17 +42,18 @@ from tether.models.reference import check_reference, reference_model
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.distributed import wrap_frozen
-from tether.run.launch import join, seed_everything
-from tether.run.optim import NonFiniteStep, backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunResult, announce
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
-    maybe_checkpoint,
+    example_tokens,
+    open_run,
     save_final_lm,
+    stage_cli,
     start_training,
     step_micro_batches,
+    wrap_trained,
 )
 from tether.train.offline_config import DPOConfig
 
@@ -83,22 +80,6 @@ def pair_logprobs(model, batch, chunked: bool = True, packed: bool = False
     return summed[:half], summed[half:], lengths[:half], lengths[half:]
 
 
-@torch.no_grad()
-def precompute_ref_logprobs(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
-                            d: distributed.Dist, wrapped=None) -> torch.Tensor:
-    """Reference log-probs of every pair, `[N, 2]` (chosen, rejected) on the CPU, in one pass
-    split over the ranks and gathered. `ref_fn(batch)` is the reference's `pair_logprobs`;
-    `layout_model` decides the batch layout (`collate`); `wrapped`, the model `ref_fn` calls, is
-    left resharded."""
-    def score(rows):
-        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
-                                  cfg.share_prompt), d.device)
-        with autocast(cfg.mixed_precision, d.device):
-            chosen, rejected, _, _ = ref_fn(batch)
-        return torch.stack([chosen, rejected], dim=-1).float()
-    return gather_outputs(score, len(examples), cfg.batch_size, d, wrapped).cpu()
-
-
 def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
     """(the model that decides the batch layout, a function of the policy wrapper giving
     `ref_fn(batch)`, the reference's `pair_logprobs`). Built before the policy is wrapped: the
@@ -118,12 +99,40 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
                                                                  cfg.chunked_lm_head, cfg.pack)
 
 
+def reference_logps(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
+                    d: distributed.Dist, wrapped):
+    """`ref_logps(rows, batch)`: the reference's (chosen, rejected) log-probs of a micro-batch,
+    `[b]` each, by `ref_fn(batch)` (`_reference`: the reference's `pair_logprobs`) at every step.
+
+    With --precompute-ref-logprobs they are looked up instead in a table scored here, once
+    (before a resumed checkpoint is loaded: the start's log-probs), so that the caller can drop a
+    separate reference: every pair's, `[N, 2]` on the CPU, in one pass split over the ranks and
+    gathered, batched as `layout_model` decides (`collate`); `wrapped`, the model `ref_fn` calls,
+    is left resharded."""
+    if not cfg.precompute_ref_logprobs:
+        @torch.no_grad()
+        def live(rows, batch):
+            return ref_fn(batch)[:2]
+        return live
+
+    @torch.no_grad()
+    def score(rows):
+        batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
+                                  cfg.share_prompt), d.device)
+        with autocast(cfg.mixed_precision, d.device):
+            chosen, rejected, _, _ = ref_fn(batch)
+        return torch.stack([chosen, rejected], dim=-1).float()
+    wrapped.eval()
+    table = gather_outputs(score, len(examples), cfg.batch_size, d, wrapped).cpu()
+    wrapped.train()
+    return lambda rows, batch: table[rows].to(d.device).unbind(-1)
+
+
 def pair_lengths(model, examples, indices: list[int], share_prompt: bool) -> list[int]:
     """The tokens each pair of `indices` puts through the model: P + C + R in one shared-prompt
     row (when `collate` builds those for these pairs), else 2 P + C + R in two rows."""
     shared = share_prompt and can_share(model, [examples[k] for k in indices])
-    return [(1 if shared else 2) * len(examples[k].prompt)
-            + sum(len(r) for r in examples[k].responses[:2]) for k in indices]
+    return example_tokens(examples, indices, 1 if shared else 2)
 
 
 def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_logps,
@@ -202,71 +211,38 @@ def run(cfg: DPOConfig) -> RunResult:
     examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
                                          cfg.data)
     _check_models(cfg, tokenizer, examples)  # before any weights load
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
-    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    lora, run_dir, d = open_run(cfg)
 
-    seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     disable_dropout(policy).to(d.device).train()  # DPO compares log-probs of fixed sequences
     use_threads(cfg.threads, policy, d.device)
     ref_layout, make_ref_fn = _reference(cfg, lm, tokenizer, d)
-    if cfg.gradient_checkpointing:  # after the reference copy: only the trained model recomputes
-        enable_gradient_checkpointing(policy)
-    wrapped = distributed.wrap(policy, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
-    ref_fn = make_ref_fn(wrapped)
+    # after the reference copy: only the trained model recomputes
+    wrapped = wrap_trained(policy, cfg, d)
     pad_id = tokenizer.pad_token_id
-    ref_table = None
-    if cfg.precompute_ref_logprobs:  # before a resumed checkpoint is loaded: the start's log-probs
-        wrapped.eval()
-        ref_table = precompute_ref_logprobs(ref_fn, ref_layout, examples, pad_id, cfg, d,
-                                            wrapped)
-        wrapped.train()
-        ref_fn = ref_layout = make_ref_fn = None  # a separate reference is dropped here
+    ref_logps = reference_logps(make_ref_fn(wrapped), ref_layout, examples, pad_id, cfg, d,
+                                wrapped)
+    # with --precompute-ref-logprobs a separate reference is dropped here
+    del ref_layout, make_ref_fn
+    steps = start_training(run_dir, cfg, wrapped, len(examples), final=stats.as_metrics())
 
-    def ref_logps(rows, batch):  # the reference's (chosen, rejected) of a micro-batch
-        if ref_table is not None:
-            return ref_table[rows].to(d.device).unbind(-1)
-        with torch.no_grad():
-            return ref_fn(batch)[:2]
-    run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
-                                                              len(examples))
-    data_stats = stats.as_metrics()
-
-    metrics: dict[str, float] = {}
-    bar = progress(total_steps, f"dpo {cfg.run_name}", initial=state["step"])
-    try:
-        for step in range(state["step"] + 1, total_steps + 1):
+    with steps:
+        for step in steps:
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global
             *policy_logps, ref_chosen, ref_rejected = accumulate_pairs(
                 wrapped, policy, examples, indices, ref_logps, cfg, d, pad_id)
-            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
+            grad_norm = optimizer_step(wrapped, steps.optimizer, steps.scheduler, cfg.max_grad_norm)
             # Metrics are the full global batch's, from the log-probs every rank produced.
             metrics = dpo_metrics(*pair_losses(cfg, policy_logps, ref_chosen, ref_rejected),
                                   cfg.beta)
             metrics |= {"logps/chosen": policy_logps[0].mean().item(),
                         "logps/rejected": policy_logps[1].mean().item(),
-                        "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            if step % cfg.log_every == 0 or step == total_steps:
-                run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
-                             scheduler, {"step": step})
-    except NonFiniteStep as exc:  # nothing of this step was applied or saved
-        raise TetherError(f"step {step}: {exc}") from None
-    finally:
-        bar.close()
-        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
-            run_dir.release()
+                        "train/grad_norm": grad_norm, "train/lr": steps.scheduler.get_last_lr()[0]}
+            steps.done(step, metrics)
     save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
-    return RunResult(run_dir.final_dir, metrics | data_stats)
+    return RunResult(run_dir.final_dir, steps.metrics | steps.final)
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(DPOConfig, argv, prog="tether dpo")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(DPOConfig, run, argv)

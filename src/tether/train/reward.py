@@ -17,33 +17,30 @@ gradients), and the logged metrics and held-out accuracy come from every rank's 
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
 from tether.data.encoding import encode_preferences, encode_sft
 from tether.data.rows import load_rows
-from tether.errors import TetherError
 from tether.losses import bradley_terry_loss
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, longest_row, model_positions
-from tether.models.lora import LoraSpec, check_targets
-from tether.models.prepare import disable_dropout, enable_gradient_checkpointing
+from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
 from tether.run import distributed
-from tether.run.launch import join, seed_everything
-from tether.run.optim import NonFiniteStep, backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunResult, announce
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train.offline import (
-    maybe_checkpoint,
+    example_tokens,
+    open_run,
     save_final,
+    stage_cli,
     start_training,
     step_micro_batches,
+    wrap_trained,
 )
 from tether.train.offline_config import RMConfig
 
@@ -73,10 +70,9 @@ def evaluate(wrapped, examples, pad_id: int, batch_size: int, d: distributed.Dis
     def score(rows):
         batch = to_device(collate_pairs([examples[k] for k in rows], pad_id), d.device)
         return torch.stack(wrapped(pair_scores, batch, packed), dim=-1)  # [b, 2]: chosen, rejected
-    was_training = wrapped.training
     wrapped.eval()
     chosen, rejected = gather_outputs(score, len(examples), batch_size, d, wrapped).unbind(-1)
-    wrapped.train(was_training)
+    wrapped.train()  # called in training only: between steps and after the last
     correct = (chosen > rejected).sum().item() + 0.5 * (chosen == rejected).sum().item()
     return {"eval/accuracy": correct / len(examples),
             "eval/loss": bradley_terry_loss(chosen, rejected).item()}
@@ -119,19 +115,14 @@ def _load_data(cfg: RMConfig, tokenizer):
     return examples, held_out, norm, stats
 
 
-def pair_lengths(examples, indices: list[int]) -> list[int]:
-    """The tokens each pair of `indices` puts through the model as two rows: 2 P + C + R."""
-    return [2 * len(examples[k].prompt) + sum(len(r) for r in examples[k].responses[:2])
-            for k in indices]
-
-
 def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distributed.Dist,
                      pad_id: int) -> list[torch.Tensor]:
     """Forward and backward over this rank's share of the global batch `indices`, in its
     micro-batches; returns the global batch's chosen and rejected scores and margins, `[B]` each
     (pair by pair, in the micro-batches' order), gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
     cut is by each pair's tokens, chosen row plus rejected row (`step_micro_batches`)."""
-    micro = step_micro_batches(indices, pair_lengths(train, indices), cfg, d)
+    # each pair's tokens as two rows, chosen and rejected: 2 P + C + R
+    micro = step_micro_batches(indices, example_tokens(train, indices, 2), cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
@@ -152,59 +143,38 @@ def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
-    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    lora, run_dir, d = open_run(cfg)
 
-    seed_everything(cfg.seed)
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
     use_threads(cfg.threads, model, d.device)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
-    run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
-                                                              len(train))
+    wrapped = wrap_trained(model, cfg, d)
+    steps = start_training(run_dir, cfg, wrapped, len(train))
     pad_id = tokenizer.pad_token_id
 
-    metrics: dict[str, float] = {}
-    bar = progress(total_steps, f"rm {cfg.run_name}", initial=state["step"])
-    try:
-        for step in range(state["step"] + 1, total_steps + 1):
+    with steps:
+        for step in steps:
             indices = batch_order(len(train), cfg.batch_size, cfg.seed, step - 1)  # global batch
             chosen, rejected, margins = accumulate_pairs(wrapped, train, indices, cfg, d, pad_id)
             loss, bt_loss = rm_loss(chosen, rejected, margins if cfg.margin_column else None,
                                     cfg.center_rewards_coef)
-            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            grad_norm = optimizer_step(wrapped, steps.optimizer, steps.scheduler, cfg.max_grad_norm)
             metrics = {"train/loss": loss.item(), "train/bt_loss": bt_loss.item(),
                        "rewards/chosen": chosen.mean().item(),
                        "rewards/rejected": rejected.mean().item(),
                        "rewards/margin": (chosen - rejected).mean().item(),
                        "rewards/accuracy": (chosen > rejected).float().mean().item(),
-                       "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-            if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                       "train/grad_norm": grad_norm, "train/lr": steps.scheduler.get_last_lr()[0]}
+            if held_out and cfg.eval_every and step % cfg.eval_every == 0 and step < steps.total:
                 metrics |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
-            if step % cfg.log_every == 0 or step == total_steps:
-                run_dir.log(step, metrics)
-            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer,
-                             scheduler, {"step": step})
-    except NonFiniteStep as exc:  # nothing of this step was applied or saved
-        raise TetherError(f"step {step}: {exc}") from None
-    finally:
-        bar.close()
-        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
-            run_dir.release()
+            steps.done(step, metrics)
 
     final = stats.as_metrics()
     if held_out:
         final |= evaluate(wrapped, held_out, pad_id, cfg.batch_size, d, cfg.pack)
     if norm_examples:
         final |= fit_normalization(wrapped, norm_examples, pad_id, cfg.batch_size, d)
-    run_dir.log(total_steps, final)
+    run_dir.log(steps.total, final)
 
     def rebuild():  # FSDP2: an unsharded copy for rank 0 to save
         fresh = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype,
@@ -218,11 +188,8 @@ def run(cfg: RMConfig) -> RunResult:
             owner.save_merged(run_dir.merged_dir, tokenizer)
 
     save_final(run_dir, wrapped, d, model, rebuild, save)
-    run_dir.close()
-    return RunResult(run_dir.final_dir, metrics | final)
+    return RunResult(run_dir.final_dir, steps.metrics | final)
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(RMConfig, argv, prog="tether rm")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(RMConfig, run, argv)

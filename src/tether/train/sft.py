@@ -20,29 +20,25 @@ batch's `response_mask` says which tokens count. A `{text}` row is all response.
 
 from __future__ import annotations
 
-import sys
-
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
 from tether.data.rows import load_rows
-from tether.errors import TetherError
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, language_model, longest_row
-from tether.models.lora import LoraSpec, check_targets
-from tether.models.prepare import enable_gradient_checkpointing
 from tether.models.pretrained import load_tokenizer, load_trainable_lm
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
-from tether.run.launch import join, seed_everything
-from tether.run.optim import NonFiniteStep, backward, optimizer_step
-from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
+from tether.run.optim import backward, optimizer_step
+from tether.run.rundir import RunResult, announce
 from tether.run.threads import use_threads
 from tether.train.offline import (
-    maybe_checkpoint,
+    example_tokens,
+    open_run,
     save_final_lm,
+    stage_cli,
     start_training,
     step_micro_batches,
+    wrap_trained,
 )
 from tether.train.offline_config import SFTConfig
 
@@ -64,11 +60,6 @@ def sft_loss(model, batch, batch_tokens: int | None = None, chunked: bool = True
     return -(logprobs * mask).sum() / max(float(denominator), 1.0), n_tokens
 
 
-def sft_lengths(examples, indices: list[int]) -> list[int]:
-    """The tokens (prompt + response) of each row of `indices`: what a token budget cuts by."""
-    return [len(examples[i].prompt) + len(examples[i].responses[0]) for i in indices]
-
-
 def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
@@ -79,32 +70,21 @@ def run(cfg: SFTConfig) -> RunResult:
                                  cfg.loss_on)
     positions = language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)
     check_rows_fit([positions], longest_row(examples), cfg.max_length, cfg.data)
-    lora = LoraSpec.from_config(cfg)
-    check_targets(cfg.model, lora, cfg.trust_remote_code)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # checked; created once loaded
-    d = join(cfg, cfg.batch_size)  # under torchrun: this rank, its device; checked, writes nothing
+    lora, run_dir, d = open_run(cfg)
 
-    seed_everything(cfg.seed)
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     model = lm.model.to(d.device)  # with LoRA: the base with the adapter's layers injected
     use_threads(cfg.threads, model, d.device)
     model.train()
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    wrapped = distributed.wrap(model, d)  # DDP / FSDP2 under torchrun; called as wrapped(fn, ...)
-    run_dir.save_config(cfg)
-    total_steps, optimizer, scheduler, state = start_training(run_dir, cfg, wrapped,
-                                                              len(examples))
-    data_stats = {"data/rows": float(len(examples)), **stats.as_metrics()}
-
-    metrics: dict[str, float] = {}
-    bar = progress(total_steps, f"sft {cfg.run_name}", initial=state["step"])
-    try:
-        for step in range(state["step"] + 1, total_steps + 1):
+    wrapped = wrap_trained(model, cfg, d)
+    steps = start_training(run_dir, cfg, wrapped, len(examples),
+                           final={"data/rows": float(len(examples)), **stats.as_metrics()})
+    with steps:
+        for step in steps:
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
             micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
                      for rows, real in step_micro_batches(
-                         indices, sft_lengths(examples, indices), cfg, d)]
+                         indices, example_tokens(examples, indices), cfg, d)]
             # the whole global batch's tokens: every rank's part of the loss divides by it
             n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
             loss = 0.0
@@ -116,27 +96,14 @@ def run(cfg: SFTConfig) -> RunResult:
                     backward(part * (d.grad_scale if real else 0.0), d)
                 loss += part.item() if real else 0.0
             loss = distributed.global_sum(loss, d)
-            grad_norm = optimizer_step(wrapped, optimizer, scheduler, cfg.max_grad_norm)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            metrics = {"train/loss": loss, "train/tokens": float(n_tokens),
-                       "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
-            if step % cfg.log_every == 0 or step == total_steps:
-                run_dir.log(step, metrics | (data_stats if step == total_steps else {}))
-            maybe_checkpoint(run_dir, cfg, step, total_steps, {"model": wrapped}, optimizer, scheduler,
-                             {"step": step})
-    except NonFiniteStep as exc:  # nothing of this step was applied or saved
-        raise TetherError(f"step {step}: {exc}") from None
-    finally:
-        bar.close()
-        if sys.exc_info()[0] is not None:  # stopped: free the directory, as an exit would
-            run_dir.release()
+            grad_norm = optimizer_step(wrapped, steps.optimizer, steps.scheduler, cfg.max_grad_norm)
+            steps.done(step, {"train/loss": loss, "train/tokens": float(n_tokens),
+                              "train/grad_norm": grad_norm,
+                              "train/lr": steps.scheduler.get_last_lr()[0]})
 
     save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
-    return RunResult(run_dir.final_dir, metrics | data_stats)
+    return RunResult(run_dir.final_dir, steps.metrics | steps.final)
 
 
 def cli(argv: list[str]) -> int:
-    cfg = parse_config(SFTConfig, argv, prog="tether sft")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(SFTConfig, run, argv)
