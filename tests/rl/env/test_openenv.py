@@ -234,8 +234,8 @@ def test_a_server_that_went_away_is_not_called_full():
         factory = load_environment(f"openenv:{url}")
         env = factory()
         env.reset({}, 0)
-    with pytest.raises(TetherError, match=r"^OpenEnv: the server closed the session \(.*\): it "
-                                          r"stopped or restarted; see its log") as caught:
+    with pytest.raises(TetherError, match=r"^OpenEnv: the session ended \(.*\): the server "
+                                          r"stopped, crashed or restarted; see its log") as caught:
         env.step("5")  # the session the stopped server closed
     assert "max_concurrent_envs" not in str(caught.value)
     with pytest.raises(TetherError, match=r"^OpenEnv: Failed to connect .*; start the server or "

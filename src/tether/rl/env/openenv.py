@@ -148,8 +148,8 @@ def _called(call: Callable[[], Any], opening: bool = False) -> Any:
         elif opening and getattr(exc.rcvd, "code", None) == 1000:
             what = f"the server closed the new session ({exc}), as a full one does"
         else:
-            raise TetherError(f"OpenEnv: the server closed the session ({exc}): it stopped or "
-                              "restarted; see its log and start it again") from exc
+            raise TetherError(f"OpenEnv: the session ended ({exc}): the server stopped, "
+                              "crashed or restarted; see its log and start it again") from exc
         raise TetherError(f"OpenEnv: {what}; tether holds one session per episode of a batch at "
                           "once: start the server with max_concurrent_envs >= that, or lower "
                           "--batch-size (else see the server's log)") from exc
