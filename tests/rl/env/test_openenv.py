@@ -243,6 +243,22 @@ def test_a_server_that_went_away_is_not_called_full():
         factory().reset({}, 0)  # nothing listens there now
 
 
+class Killed(GuessClient):
+    """A server killed as a session opens: the connection drops with no close frame (1006)."""
+
+    async def reset(self, **kwargs):
+        from websockets.exceptions import ConnectionClosedError
+        raise ConnectionClosedError(None, None)
+
+
+def test_a_killed_server_is_not_called_full():
+    """Before: "as a full one does ... max_concurrent_envs >= that"."""
+    env = openenv_environment(lambda: Killed(base_url="http://127.0.0.1:1"), action=Guess)()
+    with pytest.raises(TetherError, match=r"^OpenEnv: the session ended \(no close frame .*\): "
+                                          r"the server stopped, crashed or restarted"):
+        env.reset({}, 0)
+
+
 def test_a_nan_reward_is_one_line_not_zero():
     """Before: the episode's reward was 0.0, silently (the NaN arrives as null)."""
     with serving(max_sessions=4, env=NaNReward) as (url, server):
