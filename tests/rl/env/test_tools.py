@@ -258,6 +258,16 @@ async def later(a: int, b: int) -> int:
     return a + b
 
 
+def wrapped(a: int, b: int) -> int:
+    """Add two integers: a plain function handing back an async one's coroutine (a decorator).
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return later(a, b)
+
+
 async def later_set(a: int, b: int) -> set:
     """Both numbers, as a set, on the event loop.
 
@@ -274,7 +284,8 @@ async def later_set(a: int, b: int) -> set:
     (raw, f"error: raw ({HERE}:{raw.__code__.co_firstlineno}) returned a bytes, which is not"),
     (later_set, f"error: later_set ({HERE}:{later_set.__code__.co_firstlineno}) returned a set"),
     (later, "5"),  # an `async def` tool is awaited on the process's loop, as async rewards are
-], ids=["set", "bytes", "async-set", "async"])
+    (wrapped, "5"),  # and so is the coroutine a plain function returns
+], ids=["set", "bytes", "async-set", "async", "async-wrapped"])
 def test_a_result_json_cannot_write_is_the_tool_s_error(tokenizer, tool, says):
     """Before: the run stopped, blaming tether's own factory and json's encoder.py."""
     call = CALL.replace('"add"', f'"{tool.__name__}"')
@@ -283,5 +294,5 @@ def test_a_result_json_cannot_write_is_the_tool_s_error(tokenizer, tool, says):
     out = scripted_episodes(engine, make_env, ROWS, tools=schemas, max_observation=200)
     assert out.records[0]["turns"] == 2 and out.records[0]["reward"] == 1.0  # it went on
     response = engine.contexts[1].split("<tool_response>\n")[1].split("\n</tool_response>")[0]
-    assert response == says if tool is later else response.startswith(says), response
-    assert out.stats["env/tool_errors"] == (0 if tool is later else 1)
+    assert response == says if says == "5" else response.startswith(says), response
+    assert out.stats["env/tool_errors"] == (0 if says == "5" else 1)
