@@ -294,3 +294,5 @@ def test_tools_of_generate_and_eval_reach_the_first_prompt(tool, tiny_qwen2_tool
     prompts = [r["prompt"] for r in out] if tool == "generate" else [
         s["prompt"] for s in out[0]["samples"]]
     assert len(prompts) == 4 and all('"name": "add"' in p for p in prompts)
+    if tool == "generate":  # no reward function: none written (issue 48; before, 0.0 on each)
+        assert all(r["reward"] is None and r["turn_rewards"] is None for r in out)

@@ -114,6 +114,17 @@ def test_plain_prompts_give_strings_and_none_is_left_out_of_the_sum():
                                            _rollout([[1], [2]]), rows)
 
 
+def test_a_column_the_rows_lack_is_named():
+    """Before: the function's TypeError, and "fix the function"; the function is right, the
+    prompt file is not."""
+    rows = [{"prompt": CHATS[0], "level": 1}, {"prompt": CHATS[1], "level": 2}]
+    with pytest.raises(TetherError, match=r"^reward function .*:accuracy_reward takes 'solution'"
+                                          r", a column the prompt file's rows lack \(they have: "
+                                          r"level\); add 'solution' to every row of the --prompts "
+                                          r"file"):
+        reward_from_functions([think_format_reward, accuracy_reward])(
+            ["<chat 0>", "<chat 1>"], ["4", "9"], _rollout([[1], [2]]), rows)
+
 def test_tethers_own_form_is_called_as_before():
     seen = []
 

@@ -267,5 +267,8 @@ def longest_prompt(settings, prompt_ids: Sequence[Sequence[int]],
 
 def load_tools(specs: Sequence[str]) -> list:
     """The functions `--tools` names (`file.py:add,file.py:lookup`, or several values)."""
-    return [load_function(name, "tool") for spec in specs for name in spec.split(",")
-            if name.strip()]
+    names = [name.strip() for spec in specs for name in spec.split(",") if name.strip()]
+    if specs and not names:  # `--tools ''`: episodes of no tools
+        raise TetherError(f"--tools {' '.join(map(repr, specs))} names no tool; give "
+                          "file.py:function (several joined by commas), or drop --tools")
+    return [load_function(name, "tool") for name in names]

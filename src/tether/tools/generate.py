@@ -43,7 +43,7 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     device = resolve_device(cfg.device)
     check_base_option(cfg.model, cfg.base)
     if env is None and cfg.env:  # before any model loads
-        env = load_environment(cfg.env)
+        env = load_environment(cfg.env, cfg.max_turns)
     tools = load_tools(cfg.tools)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     episodic = env is not None or bool(tools)
@@ -114,6 +114,8 @@ def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[
                 part = source.collect(indices, slice(start, start + cfg.batch_size),
                                       cfg.seed + EVAL_SEED_OFFSET + sample * SAMPLE_SEED_STRIDE)
                 for offset, record in enumerate(part.records):
+                    if tools:  # generate gives --tools no reward function: no reward to write
+                        record |= {"reward": None, "turn_rewards": None}
                     out[start + offset].append({"row": start + offset, "sample": sample} | record)
     finally:
         source.close()

@@ -99,10 +99,17 @@ class GuessClient(EnvClient[Guess, Hint, State]):
         return State(**payload)
 
 
+class NaNReward(GuessNumber):
+    """Ends every episode at its first step, with a NaN reward (OpenEnv's JSON writes null)."""
+
+    def step(self, action: Guess, timeout_s=None, **kwargs) -> Hint:
+        return Hint(message="?", reward=float("nan"), done=True)
+
+
 @contextmanager
-def serving(max_sessions: int):
-    """(url, server) of GuessNumber served on a free loopback port until the block ends."""
-    server = HTTPEnvServer(GuessNumber, Guess, Hint, max_concurrent_envs=max_sessions)
+def serving(max_sessions: int, env: type = GuessNumber):
+    """(url, server) of `env` served on a free loopback port until the block ends."""
+    server = HTTPEnvServer(env, Guess, Hint, max_concurrent_envs=max_sessions)
     app = FastAPI()
     server.register_routes(app)
     sock = socket.socket()
@@ -219,6 +226,48 @@ def test_a_full_server_is_one_line_with_the_fix(tiny_model_dir):
             episodes(policy_of(tiny_model_dir), load_environment(f"openenv:{url}"), [{}] * 3,
                      max_turns=1)
         wait_closed(server, collect=True)
+
+
+def test_a_server_that_went_away_is_not_called_full():
+    """Before: "as a full one does ... max_concurrent_envs >= that" for a server that stopped."""
+    with serving(max_sessions=4) as (url, server):
+        factory = load_environment(f"openenv:{url}")
+        env = factory()
+        env.reset({}, 0)
+    with pytest.raises(TetherError, match=r"^OpenEnv: the session ended \(.*\): the server "
+                                          r"stopped, crashed or restarted; see its log") as caught:
+        env.step("5")  # the session the stopped server closed
+    assert "max_concurrent_envs" not in str(caught.value)
+    with pytest.raises(TetherError, match=r"^OpenEnv: Failed to connect .*; start the server or "
+                                          r"fix its URL$"):
+        factory().reset({}, 0)  # nothing listens there now
+
+
+class Killed(GuessClient):
+    """A server killed as a session opens: the connection drops with no close frame (1006)."""
+
+    async def reset(self, **kwargs):
+        from websockets.exceptions import ConnectionClosedError
+        raise ConnectionClosedError(None, None)
+
+
+def test_a_killed_server_is_not_called_full():
+    """Before: "as a full one does ... max_concurrent_envs >= that"."""
+    env = openenv_environment(lambda: Killed(base_url="http://127.0.0.1:1"), action=Guess)()
+    with pytest.raises(TetherError, match=r"^OpenEnv: the session ended \(no close frame .*\): "
+                                          r"the server stopped, crashed or restarted"):
+        env.reset({}, 0)
+
+
+def test_a_nan_reward_is_one_line_not_zero():
+    """Before: the episode's reward was 0.0, silently (the NaN arrives as null)."""
+    with serving(max_sessions=4, env=NaNReward) as (url, server):
+        env = load_environment(f"openenv:{url}")()
+        env.reset({}, 0)
+        with pytest.raises(TetherError, match=r"^OpenEnv: the server sent no reward \(null\) "
+                                              r"with done; .* a NaN reward as null"):
+            env.step("5")
+        wait_closed(server)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -97,11 +97,26 @@ def test_retries_tell_a_wrong_answer_and_score_the_last_one():
     ("reasoning-gym:leg_counting?system=pirate", "give one of DeepSeekZero"),
     ("reasoning-gym:leg_counting?size", "option 'size' is not key=value"),
     ("reasoning-gym:", "names no dataset"),
+    # issue 48: before, a ZeroDivisionError or reasoning-gym's own assertion, inside the adapter
+    ("reasoning-gym:leg_counting?size=0", "size=0; give a whole number >= 1"),
+    ("reasoning-gym:leg_counting?size=-1", "size=-1; give a whole number >= 1"),
+    ("reasoning-gym:leg_counting?size=abc", "size='abc'; give a whole number >= 1"),
+    ("reasoning-gym:leg_counting?seed=abc", "seed='abc'; give a whole number"),
 ])
 def test_a_bad_spec_is_one_line_naming_it(spec, message):
     with pytest.raises(TetherError, match=message.replace("?", r"\?")) as caught:
         load_environment(spec)
     assert str(caught.value).startswith(f"--env {spec}") and "\n" not in str(caught.value)
+
+
+def test_attempts_beyond_max_turns_are_refused():
+    """Before: accepted, and the attempts past --max-turns never happened."""
+    spec = "reasoning-gym:leg_counting?attempts=3"
+    with pytest.raises(TetherError, match=r"^--env reasoning-gym:leg_counting\?attempts=3: "
+                                          r"attempts=3 needs up to 3 turns, and --max-turns 1 "
+                                          r"ends each episode before them; raise --max-turns to 3"):
+        load_environment(spec, max_turns=1)
+    assert load_environment(spec, max_turns=3)().reset({}, 0)  # enough turns: as before
 
 
 def test_options_are_typed_as_the_dataset_s_config():

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from episode_helpers import Scripted, scripted_episodes
@@ -222,3 +223,76 @@ def test_the_schemas_reach_the_first_prompt(tokenizer):
     assert json.dumps(schemas[0]) in engine.contexts[0]
     assert engine.contexts[0] == render_chat(
         tokenizer, [{"role": "user", "content": ROWS[0]["prompt"]}], True, tools=schemas)
+
+
+HERE = os.path.relpath(__file__)  # the tool's file, as a tool's error names it
+
+
+def pair(a: int, b: int) -> set:
+    """Both numbers, as a set.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return {a, b}
+
+
+def raw(a: int, b: int) -> bytes:
+    """Both numbers, as bytes.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return bytes([a, b])
+
+
+async def later(a: int, b: int) -> int:
+    """Add two integers, on the event loop.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def wrapped(a: int, b: int) -> int:
+    """Add two integers: a plain function handing back an async one's coroutine (a decorator).
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return later(a, b)
+
+
+async def later_set(a: int, b: int) -> set:
+    """Both numbers, as a set, on the event loop.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return {a, b}
+
+
+@pytest.mark.parametrize("tool, says", [
+    (pair, f"error: pair ({HERE}:{pair.__code__.co_firstlineno}) returned a set, which is not "
+           "JSON; return a str or JSON data"),
+    (raw, f"error: raw ({HERE}:{raw.__code__.co_firstlineno}) returned a bytes, which is not"),
+    (later_set, f"error: later_set ({HERE}:{later_set.__code__.co_firstlineno}) returned a set"),
+    (later, "5"),  # an `async def` tool is awaited on the process's loop, as async rewards are
+    (wrapped, "5"),  # and so is the coroutine a plain function returns
+], ids=["set", "bytes", "async-set", "async", "async-wrapped"])
+def test_a_result_json_cannot_write_is_the_tool_s_error(tokenizer, tool, says):
+    """Before: the run stopped, blaming tether's own factory and json's encoder.py."""
+    call = CALL.replace('"add"', f'"{tool.__name__}"')
+    make_env, schemas = tools_environment([tool], says_five, tokenizer)
+    engine = Scripted(tokenizer, two_turns(call))
+    out = scripted_episodes(engine, make_env, ROWS, tools=schemas, max_observation=200)
+    assert out.records[0]["turns"] == 2 and out.records[0]["reward"] == 1.0  # it went on
+    response = engine.contexts[1].split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+    assert response == says if says == "5" else response.startswith(says), response
+    assert out.stats["env/tool_errors"] == (0 if says == "5" else 1)

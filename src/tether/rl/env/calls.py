@@ -60,6 +60,10 @@ class EnvCalls:
         envs = self.gather([self.factory] * count, [f"make_env() for episode {i}"
                                                      for i in range(count)])
         for env in envs:
+            if isinstance(env, type):  # its methods unbound: reset(row, seed) would miss a seed
+                raise TetherError(f"environment factory {self.name} returned the class "
+                                  f"{env.__name__}, not an environment; return {env.__name__}() "
+                                  "(or pass the class itself as the factory)")
             if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
                 raise TetherError(f"environment factory {self.name} returned a "
                                   f"{type(env).__name__}, which has no reset(row, seed) and "

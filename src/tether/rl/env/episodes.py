@@ -24,6 +24,7 @@ it out: a one-turn environment gives what a reward function gives, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -35,6 +36,7 @@ from tether.rl.env.calls import EnvCalls, checked_prompt, checked_step
 from tether.rl.env.render import Renderer
 from tether.rl.rollout import Rollout, Sampling, apply_stop_strings, left_pad, right_padded
 from tether.run.distributed import global_max
+from tether.run.user_code.load import defined_at, own_file, raised
 
 
 @dataclass(frozen=True)
@@ -326,12 +328,28 @@ def _stats(episodes: list[Episode]) -> dict[str, float]:
     after = [e.after_prompt() for e in episodes]
     own: dict[str, float] = {}
     for e in episodes:
-        report = getattr(e.env, "metrics", None)
-        for key, value in (report() if callable(report) else {}).items():
-            own[f"env/{key}"] = own.get(f"env/{key}", 0.0) + float(value) / n
+        for key, value in _own_metrics(e.env).items():
+            own[f"env/{key}"] = own.get(f"env/{key}", 0.0) + value / n
     return own | {"env/turns": sum(len(e.rewards) for e in episodes) / n,
             "env/action_tokens": sum(sampled) / n,
             "env/observation_tokens": sum(a - s for a, s in zip(after, sampled)) / n,
             "env/done_rate": sum(e.done for e in episodes) / n,
             "env/segments": sum(len(e.segments) - 1 for e in episodes) / n,
             "env/cut_observations": sum(e.cut_observations for e in episodes) / n}
+
+
+def _own_metrics(env) -> dict[str, float]:
+    """What the environment's optional `metrics()` reports, {name: number}; anything else (a
+    str, a dict of text), or a raise, is one line naming its class and file."""
+    report = getattr(env, "metrics", None)
+    if not callable(report):
+        return {}
+    where = f"metrics() of environment {type(env).__qualname__} ({defined_at(report)})"
+    try:
+        values = report()
+    except Exception as exc:  # noqa: BLE001 - the user's code, on one line
+        raise TetherError(f"{where} raised {raised(exc, own_file(report))}; fix it") from exc
+    with suppress(AttributeError, TypeError, ValueError):  # no .items(), or not numbers
+        return {key: float(value) for key, value in values.items()}
+    raise TetherError(f"{where} returned a {type(values).__name__} {str(values)[:60]!r}; "
+                      "return a dict of {name: number} (docs/agents.md)")

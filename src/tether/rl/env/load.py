@@ -26,13 +26,20 @@ ADAPTERS: dict[str, Callable[[str, dict[str, str], str], Callable]] = {
 }
 
 
-def load_environment(spec: str) -> Callable:
-    """The environment factory `spec` (an --env value) names."""
+def load_environment(spec: str, max_turns: int = 0) -> Callable:
+    """The environment factory `spec` (an --env value) names. An adapter's whose episodes need
+    more turns than `max_turns` (--max-turns; 0: unchecked) allows is refused."""
     prefix, sep, rest = spec.partition(":")
     if not sep or prefix not in ADAPTERS:
         return load_function(spec, "environment factory")
     target, _, query = rest.partition("?")
-    return ADAPTERS[prefix](target, parse_options(query, spec), spec)
+    factory = ADAPTERS[prefix](target, parse_options(query, spec), spec)
+    attempts = getattr(factory, "attempts", 1)  # reasoning-gym's: a turn per attempt
+    if max_turns and attempts > max_turns:
+        raise TetherError(f"--env {spec}: attempts={attempts} needs up to {attempts} turns, and "
+                          f"--max-turns {max_turns} ends each episode before them; raise "
+                          f"--max-turns to {attempts}, or lower attempts")
+    return factory
 
 
 def parse_options(query: str, where: str) -> dict[str, str]:

@@ -7,12 +7,13 @@ drives one session: `reset(**kwargs)` and `step(action)` each return a `StepResu
 
     reset(row, seed)   client.reset(**reset(row, seed)) (default `seed=seed`: the k samples of
                        a prompt meet the same task); its observation as the first prompt
-    step(text)         client.step(action(text)); reward None counts 0.0; done ends the episode
-                       and closes the session. An episode tether truncates (--max-turns, its
-                       token budget) is never told it ended: its session closes at the end of
-                       its batch (tether calls every environment's `close()`; a finalizer
-                       closes it too, should a failed batch drop it), so sessions do not pile
-                       up on the server.
+    step(text)         client.step(action(text)); reward None counts 0.0, but with done it is
+                       refused (OpenEnv's JSON writes a NaN reward as null, so a missing final
+                       reward may be a NaN); done ends the episode and closes the session. An
+                       episode tether truncates (--max-turns, its token budget) is never told
+                       it ended: its session closes at the end of its batch (tether calls every
+                       environment's `close()`; a finalizer closes it too, should a failed
+                       batch drop it), so sessions do not pile up on the server.
 
     make_env = openenv_environment(lambda: MyEnv(base_url=URL), action=MyAction)
     --env openenv:http://127.0.0.1:8000?action=message&observation=text&chat=true
@@ -108,7 +109,7 @@ class OpenEnvEpisode:
         self.close = weakref.finalize(self, _close_in_background, client)
 
     def reset(self, row: dict, seed: int) -> str | list[dict]:
-        result = _called(lambda: self.client.reset(**self.begin(row, seed)))
+        result = _called(lambda: self.client.reset(**self.begin(row, seed)), opening=True)
         first = self.observation(result.observation)
         return [{"role": "user", "content": first}] if self.chat and isinstance(first, str) \
             else first
@@ -118,26 +119,37 @@ class OpenEnvEpisode:
         done = bool(result.done)
         if done:
             self.close()
+        if result.reward is None and done:  # OpenEnv's JSON writes a NaN reward as null
+            raise TetherError("OpenEnv: the server sent no reward (null) with done; its JSON "
+                              "writes a NaN reward as null, and a failed episode is a low reward, "
+                              "not NaN: return a finite float from the step that ends it")
         reward = 0.0 if result.reward is None else float(result.reward)
         return (None if done else self.observation(result.observation)), reward, done
 
 
-def _called(call: Callable[[], Any]) -> Any:
+def _called(call: Callable[[], Any], opening: bool = False) -> Any:
     """`call()`, with the failures a user fixes outside their code said in one line: no server,
-    and a full one. A full server answers a new session with an error and closes it at once:
-    the client reads the error, or, when the close overtakes its first message, a closed
-    connection (websockets' ConnectionClosed)."""
+    a full one, and one that went away. A full server answers a new session (`opening`: its
+    first call) with an error and closes it at once, cleanly (code 1000): the client reads the
+    error, or, when the close overtakes its first message, a closed connection (websockets'
+    ConnectionClosed). A server that stops or dies closes its sessions otherwise (1012 from a
+    restart, 1006 from a crash), at any call."""
     from websockets.exceptions import ConnectionClosed  # openenv-core's own dependency
 
     try:
         return call()
-    except ConnectionError as exc:
+    except ConnectionError as exc:  # refused: nothing listens there
         raise TetherError(f"OpenEnv: {exc}; start the server or fix its URL") from exc
     except (RuntimeError, ConnectionClosed) as exc:
-        full = "CAPACITY_REACHED" in str(exc)
-        if not (full or isinstance(exc, ConnectionClosed)):
+        if "CAPACITY_REACHED" in str(exc):
+            what = str(exc)
+        elif not isinstance(exc, ConnectionClosed):
             raise
-        what = str(exc) if full else f"the server closed the session ({exc}), as a full one does"
+        elif opening and getattr(exc.rcvd, "code", None) == 1000:
+            what = f"the server closed the new session ({exc}), as a full one does"
+        else:
+            raise TetherError(f"OpenEnv: the session ended ({exc}): the server stopped, "
+                              "crashed or restarted; see its log and start it again") from exc
         raise TetherError(f"OpenEnv: {what}; tether holds one session per episode of a batch at "
                           "once: start the server with max_concurrent_envs >= that, or lower "
                           "--batch-size (else see the server's log)") from exc

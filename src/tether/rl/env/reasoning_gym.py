@@ -81,8 +81,10 @@ def _factory(dataset: str, attempts: Any, system: str, config: dict[str, Any],
     if unknown:
         raise TetherError(f"{needed_by}: {dataset} has no option {unknown[0]!r}; its options are "
                           f"{', '.join(OWN_OPTIONS + tuple(fields))}")
-    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
-        raise TetherError(f"{needed_by}: attempts={attempts!r}; give a whole number >= 1")
+    _whole(needed_by, "attempts", attempts, 1)
+    _whole(needed_by, "size", config.get("size", 1), 1)  # entry `seed % size` of the dataset
+    if config.get("seed") is not None:  # None: reasoning-gym draws one
+        _whole(needed_by, "seed", config["seed"])
     prompts = utils.SYSTEM_PROMPTS
     if system != "none" and system not in prompts:
         raise TetherError(f"{needed_by}: system={system!r} is not one of reasoning-gym's system "
@@ -100,7 +102,15 @@ def _factory(dataset: str, attempts: Any, system: str, config: dict[str, Any],
         return ReasoningGymEpisode(shared, attempts, opening)
     # tether names a factory `module:qualname` in its errors: here `reasoning-gym:<dataset>`
     make_env.__module__, make_env.__qualname__ = "reasoning-gym", dataset
+    make_env.attempts = attempts  # the turns an episode may need (tether.rl.env.load)
     return make_env
+
+
+def _whole(needed_by: str, key: str, value: Any, least: int | None = None) -> None:
+    """A whole-number option (at least `least`), or one line naming it and what it takes."""
+    if not isinstance(value, int) or isinstance(value, bool) or least is not None and value < least:
+        raise TetherError(f"{needed_by}: {key}={value!r}; give a whole number"
+                          + (f" >= {least}" if least is not None else ""))
 
 
 def _config_fields(rg, dataset: str, needed_by: str) -> list[str]:

@@ -9,8 +9,9 @@ calls them, reads their results, and answers.
                `parse_response`), else the format a probe call renders in (`<tool_call>{...}
                </tool_call>` of Hermes and Qwen, Mistral's `[TOOL_CALLS][...]`, a bare JSON
                call as Llama 3.1 writes it)
-    results    each call's result as a `tool` message. Bad JSON, an unknown tool, arguments the
-               function refuses, a tool that raises (or calls sys.exit), or one that does not
+    results    each call's result as a `tool` message (a str as it is, else as JSON). Bad JSON,
+               an unknown tool, arguments the function refuses, a tool that raises (or calls
+               sys.exit), returns what JSON cannot write (a set, bytes), or does not
                return within --env-timeout seconds go back to the model as that tool message
                ("error: ..."), counted in `env/tool_errors`; they never stop the run (a tool's
                hang is the model's observation, as a slow web search is an agent's; the first
@@ -41,7 +42,7 @@ from tether.data.chat import chat_messages, render_chat
 from tether.errors import TetherError
 from tether.rl.reward.functions import RewardFunctions, reward_from_functions
 from tether.run.user_code.calls import Call, Runner
-from tether.run.user_code.load import function_name, is_async_function, raised
+from tether.run.user_code.load import defined_at, function_name, is_async_function, raised
 
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -183,8 +184,13 @@ class ToolsEnv:
             return {"role": "tool", "name": name,
                     "content": f"error: {name} did not return within {self.timeout:g} s"}
         result = outcome.value
-        return {"role": "tool", "name": name,
-                "content": result if isinstance(result, str) else json.dumps(result)}
+        try:  # a set, bytes or an object JSON cannot write is the tool's failure too
+            content = result if isinstance(result, str) else json.dumps(result)
+        except (TypeError, ValueError):
+            self.counts["tool_errors"] += 1
+            content = (f"error: {name} ({defined_at(fn)}) returned a {type(result).__name__}, "
+                       "which is not JSON; return a str or JSON data")
+        return {"role": "tool", "name": name, "content": content}
 
     def _say_hung(self, name: str) -> None:
         if name not in self.hung:
@@ -216,4 +222,6 @@ def tools_environment(tools: Sequence[Callable], reward: RewardFunctions | Calla
 
     def make_env() -> ToolsEnv:
         return ToolsEnv(functions, schemas, form, reward, tokenizer, timeout, hung)
+    # tether names a factory `module:qualname` in its errors: here `--tools:add,lookup`
+    make_env.__module__, make_env.__qualname__ = "--tools", ",".join(functions)
     return make_env, schemas

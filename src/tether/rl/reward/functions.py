@@ -209,10 +209,15 @@ def takes_trl_arguments(fn: Callable, columns: Sequence[str]) -> bool:
     names = {p.name for p in parameters}
     if names & {"completions", "completion_ids", "trainer_state"}:
         return True
-    required = {p.name for p in parameters if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return (any(p.kind is p.VAR_KEYWORD for p in parameters)
-            and required <= {"prompts", *columns})
+            and required_parameters(fn) <= {"prompts", *columns})
+
+
+def required_parameters(fn: Callable) -> set[str]:
+    """The names `fn` cannot be called without (no default, not `*args` or `**kwargs`)."""
+    return {p.name for p in inspect.signature(fn).parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def row_prompt(row: dict, text: str) -> Prompt:
@@ -285,6 +290,14 @@ class RewardFunctions:
         trl = [takes_trl_arguments(f.fn, columns) for f in self.functions]
         keywords = (trl_arguments(prompts, responses, rows, completion_ids, self.state)
                     if any(trl) else None)
+        for f in (f for f, t in zip(self.functions, trl) if t):
+            missing = sorted(required_parameters(f.fn) - set(keywords) - set(TRL_ARGUMENTS))
+            if missing:  # TRL passes the dataset's columns by name: one the rows lack, named
+                raise TetherError(f"{self.what} {function_name(f.fn)} takes {missing[0]!r}, a "
+                                  "column the prompt file's rows lack (they have: "
+                                  f"{', '.join(columns) or 'none'}); add {missing[0]!r} to every "
+                                  "row of the --prompts file (and of --eval-prompts), or give "
+                                  "the parameter a default")
         return [keywords if t else None for t in trl]
 
     def summed(self, parts: dict[str, torch.Tensor], prompts: list[str],

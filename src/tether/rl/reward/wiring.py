@@ -72,7 +72,7 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
         if env is not None and cfg.env not in ("", function_name(env)):
             raise TetherError("give the environment once: --env or the Python env argument")
         check_episode_reward(cfg, bool(proxies), env_given=True)
-        env = env or load_environment(cfg.env)
+        env = env or load_environment(cfg.env, cfg.max_turns)
     else:
         check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
         if len(proxies) > 1 or training and not proxies:

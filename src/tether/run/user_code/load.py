@@ -3,6 +3,7 @@
     fn = load_function("task.py:score", "reward function")   # or "module:function"
     function_name(fn)       # "task:score", what every error line calls it
     raised(exc, own_file(fn))   # "ValueError: bad row (at task.py:12)"
+    defined_at(fn)          # "task.py:9", where it is written
 
 Loading runs the named file's code, as `python` would: the current directory first on the
 import path, as `python -m` puts it, so `--gold-fn task:gold` finds ./task.py from the `tether`
@@ -80,20 +81,35 @@ def raised(exc: BaseException, own_file: str | None = None) -> str:
     own = [f for f in frames if own_file and f.filename == own_file]
     if own or frames:
         frame = (own or frames)[-1]
-        where = os.path.relpath(frame.filename)
-        what += f" (at {frame.filename if where.startswith('..') else where}:{frame.lineno})"
+        what += f" (at {_shown(frame.filename)}:{frame.lineno})"
     return what
+
+
+def _shown(path: str) -> str:
+    """`path` relative to the current directory, unless it lies outside it."""
+    where = os.path.relpath(path)
+    return path if where.startswith("..") else where
 
 
 def function_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def _code(fn: Callable):
+    """The code object of `fn`, or of a callable object's `__call__`; None for a builtin."""
+    return (getattr(fn, "__code__", None)
+            or getattr(vars(type(fn)).get("__call__"), "__code__", None))
+
+
 def own_file(fn: Callable) -> str | None:
     """The file `fn` is written in (its traceback line worth naming, `raised`), or None."""
-    code = (getattr(fn, "__code__", None)  # a function; else a callable object's __call__
-            or getattr(vars(type(fn)).get("__call__"), "__code__", None))
-    return getattr(code, "co_filename", None)
+    return getattr(_code(fn), "co_filename", None)
+
+
+def defined_at(fn: Callable) -> str:
+    """`task.py:12`, where `fn` is written (the file as `raised` names it), or '?'."""
+    code = _code(fn)
+    return f"{_shown(code.co_filename)}:{code.co_firstlineno}" if code else "?"
 
 
 def is_async_function(fn: Callable) -> bool:
