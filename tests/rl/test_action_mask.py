@@ -108,7 +108,7 @@ def test_a_hole_gets_no_kl_and_the_score_sits_on_the_last_sampled_token(family, 
     cfg, setup = setup_for(request.getfixturevalue(family), prompts_file, advantage="gae",
                            samples_per_prompt=1)
     rollout, hole = with_holes(sampled(cfg, setup))
-    old = score_batch(setup.roles, setup.reference, rollout, 8, 8, True)
+    old = score_batch(setup.roles, setup.reference, rollout, setup.spec)
     # pi_old, the reference, the values, the entropy and the exact KL say nothing at the hole
     for name in ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl"):
         assert bool((getattr(old, name)[hole] == 0).all()), name
@@ -140,7 +140,7 @@ def test_a_hole_gets_exactly_zero_gradient_from_every_loss_term(family, estimato
                            samples_per_prompt=1, kl_in="loss", kl_estimator=estimator,
                            beta=0.5)
     rollout, hole = with_holes(sampled(cfg, setup))
-    old = score_batch(setup.roles, setup.reference, rollout, 8, 8, True)
+    old = score_batch(setup.roles, setup.reference, rollout, setup.spec)
     gen = torch.Generator().manual_seed(2)
     advantages = torch.randn(hole.shape, generator=gen) * rollout.action_mask
     returns = torch.randn(hole.shape, generator=gen) * rollout.action_mask

@@ -244,7 +244,8 @@ def test_token_budget_cut_over_two_ranks_by_hand():
     budget 1 (every row alone): LPT gives rank 0 row 0 (10) and rank 1 rows 1-3 (3 + 3 + 3 = 9),
     so rank 0 runs its row and then the borrowed row twice."""
     from tether.rl.rollout import Rollout
-    from tether.rl.update import UpdateSpec, micro_batches_of
+    from tether.rl.scoring import micro_batches_of
+    from tether.rl.update import UpdateSpec
     from tether.run.distributed import Dist
 
     attention = torch.zeros(4, 12, dtype=torch.long)
@@ -263,3 +264,22 @@ def test_token_budget_cut_over_two_ranks_by_hand():
     cuts = [[(rows.tolist(), real) for rows, real in
              micro_batches_of(rollout, index, spec, Dist(rank=r, world_size=2))] for r in (0, 1)]
     assert cuts == [[([0], True), ([0], False)], [([1, 2], True), ([3], True)]]
+
+
+def test_uneven_shares_of_rows_over_two_ranks_by_hand():
+    """A minibatch of 5 rows (episodes split into segments) over 2 ranks in micro-batches of 1
+    row: rank 0 takes rows 0-1, rank 1 rows 2-4, and rank 0 runs a borrowed row marked not real,
+    so both call the model 3 times (FSDP2 hangs otherwise)."""
+    from tether.rl.rollout import Rollout
+    from tether.rl.scoring import micro_batches_of
+    from tether.rl.update import UpdateSpec
+    from tether.run.distributed import Dist
+
+    rollout = Rollout(torch.zeros(5, 4, dtype=torch.long), torch.ones(5, 4, dtype=torch.long),
+                      torch.ones(5, 2, dtype=torch.bool), torch.ones(5, dtype=torch.bool), 2)
+    spec = UpdateSpec(micro_rows=1)
+    cuts = [[(rows.tolist(), real) for rows, real in
+             micro_batches_of(rollout, torch.arange(5), spec, Dist(rank=r, world_size=2))]
+            for r in (0, 1)]
+    assert cuts == [[([0], True), ([1], True), ([0], False)],
+                    [([2], True), ([3], True), ([4], True)]]

@@ -8,8 +8,9 @@ arithmetic between model calls is not:
                                the rows' own noise (`rollout.sampling_uniforms`): invariant to W
     reward                     rank r scores the rows it sampled
     gather                     every rank gets the whole rollout and its scores (`gather_rollout`)
-    score (old, ref, values)   rank r scores the rows it will update in epoch 0 (`epoch0_rows`),
-                               then every rank gets all of them back in global order
+    score (old, ref, values)   rank r scores the rows it will update in epoch 0, in that epoch's
+                               micro-batches (`scoring.micro_batches_of`), then every rank gets
+                               all of them back in global order
     shaping, advantages,       computed on the global batch by every rank alike, so score
     KL controller, metrics     normalisation, whitening, reinforce++, group statistics, beta and
                                every logged number are the one-process ones, and the same bit for
@@ -41,7 +42,6 @@ from tether.rl.reward import FailedRows
 from tether.rl.rollout import Rollout, episode_numbers, padded_to
 from tether.run import distributed
 from tether.run.distributed import Dist
-from tether.run.slicing import epoch0_rows
 
 
 class Roles:
@@ -150,17 +150,6 @@ def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows
         causes = dict(distributed.all_gather_objects(
             [(row + offset, why) for row, why in failed.causes.items()], d))
     return FailedRows(mask, gather_rows(failed.retries, d), causes)
-
-
-def gather_in_order(part: torch.Tensor, batch: int, minibatch: int, d: Dist) -> torch.Tensor:
-    """[batch, ...] from each rank's rows `epoch0_rows(rank)`, put back in global row order."""
-    if not d.active:
-        return part
-    rows = torch.cat([epoch0_rows(batch, minibatch, d, r) for r in range(d.world_size)])
-    gathered = distributed.all_gather_rows(part, d)
-    out = torch.empty_like(gathered)
-    out[rows.to(gathered.device)] = gathered
-    return out
 
 
 def sum_stats(stats: dict[str, float], d: Dist) -> dict[str, float]:

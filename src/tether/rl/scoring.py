@@ -5,7 +5,8 @@ Notation: B rollout batch, b a micro-batch's rows, R response width, d hidden si
     policy_and_values    the policy's log-probs (entropies, hidden states) and the critic's values:
                          the one forward both passes below run, so the first epoch's ratio is 1
     score_batch          no gradient: pi_old, the reference, V_old, the entropy and the exact KL of
-                         the global batch (`Scored`), each rank its first-epoch rows
+                         the global batch (`Scored`), each rank its first-epoch rows in the cuts
+                         of `micro_batches_of` (the update's micro-batches)
     update_forward       with gradients: what the loss reads of the current policy and critic on a
                          micro-batch (`Forward`), run inside the DDP/FSDP2 wrapper by the update
     scored_from_forward  pi_old read off the update's own forward, when one forward is both
@@ -42,10 +43,11 @@ from tether.models.trunk_head import (
     score_responses,
     trunk_and_head,
 )
-from tether.rl.roles import Roles, gather_in_order
+from tether.rl.roles import Roles
 from tether.rl.rollout import Rollout
 from tether.run import distributed
-from tether.run.slicing import chunks, epoch0_rows, token_parts
+from tether.run.distributed import Dist
+from tether.run.slicing import chunks, rank_slice, token_parts
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -135,50 +137,46 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
 
 
-def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, minibatch_size: int,
-                micro_rows: int, chunked: bool, packed: bool = False,
-                micro_tokens: int = 0) -> Scored:
+def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, spec) -> Scored:
     """pi_old, the reference and the critic on the global rollout's tokens: each rank scores the
-    rows it updates in the first epoch, in its micro-batches of `micro_rows` rows (so that
-    epoch's ratio is exactly 1), and every rank gets all rows back in order. `micro_tokens` > 0:
-    each minibatch in the micro-batches of that many tokens the first epoch's update cuts, on
-    the ranks it deals them to (`tether.run.slicing.token_parts`), for the same reason."""
-    d = roles.dist
-    if micro_tokens:
-        return roles.peek(lambda policy, critic: _score_by_tokens(
-            policy, reference, critic, rollout, minibatch_size, micro_tokens, chunked, packed, d))
-    rows = epoch0_rows(len(rollout), minibatch_size, d).to(rollout.input_ids.device)
-    mine = roles.peek(lambda policy, critic: score_rollout(
-        policy, reference, critic, rollout.select(rows), None, micro_rows, chunked, packed))
-    return Scored(*(gather_in_order(getattr(mine, name), len(rollout), minibatch_size, d)
-                    for name in SCORED))
+    rows it updates in the first epoch, in that epoch's micro-batches (`micro_batches_of`: of
+    `spec.micro_rows` rows or `spec.micro_batch_tokens` tokens; `spec`: the update's
+    `tether.rl.update.UpdateSpec`), so that epoch's ratio is exactly 1, and every rank gets all
+    rows back in order."""
+    d, device = roles.dist, rollout.input_ids.device
+
+    def scored(policy: nn.Module, critic: nn.Module | None) -> Scored:
+        rows, parts = [], []  # this rank's rows, in turn, and their scores
+        for minibatch in chunks(len(rollout), spec.minibatch_size):
+            index = torch.arange(len(rollout), device=device)[minibatch]
+            for micro, real in micro_batches_of(rollout, index, spec, d):
+                part = score_rollout(policy, reference, critic, rollout.select(micro), None,
+                                     len(micro), spec.chunked_lm_head, spec.pack)
+                if real:
+                    rows.append(micro)
+                    parts.append(part)
+        back = torch.argsort(distributed.all_gather_rows(torch.cat(rows), d))  # row i's place
+        return Scored(*(distributed.all_gather_rows(torch.cat([getattr(p, name) for p in parts]),
+                                                    d)[back] for name in SCORED))
+    return roles.peek(scored)
 
 
-def _score_by_tokens(policy: nn.Module, reference: nn.Module, critic: nn.Module | None,
-                     rollout: Rollout, minibatch_size: int, micro_tokens: int, chunked: bool,
-                     packed: bool, d) -> Scored:
-    """`score_rollout` over each minibatch of the rollout order in its token-budget micro-batches
-    (rows regrouped by length; this rank's, a borrowed row for an empty one), every rank's rows
-    gathered and put back in order."""
-    device = rollout.input_ids.device
-    lengths = rollout.attention_mask.sum(dim=1).tolist()
-    scored_by: list[list[int]] = [[] for _ in range(d.world_size)]  # each rank's rows, in turn
-    parts = []  # this rank's scores
-    for rows in chunks(len(rollout), minibatch_size):
-        index = list(range(len(rollout)))[rows]
-        cuts = token_parts([lengths[i] for i in index], micro_tokens, d)
-        for rank, cut in enumerate(cuts):
-            scored_by[rank] += [index[j] for part in cut for j in part]
-        for part in cuts[d.rank]:
-            micro = torch.tensor([index[j] for j in part or [0]], device=device)
-            scored = score_rollout(policy, reference, critic, rollout.select(micro), None,
-                                   len(micro), chunked, packed)
-            if part:
-                parts.append(scored)
-    local = [torch.cat([getattr(p, name) for p in parts]) for name in SCORED]
-    order = torch.tensor([i for rows in scored_by for i in rows], device=device)
-    back = torch.argsort(order)  # row i's place among the gathered rows
-    return Scored(*(distributed.all_gather_rows(t, d)[back] for t in local))
+def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec, d: Dist
+                     ) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's micro-batches of the minibatch `index` (global rows), as (rows, real): its
+    contiguous share in runs of `spec.micro_rows` rows, as many on every rank (a rank whose
+    share is a row short, in a batch of episodes split into segments, runs a borrowed row that
+    is not real: its loss counts 0); or with `spec.micro_batch_tokens` the token-budget cut,
+    rows dealt to the ranks for even token sums (`token_parts`), where a rank's empty turn runs
+    a borrowed row too. `score_batch` scores the first epoch in these cuts."""
+    if not spec.micro_batch_tokens:
+        mine = index[rank_slice(len(index), d)]
+        parts = [(mine[rows], True) for rows in chunks(len(mine), spec.micro_rows)]
+        most = len(chunks(-(-len(index) // d.world_size), spec.micro_rows))  # the largest share's
+        return parts + [(index[:1], False)] * (most - len(parts))
+    lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
+    cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
+    return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]
 
 
 def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,
@@ -315,8 +313,7 @@ def score_old(roles: Roles, reference: nn.Module, rollout: Rollout, spec, forwar
     device = rollout.input_ids.device
     if not one_pass:
         with autocast(spec.mixed_precision, device):
-            return score_batch(roles, reference, rollout, spec.minibatch_size, spec.micro_rows,
-                               spec.chunked_lm_head, spec.pack, spec.micro_batch_tokens), None
+            return score_batch(roles, reference, rollout, spec), None
     with autocast(spec.mixed_precision, device):
         ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
     started = time.perf_counter()  # the update's forward is this batch's scoring pass too

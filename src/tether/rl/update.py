@@ -43,17 +43,23 @@ import torch
 from torch import nn
 
 from tether.advantages import AdvantageSpec, estimate_advantages, kl_shaped_rewards
-from tether.errors import TetherError
 from tether.kl import KLPlacement
 from tether.losses import PolicyLoss, exact_kl_penalty, kl_penalty, policy_loss, value_loss
 from tether.models.forward import autocast
 from tether.rl.engines.mismatch import Correction, engine_mismatch
 from tether.rl.roles import Roles, sum_stats
 from tether.rl.rollout import Rollout
-from tether.rl.scoring import Forward, Forwards, Scored, score_old, update_mode
+from tether.rl.scoring import (
+    Forward,
+    Forwards,
+    Scored,
+    micro_batches_of,
+    score_old,
+    update_mode,
+)
 from tether.run.distributed import Dist
 from tether.run.optim import backward, clip_and_step
-from tether.run.slicing import chunks, rank_slice, token_parts
+from tether.run.slicing import chunks, micro_rows
 
 
 @dataclass(frozen=True)
@@ -87,15 +93,13 @@ class UpdateSpec:
     def for_batch(self, rows: int, d: Dist) -> UpdateSpec:
         """The sizes for a batch of `rows` rows: as configured, unless a chat template split
         episodes into segments and the batch holds more rows; it then keeps --num-minibatches,
-        each minibatch a little longer (under torchrun the ranks would get unequal shares)."""
+        each minibatch a little longer (under torchrun the ranks' shares of it may differ by a
+        row: `micro_batches_of` gives each as many micro-batches)."""
         if rows == self.minibatch_size * self.num_minibatches:
             return self
-        if d.active:
-            raise TetherError("a chat template split episodes into segments (it is not "
-                              "append-only), which tether cannot yet train under torchrun; use "
-                              "an append-only template, or one process")
         minibatch = -(-rows // self.num_minibatches)
-        return replace(self, minibatch_size=minibatch, micro_rows=self.micro_batch_size or minibatch)
+        return replace(self, minibatch_size=minibatch,
+                       micro_rows=micro_rows(self.micro_batch_size, minibatch, d))
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -360,7 +364,8 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
                                           roles.critic is not None)
             loss = loss if real else loss * 0.0  # a borrowed row: the call, not the gradient
             backward(loss * d.grad_scale if d.active else loss, d)
-        if not real:
+        if not real:  # its stats count 0, but every rank sums the same keys (`sum_stats`)
+            sums |= {key: sums.get(key, 0.0) for key in stats}
             continue
         weights = {key: int(part.loss_mask.sum()) for key in POLICY_MEANS}
         weights |= {key: int(part.action_mask.sum()) for key in VALUE_MEANS}
@@ -370,18 +375,3 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     totals = {key: counts.tokens for key in POLICY_MEANS} | {key: counts.value_tokens
                                                               for key in VALUE_MEANS}
     return {key: value / max(totals.get(key, 1), 1) for key, value in sums.items()}
-
-
-def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec: UpdateSpec, d: Dist
-                     ) -> list[tuple[torch.Tensor, bool]]:
-    """This rank's micro-batches of the minibatch `index` (global rows), as (rows, real): its
-    contiguous share in runs of `spec.micro_rows` rows; or with `spec.micro_batch_tokens` the
-    token-budget cut, rows dealt to the ranks for even token sums (`token_parts`, the cut
-    `score_batch` scored the first epoch in), where a rank's empty turn runs a borrowed row that
-    is not real (its loss counts 0)."""
-    if not spec.micro_batch_tokens:
-        mine = index[rank_slice(len(index), d)]
-        return [(mine[rows], True) for rows in chunks(len(mine), spec.micro_rows)]
-    lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
-    cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
-    return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]

@@ -1,6 +1,5 @@
 """Every split of a batch into rows, in one place: each rank's contiguous slice of a global batch,
-its micro-batches (of rows, or of a token budget), the chunks of a scoring pass, and the rows a
-rank updates in PPO's first epoch.
+its micro-batches (of rows, or of a token budget) and the chunks of a scoring pass.
 
 Token-budget micro-batches. A micro-batch of a fixed row count holds anywhere between a few
 short rows' and a few long rows' tokens; its memory is set by its tokens. `token_budget_cut` cuts
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -120,8 +118,9 @@ def gather_outputs(fn: Callable[[list[int]], torch.Tensor], n: int, chunk_size: 
 
 def micro_rows(micro_batch_size: int, minibatch_size: int, d: Dist) -> int:
     """Rows per forward on a rank: `micro_batch_size` (--micro-batch-size, per rank), or 0 for the
-    rank's whole share of a minibatch of `minibatch_size` global rows."""
-    return micro_batch_size or minibatch_size // d.world_size
+    rank's whole share of a minibatch of `minibatch_size` global rows (the largest share, where
+    the ranks' shares differ: episodes split into segments)."""
+    return micro_batch_size or -(-minibatch_size // d.world_size)
 
 
 def token_parts(lengths: list[int], budget: int, d: Dist) -> list[list[list[int]]]:
@@ -132,15 +131,6 @@ def token_parts(lengths: list[int], budget: int, d: Dist) -> list[list[list[int]
     to run a borrowed row whose loss counts 0 (every rank calls the wrapped model equally often).
     One process: `token_budget_cut` of the whole minibatch."""
     return rank_token_cuts(lengths, budget, d.world_size)
-
-
-def epoch0_rows(batch: int, minibatch: int, d: Dist, rank: int | None = None) -> torch.Tensor:
-    """The global rows rank `rank` (default: this one) updates in the first epoch: its share of
-    each minibatch of the rollout order. Scoring these rows in the update's micro-batches keeps
-    the first epoch's ratio exactly 1."""
-    d = d if rank is None else replace(d, rank=rank)
-    return torch.cat([torch.arange(start, min(start + minibatch, batch))[
-        rank_slice(min(minibatch, batch - start), d)] for start in range(0, batch, minibatch)])
 
 
 # ----------------------------------------------------------------------------- token budgets

@@ -237,12 +237,13 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
 
     def draw(round_: int) -> Drawn:
         rows = batch_rows(setup, cfg, batch, round_)
+        mine = rank_slice(len(rows), d)
+        n = mine.stop - mine.start  # this rank's prompt rows: its episodes, whatever their rows
         # Each rank draws its rows from the source (the prompts answered once, or environments'
         # episodes). With --mixed-precision bf16 every model forward runs under autocast;
         # log-probs, values and scores come out in fp32.
         with autocast(cfg.mixed_precision, setup.device):
-            part = setup.source.collect(rows, rank_slice(len(rows), d),
-                                        seed + round_ * 1_000_000_007)
+            part = setup.source.collect(rows, mine, seed + round_ * 1_000_000_007)
         rollout = gather_rollout(part.rollout, d, setup.tokenizer.pad_token_id)
         raw_scores = all_gather_rows(part.scores, d)
         turns = (None if part.turn_rewards is None else all_gather_rows(
@@ -250,9 +251,8 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
                                       - part.turn_rewards.shape[1])), d))
         return Drawn(all_gather_objects(part.prompts, d), rollout, raw_scores,
                      penalised_scores(raw_scores, rollout, cfg), turns,
-                     {k: global_mean(v * len(part.prompts), len(part.prompts), d)
-                      for k, v in part.stats.items()},
-                     gather_failed(part.failed, rank_slice(len(rows), d).start, d))
+                     {k: global_mean(v * n, n, d) for k, v in part.stats.items()},
+                     gather_failed(part.failed, mine.start, d))
 
     def say(note: str, kind: str = "note") -> None:  # rank 0's: every rank has the global rows
         if d.is_main:

@@ -104,13 +104,15 @@ class Scripted(InProcess):
 
 def scripted_episodes(engine: Scripted, factory, rows: list[dict], *, tools=None,
                       max_turns: int = 4, max_new_tokens: int = 256, max_episode_tokens: int = 1000,
-                      max_prompt: int = 4000, max_observation: int = 64):
-    """`run_episodes` with a scripted engine (no stop strings: each turn ends at `end_id`)."""
+                      max_prompt: int = 4000, max_observation: int = 64,
+                      eos_token_ids: tuple[int, ...] | None = None):
+    """`run_episodes` with a scripted engine (no stop strings: each turn ends at `end_id`; the
+    EOS set is the tokenizer's EOS, or `eos_token_ids`)."""
     tokenizer = engine.tokenizer
     return run_episodes(
         engine, EnvCalls(factory, 10.0, workers=4),
         Renderer(tokenizer, max_prompt, max_observation, tools), rows, list(range(len(rows))),
         lambda turn: sampling_uniforms(turn, len(rows), max_new_tokens),
         EpisodeLimits(max_turns, max_new_tokens, max_episode_tokens),
-        Sampling(max_new_tokens, 1.0, (tokenizer.eos_token_id,), tokenizer.pad_token_id),
-        tokenizer=tokenizer, device=torch.device("cpu"))
+        Sampling(max_new_tokens, 1.0, eos_token_ids or (tokenizer.eos_token_id,),
+                 tokenizer.pad_token_id), tokenizer=tokenizer, device=torch.device("cpu"))

@@ -63,7 +63,7 @@ def loss_and_grads(setup, rollout, old, advantages):
 def test_masked_positions_reach_no_loss_and_no_gradient(family, chunked, poison, tmp_path,
                                                         request):
     setup, rollout = setup_for(request.getfixturevalue(family), tmp_path, chunked)
-    old = score_batch(setup.roles, setup.reference, rollout, 4, 4, chunked)
+    old = score_batch(setup.roles, setup.reference, rollout, setup.spec)
     advantages = torch.randn(rollout.action_mask.shape,
                              generator=torch.Generator().manual_seed(2)) * rollout.action_mask
     clean_loss, clean = loss_and_grads(setup, rollout, old, advantages)

@@ -1,4 +1,5 @@
-"""A chat template that is not append-only is caught, never trained on silently.
+"""A chat template that is not append-only is caught, never trained on silently; one that is
+append-only keeps an episode in one row, whichever of the model's EOS tokens ended a turn.
 
 The template here drops the newline after an assistant turn when a tool message follows it (the
 separator verl lost at every assistant -> tool boundary). Appending the tool message's tokens
@@ -14,10 +15,11 @@ import json
 
 import pytest
 import torch
-from episode_helpers import episodes, policy_of
+from episode_helpers import Scripted, episodes, policy_of, scripted_episodes
 
 from tether.data.chat import render_chat
 from tether.data.encoding import encode_prompt
+from tether.models.pretrained import load_tokenizer
 
 APPENDS = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
            "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -87,6 +89,37 @@ def test_a_template_that_drops_a_separator_starts_a_new_segment(policy):
         assert torch.equal(rollout.action_mask[second], rollout.response_mask[second])
         # the episode's reward on its last segment only
         assert out.rewards[second] == 1.0 and out.rewards[first] == 0.0
+
+
+def test_a_split_is_said_with_its_turn_and_where_the_texts_part(policy, capsys):
+    run(policy, DROPS)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "new segment" in x]
+    # said once, for the first split: the turn, where the texts part, the cause
+    assert len(lines) == 1, lines
+    assert "turn 0: the episode goes on as a new segment" in lines[0]
+    assert "<|endoftext|>' they have '\\n' and '<|tool|>42<|endoftext|>\\n'" in lines[0]
+    assert "it rewrites an earlier turn" in lines[0]
+
+
+def test_a_turn_ended_by_the_other_eos_stays_in_its_row(tiny_qwen2_dir):
+    tokenizer = load_tokenizer(str(tiny_qwen2_dir))
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    engine = Scripted(tokenizer, lambda context: "yes", end_id=endoftext)
+    Tool.log = []
+    out = scripted_episodes(engine, Tool, [{"prompt": "hi"}], max_turns=2,
+                            eos_token_ids=(im_end, endoftext))
+    assert Tool.log == [["yes", "yes"]]
+    assert out.rollout.episode is None and out.stats["env/segments"] == 0
+    # the second turn read the sampled <|endoftext|> where ChatML writes <|im_end|>, then the
+    # template's text after it
+    assert engine.contexts[1] == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                                  "yes<|endoftext|>\n<|im_start|>tool\n42<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
+    # the row keeps both turns' sampled ids, each ended by <|endoftext|>, as sampled
+    record = out.records[0]
+    sampled = [t for t, m in zip(record["token_ids"], record["action_mask"], strict=True) if m]
+    yes = tokenizer("yes", add_special_tokens=False)["input_ids"]
+    assert sampled == (yes + [endoftext]) * 2
 
 
 def test_a_segmented_batch_trains(policy, tiny_model_dir, tmp_path):

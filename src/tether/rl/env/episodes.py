@@ -232,8 +232,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
     if done or not ended or turn + 1 == limits.max_turns or not ids:
         episode.over = True
         return
-    appended = renderer.observation(episode.messages, observation, ids[-1], ids[-1] in eos,
-                                    where)
+    appended = renderer.observation(episode.messages, observation, ids[-1], eos, where)
     episode.cut_observations += appended.cut
     if appended.segment:  # a new context: the episode's budget, and the model's room for it
         fits = not limits.max_context or len(appended.ids) < limits.max_context

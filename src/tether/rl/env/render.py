@@ -16,12 +16,15 @@ The prefix proof (chat episodes): with the conversation ending in the policy's t
 
 `after` must start with `before` (the template appends; it does not rewrite an earlier turn),
 and `before` must end with the template's closing of an assistant turn, which itself starts with
-the end-of-turn token the policy sampled. The tokens appended are then the rest of that closing
+the end-of-turn token the policy sampled, or with another of the model's EOS tokens (a Qwen
+model's turn may end in `<|endoftext|>` where ChatML writes `<|im_end|>`: the sampled token stays
+in its place). The tokens appended are then the rest of that closing after its end-of-turn token
 (e.g. the newline after `<|im_end|>`, which the policy never samples) and `after[len(before):]`.
 When a proof fails (a template that drops a separator at the assistant -> tool boundary, or
 strips the reasoning of earlier turns), nothing is appended silently: the episode continues as a
 new segment whose context is `after` encoded whole, as the model would see it at inference
-(`Appended.segment`), and the episode counts it (`env/segments`).
+(`Appended.segment`), the episode counts it (`env/segments`), and the first split of each cause
+is said in a warning that names the turn and where the texts part.
 
 An observation's content longer than `max_observation_tokens` keeps its first tokens and a
 visible marker (`CUT_MARKER`); the cap counts content tokens, the template's role markers come on
@@ -30,6 +33,9 @@ top.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tether.data.chat import render_chat
@@ -59,6 +65,7 @@ class Renderer:
         self.max_prompt_len, self.cap = max_prompt_len, max_observation_tokens
         self.prefix = special_prefix(tokenizer)
         self._closing: str | None | bool = False  # False: not read yet; None: unreadable
+        self._said: set[str] = set()  # the causes of a split already warned about
 
     def first(self, prompt: str | list[dict], where: str) -> tuple[str, list[int], list[dict] | None]:
         """(text, ids, messages or None) of an episode's first prompt under the encoding rule of
@@ -74,10 +81,11 @@ class Renderer:
         return text, ids, [dict(m) for m in prompt] if chat else None
 
     def observation(self, messages: list[dict] | None, observation, last_id: int,
-                    ended_by_eos: bool, where: str) -> Appended:
+                    eos: Collection[int], where: str) -> Appended:
         """The tokens `observation` adds after the policy's turn (already the last of
         `messages`, in a chat episode; its last sampled id `last_id`, an end-of-turn token when
-        `ended_by_eos`). A chat episode's `messages` gain the observation's messages."""
+        it is one of the model's EOS ids `eos`). A chat episode's `messages` gain the
+        observation's messages."""
         if messages is None:
             return self._plain(observation, where)
         added = self._as_messages(observation, where)
@@ -88,20 +96,46 @@ class Renderer:
         before = self._render(messages, False, where)
         messages.extend(added)
         after = self._render(messages, True, where)
-        closing = self._assistant_closing(where)
-        tail = None
-        if closing is not None and before.endswith(closing) and after.startswith(before):
-            if not ended_by_eos:
-                tail = closing  # a stop string ended the turn: the template closes it
-            else:
-                end = self.tokenizer.decode([last_id], skip_special_tokens=False)
-                if closing.startswith(end):
-                    tail = closing[len(end):]
+        tail, why = self._tail(before, after, last_id, eos, where)
         if tail is None:
+            if why.split(":")[0] not in self._said:  # the first split of each cause
+                self._said.add(why.split(":")[0])
+                print(f"warning: {where}: the episode goes on as a new segment (a row of its "
+                      f"own, counted in env/segments; said once): {why}", file=sys.stderr,
+                      flush=True)
             return Appended(encode_prompt(self.tokenizer, after, self.prefix), cut, segment=True)
         return Appended(self._fragment(tail + after[len(before):]), cut)
 
     # ---- pieces
+
+    def _tail(self, before: str, after: str, last_id: int, eos: Collection[int],
+              where: str) -> tuple[str | None, str]:
+        """(the template's text between the policy's last sampled token and `after[len(before):]`,
+        ""), or (None, why) when the prefix proof fails."""
+        closing = self._assistant_closing(where)
+        if closing is None:
+            return None, ("the chat template changes an assistant turn's content (a probe turn "
+                          "does not come back as written), so no observation can follow it")
+        if not after.startswith(before):
+            at = len(os.path.commonprefix([before, after]))
+            return None, (f"the chat template's text with the observation does not start with "
+                          f"its text without it: after {before[max(at - 24, 0):at]!r} they have "
+                          f"{before[at:at + 24]!r} and {after[at:at + 24]!r} (it rewrites an "
+                          "earlier turn, e.g. drops its reasoning or a separator)")
+        if not before.endswith(closing):
+            return None, (f"the chat template closes an assistant turn with {closing!r} but "
+                          f"not this one: its text ends {before[-24:]!r}")
+        if last_id not in eos:
+            return closing, ""  # a stop string ended the turn: the template closes it
+        # the sampled end-of-turn token, or another EOS that it stands in for (Qwen's
+        # <|endoftext|> where ChatML writes <|im_end|>): the sampled id stays
+        ends = [self.tokenizer.decode([i], skip_special_tokens=False) for i in (last_id, *eos)]
+        end = next((e for e in ends if closing.startswith(e)), None)
+        if end is None:
+            return None, (f"the turn ended in {ends[0]!r} and the chat template closes an "
+                          f"assistant turn with {closing!r}, which starts with none of the "
+                          "model's EOS tokens")
+        return closing[len(end):], ""
 
     def _plain(self, observation, where: str) -> Appended:
         if observation is None:
