@@ -53,6 +53,8 @@ STAGES = {
                   "GRPO: k samples per prompt, group-normalised advantages, KL in the loss"),
     "demo": Stage("tether.demo", "tether.demo.config", "DemoConfig",
                   "a small end-to-end run on a tiny local model"),
+    "tiny-model": Stage("tether.demo.tiny_model", "tether.demo.config", "TinyModelConfig",
+                        "an untrained tiny model and tokenizer, built offline in seconds"),
     "generate": Stage("tether.tools.generate", "tether.tools.config", "GenerateConfig",
                       "sample responses from any saved policy to JSONL"),
     "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
@@ -155,9 +157,10 @@ def preflight(stage: str, argv: list[str]) -> str:
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
-    if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
-        # the demo prints its own first line; a report loads no model, a sweep's runs print
-        # their own; generate without --output writes its JSONL to stdout, which stays data
+    if stage in ("demo", "report", "sweep", "tiny-model") or (stage == "generate"
+                                                              and not cfg.output):
+        # the demo prints its own first line; a report and tiny-model load no model, a sweep's
+        # runs print their own; generate without --output writes its JSONL to stdout, which stays data
         return ""
     model = getattr(cfg, "policy", "") or getattr(cfg, "model", "")
     name = getattr(cfg, "run_name", "")
