@@ -148,13 +148,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def preflight(stage: str, argv: list[str]) -> str:
     """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
-    in a millisecond) and check that the extras the stage, its engine and its trackers need are
-    installed (validation checks the trackers it names); returns the line(s) to show while torch,
+    in a millisecond), check the reward settings (which need no model: tether.run.reward_checks;
+    a Python caller's rewards are checked by the wiring) and that the extras the stage, its
+    engine and its trackers need are installed (validation checks the trackers it names); returns the line(s) to show while torch,
     transformers and the model load ("" for stages that print their own)."""
     from tether.run.parse import parse_config
+    from tether.run.reward_checks import check_rewards
     from tether.run.trackers import auto_note
 
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
+    if hasattr(cfg, "reward_fn"):  # the online stages and eval: the CLI passes no Python reward
+        check_rewards(cfg, training=stage != "eval")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     if stage in ("demo", "report", "sweep", "tiny-model") or (stage == "generate"

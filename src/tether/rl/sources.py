@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from tether.errors import TetherError
 from tether.rl.engines import RolloutEngine
 from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
@@ -235,20 +234,6 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
     return EnvSource(engine, calls, renderer, rows, limits, sampling,
                      settings.seed if env_seed_base is None else env_seed_base, tokenizer,
                      device, source_name)
-
-
-def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
-    """One reward per episode: an environment's own, or --tools' --reward-fn on the final answer
-    (`reward_given`, `env_given`: a reward or an environment was named, by flag or from
-    Python)."""
-    if env_given and reward_given:
-        raise TetherError("an environment rewards its own episodes; drop --reward-fn, "
-                          "--reward-model and --reward-url (or score inside the environment's "
-                          "step)")
-    if settings.tools and (getattr(settings, "reward_model", "")
-                           or getattr(settings, "reward_url", "") or not reward_given):
-        raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
-                          "give a reward function (docs/agents.md)")
 
 
 def longest_prompt(settings, prompt_ids: Sequence[Sequence[int]],
