@@ -167,6 +167,8 @@ BEFORE_TORCH = [  # (argv, the one line's start): each needs no model, and --pol
       "rewards.py:score"], "give exactly one reward: .* \\(got --reward-fn, --reward-model\\)"),
     (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--reward-model", "./rm",
       "--reward-weights", "1"], "--reward-weights weighs reward functions"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-url", "localhost:8000"],
+     "--reward-url localhost:8000 is not an http:// URL"),
     (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-workers", "3"],
      "--reward-workers 3 scores the rows of --reward-fn and --gold-fn functions"),
     (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-fn-timeout", "5"],

@@ -161,8 +161,7 @@ def preflight(stage: str, argv: list[str]) -> str:
         check_rewards(cfg, training=stage != "eval")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
-    if stage in ("demo", "report", "sweep", "tiny-model") or (stage == "generate"
-                                                              and not cfg.output):
+    if stage in ("demo", "report", "sweep", "tiny-model") or stage == "generate" and not cfg.output:
         # the demo prints its own first line; a report and tiny-model load no model, a sweep's
         # runs print their own; generate without --output writes its JSONL to stdout, which stays data
         return ""

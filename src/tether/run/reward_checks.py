@@ -8,6 +8,8 @@ weights load (docs/errors.md)."""
 
 from __future__ import annotations
 
+import urllib.parse
+
 from tether.errors import TetherError
 
 MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
@@ -16,7 +18,7 @@ MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
 def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool = False,
                   env: bool = False) -> None:
     """Which reward (exactly one for training, at most one proxy for an evaluation; an
-    environment rewards its own episodes), --reward-weights, and the pool's and the timeout's
+    environment rewards its own episodes), --reward-url's form, --reward-weights, and the pool's and the timeout's
     settings against the functions there are. `cfg`: a config with the reward and environment
     sections; `reward_fn`, `gold_fn`, `env`: given from Python."""
     given = {"a Python reward_fn": reward_fn, "--reward-fn": bool(cfg.reward_fn),
@@ -34,6 +36,8 @@ def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool
     if getattr(cfg, "reward_weights", ()) and not functions:
         raise TetherError("--reward-weights weighs reward functions; give them with --reward-fn "
                           "or drop --reward-weights")
+    if cfg.reward_url:
+        parse_urls(cfg.reward_url)  # the URLs' form; they answer in wiring.remote
     scored = functions or gold_fn or bool(cfg.gold_fn)
     check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout, scored)
     check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
@@ -84,3 +88,17 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
     if retries != default_retries and workers <= 1:
         raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
                           "there is none; pass --reward-workers N (N > 1) or drop it")
+
+
+def parse_urls(spec: str) -> list[str]:
+    """`--reward-url URL[,URL...]` as a list of `http://host:port` (a trailing slash dropped);
+    anything but an http(s) URL with a host, or a URL given twice, is one line."""
+    urls = [u.strip().rstrip("/") for u in spec.split(",")]
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise TetherError(f"--reward-url {url or spec} is not an http:// URL; give "
+                              "http://HOST:PORT of a tether serve-rm (several joined by commas)")
+    if len(set(urls)) != len(urls):
+        raise TetherError(f"--reward-url {spec} names an endpoint twice; give each once")
+    return urls

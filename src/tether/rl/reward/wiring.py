@@ -3,7 +3,7 @@ eval` call the same two steps, so a reward means the same wherever it is measure
 
     user_code   before any model loads, cheapest first: the settings' own checks
                 (tether.run.reward_checks, which the CLI ran before torch loaded; again
-                with what Python passed), the environment factory, the URLs' form, the reward
+                with what Python passed), the environment factory, the reward
                 and gold functions and the tools imported, the reward model's kind
     remote      --reward-url: every endpoint answers (GET /info) before any weights load
     build       the rewards once the tokenizer and the device are known: the served model, a
@@ -31,9 +31,9 @@ from tether.rl.reward.functions import (
 )
 from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
 from tether.rl.reward.pool import pool_for
-from tether.rl.reward.remote import connect, parse_urls, reward_from_urls
+from tether.rl.reward.remote import connect, reward_from_urls
 from tether.rl.sources import load_tools
-from tether.run.reward_checks import check_rewards
+from tether.run.reward_checks import check_rewards, parse_urls
 from tether.run.user_code.load import function_name
 
 
@@ -69,8 +69,6 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     check_rewards(cfg, training=training, reward_fn=reward_fn is not None,
                   gold_fn=gold_fn is not None, env=env is not None)  # again, with Python's
     env = env or (load_environment(cfg.env) if cfg.env else None)
-    if cfg.reward_url:
-        parse_urls(cfg.reward_url)  # the URLs' form; they answer in `remote`
     functions = reward_fn if reward_fn is not None else (
         load_reward_functions(cfg.reward_fn) if cfg.reward_fn else [])
     functions = list(functions) if isinstance(functions, (list, tuple)) else [functions]
