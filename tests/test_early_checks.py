@@ -12,10 +12,15 @@ the stages make.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 import transformers
 import yaml
 from offline_fixtures import preference_rows, sft_rows, write_jsonl
+from processes import same_settings_env
 from refusals import refused
 
 from tether.cli import main
@@ -148,3 +153,41 @@ def test_the_guard_sees_a_model_load(root, tiny_model_dir, capsys, monkeypatch, 
     monkeypatch.chdir(root)
     assert main(["eval", "--model", str(tiny_model_dir), *EVAL, "--max-new-tokens", "2"]) == 0
     assert loads == ["GPT2LMHeadModel", "GPT2LMHeadModel"]
+
+
+NO_MODEL = ["--prompts", "prompts.jsonl", "--device", "cpu"]
+BEFORE_TORCH = [  # (argv, the one line's start): each needs no model, and --policy/--model is none
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--env", "env.py:make_env",
+      "--reward-workers", "2"], "--reward-workers 2 scores a batch's responses in parallel"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--env", "env.py:make_env",
+      "--reward-fn", "rewards.py:score"], "an environment rewards its own episodes"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--tools", "tools.py:add",
+      "--reward-model", "./rm"], "--tools episodes are scored by --reward-fn"),
+    (["ppo", "--policy", "./no_such_model", *NO_MODEL, "--reward-model", "./rm", "--reward-fn",
+      "rewards.py:score"], "give exactly one reward: .* \\(got --reward-fn, --reward-model\\)"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--reward-model", "./rm",
+      "--reward-weights", "1"], "--reward-weights weighs reward functions"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-url", "localhost:8000"],
+     "--reward-url localhost:8000 is not an http:// URL"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-workers", "3"],
+     "--reward-workers 3 scores the rows of --reward-fn and --gold-fn functions"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-fn-timeout", "5"],
+     "--reward-fn-timeout 5 limits the calls"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-retries", "4",
+      "--reward-fn", "rewards.py:score"], "--reward-retries 4 retries calls of the reward pool"),
+]
+
+
+@pytest.mark.parametrize("argv, pattern", BEFORE_TORCH, ids=lambda v: v[0] if isinstance(v, list) else "")
+def test_reward_settings_are_refused_before_torch_loads(root, argv, pattern):
+    """Issue 47: these were refused after torch and transformers loaded (10 s), in the reward's
+    wiring; the configs' own checks make them now (tether.run.reward_checks). A child process
+    runs the CLI and reports whether torch was imported; the model path does not exist, so a
+    line about the reward proves no model was read first."""
+    code = ("import sys\nfrom tether.cli import main\n"
+            f"code = main({argv!r})\nprint('torch' in sys.modules)\nsys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=root, env=same_settings_env(), timeout=300)
+    assert done.returncode == 2 and done.stdout == "False\n", (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(f"error: {pattern}", lines[0]), done.stderr

@@ -46,6 +46,7 @@ NO_FLOATS_ACROSS = {
     "run/test_user_code.py": "the event loop's guard ending a blocked process: its exit and line",
     "test_cli.py": "exit codes and lines",
     "test_compat.py": "imports in a fresh interpreter",
+    "test_early_checks.py": "refusals before torch loads: exit codes and lines",
     "test_extras.py": "the lines for missing extras",
     "test_help_texts.py": "help texts",
     "test_layers.py": "imports in a fresh interpreter",

@@ -53,6 +53,8 @@ STAGES = {
                   "GRPO: k samples per prompt, group-normalised advantages, KL in the loss"),
     "demo": Stage("tether.demo", "tether.demo.config", "DemoConfig",
                   "a small end-to-end run on a tiny local model"),
+    "tiny-model": Stage("tether.demo.tiny_model", "tether.demo.config", "TinyModelConfig",
+                        "an untrained tiny model and tokenizer, built offline in seconds"),
     "generate": Stage("tether.tools.generate", "tether.tools.config", "GenerateConfig",
                       "sample responses from any saved policy to JSONL"),
     "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
@@ -146,18 +148,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def preflight(stage: str, argv: list[str]) -> str:
     """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
-    in a millisecond) and check that the extras the stage, its engine and its trackers need are
-    installed (validation checks the trackers it names); returns the line(s) to show while torch,
+    in a millisecond), check the reward settings (which need no model: tether.run.reward_checks;
+    a Python caller's rewards are checked by the wiring) and that the extras the stage, its
+    engine and its trackers need are installed (validation checks the trackers it names); returns the line(s) to show while torch,
     transformers and the model load ("" for stages that print their own)."""
     from tether.run.parse import parse_config
+    from tether.run.reward_checks import check_rewards
     from tether.run.trackers import auto_note
 
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
+    if hasattr(cfg, "reward_fn"):  # the online stages and eval: the CLI passes no Python reward
+        check_rewards(cfg, training=stage != "eval")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
-    if stage in ("demo", "report", "sweep") or (stage == "generate" and not cfg.output):
-        # the demo prints its own first line; a report loads no model, a sweep's runs print
-        # their own; generate without --output writes its JSONL to stdout, which stays data
+    if stage in ("demo", "report", "sweep", "tiny-model") or stage == "generate" and not cfg.output:
+        # the demo prints its own first line; a report and tiny-model load no model, a sweep's
+        # runs print their own; generate without --output writes its JSONL to stdout, which stays data
         return ""
     model = getattr(cfg, "policy", "") or getattr(cfg, "model", "")
     name = getattr(cfg, "run_name", "")

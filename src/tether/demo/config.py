@@ -1,9 +1,13 @@
-"""`DemoConfig`: the demo's few knobs, apart from the pipeline so that `--help` imports no torch."""
+"""`DemoConfig`: the demo's few knobs, and `TinyModelConfig`, `tether tiny-model`'s, apart from
+their code so that `--help` imports no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
+from tether.errors import TetherError
 from tether.run.config import check_device, check_run_name, require_positive
 
 
@@ -51,8 +55,6 @@ class DemoConfig:
         require_positive(self, "sweep_batches")
         require_positive(self, "jobs", allow_zero=True)
         if any(beta < 0 for beta in self.sweep_betas):
-            from tether.errors import TetherError
-
             raise TetherError(f"config field 'sweep_betas' must hold betas >= 0, got {self.sweep_betas}")
         check_run_name(self.run_name)
         check_device(self.device)
@@ -65,3 +67,24 @@ class DemoConfig:
         return DemoConfig(**{**self.__dict__, "seeds": 1, "ppo_batches": min(self.ppo_batches, 40),
                              "sweep_betas": quick_betas,
                              "sweep_batches": min(self.sweep_batches, 12)})
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """Build an untrained tiny causal LM and its tokenizer offline, in seconds, to try any command on a machine with no hub (docs/demo.md, "A tiny model")."""
+
+    arch: Literal["gpt2", "llama", "mistral", "qwen2"] = "gpt2"
+    """The family: gpt2 (learned positions, tied head), llama (rotary, GQA), mistral (llama's blocks, a sliding window, a SentencePiece-style tokenizer) or qwen2 (ChatML tokens, two EOS ids)."""
+    chat: bool = False
+    """Give the tokenizer its family's chat template: ChatML (qwen2), Llama-style, Mistral's [INST] (gpt2 has none)."""
+    output: str
+    """The directory to write (refused if it exists and is not empty: nothing is written over)."""
+
+    def validate(self) -> None:
+        if self.chat and self.arch == "gpt2":
+            raise TetherError("--chat: GPT-2 has no chat template; pass --arch qwen2 (ChatML), "
+                              "llama or mistral, or drop --chat")
+        out = Path(self.output)
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise TetherError(f"--output {self.output} exists and is not empty; tiny-model writes "
+                              "nothing over it: choose a new directory")

@@ -51,8 +51,10 @@ def _from_config(config, seed: int):
     return AutoModelForCausalLM.from_config(config)
 
 
-def _save(out_dir: str | Path, tokenizer, model) -> Path:
-    """`tokenizer` and `model` saved to `out_dir` (made when missing)."""
+def _save(out_dir: str | Path, tokenizer, model, chat: bool = True) -> Path:
+    """`tokenizer` and `model` saved to `out_dir` (made when missing); without `chat`, the
+    tokenizer's chat template left out (a base model's tokenizer)."""
+    tokenizer.chat_template = tokenizer.chat_template if chat else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
@@ -126,12 +128,13 @@ def make_llama_lm(vocab_size: int, bos_token_id: int, eos_token_id: int, n_layer
 
 
 def save_tiny_llama(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
-                    **lm_kwargs) -> Path:
-    """Train a Llama-style tokenizer on `texts`, build a matching Llama-style LM, save both."""
+                    chat: bool = True, **lm_kwargs) -> Path:
+    """Train a Llama-style tokenizer on `texts`, build a matching Llama-style LM, save both
+    (`chat`: with the chat template)."""
     tokenizer = make_llama_tokenizer(texts, vocab_size)
     model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                           **lm_kwargs)
-    return _save(out_dir, tokenizer, model)
+    return _save(out_dir, tokenizer, model, chat)
 
 
 # ----------------------------------------------------------------------------- Mistral-style
@@ -173,16 +176,18 @@ def make_metaspace_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Pre
 
 def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
                       sliding_window: int = 8, n_layer: int = 2, hidden_size: int = 64,
-                      n_head: int = 4, n_kv_head: int = 2, seed: int = 0) -> Path:
+                      n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
+                      max_positions: int = 256, chat: bool = True) -> Path:
     """A Mistral-style model (Llama's blocks, attention limited to the last `sliding_window`
-    positions, untied head, GQA) with a Metaspace tokenizer, saved to `out_dir`."""
+    positions, untied head, GQA) with a Metaspace tokenizer (`chat`: with the chat template),
+    saved to `out_dir`."""
     from transformers import MistralConfig
 
     tokenizer = make_metaspace_tokenizer(texts, vocab_size)
     model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, n_layer,
-                          hidden_size, n_head, n_kv_head, seed=seed, config_class=MistralConfig,
-                          sliding_window=sliding_window)
-    return _save(out_dir, tokenizer, model)
+                          hidden_size, n_head, n_kv_head, max_positions, seed,
+                          config_class=MistralConfig, sliding_window=sliding_window)
+    return _save(out_dir, tokenizer, model, chat)
 
 
 # ----------------------------------------------------------------------------- Qwen2-style
@@ -243,7 +248,7 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
                     n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
                     spare_rows: int = 0, tools: bool = False,
                     intermediate_size: int | None = None,
-                    max_positions: int | None = None) -> Path:
+                    max_positions: int | None = None, chat: bool = True) -> Path:
     """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
     `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
 
@@ -252,7 +257,7 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     tokenizer's last id, as real Qwen2 models have (151936 rows for 151665 tokens). `tools`: the
     tool-calling template and tokens (make_qwen2_tokenizer). `intermediate_size` (default twice
     the width) and `max_positions` (default 1024 with tools, whose schemas make long prompts,
-    else 256) for callers that size their own model.
+    else 256) for callers that size their own model. `chat`: with the chat template.
     """
     from transformers import Qwen2Config
 
@@ -269,4 +274,4 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     model = _from_config(config, seed)
     model.generation_config.eos_token_id = [im_end, endoftext]
     model.generation_config.pad_token_id = endoftext
-    return _save(out_dir, tokenizer, model)
+    return _save(out_dir, tokenizer, model, chat)

@@ -18,6 +18,7 @@ whatever the slice.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +40,7 @@ from tether.rl.rollout import (
     left_pad,
     sampling_uniforms,
 )
+from tether.run.distributed import current
 from tether.run.user_code.load import load_function
 
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
@@ -177,6 +179,7 @@ class EnvSource(SubmittedAhead):
         self.rows, self.limits, self.sampling = rows, limits, sampling
         self.run_seed, self.tokenizer, self.device = run_seed, tokenizer, device
         self.source_name = source_name
+        self.checked_turns = False  # the first batch is checked for turns that never end
         super().__init__()
 
     def work(self, engine: RolloutEngine, rows: list[int], mine: slice,
@@ -193,6 +196,17 @@ class EnvSource(SubmittedAhead):
                                 [env_seed(self.run_seed, i) for i in indices], noise, self.limits,
                                 s, tokenizer=self.tokenizer, device=self.device,
                                 where=lambda j: f"episode of {self.source_name} row {indices[j]}")
+        # A turn cut by --max-new-tokens ends its episode (as specified): said once per source,
+        # on its first batch, where every episode ended so in its first turn (issue 47)
+        stats, limits = episodes.stats, self.limits
+        if not self.checked_turns and limits.max_turns > 1 and current().is_main and (
+                stats["env/turns"] == 1 and stats["env/action_tokens"] == limits.max_new_tokens):
+            print(f"warning: every episode ended in its first turn: each reached --max-new-tokens "
+                  f"{limits.max_new_tokens} without ending (no EOS or stop string), and a turn cut "
+                  f"by its budget ends its episode, so --max-turns {limits.max_turns} never "
+                  "comes into play; raise --max-new-tokens, or give --stop-strings that end a "
+                  "turn", file=sys.stderr, flush=True)
+        self.checked_turns = True
         table = [self.rows[indices[j]] for j in episodes.rollout.episode_ids().tolist()]
         return Collected(episodes.prompts, episodes.row_texts, episodes.rollout,
                          episodes.rewards, episodes.turn_rewards, episodes.stats,
@@ -235,20 +249,6 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
     return EnvSource(engine, calls, renderer, rows, limits, sampling,
                      settings.seed if env_seed_base is None else env_seed_base, tokenizer,
                      device, source_name)
-
-
-def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
-    """One reward per episode: an environment's own, or --tools' --reward-fn on the final answer
-    (`reward_given`, `env_given`: a reward or an environment was named, by flag or from
-    Python)."""
-    if env_given and reward_given:
-        raise TetherError("an environment rewards its own episodes; drop --reward-fn, "
-                          "--reward-model and --reward-url (or score inside the environment's "
-                          "step)")
-    if settings.tools and (getattr(settings, "reward_model", "")
-                           or getattr(settings, "reward_url", "") or not reward_given):
-        raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
-                          "give a reward function (docs/agents.md)")
 
 
 def longest_prompt(settings, prompt_ids: Sequence[Sequence[int]],

@@ -188,15 +188,6 @@ def out_of_range(value: float) -> str | None:
     return None
 
 
-def check_reward_fn_timeout(timeout: float, default: float, has_functions: bool) -> None:
-    """--reward-fn-timeout times the reward and gold functions: a value other than the default
-    with neither is an option that would be accepted and ignored."""
-    if timeout != default and not has_functions:
-        raise TetherError(f"--reward-fn-timeout {timeout:g} limits the calls of --reward-fn and "
-                          "--gold-fn functions, and this run has none; drop it (an environment's "
-                          "calls have --env-timeout)")
-
-
 def takes_trl_arguments(fn: Callable, columns: Sequence[str]) -> bool:
     """Whether `fn` is written for TRL's call: it names `completions`, `completion_ids` or
     `trainer_state`, or takes `**kwargs` and needs nothing but `prompts` and columns by name.

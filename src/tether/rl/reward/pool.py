@@ -39,8 +39,6 @@ from tether.errors import TetherError
 from tether.rl.reward import FailedRows
 from tether.run.user_code.calls import Refused, Runner
 
-MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
-
 
 class ScoreRefused(Refused):
     """What a `check` raises for a value that is a failed score (NaN, inf, out of range), not a
@@ -63,29 +61,6 @@ def pool_for(settings) -> RewardPool | None:
     workers = settings.reward_workers
     return (RewardPool(workers, settings.reward_retries, settings.reward_fn_timeout)
             if workers > 1 else None)
-
-
-def check_reward_pool(workers: int, retries: int, default_retries: int, has_functions: bool,
-                      episodic: bool) -> None:
-    """--reward-workers and --reward-retries: in range, and only where they act (Python reward
-    or gold functions scoring a batch's responses), never accepted and ignored."""
-    if not 0 <= workers <= MAX_WORKERS:
-        raise TetherError(f"--reward-workers {workers} must lie in [0, {MAX_WORKERS}] (0 or 1: "
-                          "one call per batch; N > 1: N rows scored at a time)")
-    if retries < 0:
-        raise TetherError(f"--reward-retries {retries} must be >= 0 (0: a failed call is not "
-                          "tried again)")
-    if workers > 1 and episodic:
-        raise TetherError(f"--reward-workers {workers} scores a batch's responses in parallel; "
-                          "an episode's reward is scored inside its environment's step, which "
-                          "--env-workers already runs concurrently; drop it")
-    if workers > 1 and not has_functions:
-        raise TetherError(f"--reward-workers {workers} scores the rows of --reward-fn and "
-                          "--gold-fn functions in parallel, and this run has none; drop it (a "
-                          "reward model scores a batch in one forward)")
-    if retries != default_retries and workers <= 1:
-        raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
-                          "there is none; pass --reward-workers N (N > 1) or drop it")
 
 
 def check_scored(failed: FailedRows | None, what: str) -> None:

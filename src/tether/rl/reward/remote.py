@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from functools import partial
@@ -54,20 +53,6 @@ class Endpoint:
     @property
     def name(self) -> str:  # what error lines call the model
         return f"{self.info.get('model', '?')} (served at {self.url})"
-
-
-def parse_urls(spec: str) -> list[str]:
-    """`--reward-url URL[,URL...]` as a list of `http://host:port` (a trailing slash dropped);
-    anything but an http(s) URL with a host, or a URL given twice, is one line."""
-    urls = [u.strip().rstrip("/") for u in spec.split(",")]
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise TetherError(f"--reward-url {url or spec} is not an http:// URL; give "
-                              "http://HOST:PORT of a tether serve-rm (several joined by commas)")
-    if len(set(urls)) != len(urls):
-        raise TetherError(f"--reward-url {spec} names an endpoint twice; give each once")
-    return urls
 
 
 def _why(exc: BaseException) -> str:

@@ -1,11 +1,10 @@
 """The reward a config asks for, checked and built in one place: the online stages and `tether
 eval` call the same two steps, so a reward means the same wherever it is measured.
 
-    user_code   before any model loads, cheapest first: which reward (exactly one for training,
-                at most one proxy for an evaluation; an environment rewards its own episodes),
-                the reward model's kind, the URLs' form, the reward and gold functions, the
-                environment factory and the tools imported, the pool's and the timeout's
-                settings against the functions there are
+    user_code   before any model loads, cheapest first: the settings' own checks
+                (tether.run.reward_checks, which the CLI ran before torch loaded; again
+                with what Python passed), the environment factory, the reward
+                and gold functions and the tools imported, the reward model's kind
     remote      --reward-url: every endpoint answers (GET /info) before any weights load
     build       the rewards once the tokenizer and the device are known: the served model, a
                 reward model (sharing the policy's LoRA base where it can, else loaded apart),
@@ -25,16 +24,16 @@ from tether.rl.env.load import load_environment
 from tether.rl.reward import Reward
 from tether.rl.reward.functions import (
     RewardFunctions,
-    check_reward_fn_timeout,
     load_reward_function,
     load_reward_functions,
     reward_from_functions,
     weighted,
 )
 from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
-from tether.rl.reward.pool import check_reward_pool, pool_for
-from tether.rl.reward.remote import connect, parse_urls, reward_from_urls
-from tether.rl.sources import check_episode_reward, load_tools
+from tether.rl.reward.pool import pool_for
+from tether.rl.reward.remote import connect, reward_from_urls
+from tether.rl.sources import load_tools
+from tether.run.reward_checks import check_rewards, parse_urls
 from tether.run.user_code.load import function_name
 
 
@@ -65,35 +64,16 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     --reward-fn), the environment factory (`env`, instead of --env) and the tools, imported and
     checked (module docstring). `training`: exactly one reward is needed (an evaluation takes at
     most one proxy). `cfg`: a config with the reward and environment sections."""
-    given = {"a Python reward_fn": reward_fn is not None, "--reward-fn": bool(cfg.reward_fn),
-             "--reward-model": bool(cfg.reward_model), "--reward-url": bool(cfg.reward_url)}
-    proxies = [name for name, on in given.items() if on]
-    if env is not None or cfg.env:
-        if env is not None and cfg.env not in ("", function_name(env)):
-            raise TetherError("give the environment once: --env or the Python env argument")
-        check_episode_reward(cfg, bool(proxies), env_given=True)
-        env = env or load_environment(cfg.env, cfg.max_turns)
-    else:
-        check_episode_reward(cfg, bool(reward_fn is not None or cfg.reward_fn), env_given=False)
-        if len(proxies) > 1 or training and not proxies:
-            raise TetherError(f"give {'exactly one reward' if training else 'at most one proxy reward'}"
-                              ": --reward-model, --reward-url, --reward-fn or a Python "
-                              f"reward_fn (got {', '.join(proxies) if proxies else 'none'})")
-    if cfg.reward_url:
-        parse_urls(cfg.reward_url)  # the URLs' form; they answer in `remote`
+    if env is not None and cfg.env not in ("", function_name(env)):
+        raise TetherError("give the environment once: --env or the Python env argument")
+    check_rewards(cfg, training=training, reward_fn=reward_fn is not None,
+                  gold_fn=gold_fn is not None, env=env is not None)  # again, with Python's
+    env = env or (load_environment(cfg.env, cfg.max_turns) if cfg.env else None)
     functions = reward_fn if reward_fn is not None else (
         load_reward_functions(cfg.reward_fn) if cfg.reward_fn else [])
     functions = list(functions) if isinstance(functions, (list, tuple)) else [functions]
-    weights = getattr(cfg, "reward_weights", ())
-    if weights and not functions:
-        raise TetherError("--reward-weights weighs reward functions; give them with --reward-fn "
-                          "or drop --reward-weights")
-    weighted(functions, weights)  # the weights checked now, before any model loads
+    weighted(functions, getattr(cfg, "reward_weights", ()))  # checked now, before any model loads
     gold = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
-    scored = bool(functions) or gold is not None
-    check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout, scored)
-    check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
-                      cfg.episodic)
     if cfg.reward_model:  # its kind, from its config.json: the first of these to read a file
         check_reward_model(cfg.reward_model, cfg.trust_remote_code)
     return UserCode(functions, gold, env, load_tools(cfg.tools))
