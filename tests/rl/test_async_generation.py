@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +30,7 @@ from refusals import refused
 from tether.losses import PolicyLoss, policy_loss
 from tether.rl import update as update_module
 from tether.rl.engines import ahead
-from tether.rl.engines.generator import sequence_logprobs
+from tether.rl.engines.generator import next_message, sequence_logprobs
 from tether.rl.engines.mismatch import (
     Correction,
     correction_weights,
@@ -484,3 +485,42 @@ def test_a_build_that_fails_after_the_generator_started_ends_it(tiny_model_dir, 
     assert len(launched) == 1  # it had started when the bad input was found
     left = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert not left and not launched[0].process.is_alive(), left
+
+
+def unreadable():
+    raise ValueError("not a message")
+
+
+class Unreadable:
+    def __reduce__(self):
+        return unreadable, ()
+
+
+def send_then_wait(box, sent) -> None:  # the generator's side: a rollout's tensor, then idle
+    box.put((1, 0, torch.arange(3)))
+    box.close()
+    box.join_thread()  # in the pipe
+    sent.set()
+    time.sleep(600)
+
+
+def test_a_message_left_by_a_killed_generator_reads_as_its_end():
+    """kill -9 of the generator after it answered: torch rebuilds the answer's tensors through a
+    connection to the sender, refused (or cut) once it is gone. The trainer reads that as the
+    process's end, which it names in one line, not as a ConnectionRefusedError traceback; a
+    live sender's failure is still raised."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    box, sent = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=send_then_wait, args=(box, sent), daemon=True)
+    child.start()
+    try:
+        assert sent.wait(120)
+        box.put(Unreadable())  # after the child's answer: read second
+        child.kill()
+        child.join(10)
+        assert next_message(box, child) is None
+        alive = SimpleNamespace(is_alive=lambda: True, join=lambda timeout: None)
+        with pytest.raises(ValueError, match="not a message"):  # a live sender's: its own error
+            next_message(box, alive)
+    finally:
+        child.kill()

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import TypeVar
 
 import torch
@@ -285,6 +286,12 @@ class Launched:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
+        tracker = resource_tracker._resource_tracker
+        if tracker._fd is not None and not tracker._check_alive():
+            # killed with the generator (`pkill -9 -P` of the trainer ends both): at exit each
+            # queue semaphore's finalizer still unlinks it, but its unregister would start a new
+            # tracker that prints a KeyError for every name it never saw
+            resource_tracker.unregister = lambda name, rtype: None
 
 
 def launch(threads: int) -> Launched:
