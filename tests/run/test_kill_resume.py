@@ -70,8 +70,6 @@ def _weights(run_dir):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.across_processes
 def _children(pid: int) -> list[int]:
     """The processes `pid` started (with --max-staleness: the generator and multiprocessing's
     resource tracker)."""
@@ -79,6 +77,8 @@ def _children(pid: int) -> list[int]:
             for c in (task / "children").read_text().split()]
 
 
+@pytest.mark.slow
+@pytest.mark.across_processes
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "ppo-env", "ppo-ahead"])
 def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     """With ppo-ahead it is the trainer's children that are killed (`pkill -9 -P`: the generator
