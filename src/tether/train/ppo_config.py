@@ -311,6 +311,11 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
                               f"sampled ahead within it; give {steps} (one batch ahead) or a "
                               "multiple of it, or 0")
+        if self.max_staleness > (total := self.n_batches * steps):  # bounds async/staleness_<g>
+            raise TetherError(f"--max-staleness {self.max_staleness} is more than the {total} "
+                              f"optimizer steps this whole run takes ({self.n_batches} batches "
+                              f"of {steps}), so no token could ever be that stale; give at most "
+                              f"{total} (or 0)")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:
