@@ -381,6 +381,8 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
     (["--max-staleness", "1", "--num-minibatches", "2"],
      r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
     (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
+    (["--max-staleness", "1", "--generator-threads", "999999999"],  # torch took it: 1e9 threads
+     r"--generator-threads 999999999 is out of range: give 0 \(auto\) or 1 to 4096 threads"),
     (["--max-staleness", "1000000"],  # it wrote 1,000,001 histogram keys in every metric line
      r"--max-staleness 1000000 is more than the 2 optimizer steps this whole run takes \(2 "
      r"batches of 1\), so no token could ever be that stale; give at most 2 \(or 0\)$"),

@@ -24,6 +24,7 @@ from tether.run.config import (
     RewardOptions,
     RunConfig,
     SamplingOptions,
+    check_threads,
     require_positive,
 )
 from tether.run.scopes import Scope
@@ -303,7 +304,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         return self.engine_is_cap or (STALE_IS_CAP if self.max_staleness > 0 else 0.0)
 
     def _check_staleness(self) -> None:
-        require_positive(self, "max_staleness", "generator_threads", allow_zero=True)
+        require_positive(self, "max_staleness", allow_zero=True)
+        check_threads(self.generator_threads, "--generator-threads")  # the generator's torch's
         steps = self.steps_per_batch
         if 0 < self.max_staleness < steps:  # (0: synchronous)
             raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
