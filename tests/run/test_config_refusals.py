@@ -263,7 +263,7 @@ def test_a_config_that_names_a_directory(root, tmp_path, monkeypatch, capsys, no
 ])
 def test_threads_out_of_range(argv, root, monkeypatch, capsys, no_loads):
     monkeypatch.chdir(root)
-    for value in ("999999999", str(MAX_THREADS + 1)):
+    for value in ("99999999999", str(MAX_THREADS + 1)):
         refused(root, [*argv, "--threads", value],
                 rf"--threads {value} is out of range: give 0 \(auto\) or 1 to {MAX_THREADS} "
                 r"threads per operation \(this machine has \d+ CPU cores", capsys)

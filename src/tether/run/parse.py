@@ -52,15 +52,15 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         raise TetherError(f"config field '{name}' must be {said}, got {value!r}")
     if tp is int and abs(value) > MAX_INT:  # e.g. 2**63: an overflow deep in torch or the seeds
         raise TetherError(f"config field '{name}' must be an integer within +-{MAX_INT} "
-                          f"(2**32 - 1), got {value}")
+                          f"(2**40 - 1), got {value}")
     if tp is float and not math.isfinite(value):
         raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
     return float(value) if tp is float else value
 
 
-# Every count, size and seed fits, and a run's seeds derived from it (seed x 1,000,033 + row)
-# stay within torch's 64 bits; a seed of up to 2**32 - 1 (numpy's range) reads as before.
-MAX_INT = 2**32 - 1
+# More than any count or size a run can reach, and a run's seeds derived from its seed
+# (seed x 1,000,033 + row) stay within torch's 64 bits.
+MAX_INT = 2**40 - 1
 # The plain types: what each accepts (ints widen to float; a bool is no number) and its name.
 _PLAIN = {bool: ((bool,), "true or false"), int: ((int,), "an integer"),
           float: ((int, float), "a number"), str: ((str,), "a string")}
