@@ -53,6 +53,7 @@ def test_unknown_yaml_field_names_field_and_what_to_use(tmp_path):
     ("run_name: a\nloss: hinge\n", "'loss' must be one of: sigmoid, ipo"),
     ("run_name: a\nsteps: 1.5\n", "'steps' must be an integer"),
     ("run_name: a\nseed: 9223372036854775808\n", "'seed' must be an integer within "),
+    ("run_name: a\nlr: 1" + "0" * 400 + "\n", "'lr' must be a finite number, got 1000"),
     ("run_name: a\nresume: 'yes'\n", "'resume' must be true or false"),
     ("run_name: a\ndevice: tpu\n", "'device' must be one of: auto, cpu"),
     ("run_name: a\nlog_every: 0\n", "'log_every' must be >= 1"),

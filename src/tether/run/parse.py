@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import sys
 import textwrap
 import typing
 from pathlib import Path
@@ -53,7 +54,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     if tp is int and abs(value) > MAX_INT:  # e.g. 2**63: an overflow deep in torch or the seeds
         raise TetherError(f"config field '{name}' must be an integer within +-{MAX_INT} "
                           f"(2**40 - 1), got {value}")
-    if tp is float and not math.isfinite(value):
+    if tp is float and not abs(value) <= sys.float_info.max:  # an int of 400 digits too
         raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
     return float(value) if tp is float else value
 
