@@ -385,7 +385,7 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
      r"--generator-threads 999999999 is out of range: give 0 \(auto\) or 1 to 4096 threads"),
     (["--max-staleness", "1000000"],  # it wrote 1,000,001 histogram keys in every metric line
      r"--max-staleness 1000000 is more than the 2 optimizer steps this whole run takes \(2 "
-     r"batches of 1\), so no token could ever be that stale; give at most 2 \(or 0\)$"),
+     r"batches, 1 each\), so no token could ever be that stale; give at most 2 \(or 0\)$"),
     (["--max-staleness", "1", "--engine-mask-kl", "2"],
      r"--engine-mask-kl applies with --engine vllm and --max-staleness 0, and tether grpo runs "
      r"with --max-staleness 1, whose decoupled loss corrects the staleness"),

@@ -305,7 +305,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
 
     def _check_staleness(self) -> None:
         require_positive(self, "max_staleness", allow_zero=True)
-        check_threads(self.generator_threads, "--generator-threads")  # the generator's torch's
+        check_threads(self.generator_threads, "--generator-threads")  # its torch takes them
         steps = self.steps_per_batch
         if 0 < self.max_staleness < steps:  # (0: synchronous)
             raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
@@ -315,9 +315,9 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
                               "multiple of it, or 0")
         if self.max_staleness > (total := self.n_batches * steps):  # bounds async/staleness_<g>
             raise TetherError(f"--max-staleness {self.max_staleness} is more than the {total} "
-                              f"optimizer steps this whole run takes ({self.n_batches} batches "
-                              f"of {steps}), so no token could ever be that stale; give at most "
-                              f"{total} (or 0)")
+                              f"optimizer steps this whole run takes ({self.n_batches} batches, "
+                              f"{steps} each), so no token could ever be that stale; give at "
+                              f"most {total} (or 0)")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:
