@@ -17,8 +17,10 @@ and the decoupled PPO loss it trains with, checked against independent truths:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +31,7 @@ from refusals import refused
 from tether.losses import PolicyLoss, policy_loss
 from tether.rl import update as update_module
 from tether.rl.engines import ahead
-from tether.rl.engines.generator import sequence_logprobs
+from tether.rl.engines.generator import next_message, sequence_logprobs
 from tether.rl.engines.mismatch import (
     Correction,
     correction_weights,
@@ -281,6 +283,24 @@ def test_threads_split_between_trainer_and_generator(monkeypatch):
     assert ahead.split_threads(0, 0, True) == (1, 1)
 
 
+def test_settings_that_do_less_than_they_say_are_warned(monkeypatch, capsys):
+    """S = 5 at 2 steps a batch samples 2 batches ahead, as S = 4 does; 1000 generator threads
+    on 2 cores only wait on each other. Each is one warning line (accepted before without a
+    word); a multiple of the steps and threads within the cores say nothing."""
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda _pid: {0, 1})
+    cfg = GRPOConfig(policy="p", prompts="x.jsonl", batch_size=4, total_episodes=16,
+                     num_minibatches=2, max_staleness=5, generator_threads=1000)
+    ahead.warn(cfg)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --max-staleness 5 is not a multiple of the 2 optimizer steps each batch takes, "
+        "so it samples 2 batches ahead as --max-staleness 4 does; give that",
+        "warning: --generator-threads 1000 is more than the 2 cores this process may use, and "
+        "threads past them only wait on each other; give at most that many, or 0 (half the "
+        "cores)"]
+    ahead.warn(dataclasses.replace(cfg, max_staleness=4, generator_threads=2))
+    assert capsys.readouterr().err == ""
+
+
 def test_effective_sample_size_by_hand():
     mask = torch.tensor([[True, True, True, False]])
     assert effective_sample_size(torch.tensor([[1.0, 1.0, 1.0, 9.0]]), mask) == 1.0
@@ -361,6 +381,11 @@ def test_sample_takes_the_prefetched_batch_only_for_the_same_request(tiny_model_
     (["--max-staleness", "1", "--num-minibatches", "2"],
      r"--max-staleness 1 is less than the 2 optimizer steps each batch takes"),
     (["--max-staleness", "-1"], r"'max_staleness' must be >= 0"),
+    (["--max-staleness", "1", "--generator-threads", "999999999"],  # torch took it: 1e9 threads
+     r"--generator-threads 999999999 is out of range: give 0 \(auto\) or 1 to 4096 threads"),
+    (["--max-staleness", "1000000"],  # it wrote 1,000,001 histogram keys in every metric line
+     r"--max-staleness 1000000 is more than the 2 optimizer steps this whole run takes \(2 "
+     r"batches, 1 each\), so no token could ever be that stale; give at most 2 \(or 0\)$"),
     (["--max-staleness", "1", "--engine-mask-kl", "2"],
      r"--engine-mask-kl applies with --engine vllm and --max-staleness 0, and tether grpo runs "
      r"with --max-staleness 1, whose decoupled loss corrects the staleness"),
@@ -473,14 +498,55 @@ def test_a_build_that_fails_after_the_generator_started_ends_it(tiny_model_dir, 
     import multiprocessing
 
     before = {p.pid for p in multiprocessing.active_children()}
-    launched, real = [], ahead.launch
+    launched, real, warned = [], ahead.launch, []
     monkeypatch.setattr(ahead, "launch", lambda threads: launched.append(real(threads)) or
                         launched[-1])
+    monkeypatch.setattr(ahead, "warn", warned.append)
     refused(tmp_path, ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts_file),
                        "--reward-fn", "tests/rl/test_async_generation.py:no_such_function",
                        "--output-dir", str(tmp_path / "runs"), "--batch-size", "4",
                        "--total-episodes", "8", "--device", "cpu", "--max-staleness", "1"],
             r"no_such_function", capsys)
     assert len(launched) == 1  # it had started when the bad input was found
+    assert len(warned) == 1  # its settings' warnings, once
     left = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert not left and not launched[0].process.is_alive(), left
+
+
+def unreadable():
+    raise ValueError("not a message")
+
+
+class Unreadable:
+    def __reduce__(self):
+        return unreadable, ()
+
+
+def send_then_wait(box, sent) -> None:  # the generator's side: a rollout's tensor, then idle
+    box.put((1, 0, torch.arange(3)))
+    box.close()
+    box.join_thread()  # in the pipe
+    sent.set()
+    time.sleep(600)
+
+
+def test_a_message_left_by_a_killed_generator_reads_as_its_end():
+    """kill -9 of the generator after it answered: torch rebuilds the answer's tensors through a
+    connection to the sender, refused (or cut) once it is gone. The trainer reads that as the
+    process's end, which it names in one line, not as a ConnectionRefusedError traceback; a
+    live sender's failure is still raised."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    box, sent = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=send_then_wait, args=(box, sent), daemon=True)
+    child.start()
+    try:
+        assert sent.wait(120)
+        box.put(Unreadable())  # after the child's answer: read second
+        child.kill()
+        child.join(10)
+        assert next_message(box, child) is None
+        alive = SimpleNamespace(is_alive=lambda: True, join=lambda timeout: None)
+        with pytest.raises(ValueError, match="not a message"):  # a live sender's: its own error
+            next_message(box, alive)
+    finally:
+        child.kill()

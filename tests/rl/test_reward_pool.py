@@ -431,7 +431,10 @@ def test_a_reward_that_always_fails_ends_the_run_with_one_line(files, tiny_model
     (["--reward-fn", "fns.py:length", "--reward-workers", "-1"],
      r"--reward-workers -1 must lie in \[0, 1024\]"),
     (["--reward-fn", "fns.py:length", "--reward-workers", "4", "--reward-retries", "-2"],
-     r"--reward-retries -2 must be >= 0"),
+     r"--reward-retries -2 must lie in \[0, 100\] \(0: a failed call is not tried again"),
+    (["--reward-fn", "fns.py:length", "--reward-workers", "4", "--reward-retries", "1000000"],
+     r"--reward-retries 1000000 must lie in \[0, 100\] \(0: a failed call is not tried again; "
+     r"each retry waits up to 10 s\)$"),  # its backoff overflowed
     (["--reward-fn", "fns.py:length", "--reward-retries", "5"],
      r"--reward-retries 5 retries calls of the reward pool, and there is none"),
     (["--reward-model", "rm", "--reward-workers", "4"],

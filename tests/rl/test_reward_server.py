@@ -350,8 +350,9 @@ class Stub(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, plan: list, scores=None):
+    def __init__(self, plan: list, scores=None, info_delay: float = 0.0):
         self.plan, self.posts, self.scores = list(plan), 0, scores
+        self.info_delay = info_delay  # seconds before /info answers
         super().__init__(("127.0.0.1", 0), StubHandler)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
@@ -377,6 +378,7 @@ class StubHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):  # noqa: N802
+        time.sleep(self.server.info_delay)
         self._send(200, {"model": "stub", "chat_template": False, "fingerprint": "f" * 16})
 
     def do_POST(self):  # noqa: N802
@@ -465,12 +467,31 @@ def test_a_hung_endpoint_stops_the_run_with_one_line(stage, workdir, capsys):
     assert stub.posts == 1  # a hung server is not asked again
 
 
-def test_a_non_finite_score_is_named_not_trained_on():
-    stub = Stub(["ok"], scores=[0.0, float("nan"), 1.0, 2.0])
+@pytest.mark.parametrize(("score", "said"), [(float("nan"), "nan"), (10**400, "inf"),
+                                             (-10**400, "-inf")], ids=["nan", "1e400", "-1e400"])
+def test_a_non_finite_score_is_named_not_trained_on(score, said):
+    """NaN, and an integer no float holds (JSON `1000...0`, 401 digits: before, torch.tensor's
+    OverflowError traceback), which reads as inf: the served model's bad-score line."""
+    stub = Stub(["ok"], scores=[0.0, score, 1.0, 2.0])
     try:
         reward = remote_reward.reward_from_urls(connect([stub.url]), {}, timeout=10)
         with pytest.raises(NonFiniteScore, match=r"the reward model stub \(served at .*\) gave "
-                                                 r"response 1 .*a non-finite score \(nan\)"):
+                                                 rf"response 1 .*a non-finite score \({said}\)"):
             reward(PLAIN, RESPONSES, None, None)
+    finally:
+        stub.close()
+
+
+def test_the_info_wait_is_reward_url_timeout(monkeypatch):
+    """/info is waited for --reward-url-timeout, the option its line says to raise (before: at
+    most a fixed 10 s, whatever the option said)."""
+    monkeypatch.setattr(remote_reward, "INFO_TIMEOUT_S", 0.2)  # the fixed wait, shortened
+    stub = Stub(["ok"], info_delay=1.0)
+    try:
+        assert connect([stub.url], timeout=10)[0].info["model"] == "stub"
+        with pytest.raises(TetherError, match=r"no answer to /info within 0.5 s "
+                                              r"\(--reward-url-timeout\); check the server, or "
+                                              r"raise --reward-url-timeout"):
+            connect([stub.url], timeout=0.5)
     finally:
         stub.close()

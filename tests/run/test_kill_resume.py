@@ -8,9 +8,11 @@ OMP_NUM_THREADS), so the weights must be equal bit for bit on any CPU."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +49,9 @@ def _argv(stage, model, root, name):
                 "--total-episodes", "80", "--max-new-tokens", "4", "--lr", "1e-3",
                 "--kl-ctl", "adaptive", "--kl-target", "0.5", "--kl-horizon", "64",
                 "--score-norm", "running", *common]
+    if stage == "ppo-ahead":  # sampled ahead by a generator process
+        return [*_argv("ppo", model, root, name), "--max-staleness", "4",
+                "--generator-threads", "1"]
     if stage == "ppo-env":  # episodes whose observations depend on the environment's seed
         (root / "envs.py").write_text(ENV)
         return ["grpo", "--policy", str(model), "--prompts", str(root / "prompts.jsonl"),
@@ -65,10 +70,19 @@ def _weights(run_dir):
     return out
 
 
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (with --max-staleness: the generator and multiprocessing's
+    resource tracker)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
 @pytest.mark.slow
 @pytest.mark.across_processes
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "ppo-env"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "ppo-env", "ppo-ahead"])
 def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
+    """With ppo-ahead it is the trainer's children that are killed (`pkill -9 -P`: the generator
+    and the resource tracker); the trainer ends with its one line and exit 2, no traceback."""
     write_jsonl(tmp_path / "sft.jsonl", sft_rows(24))
     write_jsonl(tmp_path / "prefs.jsonl", preference_rows(24))
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in sft_rows(12)])
@@ -79,10 +93,18 @@ def test_kill_9_then_resume_is_bit_identical(stage, tiny_model_dir, tmp_path):
     for line in proc.stderr:  # progress lines: kill in the middle of the run, mid-step
         seen += ": step " in line
         if seen == 3:
-            proc.send_signal(signal.SIGKILL)
+            for pid in _children(proc.pid) if stage == "ppo-ahead" else [proc.pid]:
+                os.kill(pid, signal.SIGKILL)
             break
+    rest = [line for line in proc.stderr.read().splitlines() if ": step " not in line]
     proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    if stage == "ppo-ahead":
+        assert proc.returncode == 2 and rest == [
+            "error: the generator process (--max-staleness) ended with exit code -9 (out of "
+            "memory, or killed); lower --max-staleness or --batch-size, or pass "
+            "--max-staleness 0"], rest
+    else:
+        assert proc.returncode == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "killed"
     assert not (run_dir / "final").exists() and list((run_dir / "checkpoints").glob("step_*"))
     assert main([*_argv(stage, tiny_model_dir, tmp_path, "killed"), "--resume"]) == 0

@@ -274,10 +274,10 @@ def check_device(device: str) -> None:
 MAX_THREADS = 4096
 
 
-def check_threads(threads: int) -> None:
-    """`--threads` is 0 (auto) or a count torch can start."""
+def check_threads(threads: int, option: str = "--threads") -> None:
+    """`--threads` (or `option`: --generator-threads) is 0 (auto) or a count torch can start."""
     if not 0 <= threads <= MAX_THREADS:
-        raise TetherError(f"--threads {threads} is out of range: give 0 (auto) or 1 to "
+        raise TetherError(f"{option} {threads} is out of range: give 0 (auto) or 1 to "
                           f"{MAX_THREADS} threads per operation (this machine has "
                           f"{os.cpu_count()} CPU cores; more threads than cores only wait on "
                           "each other)")

@@ -30,9 +30,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    """Seed Python, NumPy and torch (CPU and CUDA). NumPy takes 0 .. 2**32 - 1 alone: another
+    seed (-1, as torch and ppo take it) is reduced into that range, so it is valid in every
+    stage; one in range is NumPy's seed as it was."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 

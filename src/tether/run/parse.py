@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import sys
 import textwrap
 import typing
 from pathlib import Path
@@ -50,11 +51,17 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     accepted, said = _PLAIN[tp]
     if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
         raise TetherError(f"config field '{name}' must be {said}, got {value!r}")
-    if tp is float and not math.isfinite(value):
+    if tp is int and abs(value) > MAX_INT:  # e.g. 2**63: an overflow deep in torch or the seeds
+        raise TetherError(f"config field '{name}' must be an integer within +-{MAX_INT} "
+                          f"(2**40 - 1), got {value}")
+    if tp is float and not abs(value) <= sys.float_info.max:  # an int of 400 digits too
         raise TetherError(f"config field '{name}' must be a finite number, got {value!r}")
     return float(value) if tp is float else value
 
 
+# More than any count or size a run can reach, and a run's seeds derived from its seed
+# (seed x 1,000,033 + row) stay within torch's 64 bits.
+MAX_INT = 2**40 - 1
 # The plain types: what each accepts (ints widen to float; a bool is no number) and its name.
 _PLAIN = {bool: ((bool,), "true or false"), int: ((int,), "an integer"),
           float: ((int, float), "a number"), str: ((str,), "a string")}

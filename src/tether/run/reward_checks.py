@@ -11,8 +11,12 @@ from __future__ import annotations
 import urllib.parse
 
 from tether.errors import TetherError
+from tether.run.user_code.calls import MAX_RETRY_DELAY_S
 
 MAX_WORKERS = 1024  # more concurrent calls than any endpoint or machine serves
+# up to 10 s apart: 100 retries wait out a quarter of an hour's outage (1,000,000 overflowed the
+# backoff's 2 ** attempt into a traceback)
+MAX_RETRIES = 100
 
 
 def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool = False,
@@ -74,9 +78,10 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
     if not 0 <= workers <= MAX_WORKERS:
         raise TetherError(f"--reward-workers {workers} must lie in [0, {MAX_WORKERS}] (0 or 1: "
                           "one call per batch; N > 1: N rows scored at a time)")
-    if retries < 0:
-        raise TetherError(f"--reward-retries {retries} must be >= 0 (0: a failed call is not "
-                          "tried again)")
+    if not 0 <= retries <= MAX_RETRIES:
+        raise TetherError(f"--reward-retries {retries} must lie in [0, {MAX_RETRIES}] (0: a "
+                          f"failed call is not tried again; each retry waits up to "
+                          f"{MAX_RETRY_DELAY_S:g} s)")
     if workers > 1 and episodic:
         raise TetherError(f"--reward-workers {workers} scores a batch's responses in parallel; "
                           "an episode's reward is scored inside its environment's step, which "

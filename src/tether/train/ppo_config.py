@@ -24,6 +24,7 @@ from tether.run.config import (
     RewardOptions,
     RunConfig,
     SamplingOptions,
+    check_threads,
     require_positive,
 )
 from tether.run.scopes import Scope
@@ -303,7 +304,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         return self.engine_is_cap or (STALE_IS_CAP if self.max_staleness > 0 else 0.0)
 
     def _check_staleness(self) -> None:
-        require_positive(self, "max_staleness", "generator_threads", allow_zero=True)
+        require_positive(self, "max_staleness", allow_zero=True)
+        check_threads(self.generator_threads, "--generator-threads")  # its torch takes them
         steps = self.steps_per_batch
         if 0 < self.max_staleness < steps:  # (0: synchronous)
             raise TetherError(f"--max-staleness {self.max_staleness} is less than the {steps} "
@@ -311,6 +313,11 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
                               f"--num-minibatches {self.num_minibatches}), so no batch could be "
                               f"sampled ahead within it; give {steps} (one batch ahead) or a "
                               "multiple of it, or 0")
+        if self.max_staleness > (total := self.n_batches * steps):  # bounds async/staleness_<g>
+            raise TetherError(f"--max-staleness {self.max_staleness} is more than the {total} "
+                              f"optimizer steps this whole run takes ({self.n_batches} batches, "
+                              f"{steps} each), so no token could ever be that stale; give at "
+                              f"most {total} (or 0)")
 
     def _check_dynamic_sampling(self) -> None:
         if self.dynamic_sampling < 0:

@@ -129,6 +129,8 @@ def build(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> Setup:
     """Load and check everything; any bad input fails here, before the first batch. With
     --max-staleness the generator process starts first, so that its imports overlap the
     loading (`tether.rl.engines.ahead.launch`); a failed build ends it."""
+    if cfg.max_staleness:
+        ahead.warn(cfg)
     launched = (ahead.launch(ahead.split_threads(cfg.threads, cfg.generator_threads, True)[1])
                 if cfg.max_staleness else None)
     try:

@@ -38,10 +38,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import TypeVar
 
 import torch
@@ -54,6 +56,7 @@ from tether.rl.engines.jobs import Background
 from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.weights import flatten, trainable
 from tether.rl.rollout import Rollout
+from tether.run.jobs import available_cores
 from tether.run.optim import StepCounter
 
 START_TIMEOUT_S = 600.0
@@ -261,9 +264,26 @@ def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
     would otherwise take them all and the two processes would contend for every core)."""
     if not ahead:
         return trainer, 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    generator = generator or max(1, (cores or 1) // 2)
-    return trainer or max(1, (cores or 1) - generator), generator
+    cores = available_cores()
+    generator = generator or max(1, cores // 2)
+    return trainer or max(1, cores - generator), generator
+
+
+def warn(settings) -> None:
+    """A warning line on stderr (rank 0; `build` calls this once) for each setting of a run
+    sampling ahead that is accepted but does less than it says: an S past a whole number of
+    batches, whose rest no batch can use (L = S // k), and more generator threads than the
+    cores, which only wait on each other."""
+    steps, cores, threads = settings.steps_per_batch, available_cores(), settings.generator_threads
+    lines = [f"--max-staleness {settings.max_staleness} is not a multiple of the {steps} "
+             f"optimizer steps each batch takes, so it samples {settings.batches_ahead} batches "
+             f"ahead as --max-staleness {settings.batches_ahead * steps} does; give that"
+             ] if settings.max_staleness % steps else []
+    lines += [f"--generator-threads {threads} is more than the {cores} cores this process may "
+              "use, and threads past them only wait on each other; give at most that many, or "
+              "0 (half the cores)"] if threads > cores else []
+    for line in lines if os.environ.get("RANK", "0") == "0" else []:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -285,6 +305,12 @@ class Launched:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
+        tracker = resource_tracker._resource_tracker
+        if tracker._fd is not None and not tracker._check_alive():
+            # killed with the generator (`pkill -9 -P` of the trainer ends both): at exit each
+            # queue semaphore's finalizer still unlinks it, but its unregister would start a new
+            # tracker that prints a KeyError for every name it never saw
+            resource_tracker.unregister = lambda name, rtype: None
 
 
 def launch(threads: int) -> Launched:

@@ -76,13 +76,21 @@ def next_message(box, sender, deadline: float = math.inf) -> tuple | None:
     """`box`'s next message, or None once the process `sender` is gone (or past `deadline`, a
     `time.monotonic()`): a trainer killed outside its `close` (SIGKILL, out of memory) sends no
     "close", and without this the copy would wait, and hold its memory, forever; a generator
-    that died answers nothing, and the trainer says so."""
+    that died answers nothing, and the trainer says so. A message it sent before it died is
+    None too when its tensors can no longer be read: torch rebuilds each from a connection to
+    the sender (refused, or cut, once it is gone)."""
     while True:
         try:
             return box.get(timeout=POLL_S)
         except queue.Empty:
             if sender is not None and not sender.is_alive() or time.monotonic() > deadline:
                 return None
+        except Exception:
+            if sender is not None:  # a killed process is reaped a moment after its sockets close
+                sender.join(POLL_S)
+            if sender is None or sender.is_alive():
+                raise  # the sender is alive: the error is the message's own
+            return None
 
 
 @torch.no_grad()

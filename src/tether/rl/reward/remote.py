@@ -39,7 +39,7 @@ from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
 BACKOFF_S = 0.5  # the first wait; it doubles each try (0.5, 1, 2 s)
-INFO_TIMEOUT_S = 10.0  # GET /info at start-up answers at once from a live server
+INFO_TIMEOUT_S = 10.0  # GET /info's wait where no --reward-url-timeout is given
 START_IT = "start it with tether serve-rm MODEL --port N, or check the address"
 
 
@@ -90,7 +90,10 @@ def _request(url: str, path: str, data: bytes | None, timeout: float) -> dict:
             "checkpoints written so far are intact")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read().decode("utf-8"))
+            # a served score of 10**400 is an integer no float holds (torch.tensor's
+            # OverflowError): read as a float it is inf, which `checked_model_scores` names
+            return json.loads(answer.read().decode("utf-8"),
+                              parse_int=lambda text: int(text) if len(text) < 300 else float(text))
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
             raise TetherError(f"--reward-url {url}: the server wants its API key, and "
@@ -130,8 +133,9 @@ def _requests(requests: list[tuple[str, str, bytes | None]], timeout: float, ret
 def connect(urls: list[str], timeout: float = INFO_TIMEOUT_S) -> list[Endpoint]:
     """GET /info on every endpoint, before any model loads: a dead one is one line, and so are
     endpoints that serve different models (another fingerprint: other weights, tokenizer or
-    dtype), whose scores would depend on which endpoint a row went to."""
-    answers = _requests([(url, "/info", None) for url in urls], min(timeout, INFO_TIMEOUT_S), 0)
+    dtype), whose scores would depend on which endpoint a row went to. A server that does not
+    answer within `timeout` (--reward-url-timeout, which its line says to raise) is one line."""
+    answers = _requests([(url, "/info", None) for url in urls], timeout, 0)
     endpoints = [Endpoint(url, info) for url, info in zip(urls, answers)]
     for endpoint in endpoints:
         if not isinstance(endpoint.info.get("fingerprint"), str):
