@@ -175,6 +175,22 @@ BEFORE_TORCH = [  # (argv, the one line's start): each needs no model, and --pol
      "--reward-fn-timeout 5 limits the calls"),
     (["eval", "--model", "./no_such_model", *NO_MODEL, "--reward-retries", "4",
       "--reward-fn", "rewards.py:score"], "--reward-retries 4 retries calls of the reward pool"),
+    # the user's code as named (its form, a file that is there); importing it waits for the stage
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--reward-fn", "nope.py:score"],
+     "reward function file nope.py does not exist; fix the path"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--reward-fn", "rewards.py"],
+     "reward function 'rewards.py' must look like module:function"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--tools", "rewards.py:score,nope.py:sub",
+      "--reward-fn", "rewards.py:score"], "tool file nope.py does not exist"),
+    (["grpo", "--policy", "./no_such_model", *NO_MODEL, "--env", "nope.py:make_env"],
+     "environment factory file nope.py does not exist"),
+    (["eval", "--model", "./no_such_model", *NO_MODEL, "--gold-fn", "task"],
+     "reward function 'task' must look like module:function"),
+    # and a model path that is not there, once the settings are right
+    (["ppo", "--policy", "./no_such_model", *NO_MODEL, "--reward-fn", "rewards.py:score"],
+     "model path ./no_such_model does not exist; pass a model directory or hub name"),
+    (["eval", "--model", "runs/no/such/model", *NO_MODEL],
+     "model path runs/no/such/model does not exist"),
 ]
 
 

@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         distributed.teardown()
 
 
+MODEL_FIELDS = ("model", "policy", "ref_model", "reward_model", "reference")
+
+
 def preflight(stage: str, argv: list[str]) -> str:
     """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
     in a millisecond), check the reward settings (which need no model: tether.run.reward_checks;
@@ -153,14 +156,20 @@ def preflight(stage: str, argv: list[str]) -> str:
     engine and its trackers need are installed (validation checks the trackers it names); returns the line(s) to show while torch,
     transformers and the model load ("" for stages that print their own)."""
     from tether.run.parse import parse_config
+    from tether.run.paths import check_local_path
     from tether.run.reward_checks import check_rewards
     from tether.run.trackers import auto_note
+    from tether.run.user_code.load import check_named_code
 
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     if hasattr(cfg, "reward_fn"):  # the online stages and eval: the CLI passes no Python reward
         check_rewards(cfg, training=stage != "eval")
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
+    check_named_code(cfg)
+    for field in MODEL_FIELDS:  # a missing local model is a typo, said before torch loads
+        if getattr(cfg, field, ""):
+            check_local_path(getattr(cfg, field))
     if stage in ("demo", "report", "sweep", "tiny-model") or stage == "generate" and not cfg.output:
         # the demo prints its own first line; a report and tiny-model load no model, a sweep's
         # runs print their own; generate without --output writes its JSONL to stdout, which stays data

@@ -34,17 +34,10 @@ from tether.models.lora import (
     load_adapter,
     set_trainable,
 )
+from tether.run.paths import check_local_path
 
 PAD_TOKEN = "<|pad|>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_local_path(name_or_path: str) -> None:
-    """A string that looks like a path (`./x`, `/x`, `~/x`, `a/b/c`) but is missing is a typo,
-    not a hub name."""
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local and not Path(name_or_path).expanduser().exists():
-        raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
 
 
 def _check_exists(name_or_path: str) -> None:

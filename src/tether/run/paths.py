@@ -23,6 +23,14 @@ INPUT_PATH_FIELDS = frozenset({"model", "base", "policy", "ref_model", "reward_m
 FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn", "env", "tools"})  # file.py:function; module:function kept
 
 
+def check_local_path(name_or_path: str) -> None:
+    """A string that looks like a path (`./x`, `/x`, `~/x`, `a/b/c`) but is missing is a typo,
+    not a hub name."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise TetherError(f"model path {name_or_path} does not exist; pass a model directory or hub name")
+
+
 def input_path(value: str) -> str:
     """`~` expanded; absolute when it names a file or directory that exists here. Anything else
     stays as given: a hub name (`gpt2`, `org/name`), which the loaders look up after local paths

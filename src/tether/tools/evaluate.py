@@ -30,7 +30,6 @@ from tether.models.limits import check_sampled_models
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import (
-    check_local_path,
     check_same_vocabulary,
     load_tokenizer,
     policy_eos_ids,
@@ -50,7 +49,7 @@ from tether.run.atomic import atomic_write_bytes
 from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
-from tether.run.paths import recorded_input_path
+from tether.run.paths import check_local_path, recorded_input_path
 from tether.run.threads import use_threads
 from tether.tools.config import EvalConfig, SamplingConfig
 from tether.tools.outputs import check_output, function_file

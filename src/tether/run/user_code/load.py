@@ -33,16 +33,11 @@ def load_function(spec: str, what: str) -> Callable:
     This runs the module's code. A module name is found as `python -m` finds one: the current
     directory first on the import path (the `tether` script's own path does not hold it), so
     ./task.py is `task:gold` from any launcher, and a file's own imports find its neighbours."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise TetherError(f"{what} {spec!r} must look like module:function or "
-                          "path/to/file.py:function")
+    module_name, attr = check_spec(spec, what)
     _current_directory_first()
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
-            if not path.is_file():
-                raise TetherError(f"{what} file {module_name} does not exist; fix the path")
             loader_spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
@@ -60,6 +55,34 @@ def load_function(spec: str, what: str) -> Callable:
         raise TetherError(f"{module_name} has no callable named {attr!r}; fix the function name "
                           f"in {spec!r}")
     return fn
+
+
+def check_spec(spec: str, what: str) -> tuple[str, str]:
+    """`spec`'s form and, for a file, that it is there: what `load_function` checks before it runs
+    any of the user's code, and the CLI before torch loads (`check_named_code`). Returns
+    (module or file, function name)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise TetherError(f"{what} {spec!r} must look like module:function or "
+                          "path/to/file.py:function")
+    if module_name.endswith(".py") and not Path(module_name).is_file():
+        raise TetherError(f"{what} file {module_name} does not exist; fix the path")
+    return module_name, attr
+
+
+def check_named_code(cfg) -> None:
+    """The functions a config names (--reward-fn, --gold-fn, --tools, an --env factory; not an
+    adapter's `name:target`), each by `check_spec`: a typo in them is refused before torch and
+    the model load (issue 47); importing them runs the user's code, which waits for the stage."""
+    named = [(spec, "reward function") for field in ("reward_fn", "gold_fn")
+             for spec in getattr(cfg, field, "").split(",")]
+    named += [(spec, "tool") for specs in getattr(cfg, "tools", []) for spec in specs.split(",")]
+    env = getattr(cfg, "env", "")
+    if env and (":" not in env or env.partition(":")[0].endswith(".py")):
+        named.append((env, "environment factory"))
+    for spec, what in named:
+        if spec.strip():
+            check_spec(spec.strip(), what)
 
 
 def _current_directory_first() -> None:
