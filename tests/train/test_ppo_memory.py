@@ -209,7 +209,9 @@ def test_bf16_end_to_end_with_reward_model_and_critic(env, tiny_llama_dir, monke
     monkeypatch.setattr(trunk_head, "_logits_match", lambda model, trunk, head: True)
     with layer_output_dtypes() as dtypes:
         metrics = run(cfg).metrics
-    assert chunk_sizes == [4]
+    # one call per micro-batch of the first epoch's update (8 rows, micro-batches of 4), as
+    # the update cuts them (tether.rl.scoring.micro_batches_of)
+    assert chunk_sizes == [4, 4]
     assert set(dtypes) == {torch.bfloat16} and len(dtypes) > 0
     assert metrics["objective/kl"] == 0.0 and metrics["policy/ratio_mean"] == 1.0
     assert metrics["policy/approx_kl"] == 0.0
