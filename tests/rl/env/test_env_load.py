@@ -53,7 +53,8 @@ def test_the_cli_prints_the_hint_and_exits_2(monkeypatch, tmp_path, capsys):
     without(monkeypatch, "reasoning_gym")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": 0}) + "\n")
-    code = main(["grpo", "--policy", str(tmp_path / "no-model"), "--prompts", str(prompts),
+    # a hub-like name: a missing local path is refused before torch loads, ahead of this
+    code = main(["grpo", "--policy", "no-such-model", "--prompts", str(prompts),
                  "--env", "reasoning-gym:leg_counting", "--output-dir", str(tmp_path / "runs"),
                  "--device", "cpu"])
     err = capsys.readouterr().err
