@@ -45,7 +45,8 @@ def stage_classes(stage: str) -> tuple[type, ...]:
              "report": ("tether.tools.config", "ReportConfig"),
              "set-base": ("tether.tools.config", "SetBaseConfig"),
              "sweep": ("tether.tools.config", "SweepConfig"),
-             "serve-rm": ("tether.tools.config", "ServeRMConfig")}[stage]
+             "serve-rm": ("tether.tools.config", "ServeRMConfig"),
+             "tiny-model": ("tether.demo.config", "TinyModelConfig")}[stage]
     module = importlib.import_module(names[0])  # only this stage's: a branch may lack the others
     return tuple(getattr(module, name) for name in names[1:])
 

@@ -1,14 +1,14 @@
 """OPTION_TESTS: for each option of each stage, the tests that fail when the stage silently
 ignores it, checked by tests/audit/mutate_options.py (which makes the option ignored and runs
 them); docs/options.md has the table. Stages: sft, rm, dpo, online (tether ppo, rloo and grpo:
-one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep, serve-rm. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
+one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep, serve-rm, tiny-model. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
 
 STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "report", "set-base",
-          "sweep", "serve-rm")
+          "sweep", "serve-rm", "tiny-model")
 
 
 def all_units() -> list[str]:
@@ -618,4 +618,11 @@ OPTION_TESTS |= {
                          GUARDS + "test_every_request_needs_the_key[127.0.0.1-option]"],
     "serve-rm:max_body_mb": [GUARDS + "test_a_body_over_the_limit_is_413_before_it_is_read"],
     "serve-rm:max_rows": [GUARDS + "test_rows_over_the_limit_are_413_and_no_rows_none"],
+}
+# tether tiny-model (issue 47): the family, its chat template and where it is written
+TINY = "tests/demo/test_tiny_model.py::"
+OPTION_TESTS |= {
+    "tiny-model:arch": [TINY + "test_each_arch_builds_loads_and_generates[llama]"],
+    "tiny-model:chat": [TINY + "test_the_command_s_chat_flag_gives_the_template"],
+    "tiny-model:output": [TINY + "test_each_arch_builds_loads_and_generates[llama]"],
 }

@@ -20,6 +20,8 @@ USER = [{"role": "user", "content": "the movie was"}]
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen2"])
 def test_each_arch_builds_loads_and_generates(arch, tmp_path, capsys):
     assert main(["tiny-model", "--arch", arch, "--output", str(tmp_path / "m")]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == arch  # the family asked for
     assert load_tokenizer(str(tmp_path / "m")).chat_template is None  # no --chat: a base model
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the movie was"}, {"prompt": "i loved"}])
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
@@ -32,7 +34,7 @@ def test_each_arch_builds_loads_and_generates(arch, tmp_path, capsys):
 @pytest.mark.parametrize("arch, rendered", [
     ("qwen2", "<|im_start|>user\nthe movie was<|im_end|>\n<|im_start|>assistant\n"),
     ("llama", "<s><|user|>\nthe movie was</s>\n<|assistant|>\n"),
-    ("mistral", "[INST] the movie was [/INST]")])
+    ("mistral", "[INST] the movie was [/INST]")], ids=["qwen2", "llama", "mistral"])
 def test_chat_gives_the_family_template(arch, rendered, tmp_path):
     out = tiny_model(tmp_path / "m", arch, chat=True)  # the Python function, as the command
     tokenizer = load_tokenizer(str(out))
@@ -42,6 +44,13 @@ def test_chat_gives_the_family_template(arch, rendered, tmp_path):
     assert main(["generate", "--model", str(out), "--prompts", str(tmp_path / "p.jsonl"),
                  "--max-new-tokens", "4", "--device", "cpu", "--output",
                  str(tmp_path / "out.jsonl")]) == 0
+
+
+def test_the_command_s_chat_flag_gives_the_template(tmp_path):
+    assert main(["tiny-model", "--arch", "qwen2", "--chat", "--output", str(tmp_path / "m")]) == 0
+    tokenizer = load_tokenizer(str(tmp_path / "m"))
+    assert tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>user\nthe movie was<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_an_output_that_holds_anything_is_refused(tmp_path, capsys):
