@@ -5,6 +5,7 @@ its absence none; an --output that holds anything is refused with one line, noth
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from offline_fixtures import write_jsonl
@@ -60,3 +61,16 @@ def test_an_output_that_holds_anything_is_refused(tmp_path, capsys):
             r"--output .*m exists and is not empty; tiny-model writes nothing over it", capsys)
     refused(tmp_path, ["tiny-model", "--chat", "--output", str(tmp_path / "g")],
             "--chat: GPT-2 has no chat template; pass --arch qwen2", capsys)
+
+
+def test_a_build_that_fails_leaves_nothing_beside_the_output(tmp_path, monkeypatch):
+    from tether.demo import tiny_model as module
+
+    def broken(path, texts, **sizes):
+        (Path(path) / "half.json").write_text("{")
+        raise MemoryError("out of memory")
+
+    monkeypatch.setitem(module.ARCHS, "llama", broken)
+    with pytest.raises(MemoryError):
+        tiny_model(tmp_path / "m", "llama")
+    assert list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@ shows is the plumbing (loading, templates, EOS ids, sampling, checkpoints), neve
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,7 +31,11 @@ def tiny_model(output: str | Path, arch: str = "gpt2", chat: bool = False) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     sizes = {"n_positions": POSITIONS} if arch == "gpt2" else {"max_positions": POSITIONS, "chat": chat}
-    ARCHS[arch](tmp, task.corpus(2000, seed=0), **sizes)
+    try:
+        ARCHS[arch](tmp, task.corpus(2000, seed=0), **sizes)
+    except BaseException:  # a build that fails or is stopped leaves no half-written folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_dir(tmp, out)
     return out
 
