@@ -146,17 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         distributed.teardown()
 
 
-MODEL_FIELDS = ("model", "policy", "ref_model", "reward_model", "reference")
-
-
 def preflight(stage: str, argv: list[str]) -> str:
     """Parse `argv` with the stage's config class alone (no torch: the stage parses it again,
     in a millisecond), check the reward settings (which need no model: tether.run.reward_checks;
-    a Python caller's rewards are checked by the wiring) and that the extras the stage, its
-    engine and its trackers need are installed (validation checks the trackers it names); returns the line(s) to show while torch,
+    a Python caller's rewards are checked by the wiring), that the extras the stage, its
+    engine and its trackers need are installed, the user's code as named (`check_named_code`)
+    and that no model path that looks local is missing (validation checks the trackers it names); returns the line(s) to show while torch,
     transformers and the model load ("" for stages that print their own)."""
     from tether.run.parse import parse_config
-    from tether.run.paths import check_local_path
+    from tether.run.paths import MODEL_PATH_FIELDS, check_local_path
     from tether.run.reward_checks import check_rewards
     from tether.run.trackers import auto_note
     from tether.run.user_code.load import check_named_code
@@ -167,7 +165,7 @@ def preflight(stage: str, argv: list[str]) -> str:
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     check_named_code(cfg)
-    for field in MODEL_FIELDS:  # a missing local model is a typo, said before torch loads
+    for field in sorted(MODEL_PATH_FIELDS):  # a missing local model is a typo, said before torch loads
         if getattr(cfg, field, ""):
             check_local_path(getattr(cfg, field))
     if stage in ("demo", "report", "sweep", "tiny-model") or stage == "generate" and not cfg.output:

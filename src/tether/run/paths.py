@@ -17,9 +17,12 @@ from tether.errors import TetherError
 # whatever directory `tether eval`, `report` or `--resume` later runs in (issue 23). Relative paths
 # are read against the current directory, as they always were; `~` is expanded in all of them.
 OUTPUT_PATH_FIELDS = frozenset({"output_dir", "output"})  # always local: made absolute
-INPUT_PATH_FIELDS = frozenset({"model", "base", "policy", "ref_model", "reward_model", "reference",
-                               "data", "eval_data", "normalize_data", "prompts", "eval_prompts",
-                               "runs", "grid", "adapter"})  # absolute when they exist here; else a hub name, kept
+# Those that name a model: a missing one that looks local is refused before torch loads
+# (`check_local_path`, run by the CLI's preflight).
+MODEL_PATH_FIELDS = frozenset({"model", "policy", "ref_model", "reward_model", "reference"})
+INPUT_PATH_FIELDS = MODEL_PATH_FIELDS | frozenset({
+    "base", "data", "eval_data", "normalize_data", "prompts", "eval_prompts", "runs", "grid",
+    "adapter"})  # absolute when they exist here; else a hub name, kept
 FUNCTION_FIELDS = frozenset({"reward_fn", "gold_fn", "env", "tools"})  # file.py:function; module:function kept
 
 
