@@ -116,7 +116,7 @@ def test_the_recipes_table_entries_list_the_entries_fields():
 
 
 def test_the_loss_inputs_the_page_names_are_fields():
-    from tether.objectives import LossInputs
+    from tether.losses import LossInputs
     named = {s[2:] for s in spans() if re.fullmatch(r"x\.\w+", s)}
     assert len(named) >= 8
     assert named <= {f.name for f in dataclasses.fields(LossInputs)}, named

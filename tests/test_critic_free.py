@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.advantages import grpo, kl_shaped_rewards, reinforce_pp, rloo
-from tether.scores import overlong_penalty
+from tether.advantages import grpo, kl_shaped_rewards, overlong_penalty, reinforce_pp, rloo
 
 # Two prompts, k = 3 samples each (rows 0-2 and 3-5), T = 3, ragged lengths. Each row's rewards
 # sum to its return R over the real tokens; padding holds garbage that must not count.
@@ -202,7 +201,7 @@ def test_overlong_penalty_hand_computed_and_trls_example():
 
 
 def test_varied_groups_hand_computed():
-    from tether.scores import varied_groups
+    from tether.advantages import varied_groups
 
     # groups of 3: all equal (1, 1, 1), varied (0, 1, 0), all equal (0, 0, 0), varied (2, 2, 2.5)
     scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.5])

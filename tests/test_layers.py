@@ -26,7 +26,7 @@ SRC = ROOT / "src" / "tether"
 LAYERS = [
     # the public maths and its tables
     {"tether.errors", "tether.choices", "tether.kl", "tether.logprobs", "tether.advantages",
-     "tether.scores", "tether.losses", "tether.objectives", "tether.lm_head"},
+     "tether.losses", "tether.preference", "tether.lm_head"},
     {"tether.run"},  # configs, run directories, checkpoints, processes: no data format
     {"tether.data"},
     {"tether.models"},
@@ -37,7 +37,7 @@ LAYERS = [
     {"tether.cli", "tether.__main__"},
 ]
 ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "choices", "kl", "logprobs",
-                "advantages", "scores", "losses", "objectives", "lm_head"}
+                "advantages", "losses", "preference", "lm_head"}
 
 
 def module_name(path: Path) -> str:

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tether.losses import bradley_terry_loss, dpo_loss, ppo_policy_loss, reduce_tokens, value_loss
+from tether.losses import ppo_policy_loss, reduce_tokens, value_loss
+from tether.preference import bradley_terry_loss, dpo_loss
 
 LN2 = math.log(2.0)
 
@@ -487,8 +488,7 @@ def test_a_new_objective_reads_its_inputs_by_name_through_the_update(monkeypatch
     # its function and one table entry (tether.choices.POLICY_LOSSES): update_loss hands every
     # input it has to the objective by name, and the loss is the objective's, reduced.
     from tether import choices
-    from tether.losses import PolicyLoss
-    from tether.objectives import LossInputs
+    from tether.losses import LossInputs, PolicyLoss
     from tether.rl.scoring import Forward
     from tether.rl.update import Counts, LossBatch, UpdateSpec, update_loss
 

@@ -1,7 +1,7 @@
 """tether: RLHF with a KL leash.
 
-The maths layer (`tether.kl`, `tether.logprobs`, `tether.advantages`, `tether.scores`,
-`tether.losses`, `tether.objectives`, `tether.lm_head`, and the tables of the named choices,
+The maths layer (`tether.kl`, `tether.logprobs`, `tether.advantages`, `tether.losses`,
+`tether.preference`, `tether.lm_head`, and the tables of the named choices,
 `tether.choices`) is pure tensor functions at the package root; the folders are the layers above
 it (docs/design.md): `run`, `data`, `models`, `rl`, then the stages in `tether.train` (explicit
 loops built on them), the tools and the demo.

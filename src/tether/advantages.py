@@ -1,4 +1,5 @@
-"""Per-token rewards with the KL penalty, generalised advantage estimation, whitening.
+"""Sequence scores, per-token rewards with the KL penalty, generalised advantage estimation,
+whitening.
 
 Notation: B batch, T response positions. `mask` [B, T] is true on the tokens the policy sampled
 (a rollout's `action_mask`: up to and including EOS, or up to the last token of a truncated
@@ -16,16 +17,95 @@ groups: B = n_prompts * k, and rows i*k .. i*k + k - 1 answer prompt i. `rloo` a
 sequence return R_i = sum_t r_{i,t} (gamma = 1) on every real token (outcome supervision);
 `reinforce_pp` whitens the per-token return-to-go over the batch. With the KL in the loss, the
 rewards are `kl_shaped_rewards` with beta = 0: the score alone, on the last real token.
+
+Before they become per-token rewards, sequence scores may be normalised per batch or over the
+run (`ScoreNormalizer`) and given DAPO's soft penalty for long responses (`overlong_penalty`);
+`varied_groups` finds the groups of samples whose scores vary (the ones that carry a gradient
+under rloo and grpo).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from tether import kl as kl_lib
 from tether.choices import ADVANTAGES, entry, non_negative, positive, same_shape
+
+
+class ScoreNormalizer:
+    """Scores -> (score - mean) / std: per batch, or with running moments over the run (the
+    running form is a streaming version of the reward normalisation of Ziegler et al. 2019).
+
+    mode "none": unchanged; "batch": population moments of this batch; "running": moments of
+    every score seen so far (Chan et al.'s parallel update), checkpointed with `state_dict`.
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.mode == "none":
+            return scores
+        if self.mode == "batch":
+            return (scores - scores.mean()) / (scores.std(unbiased=False) + 1e-8)
+        # Chan et al. parallel update of the running mean and sum of squared deviations.
+        n, mean = scores.numel(), scores.mean().item()
+        m2 = ((scores - mean) ** 2).sum().item()
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta ** 2 * self.count * n / total
+        self.count = total
+        std = math.sqrt(self.m2 / total) if total > 1 else 1.0
+        return (scores - self.mean) / (std + 1e-8)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13), added to the score:
+
+        0                                   |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+        -1                                  |y| > L_max
+
+    Args:
+        lengths: [B] response lengths in tokens. max_len: L_max (--max-new-tokens).
+        cache: L_cache > 0, the window before L_max where the penalty grows from 0 to -1.
+
+    Returns:
+        [B] fp32 penalties in [-1, 0].
+    """
+    positive("cache", cache)
+    start = max_len - cache
+    lengths = lengths.float()
+    inside = (start - lengths) / cache
+    return torch.where(lengths <= start, torch.zeros_like(lengths),
+                       torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))
+
+
+def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[B / k] bool: True for each group of k consecutive scores that are not all equal.
+
+    A group whose k responses all score exactly the same has zero advantage under rloo and grpo
+    (each response equals its baseline), so it adds no policy gradient. DAPO's dynamic sampling
+    (Yu et al. 2025, "DAPO", eq. 11: 0 < |{o_i : o_i correct}| < G) keeps only the others.
+
+    Args:
+        scores: [B] sequence scores, B a multiple of k, groups in consecutive rows.
+    """
+    if k < 1 or scores.numel() % k:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {k}")
+    groups = scores.reshape(-1, k)
+    return groups.amax(dim=1) != groups.amin(dim=1)
 
 
 def last_true_index(mask: torch.Tensor) -> torch.Tensor:

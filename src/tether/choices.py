@@ -199,7 +199,7 @@ def kl_allowed(placement: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Objective:
-    """A policy objective (`tether.objectives`): (inputs: LossInputs) -> (per-token loss
+    """A policy objective (`tether.losses`): (inputs: LossInputs) -> (per-token loss
     [B, T], where the clip or cap acted [B, T])."""
 
     about: str
@@ -208,15 +208,15 @@ class Objective:
 
 POLICY_LOSSES: dict[str, Objective] = {
     "ppo": Objective("the clipped surrogate (Schulman et al. 2017)",
-                     Ref("tether.objectives:clipped_surrogate")),
+                     Ref("tether.losses:clipped_surrogate")),
     "cispo": Objective("REINFORCE on log pi with a capped, detached weight (MiniMax-M1 2025)",
-                       Ref("tether.objectives:cispo")),
+                       Ref("tether.losses:cispo")),
 }
 
 # --importance-level: (log_ratio [B, T], mask [B, T]) -> the log-ratio the ratio exponentiates
 IMPORTANCE_LEVELS: dict[str, Callable] = {
-    "token": Ref("tether.objectives:token_log_ratio"),  # PPO
-    "sequence": Ref("tether.objectives:sequence_log_ratio"),  # GSPO
+    "token": Ref("tether.losses:token_log_ratio"),  # PPO
+    "sequence": Ref("tether.losses:sequence_log_ratio"),  # GSPO
 }
 
 

@@ -105,13 +105,16 @@ def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1
     """
     positive("temperature", temperature)
     same_shape(logits=logits, ref_logits=ref_logits)
+    return map_row_chunks(lambda rows, ref_rows: exact_rows(rows, ref_rows, temperature),
+                          logits, ref_logits)
 
-    def chunk_kl(chunk: torch.Tensor, ref_chunk: torch.Tensor) -> torch.Tensor:
-        log_p = torch.log_softmax(chunk.float() / temperature, dim=-1)
-        log_q = torch.log_softmax(ref_chunk.float() / temperature, dim=-1)
-        return (log_p.exp() * (log_p - log_q)).sum(-1)
 
-    return map_row_chunks(chunk_kl, logits, ref_logits)
+def exact_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`exact`'s formula on rows taken whole, [N, V] -> [N] fp32: for callers that chunk the rows
+    themselves (`exact`; `tether.lm_head.head_exact_kl`, whose chunks come from the head)."""
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,7 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
     flat_h = hidden.reshape(-1, hidden.shape[-1])
 
     def chunk_entropy(h: torch.Tensor) -> torch.Tensor:
-        return logprobs_lib.entropy(head(h), temperature)
+        return logprobs_lib.entropy_rows(head(h), temperature)
 
     out = _checkpointed_rows(chunk_entropy, flat_h.shape[0], vocab_size(head), (head,), flat_h)
     return out.reshape(hidden.shape[:-1])
@@ -385,7 +385,7 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
     flat_ref = ref_hidden.reshape(-1, ref_hidden.shape[-1])
 
     def chunk_kl(h: torch.Tensor, h_ref: torch.Tensor) -> torch.Tensor:
-        return kl_lib.exact(head(h), ref_head(h_ref), temperature)
+        return kl_lib.exact_rows(head(h), ref_head(h_ref), temperature)
 
     vocab = vocab_size(head)
     if vocab_size(ref_head) != vocab:

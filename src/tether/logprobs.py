@@ -137,10 +137,12 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         [...] fp32 entropies in nats.
     """
     positive("temperature", temperature)
+    return map_row_chunks(lambda rows: entropy_rows(rows, temperature), logits)
 
-    def chunk_entropy(chunk: torch.Tensor) -> torch.Tensor:
-        x = chunk.float() / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
 
-    return map_row_chunks(chunk_entropy, logits)
+def entropy_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`entropy`'s formula on rows taken whole, [N, V] -> [N] fp32: for callers that chunk the
+    rows themselves (`entropy`; `tether.lm_head.head_entropy`, whose chunks come from the head)."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)

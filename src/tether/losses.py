@@ -1,5 +1,6 @@
-"""Losses: PPO's clipped surrogate and its variants, the KL loss term, the value loss,
-Bradley-Terry, DPO and IPO.
+"""The online losses: the policy objectives (PPO's clipped surrogate and its variants) and their
+reduction, the KL loss term, the value loss. The pairwise losses of the offline stages
+(Bradley-Terry, DPO, IPO) are in `tether.preference`.
 
 Notation: B batch, T response positions; `mask` [B, T] is true on the tokens that carry the loss
 (the policy's own sampled tokens). Each loss returns the loss plus detached statistics and never
@@ -14,10 +15,10 @@ short response's tokens more than a long one's. When the KL is a loss term besid
 loss, both must use the same reduction, or beta is multiplied by L (or 1/L) relative to the
 reward placement.
 
-Policy losses are the objectives of `tether.objectives` (functions of one bundle of named
-inputs, `LossInputs`), each an entry of `tether.choices.POLICY_LOSSES`, over the ratios of
-`IMPORTANCE_LEVELS`, reduced by `policy_loss` with a `PolicyLoss` spec; a new objective is one
-function and one entry, whatever it reads.
+Policy losses are the objectives below (functions of one bundle of named inputs, `LossInputs`,
+each returning the per-token loss and where its clip or cap acted, both [B, T]), each an entry of
+`tether.choices.POLICY_LOSSES`, over the ratios of `IMPORTANCE_LEVELS`, reduced by `policy_loss`
+with a `PolicyLoss` spec; a new objective is one function and one entry, whatever it reads.
 
 Micro-batches: the reductions take an optional `denominator`, the real-token count (token mean)
 or the sequence count (per-sequence) of the whole minibatch. Given it, the masked sum over this
@@ -31,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tether.choices import (
     IMPORTANCE_LEVELS,
@@ -44,7 +44,57 @@ from tether.choices import (
     same_shape,
 )
 from tether.kl import LOG_RATIO_CLAMP, LOSS_ESTIMATORS
-from tether.objectives import LossInputs
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a policy objective reads, by name: all [B, T] but the clips and the group. An
+    objective takes the bundle and reads what it needs, so one that needs another input (the
+    reference's log-probs, the engine's, its group) is its function and one entry
+    of `tether.choices.POLICY_LOSSES`, nothing else (`tether.rl.update.update_loss` passes every
+    input it has)."""
+
+    ratio: torch.Tensor  # the importance ratio (--importance-level), from the clamped log-ratio
+    logprobs: torch.Tensor  # log pi(y_t) under the policy being updated, differentiable
+    old_logprobs: torch.Tensor  # log pi_old(y_t), at rollout time
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool: the tokens that carry the loss
+    clip: float  # eps, the ratio's lower clip
+    clip_high: float  # eps_high (eps when not given)
+    ref_logprobs: torch.Tensor | None = None  # log ref(y_t)
+    engine_logprobs: torch.Tensor | None = None  # the sampling engine's log-probs (behaviour)
+    group_size: int = 1  # k: the samples of one prompt, in consecutive rows
+
+
+def clipped_surrogate(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO (Schulman et al. 2017, eq. 7), negated: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)).
+    Clipped where the clipped branch is the larger loss; the ratio carries the gradient."""
+    pg_loss1 = -x.advantages * x.ratio
+    pg_loss2 = -x.advantages * torch.clamp(x.ratio, 1.0 - x.clip, 1.0 + x.clip_high)
+    return torch.maximum(pg_loss1, pg_loss2), pg_loss2 > pg_loss1
+
+
+def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025, eq. 4-5): -sg(min(r, 1 + eps_high)) A log pi, REINFORCE on log pi
+    with a capped, detached importance weight, so no token's gradient is dropped, only bounded.
+    Capped where r > 1 + eps_high; the lower clip is unused."""
+    weight = x.ratio.clamp(max=1.0 + x.clip_high).detach()
+    return -weight * x.advantages * x.logprobs, x.ratio > 1.0 + x.clip_high
+
+
+def token_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each token's own log-ratio [B, T] (PPO)."""
+    return log_ratio
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each response's mean log-ratio over its true tokens [B, 1], shared by its tokens (GSPO,
+    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7: s_i = exp(mean_t log r_t), a
+    length-normalised sequence ratio, differentiable through the mean, so a response is clipped or
+    kept whole; its clip range is ~1e-3, not 0.2)."""
+    m = mask.to(log_ratio.dtype)
+    return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
+
 
 AGGREGATIONS = ("token", "sequence", "sum")
 
@@ -297,84 +347,3 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         stats = {"clip_frac": masked_mean((vf_loss2 > vf_loss1).float(), mask),
                  "value_mean": masked_mean(values, mask)}
     return loss, stats
-
-
-def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
-                       margin: torch.Tensor | None = None) -> torch.Tensor:
-    """Pairwise reward-model loss under the Bradley-Terry model (Ouyang et al. 2022, eq. 1).
-
-    P(chosen > rejected) = sigmoid(r_c - r_r - m);  L = -mean log sigmoid(r_c - r_r - m)
-
-    The optional margin m (Touvron et al. 2023, Llama 2, eq. 2) asks for a larger gap on pairs
-    whose preference is stronger.
-
-    Args:
-        chosen_rewards: [B] scores of the preferred responses.
-        rejected_rewards: [B] scores of the others.
-        margin: optional [B] non-negative margins.
-
-    Returns:
-        Scalar loss.
-    """
-    same_shape(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
-    diff = chosen_rewards - rejected_rewards
-    if margin is not None:
-        same_shape(chosen_rewards=chosen_rewards, margin=margin)
-        diff = diff - margin
-    return -F.logsigmoid(diff).mean()
-
-
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
-             ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float = 0.1,
-             loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-             chosen_lengths: torch.Tensor | None = None,
-             rejected_lengths: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Direct preference losses, where the KL to the reference is implicit.
-
-    h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))
-
-    sigmoid (DPO, Rafailov et al. 2023, eq. 7), with label smoothing eps (conservative DPO,
-    Mitchell 2023): L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
-    ipo (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
-    Preferences", eq. 17, tau = beta): L = (h - 1 / (2 beta))^2. If lengths are given, each
-    log-ratio is first divided by its response length (a per-token average).
-
-    Args:
-        policy_chosen, policy_rejected, ref_chosen, ref_rejected: [B] per-sequence summed
-            log-probs of the responses.
-        beta: > 0; the KL strength (DPO) or tau (IPO).
-        loss_type: "sigmoid" or "ipo".
-        label_smoothing: in [0, 0.5), the assumed probability that a label is flipped (sigmoid).
-        chosen_lengths, rejected_lengths: optional [B] response lengths (IPO only).
-
-    Returns:
-        (losses [B], chosen_rewards [B], rejected_rewards [B]); rewards are beta * (policy - ref),
-        detached.
-    """
-    entry(("sigmoid", "ipo"), loss_type, "loss_type")
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must lie in [0, 0.5), got {label_smoothing}")
-    same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected,
-               ref_chosen=ref_chosen, ref_rejected=ref_rejected)
-    chosen_logratio = policy_chosen - ref_chosen
-    rejected_logratio = policy_rejected - ref_rejected
-    if loss_type == "sigmoid":
-        h = chosen_logratio - rejected_logratio
-        losses = (-(1.0 - label_smoothing) * F.logsigmoid(beta * h)
-                  - label_smoothing * F.logsigmoid(-beta * h))
-    else:
-        if (chosen_lengths is None) != (rejected_lengths is None):
-            raise ValueError("pass both chosen_lengths and rejected_lengths, or neither")
-        if chosen_lengths is not None:
-            same_shape(policy_chosen=policy_chosen, chosen_lengths=chosen_lengths,
-                       rejected_lengths=rejected_lengths)
-            chosen_logratio = chosen_logratio / chosen_lengths.clamp(min=1)
-            rejected_logratio = rejected_logratio / rejected_lengths.clamp(min=1)
-        h = chosen_logratio - rejected_logratio
-        losses = (h - 1.0 / (2.0 * beta)).square()
-    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
-    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
-    return losses, chosen_rewards, rejected_rewards

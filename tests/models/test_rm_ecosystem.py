@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from tether.cli import main
-from tether.losses import bradley_terry_loss
 from tether.models.hub_reward import load_hub_reward_model
 from tether.models.reward_model import RewardModel
+from tether.preference import bradley_terry_loss
 
 MODELS = ["tiny_model_dir", "tiny_llama_dir"]
 

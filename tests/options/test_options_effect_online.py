@@ -215,7 +215,7 @@ def test_clip_ranges_and_vf_coef_reach_the_losses(tiny_model_dir, tmp_path, monk
 def test_overlong_penalty_reaches_the_scores(tiny_model_dir, tmp_path, monkeypatch):
     # DAPO's soft penalty with a window of 2 before max_new_tokens 4: a response of 3 tokens
     # loses 0.5, one of 4 loses 1; the same seed samples the same batch with and without it
-    from tether.scores import overlong_penalty
+    from tether.advantages import overlong_penalty
 
     runs = {}
     for name, window in (("plain", 0), ("penalised", 2)):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from update_helpers import loss_on, prompt_batch, update_on
 
-from tether.advantages import kl_shaped_rewards
+from tether.advantages import ScoreNormalizer, kl_shaped_rewards
 from tether.cli import main
 from tether.data.prompts import prompt_indices
 from tether.errors import TetherError
@@ -23,7 +23,6 @@ from tether.models.tiny import save_tiny
 from tether.rl.engines.native import sample_responses
 from tether.rl.scoring import score_rollout
 from tether.run.parse import parse_config
-from tether.scores import ScoreNormalizer
 from tether.train.ppo import PPOConfig, run
 from tether.train.ppo_setup import build
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tether.advantages import varied_groups
 from tether.errors import TetherError
 from tether.rl.reward import FailedRows, NonFiniteScore
 from tether.rl.rollout import Rollout, concat_rollouts
-from tether.scores import varied_groups
 
 NOTE_EVERY_S = 30.0  # how often a batch still short says how far it got
 # Without --dynamic-sampling: the most further draws that replace the groups the reward pool

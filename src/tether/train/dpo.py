@@ -5,7 +5,7 @@ With per-sequence summed log-probs and h = (log pi(y_c) - log ref(y_c)) - (log p
     sigmoid (DPO, Rafailov et al. 2023, eq. 7):  L = -log sigmoid(beta * h)   (label smoothing: cDPO)
     ipo (Azar et al. 2023, eq. 17):               L = (h - 1 / (2 beta))^2 on per-token averages
 
-The formulas live in `tether.losses.dpo_loss`; this file is the loop. Chosen and rejected go
+The formulas live in `tether.preference.dpo_loss`; this file is the loop. Chosen and rejected go
 through the policy in one forward pass: by default one row per pair, [prompt | chosen | rejected]
 with an attention mask that keeps the two responses apart (`tether.models.pair_row`); with
 `--no-share-prompt`, the concatenated [2B, P+R] batch (`collate_pairs`). With
@@ -28,7 +28,6 @@ import torch
 from tether.data.batches import batch_order, collate_pairs, to_device
 from tether.data.encoding import encode_preferences
 from tether.data.rows import load_rows
-from tether.losses import dpo_loss
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, language_model, longest_row
 from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
@@ -40,6 +39,7 @@ from tether.models.pretrained import (
 )
 from tether.models.reference import check_reference, reference_model
 from tether.models.trunk_head import response_logprobs
+from tether.preference import dpo_loss
 from tether.run import distributed
 from tether.run.distributed import wrap_frozen
 from tether.run.optim import backward, optimizer_step

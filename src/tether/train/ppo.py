@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from tether.advantages import ScoreNormalizer, overlong_penalty
 from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.forward import autocast
@@ -53,7 +54,6 @@ from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, print_result, progress
 from tether.run.slicing import rank_slice
 from tether.run.user_code.load import function_name
-from tether.scores import ScoreNormalizer, overlong_penalty
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_log import (
     batch_metrics,

@@ -22,12 +22,12 @@ import torch
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
 from tether.data.encoding import encode_preferences, encode_sft
 from tether.data.rows import load_rows
-from tether.losses import bradley_terry_loss
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, longest_row, model_positions
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
+from tether.preference import bradley_terry_loss
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
 from tether.run.rundir import RunResult, announce
