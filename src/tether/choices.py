@@ -168,6 +168,9 @@ class KLEstimator:
     ratio: bool = False  # as a loss term, times pi / pi_old (both factors carry the gradient)
     # its expected gradient as a loss term (Schulman 2020; tests/test_kl_gradients.py)
     gradient: str = ""
+    # (logits [N, V], ref_logits [N, V], temperature) -> [N]: the divergence over the whole
+    # vocabulary of an entry whose `token` is None (`tether.kl.exact`'s `rows`)
+    rows: Callable | None = None
 
 
 KL_ESTIMATORS: dict[str, KLEstimator] = {
@@ -182,7 +185,15 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
     "k3_ratio": KLEstimator("k3 x pi / pi_old", Ref("tether.kl:k3"), False, True, ratio=True,
                             gradient="KL(pi || ref)'s for every pi"),
     "exact": KLEstimator("the KL over the whole vocabulary at each position", None, False, True,
-                         gradient="KL(pi || ref)'s exactly, for every pi"),
+                         gradient="KL(pi || ref)'s exactly, for every pi",
+                         rows=Ref("tether.kl:exact_rows")),
+    "forward": KLEstimator("the forward KL(ref || pi) over the whole vocabulary at each position",
+                           None, False, True, gradient="KL(ref || pi)'s exactly, for every pi",
+                           rows=Ref("tether.kl:forward_rows")),
+    "jsd": KLEstimator("the generalised Jensen-Shannon divergence over the whole vocabulary at "
+                       "each position, --jsd-beta from forward (0) to reverse (1) KL", None, False,
+                       True, gradient="JSD_beta(pi, ref)'s exactly, for every pi",
+                       rows=Ref("tether.kl:jsd_rows")),
 }
 # --kl-estimator auto: k1 in the reward (Ziegler et al. 2019), k3_ratio in the loss (its gradient
 # is KL(pi || ref)'s; plain k3's is KL(ref || pi)'s)

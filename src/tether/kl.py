@@ -88,8 +88,10 @@ def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     return term.token(logprobs - ref_logprobs)
 
 
-def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Exact KL(softmax(logits/T) || softmax(ref_logits/T)) over the vocabulary, per position.
+def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0,
+          rows=None) -> torch.Tensor:
+    """Exact KL(softmax(logits/T) || softmax(ref_logits/T)) over the vocabulary, per position, or
+    another divergence over the vocabulary (`rows`: `forward_rows`, `jsd_rows`).
 
     KL = sum_v p_v (log p_v - log q_v), p = softmax(logits / T), q = softmax(ref_logits / T)
 
@@ -99,13 +101,15 @@ def exact(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1
         logits: [..., V] policy logits.
         ref_logits: [..., V] reference logits.
         temperature: T > 0, applied to both.
+        rows: (logits [N, V], ref_logits [N, V], temperature) -> [N]; default `exact_rows`.
 
     Returns:
         [...] fp32, `logits.shape[:-1]`; differentiable with respect to both inputs.
     """
     positive("temperature", temperature)
     same_shape(logits=logits, ref_logits=ref_logits)
-    return map_row_chunks(lambda rows, ref_rows: exact_rows(rows, ref_rows, temperature),
+    rows = rows or exact_rows
+    return map_row_chunks(lambda chunk, ref_chunk: rows(chunk, ref_chunk, temperature),
                           logits, ref_logits)
 
 
@@ -115,6 +119,38 @@ def exact_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: floa
     log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
     log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def forward_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The forward KL over the vocabulary, KL(q || p) = sum_v q_v (log q_v - log p_v), on rows
+    taken whole ([N, V] -> [N] fp32): mass-covering, pi pulled toward every token ref (a teacher)
+    gives weight, as in supervised distillation (GKD's beta = 0, Agarwal et al. 2024)."""
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def jsd_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float,
+             beta: float = 0.5) -> torch.Tensor:
+    """The generalised Jensen-Shannon divergence over the vocabulary on rows taken whole
+    ([N, V] -> [N] fp32), with p = pi (the student) and q = ref (the teacher), as GKD defines it
+    (Agarwal et al. 2024, "On-Policy Distillation of Language Models", eq. 1; TRL's GKD loss):
+
+        M = beta q + (1 - beta) p
+        JSD_beta = beta KL(q || M) + (1 - beta) KL(p || M)       0 < beta < 1
+
+    and at the two ends, by definition, the forward KL(q || p) (beta = 0) and the reverse
+    KL(p || q) (beta = 1), where the formula itself would vanish. beta = 0.5 is the symmetric
+    Jensen-Shannon divergence, bounded by log 2."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"the JSD's beta must lie in [0, 1], got {beta}")
+    if beta in (0.0, 1.0):
+        return (exact_rows if beta == 1.0 else forward_rows)(logits, ref_logits, temperature)
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
+    log_m = torch.logaddexp(log_q + math.log(beta), log_p + math.log1p(-beta))
+    return (beta * (log_q.exp() * (log_q - log_m)).sum(-1)
+            + (1.0 - beta) * (log_p.exp() * (log_p - log_m)).sum(-1))
 
 
 @dataclass(frozen=True)
