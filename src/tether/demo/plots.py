@@ -6,15 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")  # no screen needed; the demo runs on servers and in CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
-from tether.tools.frontier import mean_and_stderr  # noqa: E402
-from tether.tools.report import GUIDE, Palette, legend_colours  # noqa: E402
+from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps
+from tether.tools.frontier import mean_and_stderr
+from tether.tools.report import GUIDE, Palette, plt, png_data  # plt on Agg: no screen needed
 
 MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 SEED_STYLES = ("-", "--", ":", "-.")
@@ -78,19 +74,12 @@ def _seed_legend(ax, curves: list[Curve]) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
-             palette: Palette | None = None) -> dict[str, tuple[str, dict[str, str]]]:
+def plot_all(curves: list[Curve], out_dir: Path, kl_target: float
+             ) -> dict[str, tuple[str, dict[str, str]]]:
     """Draw every figure; returns {title: (file name, legend colours)}."""
     ppo = [c for c in curves if c.run in PPO_RUNS]
-    palette = palette or Palette()
+    palette = Palette()
     figures = {}
-
-    def save(fig, name: str, title: str):
-        fig.tight_layout()
-        colours = legend_colours(fig)
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        figures[title] = (name, colours)
 
     for x_name, name, title in ((None, "reward_vs_step.png", "Proxy and gold reward against step"),
                                 ("eval/kl", "reward_vs_kl.png", "Proxy and gold reward against KL")):
@@ -101,7 +90,7 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
             ax.set(xlabel="PPO batch" if x_name is None else "KL(pi || ref), nats per response",
                    ylabel=label, title=f"{label} against {'step' if x_name is None else 'KL'}")
         _seed_legend(axes[0], ppo)
-        save(fig, name, title)
+        figures[title] = png_data(fig, out_dir / name, dpi=90)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     plot_runs(axes[0], ppo, None, "objective/beta", palette)
@@ -114,12 +103,12 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
     axes[2].set(xlabel="PPO batch", ylabel="distinct-2", title="diversity (distinct-2)")
     for ax in axes:
         _seed_legend(ax, ppo)
-    save(fig, "beta_kl_diversity.png", "beta, KL and diversity against step")
+    figures["beta, KL and diversity against step"] = png_data(fig, out_dir / "beta_kl_diversity.png", dpi=90)
 
     fig, ax = plt.subplots(figsize=(7, 5))
     plot_runs(ax, curves, "eval/kl", "eval/gold_score", palette)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The frontier: gold reward against KL, every run")
     _seed_legend(ax, curves)
-    save(fig, "frontier.png", "The frontier: gold reward against KL")
+    figures["The frontier: gold reward against KL"] = png_data(fig, out_dir / "frontier.png", dpi=90)
     return figures

@@ -16,7 +16,7 @@ from pathlib import Path
 from tether.demo.curves import PPO_RUNS, Curve, by_run, mean_series, pooled_golds
 from tether.demo.plots import plot_all
 from tether.tools.frontier import paired_difference, peak_then_fall
-from tether.tools.report import config_html, figure_tag, page, read_run, rows_html, write_page
+from tether.tools.report import config_html, figure_html, page, read_run, rows_html, write_page
 
 
 @dataclass
@@ -290,7 +290,7 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     out.mkdir(parents=True, exist_ok=True)
     figures = plot_all(curves, out, kl_target)
     found = verdicts(curves, kl_target)
-    images = "".join(figure_tag(name, title, "", colours)
+    images = "".join(figure_html(name, title, "", colours)
                      for title, (name, colours) in figures.items())
     settings_items = "".join(f"<li>{html.escape(k)}: {html.escape(v)}</li>"
                              for k, v in settings.items())

@@ -125,8 +125,8 @@ class Palette:
     Named labels (RUN_COLOURS) keep their colour; any other takes the first free colour in the
     order it is first asked for; past FREE_COLOURS, hues spaced by the golden ratio."""
 
-    def __init__(self, named: dict[str, str] | None = None):
-        self.named = {k: to_hex(v) for k, v in (RUN_COLOURS if named is None else named).items()}
+    def __init__(self):
+        self.named = {k: to_hex(v) for k, v in RUN_COLOURS.items()}
         self.assigned: dict[str, str] = {}
 
     def __call__(self, label: str) -> str:
@@ -160,17 +160,23 @@ def legend_colours(fig) -> dict[str, str]:
     return out
 
 
-def png_data(fig) -> str:
-    """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
+def png_data(fig, path: Path | None = None, dpi: int = 80) -> tuple[str, dict[str, str]]:
+    """A finished matplotlib figure as (its <img> src, its legend_colours), closed afterwards.
+
+    The src is the PNG inline (base64 data) or, given `path`, the file written there, named as
+    a page beside it links it."""
+    colours = legend_colours(fig)
     buffer = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=80)
+    fig.savefig(path or buffer, format="png", dpi=dpi)
     plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    if path is not None:
+        return path.name, colours
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii"), colours
 
 
-def figure_tag(src: str, title: str, caption: str = "",
-               colours: dict[str, str] | None = None) -> str:
+def figure_html(src: str, title: str, caption: str = "",
+                colours: dict[str, str] | None = None) -> str:
     """<figure> with its image and, inside it, its caption; `colours` (legend_colours) goes in
     data-colours as JSON, so a test can check one colour per run across the page."""
     data = html.escape(json.dumps(colours or {}, sort_keys=True), quote=True)
@@ -179,16 +185,10 @@ def figure_tag(src: str, title: str, caption: str = "",
             f"{html.escape(caption)}</figcaption></figure>")
 
 
-def figure_html(data: str, title: str, caption: str = "",
-                colours: dict[str, str] | None = None) -> str:
-    """figure_tag for an inline base64 PNG (png_data)."""
-    return figure_tag(f"data:image/png;base64,{data}", title, caption, colours)
-
-
 def plot_metrics(runs: list[RunRecord], names: list[str]
                  ) -> list[tuple[str, str, dict[str, str]]]:
     """One figure per metric namespace, a panel per metric, a line per run:
-    [(title, png, legend colours)]; each run has one colour in every figure."""
+    [(title, img src, legend colours)]; each run has one colour in every figure."""
     palette = Palette()
     figures = []
     namespaces: dict[str, list[str]] = {}
@@ -208,8 +208,7 @@ def plot_metrics(runs: list[RunRecord], names: list[str]
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
-        colours = legend_colours(fig)
-        figures.append((f"{namespace}/ metrics", png_data(fig), colours))
+        figures.append((f"{namespace}/ metrics", *png_data(fig)))
     return figures
 
 
@@ -288,9 +287,9 @@ def write_page(path: Path, text: str) -> Path:
 
 def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
     """The metric curves side by side and the configs diffed: the body `tether report` writes."""
-    figures = "".join(figure_html(data, title, "a line per run, one colour per run in every "
+    figures = "".join(figure_html(src, title, "a line per run, one colour per run in every "
                                   "panel", colours)
-                      for title, data, colours in plot_metrics(runs, metric_names(runs)))
+                      for title, src, colours in plot_metrics(runs, metric_names(runs)))
     return (f"<h2 id='curves'>Metrics</h2>{figures or '<p>No metrics logged.</p>'}"
             f"<h2 id='configs'>Configs</h2>{config_html(runs, page_dir)}")
 

@@ -24,7 +24,6 @@ from tether.tools.report import (
     Palette,
     config_html,
     figure_html,
-    legend_colours,
     page,
     plt,
     png_data,
@@ -121,7 +120,7 @@ def _fit_figure(fitted: list[Group], palette: Palette):
 
 def figures(groups: list[Group], points: list[RunPoints]
             ) -> list[tuple[str, str, str, dict[str, str]]]:
-    """[(title, png, caption, legend colours)]; one colour per setting in every figure."""
+    """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
     # One colour per setting, handed out in the groups' order, so the sweep page and the demo
     # page (which embeds these figures) colour each setting alike, and no setting takes a colour
     # of the demo's own runs (RUN_COLOURS).
@@ -131,8 +130,8 @@ def figures(groups: list[Group], points: list[RunPoints]
     out = []
 
     def add(fig, title: str, caption: str) -> None:
-        colours = legend_colours(fig)  # read before png_data closes the figure
-        out.append((title, png_data(fig), caption, colours))
+        src, colours = png_data(fig)
+        out.append((title, src, caption, colours))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, title in zip(axes, ("gold", "proxy"), ("gold reward", "proxy reward")):
@@ -270,8 +269,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
                 f"</table>{EXPLAIN}")
     if points:
-        body += [figure_html(data, title, caption, colours)
-                 for title, data, caption, colours in figures(groups, points)]
+        body += [figure_html(src, title, caption, colours)
+                 for title, src, caption, colours in figures(groups, points)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
