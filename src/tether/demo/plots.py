@@ -1,6 +1,7 @@
 """The demo's figures: every run as the mean over its seeds with a band of one standard error,
 each seed a thin line of its own style; single evaluations (SFT, DPO, IPO) as large markers.
-Each run has one colour on the whole page (tether.tools.report.Palette, RUN_COLOURS)."""
+Each run has one colour on the whole page (tether.tools.report.Palette, RUN_COLOURS); pyplot comes
+from tether.tools.report, on the Agg backend (no screen needed: the demo runs on servers and CI)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps
-from tether.tools.frontier import mean_and_stderr
-from tether.tools.report import GUIDE, Palette, plt, png_data  # plt on Agg: no screen needed
+from tether.tools.frontier import mean_and_stderr, over_seeds
+from tether.tools.report import GUIDE, MARKERS, Palette, plt, png_data
 
-MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 SEED_STYLES = ("-", "--", ":", "-.")
 
 
@@ -28,12 +28,6 @@ def _points(ax, run: str, group: list[Curve], x_name: str | None, y_name: str,
                         markersize=10, color=palette(run), markeredgecolor="black", zorder=5,
                         label=run, capsize=3)
     drawn.lines[0].set_gid(run)
-
-
-def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
-    """The curve's values of `name` at `steps` (the steps themselves when `name` is None)."""
-    return [float(s) if name is None else curve.series(name)[curve.steps.index(s)]
-            for s in steps]
 
 
 def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
@@ -53,16 +47,15 @@ def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
 
         if len(group) > 1:
             for i, curve in enumerate(group):
-                ax.plot(_at(curve, steps, x_name), _at(curve, steps, y_name), SEED_STYLES[i % len(SEED_STYLES)],
+                ax.plot(curve.at(steps, x_name), curve.at(steps, y_name), SEED_STYLES[i % len(SEED_STYLES)],
                         color=colour, alpha=0.45, linewidth=1)
-        xs = [mean_and_stderr(v)[0] for v in zip(*(_at(c, steps, x_name) for c in group))]
-        stats = [mean_and_stderr(v) for v in zip(*(_at(c, steps, y_name) for c in group))]
-        ys = [m for m, _ in stats]
+        xs, _ = over_seeds([c.at(steps, x_name) for c in group])
+        ys, errors = over_seeds([c.at(steps, y_name) for c in group])
         ax.plot(xs, ys, "-", color=colour, linewidth=2.2, label=f"{run} (mean of {len(group)})"
                 if len(group) > 1 else run, gid=run)
         if len(group) > 1:
-            ax.fill_between(xs, [m - e for m, e in stats], [m + e for m, e in stats],
-                            color=colour, alpha=0.18)
+            ax.fill_between(xs, [m - e for m, e in zip(ys, errors)],
+                            [m + e for m, e in zip(ys, errors)], color=colour, alpha=0.18)
 
 
 def _seed_legend(ax, curves: list[Curve]) -> None:

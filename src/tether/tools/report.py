@@ -6,7 +6,7 @@
     -> report.html (self-contained: the figures are inline PNG data)
 
 The demo's report and the sweep's report add their own sections to the same page machinery
-(`figure_html`, `page`, `config_diff`).
+(`figure_html`, `write_page`, `config_diff`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ RUN_COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
                "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}
 FREE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "#393b79", "#e7ba52",
                 "#7b4173", "#637939", "#5254a3", "#ad494a")
+# One marker per model evaluated once (the demo's SFT; DPO and IPO on every page).
+MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 GUIDE = "guide"  # gid of drawn lines that are no run or setting (seed styles, targets, frontier)
 
 
@@ -273,14 +275,12 @@ figure { margin: 0 0 2.5em 0; padding: 0.6em; border: 1px solid #ddd; border-rad
 figcaption { margin-top: 0.3em; color: #333; font-size: 0.92em; }"""
 
 
-def page(title: str, body: str, heading: str = "") -> str:
-    """A whole page: `title` in the browser's tab, `heading` (default: the title) above `body`."""
-    return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+def write_page(path: Path, title: str, body: str, heading: str = "") -> Path:
+    """Write a whole page to `path`: `title` in the browser's tab, `heading` (default: the title)
+    above `body`, in STYLE; returns the path."""
+    text = (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
             f"<h1>{html.escape(heading or title)}</h1>\n{body}\n</body></html>\n")
-
-
-def write_page(path: Path, text: str) -> Path:
     atomic_write_bytes(path, text.encode("utf-8"))
     return path
 
@@ -303,8 +303,8 @@ def write_report(run_dirs: list[str | Path], output: str | Path,
                           own_default="report.html")
     runs = [read_run(d) for d in run_dirs]
     names = ", ".join(run.name for run in runs)
-    return write_page(output, page(title, f"<p>Runs: {html.escape(names)}.</p>"
-                                          + runs_section(runs, output.parent)))
+    return write_page(output, title, f"<p>Runs: {html.escape(names)}.</p>"
+                      + runs_section(runs, output.parent))
 
 
 def cli(argv: list[str]) -> int:

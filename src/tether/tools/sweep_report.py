@@ -21,10 +21,10 @@ from tether.tools.frontier import (
 )
 from tether.tools.report import (
     GUIDE,
+    MARKERS,
     Palette,
     config_html,
     figure_html,
-    page,
     plt,
     png_data,
     read_run,
@@ -35,8 +35,6 @@ from tether.tools.report import (
 from tether.tools.sweep_plan import Sweep, unplanned
 from tether.tools.sweep_results import END_EVALS, Group, RunPoints, collect, summarise, write_csv
 
-MARKERS = {"DPO": "s", "IPO": "D"}
-
 
 def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
     """Each PPO group: mean over seeds against mean KL, a band of one standard error; each
@@ -45,7 +43,7 @@ def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None
         colour = palette(g.label)
         xs, ys, es = g.mean["kl"], g.mean[metric], g.stderr[metric]
         if g.stage == "dpo":
-            ax.errorbar(xs, ys, yerr=es, xerr=g.stderr["kl"], fmt=MARKERS[g.label[:3]],
+            ax.errorbar(xs, ys, yerr=es, xerr=g.stderr["kl"], fmt=MARKERS[g.label[:3].lower()],
                         markersize=9, color=colour, markeredgecolor="black", label=g.label,
                         capsize=3)
             continue
@@ -72,7 +70,7 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
             gid=GUIDE)
     offline = [g for g in groups if g.stage == "dpo"]
     for g in offline:
-        ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3]], markersize=11,
+        ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3].lower()], markersize=11,
                 color=palette(g.label), markeredgecolor="black", label=g.label)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The reward-KL frontier")
@@ -295,7 +293,6 @@ def recommendation_text(rec: Recommendation) -> tuple[str, str, str]:
 def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
     """results.csv and report.html in the sweep directory; returns (page, console summary)."""
     body, summary = section(sweep, failures)
-    path = write_page(sweep.root / "report.html",
-                      page(f"tether sweep: {sweep.root.name}",
-                           "<h2 id='recommendation'>Which beta?</h2>" + body))
+    path = write_page(sweep.root / "report.html", f"tether sweep: {sweep.root.name}",
+                      "<h2 id='recommendation'>Which beta?</h2>" + body)
     return path, summary
