@@ -305,8 +305,8 @@ def test_demo_page_one_colour_per_run_captions_and_width(tmp_path):
     from tether.tools.report import figure_html
     from tether.tools.sweep_report import figures
 
-    sweep_html = "".join(figure_html(data, title, caption, colours)
-                         for title, data, caption, colours in figures(*fake_sweep()))
+    sweep_html = "".join(figure_html(src, title, caption, colours)
+                         for title, src, caption, colours in figures(*fake_sweep()))
     path, _ = write_report([HACKED, LEASHED, SFT, DPO, IPO], tmp_path, 2.0, SETTINGS,
                            sweep_html=sweep_html)
     colours = check_figures_and_layout(path, min_figures=7)

@@ -6,7 +6,6 @@ import pytest
 from pages import check_figures_and_layout, check_report_page, fake_run, fake_sweep
 
 from tether.cli import main
-from tether.tools import report as report_module
 from tether.tools import sweep_report
 from tether.tools.report import (
     GUIDE,
@@ -116,7 +115,7 @@ def test_legend_colours_reads_what_was_drawn():
 def test_step_axes_get_whole_number_ticks(runs, monkeypatch):
     # Steps 1, 2, 3: matplotlib's default ticks would be 1.00, 1.25, ..., 3.00.
     drawn = []
-    monkeypatch.setattr(report_module, "png_data", lambda fig: drawn.append(fig) or "")
+    monkeypatch.setattr(plt, "close", drawn.append)  # the figures stay open to be inspected
     figures = plot_metrics([read_run(r) for r in runs], ["train/loss", "train/lr"])
     assert [title for title, _, _ in figures] == ["train/ metrics"]
     ax = drawn[0].axes[0]
@@ -162,7 +161,7 @@ def test_gao_fit_is_drawn_only_over_the_measured_kl(monkeypatch):
     # lies inside the data: a star there. Two parameters through 3 points: "only 3 points".
     groups, points = fake_sweep()
     drawn = []
-    monkeypatch.setattr(sweep_report, "png_data", lambda fig: drawn.append(fig) or "")
+    monkeypatch.setattr(plt, "close", drawn.append)
     titled = {title: (caption, colours)
               for title, _, caption, colours in sweep_report.figures(groups, points)}
     ax = drawn[-1].axes[0]
@@ -186,7 +185,7 @@ def test_a_fitted_peak_past_the_data_is_named_not_drawn(monkeypatch):
     # exp(0.3 / 0.072135 - 1) = exp(3.1589) = 23.544, KL 554.3: far past the data (KL 4).
     groups, points = fake_sweep(((0.0, 0.0), (1.0, 0.3), (4.0, 0.5)))
     drawn = []
-    monkeypatch.setattr(sweep_report, "png_data", lambda fig: drawn.append(fig) or "")
+    monkeypatch.setattr(plt, "close", drawn.append)
     titled = {t: c for t, _, c, _ in sweep_report.figures(groups[:2], points[:2])}
     labels = [line.get_label() for line in drawn[-1].axes[0].get_lines()]
     assert "PPO beta 0.1: fit of only 3 points, peak beyond the data (KL 554), R² 1.00" in labels

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tether.tools.frontier import over_seeds
+
 PPO_RUNS = ("ppo-no-kl", "ppo-fixed", "ppo-adaptive")
 
 
@@ -23,6 +25,10 @@ class Curve:
     def final(self, name: str) -> float:
         return self.series(name)[-1]
 
+    def at(self, steps: list[int], name: str | None) -> list[float]:
+        """The values of `name` at `steps` (the steps themselves when `name` is None)."""
+        return [float(s) if name is None else self.series(name)[self.steps.index(s)] for s in steps]
+
 
 def by_run(curves: list[Curve]) -> dict[str, list[Curve]]:
     runs: dict[str, list[Curve]] = {}
@@ -39,8 +45,7 @@ def common_steps(group: list[Curve]) -> list[int]:
 def mean_series(group: list[Curve], name: str) -> tuple[list[int], list[float]]:
     """(steps, mean over seeds) of metric `name` at the steps every seed has."""
     steps = common_steps(group)
-    return steps, [sum(c.series(name)[c.steps.index(s)] for c in group) / len(group)
-                   for s in steps]
+    return steps, over_seeds([c.at(steps, name) for c in group])[0]
 
 
 def pooled_golds(group: list[Curve], step: int) -> list[float]:

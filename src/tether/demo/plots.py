@@ -1,22 +1,18 @@
 """The demo's figures: every run as the mean over its seeds with a band of one standard error,
 each seed a thin line of its own style; single evaluations (SFT, DPO, IPO) as large markers.
-Each run has one colour on the whole page (tether.tools.report.Palette, RUN_COLOURS)."""
+Each run has one colour on the whole page (tether.tools.report.Palette, RUN_COLOURS); pyplot comes
+from tether.tools.report, on the Agg backend (no screen needed: the demo runs on servers and CI)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")  # no screen needed; the demo runs on servers and in CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps
+from tether.tools.frontier import mean_and_stderr, over_seeds
+from tether.tools.report import GUIDE, MARKERS, Palette, plt, png_data
 
-from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps  # noqa: E402
-from tether.tools.frontier import mean_and_stderr  # noqa: E402
-from tether.tools.report import GUIDE, Palette, legend_colours  # noqa: E402
-
-MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 SEED_STYLES = ("-", "--", ":", "-.")
 
 
@@ -32,12 +28,6 @@ def _points(ax, run: str, group: list[Curve], x_name: str | None, y_name: str,
                         markersize=10, color=palette(run), markeredgecolor="black", zorder=5,
                         label=run, capsize=3)
     drawn.lines[0].set_gid(run)
-
-
-def _at(curve: Curve, steps: list[int], name: str | None) -> list[float]:
-    """The curve's values of `name` at `steps` (the steps themselves when `name` is None)."""
-    return [float(s) if name is None else curve.series(name)[curve.steps.index(s)]
-            for s in steps]
 
 
 def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
@@ -57,16 +47,15 @@ def plot_runs(ax, curves: list[Curve], x_name: str | None, y_name: str,
 
         if len(group) > 1:
             for i, curve in enumerate(group):
-                ax.plot(_at(curve, steps, x_name), _at(curve, steps, y_name), SEED_STYLES[i % len(SEED_STYLES)],
+                ax.plot(curve.at(steps, x_name), curve.at(steps, y_name), SEED_STYLES[i % len(SEED_STYLES)],
                         color=colour, alpha=0.45, linewidth=1)
-        xs = [mean_and_stderr(v)[0] for v in zip(*(_at(c, steps, x_name) for c in group))]
-        stats = [mean_and_stderr(v) for v in zip(*(_at(c, steps, y_name) for c in group))]
-        ys = [m for m, _ in stats]
+        xs, _ = over_seeds([c.at(steps, x_name) for c in group])
+        ys, errors = over_seeds([c.at(steps, y_name) for c in group])
         ax.plot(xs, ys, "-", color=colour, linewidth=2.2, label=f"{run} (mean of {len(group)})"
                 if len(group) > 1 else run, gid=run)
         if len(group) > 1:
-            ax.fill_between(xs, [m - e for m, e in stats], [m + e for m, e in stats],
-                            color=colour, alpha=0.18)
+            ax.fill_between(xs, [m - e for m, e in zip(ys, errors)],
+                            [m + e for m, e in zip(ys, errors)], color=colour, alpha=0.18)
 
 
 def _seed_legend(ax, curves: list[Curve]) -> None:
@@ -78,19 +67,12 @@ def _seed_legend(ax, curves: list[Curve]) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
-             palette: Palette | None = None) -> dict[str, tuple[str, dict[str, str]]]:
+def plot_all(curves: list[Curve], out_dir: Path, kl_target: float
+             ) -> dict[str, tuple[str, dict[str, str]]]:
     """Draw every figure; returns {title: (file name, legend colours)}."""
     ppo = [c for c in curves if c.run in PPO_RUNS]
-    palette = palette or Palette()
+    palette = Palette()
     figures = {}
-
-    def save(fig, name: str, title: str):
-        fig.tight_layout()
-        colours = legend_colours(fig)
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        figures[title] = (name, colours)
 
     for x_name, name, title in ((None, "reward_vs_step.png", "Proxy and gold reward against step"),
                                 ("eval/kl", "reward_vs_kl.png", "Proxy and gold reward against KL")):
@@ -101,7 +83,7 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
             ax.set(xlabel="PPO batch" if x_name is None else "KL(pi || ref), nats per response",
                    ylabel=label, title=f"{label} against {'step' if x_name is None else 'KL'}")
         _seed_legend(axes[0], ppo)
-        save(fig, name, title)
+        figures[title] = png_data(fig, out_dir / name, dpi=90)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     plot_runs(axes[0], ppo, None, "objective/beta", palette)
@@ -114,12 +96,12 @@ def plot_all(curves: list[Curve], out_dir: Path, kl_target: float,
     axes[2].set(xlabel="PPO batch", ylabel="distinct-2", title="diversity (distinct-2)")
     for ax in axes:
         _seed_legend(ax, ppo)
-    save(fig, "beta_kl_diversity.png", "beta, KL and diversity against step")
+    figures["beta, KL and diversity against step"] = png_data(fig, out_dir / "beta_kl_diversity.png", dpi=90)
 
     fig, ax = plt.subplots(figsize=(7, 5))
     plot_runs(ax, curves, "eval/kl", "eval/gold_score", palette)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The frontier: gold reward against KL, every run")
     _seed_legend(ax, curves)
-    save(fig, "frontier.png", "The frontier: gold reward against KL")
+    figures["The frontier: gold reward against KL"] = png_data(fig, out_dir / "frontier.png", dpi=90)
     return figures

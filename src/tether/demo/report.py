@@ -16,7 +16,7 @@ from pathlib import Path
 from tether.demo.curves import PPO_RUNS, Curve, by_run, mean_series, pooled_golds
 from tether.demo.plots import plot_all
 from tether.tools.frontier import paired_difference, peak_then_fall
-from tether.tools.report import config_html, figure_tag, page, read_run, rows_html, write_page
+from tether.tools.report import config_html, figure_html, read_run, rows_html, write_page
 
 
 @dataclass
@@ -290,7 +290,7 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
     out.mkdir(parents=True, exist_ok=True)
     figures = plot_all(curves, out, kl_target)
     found = verdicts(curves, kl_target)
-    images = "".join(figure_tag(name, title, "", colours)
+    images = "".join(figure_html(name, title, "", colours)
                      for title, (name, colours) in figures.items())
     settings_items = "".join(f"<li>{html.escape(k)}: {html.escape(v)}</li>"
                              for k, v in settings.items())
@@ -300,8 +300,8 @@ def write_report(curves: list[Curve], out_dir: str | Path, kl_target: float,
         verdicts=_verdicts_html(found) or "<li>No PPO runs to judge.</li>", images=images,
         samples=_samples_html(curves), settings=settings_items, configs=configs,
         sweep=sweep_html, step0=html.escape(step0_note(curves)))
-    path = write_page(out / "report.html", page("tether demo: the KL leash at work", body,
-                                                "The KL leash at work"))
+    path = write_page(out / "report.html", "tether demo: the KL leash at work", body,
+                      "The KL leash at work")
     return path, console_table(curves, found)
 
 

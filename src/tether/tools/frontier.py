@@ -114,6 +114,13 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+def over_seeds(per_seed: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Position by position (each seed's values at the same steps, seeds in one order): the mean
+    over the seeds and its standard error (mean_and_stderr)."""
+    stats = [mean_and_stderr(column) for column in zip(*per_seed)]
+    return [m for m, _ in stats], [e for _, e in stats]
+
+
 def error_text(mean: float, stderr: float, n: int, fmt: str = "+.3f") -> str:
     """`mean ± stderr`, or, with one value, the mean and "one seed, no error bar" (never ± 0.000,
     which would claim a certainty one seed cannot give)."""

@@ -6,7 +6,7 @@
     -> report.html (self-contained: the figures are inline PNG data)
 
 The demo's report and the sweep's report add their own sections to the same page machinery
-(`figure_html`, `page`, `config_diff`).
+(`figure_html`, `write_page`, `config_diff`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ RUN_COLOURS = {"sft": "black", "ppo-no-kl": "tab:red", "ppo-fixed": "tab:blue",
                "ppo-adaptive": "tab:green", "dpo": "tab:purple", "ipo": "tab:orange"}
 FREE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "#393b79", "#e7ba52",
                 "#7b4173", "#637939", "#5254a3", "#ad494a")
+# One marker per model evaluated once (the demo's SFT; DPO and IPO on every page).
+MARKERS = {"sft": "o", "dpo": "s", "ipo": "D"}
 GUIDE = "guide"  # gid of drawn lines that are no run or setting (seed styles, targets, frontier)
 
 
@@ -125,8 +127,8 @@ class Palette:
     Named labels (RUN_COLOURS) keep their colour; any other takes the first free colour in the
     order it is first asked for; past FREE_COLOURS, hues spaced by the golden ratio."""
 
-    def __init__(self, named: dict[str, str] | None = None):
-        self.named = {k: to_hex(v) for k, v in (RUN_COLOURS if named is None else named).items()}
+    def __init__(self):
+        self.named = {k: to_hex(v) for k, v in RUN_COLOURS.items()}
         self.assigned: dict[str, str] = {}
 
     def __call__(self, label: str) -> str:
@@ -160,17 +162,23 @@ def legend_colours(fig) -> dict[str, str]:
     return out
 
 
-def png_data(fig) -> str:
-    """A matplotlib figure as a base64 PNG (closed afterwards), for an inline <img>."""
+def png_data(fig, path: Path | None = None, dpi: int = 80) -> tuple[str, dict[str, str]]:
+    """A finished matplotlib figure as (its <img> src, its legend_colours), closed afterwards.
+
+    The src is the PNG inline (base64 data) or, given `path`, the file written there, named as
+    a page beside it links it."""
+    colours = legend_colours(fig)
     buffer = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=80)
+    fig.savefig(path or buffer, format="png", dpi=dpi)
     plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    if path is not None:
+        return path.name, colours
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii"), colours
 
 
-def figure_tag(src: str, title: str, caption: str = "",
-               colours: dict[str, str] | None = None) -> str:
+def figure_html(src: str, title: str, caption: str = "",
+                colours: dict[str, str] | None = None) -> str:
     """<figure> with its image and, inside it, its caption; `colours` (legend_colours) goes in
     data-colours as JSON, so a test can check one colour per run across the page."""
     data = html.escape(json.dumps(colours or {}, sort_keys=True), quote=True)
@@ -179,16 +187,10 @@ def figure_tag(src: str, title: str, caption: str = "",
             f"{html.escape(caption)}</figcaption></figure>")
 
 
-def figure_html(data: str, title: str, caption: str = "",
-                colours: dict[str, str] | None = None) -> str:
-    """figure_tag for an inline base64 PNG (png_data)."""
-    return figure_tag(f"data:image/png;base64,{data}", title, caption, colours)
-
-
 def plot_metrics(runs: list[RunRecord], names: list[str]
                  ) -> list[tuple[str, str, dict[str, str]]]:
     """One figure per metric namespace, a panel per metric, a line per run:
-    [(title, png, legend colours)]; each run has one colour in every figure."""
+    [(title, img src, legend colours)]; each run has one colour in every figure."""
     palette = Palette()
     figures = []
     namespaces: dict[str, list[str]] = {}
@@ -208,8 +210,7 @@ def plot_metrics(runs: list[RunRecord], names: list[str]
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
-        colours = legend_colours(fig)
-        figures.append((f"{namespace}/ metrics", png_data(fig), colours))
+        figures.append((f"{namespace}/ metrics", *png_data(fig)))
     return figures
 
 
@@ -274,23 +275,21 @@ figure { margin: 0 0 2.5em 0; padding: 0.6em; border: 1px solid #ddd; border-rad
 figcaption { margin-top: 0.3em; color: #333; font-size: 0.92em; }"""
 
 
-def page(title: str, body: str, heading: str = "") -> str:
-    """A whole page: `title` in the browser's tab, `heading` (default: the title) above `body`."""
-    return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+def write_page(path: Path, title: str, body: str, heading: str = "") -> Path:
+    """Write a whole page to `path`: `title` in the browser's tab, `heading` (default: the title)
+    above `body`, in STYLE; returns the path."""
+    text = (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
             f"<h1>{html.escape(heading or title)}</h1>\n{body}\n</body></html>\n")
-
-
-def write_page(path: Path, text: str) -> Path:
     atomic_write_bytes(path, text.encode("utf-8"))
     return path
 
 
 def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
     """The metric curves side by side and the configs diffed: the body `tether report` writes."""
-    figures = "".join(figure_html(data, title, "a line per run, one colour per run in every "
+    figures = "".join(figure_html(src, title, "a line per run, one colour per run in every "
                                   "panel", colours)
-                      for title, data, colours in plot_metrics(runs, metric_names(runs)))
+                      for title, src, colours in plot_metrics(runs, metric_names(runs)))
     return (f"<h2 id='curves'>Metrics</h2>{figures or '<p>No metrics logged.</p>'}"
             f"<h2 id='configs'>Configs</h2>{config_html(runs, page_dir)}")
 
@@ -304,8 +303,8 @@ def write_report(run_dirs: list[str | Path], output: str | Path,
                           own_default="report.html")
     runs = [read_run(d) for d in run_dirs]
     names = ", ".join(run.name for run in runs)
-    return write_page(output, page(title, f"<p>Runs: {html.escape(names)}.</p>"
-                                          + runs_section(runs, output.parent)))
+    return write_page(output, title, f"<p>Runs: {html.escape(names)}.</p>"
+                      + runs_section(runs, output.parent))
 
 
 def cli(argv: list[str]) -> int:

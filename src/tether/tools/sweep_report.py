@@ -21,11 +21,10 @@ from tether.tools.frontier import (
 )
 from tether.tools.report import (
     GUIDE,
+    MARKERS,
     Palette,
     config_html,
     figure_html,
-    legend_colours,
-    page,
     plt,
     png_data,
     read_run,
@@ -36,8 +35,6 @@ from tether.tools.report import (
 from tether.tools.sweep_plan import Sweep, unplanned
 from tether.tools.sweep_results import END_EVALS, Group, RunPoints, collect, summarise, write_csv
 
-MARKERS = {"DPO": "s", "IPO": "D"}
-
 
 def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
     """Each PPO group: mean over seeds against mean KL, a band of one standard error; each
@@ -46,7 +43,7 @@ def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None
         colour = palette(g.label)
         xs, ys, es = g.mean["kl"], g.mean[metric], g.stderr[metric]
         if g.stage == "dpo":
-            ax.errorbar(xs, ys, yerr=es, xerr=g.stderr["kl"], fmt=MARKERS[g.label[:3]],
+            ax.errorbar(xs, ys, yerr=es, xerr=g.stderr["kl"], fmt=MARKERS[g.label[:3].lower()],
                         markersize=9, color=colour, markeredgecolor="black", label=g.label,
                         capsize=3)
             continue
@@ -73,7 +70,7 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
             gid=GUIDE)
     offline = [g for g in groups if g.stage == "dpo"]
     for g in offline:
-        ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3]], markersize=11,
+        ax.plot(g.mean["kl"], g.mean["gold"], MARKERS[g.label[:3].lower()], markersize=11,
                 color=palette(g.label), markeredgecolor="black", label=g.label)
     ax.set(xlabel="KL(pi || ref), nats per response", ylabel="gold reward",
            title="The reward-KL frontier")
@@ -121,7 +118,7 @@ def _fit_figure(fitted: list[Group], palette: Palette):
 
 def figures(groups: list[Group], points: list[RunPoints]
             ) -> list[tuple[str, str, str, dict[str, str]]]:
-    """[(title, png, caption, legend colours)]; one colour per setting in every figure."""
+    """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
     # One colour per setting, handed out in the groups' order, so the sweep page and the demo
     # page (which embeds these figures) colour each setting alike, and no setting takes a colour
     # of the demo's own runs (RUN_COLOURS).
@@ -131,8 +128,8 @@ def figures(groups: list[Group], points: list[RunPoints]
     out = []
 
     def add(fig, title: str, caption: str) -> None:
-        colours = legend_colours(fig)  # read before png_data closes the figure
-        out.append((title, png_data(fig), caption, colours))
+        src, colours = png_data(fig)
+        out.append((title, src, caption, colours))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, title in zip(axes, ("gold", "proxy"), ("gold reward", "proxy reward")):
@@ -270,8 +267,8 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
                 f"</table>{EXPLAIN}")
     if points:
-        body += [figure_html(data, title, caption, colours)
-                 for title, data, caption, colours in figures(groups, points)]
+        body += [figure_html(src, title, caption, colours)
+                 for title, src, caption, colours in figures(groups, points)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
@@ -296,7 +293,6 @@ def recommendation_text(rec: Recommendation) -> tuple[str, str, str]:
 def write(sweep: Sweep, failures: dict[str, str]) -> tuple[Path, str]:
     """results.csv and report.html in the sweep directory; returns (page, console summary)."""
     body, summary = section(sweep, failures)
-    path = write_page(sweep.root / "report.html",
-                      page(f"tether sweep: {sweep.root.name}",
-                           "<h2 id='recommendation'>Which beta?</h2>" + body))
+    path = write_page(sweep.root / "report.html", f"tether sweep: {sweep.root.name}",
+                      "<h2 id='recommendation'>Which beta?</h2>" + body)
     return path, summary

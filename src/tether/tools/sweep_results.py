@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tether.tools.frontier import GaoFit, end_of_training, gao_fit, mean_and_stderr, peak_then_fall
+from tether.tools.frontier import GaoFit, end_of_training, gao_fit, over_seeds, peak_then_fall
 from tether.tools.report import read_run, read_samples
 from tether.tools.sweep_plan import PlannedRun, Sweep, state
 
@@ -99,9 +99,8 @@ def summarise(points: list[RunPoints]) -> list[Group]:
         first = members[0].run
         mean, stderr = {}, {}
         for key in METRICS:
-            per_step = [[m.values[key][m.steps.index(s)] for m in members] for s in steps]
-            stats = [mean_and_stderr(v) for v in per_step]
-            mean[key], stderr[key] = [m for m, _ in stats], [e for _, e in stats]
+            mean[key], stderr[key] = over_seeds([[m.values[key][m.steps.index(s)] for s in steps]
+                                                 for m in members])
         group = Group(name, first.stage, float(first.fields.get("beta", 0.05)), _label(first),
                       [m.run.seed for m in members], steps, mean, stderr,
                       [m.values["gold"][-1] for m in members])
