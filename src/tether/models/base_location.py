@@ -90,9 +90,9 @@ def write_location(adapter_dir: str | Path, name_or_path: str, home: str | Path 
     record = record if record is not None else read_base_record(adapter_dir)
     if record is not None:
         record = {k: v for k, v in record.items() if k not in ("base_absolute", "base_from_adapter")}
-        _write_json(adapter_dir / BASE_RECORD, record | fields, indent=1)
+        write_json(adapter_dir / BASE_RECORD, record | fields, indent=1)
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    _write_json(adapter_dir / ADAPTER_CONFIG, config | {"base_model_name_or_path": fields["base"]},
+    write_json(adapter_dir / ADAPTER_CONFIG, config | {"base_model_name_or_path": fields["base"]},
                 indent=2)
 
 
@@ -119,7 +119,8 @@ def named_portably(peft, adapter: str):
             setattr(owner, attr, value)
 
 
-def _write_json(path: Path, obj: dict, indent: int) -> None:
+def write_json(path: Path, obj: dict, indent: int) -> None:
+    """`obj` as JSON (ending in a newline) in `path`, replaced atomically."""
     atomic_write_bytes(path, (json.dumps(obj, indent=indent) + "\n").encode("utf-8"))
 
 

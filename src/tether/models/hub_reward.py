@@ -192,14 +192,10 @@ class HubRewardModel(nn.Module):
         score = getattr(self.model, "score", None)
         return score if isinstance(score, nn.Linear) and score.out_features == 1 else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
     def encode(self, prompt: str | list[dict], response: str) -> list[int]:
         """The ids the reward model reads for one (prompt, response): see the module table."""
         tokenizer = self.tokenizer
-        if is_messages(prompt) or self.has_chat_template:
+        if is_messages(prompt) or getattr(tokenizer, "chat_template", None):
             turns = list(prompt) if is_messages(prompt) else [{"role": "user", "content": prompt}]
             text = render_chat(tokenizer, turns + [{"role": "assistant", "content": response}],
                                add_generation_prompt=False, where=f"reward model {self.name}")

@@ -196,6 +196,12 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
         yield
 
 
+def _of_shared(name: str) -> property:
+    """A read-only attribute of a view: the shared transformers model's `name` (None when it has
+    none, as for a model without a `generation_config`)."""
+    return property(lambda view: getattr(view.shared.get_base_model(), name, None))
+
+
 class AdapterView(nn.Module):
     """One role's view of the shared model: its forward runs with adapter `adapter` (None: the
     base alone), on the whole causal LM (`part="lm"`) or on its trunk (`part="trunk"`, which returns
@@ -217,21 +223,11 @@ class AdapterView(nn.Module):
         lm = self.shared.get_base_model()  # the transformers model with LoRA layers injected
         return lm.base_model if self.part == "trunk" else lm
 
-    @property
-    def config(self):
-        return self.shared.get_base_model().config
-
-    @property
-    def generation_config(self):
-        return getattr(self.shared.get_base_model(), "generation_config", None)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.shared.get_base_model().dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.shared.get_base_model().device
+    # what callers read off a model, read off the shared transformers model
+    config = _of_shared("config")
+    generation_config = _of_shared("generation_config")
+    dtype = _of_shared("dtype")
+    device = _of_shared("device")
 
     def forward(self, *args, **kwargs):
         with use_adapter(self.shared, self.adapter):
@@ -257,18 +253,16 @@ class AdapterView(nn.Module):
         return trunk, head
 
 
-class _HeadView(nn.Module):
-    """An LM head with LoRA layers, run under one adapter (see `AdapterView`)."""
+class _HeadView(AdapterView):
+    """An LM head with LoRA layers, run under one adapter: an `AdapterView` whose target is the
+    head (held, like the shared model, as a plain attribute)."""
 
     def __init__(self, shared: nn.Module, adapter: str | None, head: nn.Module):
-        super().__init__()
-        self.__dict__["shared"] = shared
+        super().__init__(shared, adapter)
         self.__dict__["head"] = head
-        self.adapter = adapter
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with use_adapter(self.shared, self.adapter):
-            return self.head(hidden)
+    def _target(self) -> nn.Module:
+        return self.head
 
 
 # ----------------------------------------------------------------------------- checkpointing

@@ -32,11 +32,12 @@ from tether.data.batches import collate_sft
 from tether.data.encoding import encode_sft
 from tether.errors import TetherError
 from tether.models.adapter_checks import (
+    ADAPTER_WEIGHTS,
     check_adapter_files,
     check_base,
     remembered_base,
 )
-from tether.models.base_location import local_or_hub, named_portably, write_location
+from tether.models.base_location import local_or_hub, write_json
 from tether.models.forward import last_real, position_ids_from_mask, shared_last_hidden, sharing
 from tether.models.lora import (
     ADAPTER_CONFIG,
@@ -59,14 +60,13 @@ from tether.models.pretrained import (
     load_tokenizer,
     load_trainable_lm,
 )
-from tether.models.saving import atomic_dir
+from tether.models.saving import atomic_dir, save_adapter
 from tether.run.checkpoint import check_finite_weights
 
 LOWER_LENGTHS = "lower --max-prompt-len or --max-new-tokens"  # a too-long row's fix, in a run
 REWARD_JSON = "tether_reward.json"
 REWARD_FORMAT = "tether-reward-v2"
 REWARD_HEAD = "reward_head.safetensors"  # before v2: the head (weight and bias) beside the trunk
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Where peft keeps a sequence-classification head it trains in full (`modules_to_save`)
 ADAPTER_SCORE = "base_model.model.score.weight"
 REWARD = "reward"  # the frozen adapter of a LoRA reward model on the policy's shared base
@@ -175,11 +175,8 @@ class RewardModel(nn.Module):
             tok = tokenizer if tokenizer is not None else self.tokenizer
             pad_id = None if tok is None else tok.pad_token_id
             if self.lora is not None:  # the adapter alone (PEFT format), on the causal LM's base
-                with named_portably(self.lora.peft, TRAINED) as loaded:
-                    self.lora.peft.save_pretrained(tmp, selected_adapters=[TRAINED],
-                                                   save_embedding_layers=False)
+                save_adapter(self.lora.peft, tmp, home=out, embedding_layers=False)
                 _add_score_to_adapter(tmp, head["weight"])
-                write_location(tmp, loaded, out, remembered_base(self.lora.peft))
             elif (classifier := sequence_classifier(self.backbone, self.head, pad_id)) is not None:
                 classifier.save_pretrained(tmp)
             else:  # transformers has no sequence-classification model for it: the v1 layout
@@ -334,7 +331,7 @@ def _add_score_to_adapter(adapter_dir: Path, head_weight: torch.Tensor) -> None:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["modules_to_save"] = sorted(set(config.get("modules_to_save") or []) | {"score"})
     config["task_type"] = "SEQ_CLS"
-    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_json(config_path, config, indent=2)
 
 
 # ----------------------------------------------------------------------------- as PPO's reward

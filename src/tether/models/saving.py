@@ -56,9 +56,10 @@ def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
 
 
 def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED,
-                 home: str | Path | None = None) -> None:
+                 home: str | Path | None = None, embedding_layers: bool | None = None) -> None:
     """Write `peft`'s adapter `adapter` to `out_dir` (PEFT format), with the embedding and output
-    layers only when tether grew them for its pad token (`embeddings_grew`).
+    layers only when tether grew them for its pad token (`embeddings_grew`; `embedding_layers`
+    decides instead when given: a reward adapter never saves them).
 
     tether never trains the embeddings under LoRA, so an adapter on an unchanged base needs none
     of them; on a grown base a standard loader needs the new row's values (the pad row enters
@@ -69,9 +70,11 @@ def save_adapter(peft: nn.Module, out_dir: str | Path, adapter: str = TRAINED,
     later load refuses another base with one line. peft's loaders ignore the file. The base is
     named portably in both (`base_location`; `home`: where `out_dir` will be renamed to).
     """
-    grew = embeddings_grew(peft, adapter)
+    if embedding_layers is None:
+        embedding_layers = embeddings_grew(peft, adapter)
     with named_portably(peft, adapter) as loaded:
-        peft.save_pretrained(out_dir, selected_adapters=[adapter], save_embedding_layers=grew)
+        peft.save_pretrained(out_dir, selected_adapters=[adapter],
+                             save_embedding_layers=embedding_layers)
     write_location(out_dir, loaded, home, remembered_base(peft))
 
 

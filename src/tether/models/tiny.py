@@ -98,14 +98,19 @@ LLAMA_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
+def _bos_first(tok: Tokenizer) -> None:
+    """Give `tok` a post-processor that puts BOS before every encoded text (Llama's and
+    Mistral's tokenizers)."""
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+
+
 def make_llama_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE like `make_tokenizer`, but Llama-style: distinct BOS and EOS, a
     post-processor that puts BOS before every encoded text, a chat template, and no pad token."""
     tok = _byte_level_bpe(texts, vocab_size,
                           [BOS, LLAMA_EOS, "<|user|>", "<|assistant|>", "<|system|>"])
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    _bos_first(tok)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=LLAMA_EOS)
     tokenizer.chat_template = LLAMA_CHAT_TEMPLATE
     return tokenizer
@@ -116,15 +121,16 @@ def make_llama_lm(vocab_size: int, bos_token_id: int, eos_token_id: int, n_layer
                   max_positions: int = 256, seed: int = 0, config_class=None, **config_kwargs):
     """A randomly initialised Llama-style causal LM: rotary positions, RMSNorm, SwiGLU,
     grouped-query attention (`n_kv_head` < `n_head`) and an untied LM head. `config_class`:
-    `LlamaConfig` unless given (Mistral's takes the same fields)."""
+    `LlamaConfig` unless given (Mistral's and Qwen2's take the same fields); `config_kwargs` add
+    to the fields or override them."""
     from transformers import LlamaConfig
 
-    config = (config_class or LlamaConfig)(
+    fields = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
         max_position_embeddings=max_positions, tie_word_embeddings=False,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id, **config_kwargs)
-    return _from_config(config, seed)
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return _from_config((config_class or LlamaConfig)(**(fields | config_kwargs)), seed)
 
 
 def save_tiny_llama(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
@@ -165,9 +171,7 @@ def make_metaspace_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Pre
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, LLAMA_EOS],
                                   initial_alphabet=_ASCII + ["\u2581"], show_progress=False)
     tok.train_from_iterator(list(texts), trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    _bos_first(tok)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=LLAMA_EOS,
                                         unk_token=UNK)
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
@@ -175,18 +179,15 @@ def make_metaspace_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Pre
 
 
 def save_tiny_mistral(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
-                      sliding_window: int = 8, n_layer: int = 2, hidden_size: int = 64,
-                      n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
-                      max_positions: int = 256, chat: bool = True) -> Path:
+                      sliding_window: int = 8, chat: bool = True, **lm_kwargs) -> Path:
     """A Mistral-style model (Llama's blocks, attention limited to the last `sliding_window`
     positions, untied head, GQA) with a Metaspace tokenizer (`chat`: with the chat template),
-    saved to `out_dir`."""
+    saved to `out_dir`. `lm_kwargs`: the sizes and seed of `make_llama_lm`."""
     from transformers import MistralConfig
 
     tokenizer = make_metaspace_tokenizer(texts, vocab_size)
-    model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, n_layer,
-                          hidden_size, n_head, n_kv_head, max_positions, seed,
-                          config_class=MistralConfig, sliding_window=sliding_window)
+    model = make_llama_lm(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                          config_class=MistralConfig, sliding_window=sliding_window, **lm_kwargs)
     return _save(out_dir, tokenizer, model, chat)
 
 
@@ -263,15 +264,12 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
 
     tokenizer = make_qwen2_tokenizer(texts, vocab_size, tools)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
-    config = Qwen2Config(vocab_size=len(tokenizer) + spare_rows, hidden_size=hidden_size,
-                         intermediate_size=intermediate_size or 2 * hidden_size,
-                         num_hidden_layers=n_layer,
-                         num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                         use_sliding_window=use_sliding_window, sliding_window=sliding_window,
-                         max_window_layers=max_window_layers,
-                         max_position_embeddings=max_positions or (1024 if tools else 256),
-                         tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end)
-    model = _from_config(config, seed)
+    model = make_llama_lm(len(tokenizer) + spare_rows, endoftext, im_end, n_layer, hidden_size,
+                          n_head, n_kv_head, max_positions or (1024 if tools else 256), seed,
+                          config_class=Qwen2Config, tie_word_embeddings=True,
+                          intermediate_size=intermediate_size or 2 * hidden_size,
+                          use_sliding_window=use_sliding_window, sliding_window=sliding_window,
+                          max_window_layers=max_window_layers)
     model.generation_config.eos_token_id = [im_end, endoftext]
     model.generation_config.pad_token_id = endoftext
     return _save(out_dir, tokenizer, model, chat)
