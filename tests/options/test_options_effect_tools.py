@@ -26,7 +26,7 @@ from tether.cli import main
 from tether.errors import TetherError
 from tether.rl import evaluation
 from tether.rl.engines import native
-from tether.tools import evaluate, generate
+from tether.tools import evaluate
 
 PROMPTS = ["the movie was", "a film with a long plot and a long story and", "it",
            "the ending was very", "music", "the actor", "loved the story but", "the scene"]
@@ -186,8 +186,7 @@ def test_device_dtype_and_trust_remote_code_reach_the_loaders(tool, models, prom
         dtypes.append(next(lm.parameters()).dtype)
         return lm
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(spy))
-    monkeypatch.setattr(evaluate, "load_frozen_lm", load)
-    monkeypatch.setattr(generate, "load_frozen_lm", load)
+    monkeypatch.setattr(evaluate, "load_frozen_lm", load)  # generate's policy too (load_policy)
     run_tool(tool, model, prompts, tmp_path, "--trust-remote-code", "--dtype", "bfloat16")
     assert seen and all(seen)
     assert dtypes and set(dtypes) == {torch.bfloat16}

@@ -52,7 +52,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before --output was checked")
     for module in (evaluate, generate):
         monkeypatch.setattr(module, "load_tokenizer", loaded)
-        monkeypatch.setattr(module, "load_frozen_lm", loaded)
+    monkeypatch.setattr(evaluate, "load_frozen_lm", loaded)  # both load policies by load_policy
 
 
 def _eval(model, output, *extra):

@@ -133,6 +133,15 @@ def checked_reference(cfg: EvalConfig, tokenizer) -> str:
     return path
 
 
+def load_policy(cfg: SamplingConfig, tokenizer, device):
+    """The policy `cfg.model` (on --base) frozen on `device`, prepared as PPO prepares its own,
+    with torch's threads set for it."""
+    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
+                            base=cfg.base)
+    use_threads(cfg.threads, policy, device)
+    return policy
+
+
 def evaluation_source(cfg: SamplingConfig, policy, tokenizer, device, rows: list[dict],
                       episodic: bool, reward, env, tools: list) -> tuple[RolloutEngine, Any]:
     """The engine and the rollout source that sample `policy` as PPO's held-out evaluation does:
@@ -176,9 +185,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
         check_engine_settings(cfg, cfg.base or cfg.model, device=device,
                               longest_prompt=longest_prompt(cfg, prompt_ids),
                               trust_remote_code=cfg.trust_remote_code)
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
-                            base=cfg.base)
-    use_threads(cfg.threads, policy, device)
+    policy = load_policy(cfg, tokenizer, device)
     reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
                                device, base=cfg.base if reference_path == cfg.model else "")
     # A reward model scores a sampling chunk at a time (PPO: micro-batches of micro_batch_rows,

@@ -17,7 +17,6 @@ from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
 from tether.models.base_location import check_base_option
 from tether.models.limits import check_sampled_models
-from tether.models.prepare import load_frozen_lm
 from tether.models.pretrained import load_tokenizer, policy_eos_ids
 from tether.rl.engines import RolloutEngine, check_engine_settings, make_engine
 from tether.rl.env.load import load_environment
@@ -27,9 +26,8 @@ from tether.rl.sources import load_tools
 from tether.run.atomic import atomic_write_bytes
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
-from tether.run.threads import use_threads
 from tether.tools.config import GenerateConfig
-from tether.tools.evaluate import evaluation_source
+from tether.tools.evaluate import evaluation_source, load_policy
 from tether.tools.outputs import check_output
 
 SAMPLE_SEED_STRIDE = 1_000_003  # sample s of an episode draws the noise of seed + s strides
@@ -58,9 +56,7 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
         return _episodes(cfg, tokenizer, env, tools, device)
     check_engine_settings(cfg, cfg.base or cfg.model, longest_prompt=max(map(len, prompt_ids)),
                           device=device, trust_remote_code=cfg.trust_remote_code)
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
-                            base=cfg.base)
-    use_threads(cfg.threads, policy, device)
+    policy = load_policy(cfg, tokenizer, device)
     inputs = eval_inputs(tokenizer, cfg.prompts, policy_eos_ids(tokenizer, policy, cfg.model), cfg)
     # One sample of each prompt per draw uses the evaluation's stream: sample 0 is what
     # `tether eval` scores with the same settings.
@@ -101,9 +97,7 @@ def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[
     """Every prompt row's `samples_per_prompt` episodes, each sample drawing its own noise; the
     environment seeds follow the rows (sample s of a row meets the environment sample 0 met)."""
     rows = load_rows(cfg.prompts)
-    policy = load_frozen_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, device,
-                            base=cfg.base)
-    use_threads(cfg.threads, policy, device)
+    policy = load_policy(cfg, tokenizer, device)
     engine, source = evaluation_source(cfg, policy, tokenizer, device, rows, True, None, env,
                                        tools)
     indices = list(range(len(rows)))

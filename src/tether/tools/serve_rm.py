@@ -116,29 +116,6 @@ class Refused(Exception):
         self.status = status
 
 
-def _pairs(body, max_rows: int) -> tuple[list, list[str]]:
-    """The (prompts, responses) of a POST /score body, or TetherError (400) saying what is wrong,
-    or Refused (413) past `max_rows`."""
-    if not isinstance(body, dict) or not {"prompts", "responses"} <= body.keys():
-        raise TetherError('the body must be {"prompts": [...], "responses": [...]}')
-    prompts, responses = body["prompts"], body["responses"]
-    if not isinstance(prompts, list) or not isinstance(responses, list):
-        raise TetherError("prompts and responses must be lists")
-    if len(prompts) != len(responses):
-        raise TetherError(f"{len(prompts)} prompts for {len(responses)} responses; give one "
-                          "prompt per response")
-    if len(prompts) > max_rows:
-        raise Refused(413, f"{len(prompts)} rows in one request, more than the {max_rows} this "
-                           "server takes (tether serve-rm --max-rows); send fewer at a time")
-    for i, prompt in enumerate(prompts):
-        if not (isinstance(prompt, str) or is_messages(prompt)):
-            raise TetherError(f"prompt {i} is neither text nor a list of chat messages "
-                              '({"role": ..., "content": text})')
-    if not all(isinstance(r, str) for r in responses):
-        raise TetherError("every response must be a string")
-    return prompts, responses
-
-
 async def read_body(scope: dict, receive, limit: int) -> bytes:
     """The request's body as it arrives; Refused (413) as soon as it passes `limit` bytes, or at
     once when its Content-Length says it would, so an oversized body is never held whole."""
@@ -277,7 +254,8 @@ class RewardApp:
         return {"scores": await asyncio.wrap_future(self.scorer.submit(prompts, responses))}
 
     def rows(self, body: bytes) -> tuple[list, list[str]]:
-        """The body's rows, checked, or the line saying what is wrong with it."""
+        """The (prompts, responses) of a POST /score body, or TetherError (400) saying what is
+        wrong with it, or Refused (413) past --max-rows."""
         try:
             parsed = json.loads(body.decode("utf-8"))
         except ValueError as exc:  # UnicodeDecodeError included
@@ -285,7 +263,24 @@ class RewardApp:
         except RecursionError:
             raise TetherError("the body is nested too deeply to read; send the rows as "
                               '{"prompts": [...], "responses": [...]}') from None
-        prompts, responses = _pairs(parsed, self.cfg.max_rows)
+        if not isinstance(parsed, dict) or not {"prompts", "responses"} <= parsed.keys():
+            raise TetherError('the body must be {"prompts": [...], "responses": [...]}')
+        prompts, responses = parsed["prompts"], parsed["responses"]
+        if not isinstance(prompts, list) or not isinstance(responses, list):
+            raise TetherError("prompts and responses must be lists")
+        if len(prompts) != len(responses):
+            raise TetherError(f"{len(prompts)} prompts for {len(responses)} responses; give one "
+                              "prompt per response")
+        max_rows = self.cfg.max_rows
+        if len(prompts) > max_rows:
+            raise Refused(413, f"{len(prompts)} rows in one request, more than the {max_rows} this "
+                               "server takes (tether serve-rm --max-rows); send fewer at a time")
+        for i, prompt in enumerate(prompts):
+            if not (isinstance(prompt, str) or is_messages(prompt)):
+                raise TetherError(f"prompt {i} is neither text nor a list of chat messages "
+                                  '({"role": ..., "content": text})')
+        if not all(isinstance(r, str) for r in responses):
+            raise TetherError("every response must be a string")
         if not self.info["chat_template"] and any(is_messages(p) for p in prompts):
             raise TetherError(f"the prompts are chat messages but the reward model "
                               f"{self.info['model']} has no chat template to render them with")

@@ -27,7 +27,6 @@ import torch
 
 from tether.data.batches import batch_order, collate_pairs, to_device
 from tether.data.encoding import encode_preferences
-from tether.data.rows import load_rows
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, language_model, longest_row
 from tether.models.pair_row import can_share, collate_shared, shared_pair_logprobs
@@ -43,18 +42,10 @@ from tether.preference import dpo_loss
 from tether.run import distributed
 from tether.run.distributed import wrap_frozen
 from tether.run.optim import backward, optimizer_step
-from tether.run.rundir import RunResult, announce
+from tether.run.rundir import RunResult
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
-from tether.train.offline import (
-    example_tokens,
-    open_run,
-    save_final_lm,
-    stage_cli,
-    start_training,
-    step_micro_batches,
-    wrap_trained,
-)
+from tether.train import offline
 from tether.train.offline_config import DPOConfig
 
 
@@ -132,7 +123,7 @@ def pair_lengths(model, examples, indices: list[int], share_prompt: bool) -> lis
     """The tokens each pair of `indices` puts through the model: P + C + R in one shared-prompt
     row (when `collate` builds those for these pairs), else 2 P + C + R in two rows."""
     shared = share_prompt and can_share(model, [examples[k] for k in indices])
-    return example_tokens(examples, indices, 1 if shared else 2)
+    return offline.example_tokens(examples, indices, 1 if shared else 2)
 
 
 def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_logps,
@@ -144,7 +135,7 @@ def accumulate_pairs(wrapped, layout_model, examples, indices: list[int], ref_lo
     rank for the metrics. `ref_logps(rows, batch)`: the reference's (chosen, rejected). With
     --micro-batch-tokens the cut is by each pair's tokens in its layout (`pair_lengths`)."""
     lengths = pair_lengths(layout_model, examples, indices, cfg.share_prompt)
-    micro = step_micro_batches(indices, lengths, cfg, d)
+    micro = offline.step_micro_batches(indices, lengths, cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate(layout_model, [examples[k] for k in rows], pad_id,
@@ -206,12 +197,9 @@ def _check_models(cfg: DPOConfig, tokenizer, examples) -> None:
 def run(cfg: DPOConfig) -> RunResult:
     """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.data, cfg.split)
-    announce(f"dpo {cfg.run_name}: encoding {len(rows)} pairs of {cfg.data}")
-    examples, stats = encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt,
-                                         cfg.data)
+    examples, stats = offline.encode_data(cfg, tokenizer, encode_preferences, cfg.data, "pairs")
     _check_models(cfg, tokenizer, examples)  # before any weights load
-    lora, run_dir, d = open_run(cfg)
+    lora, run_dir, d = offline.open_run(cfg)
 
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
@@ -219,13 +207,13 @@ def run(cfg: DPOConfig) -> RunResult:
     use_threads(cfg.threads, policy, d.device)
     ref_layout, make_ref_fn = _reference(cfg, lm, tokenizer, d)
     # after the reference copy: only the trained model recomputes
-    wrapped = wrap_trained(policy, cfg, d)
+    wrapped = offline.wrap_trained(policy, cfg, d)
     pad_id = tokenizer.pad_token_id
     ref_logps = reference_logps(make_ref_fn(wrapped), ref_layout, examples, pad_id, cfg, d,
                                 wrapped)
     # with --precompute-ref-logprobs a separate reference is dropped here
     del ref_layout, make_ref_fn
-    steps = start_training(run_dir, cfg, wrapped, len(examples), final=stats.as_metrics())
+    steps = offline.start_training(run_dir, cfg, wrapped, len(examples), final=stats.as_metrics())
 
     with steps:
         for step in steps:
@@ -240,9 +228,9 @@ def run(cfg: DPOConfig) -> RunResult:
                         "logps/rejected": policy_logps[1].mean().item(),
                         "train/grad_norm": grad_norm, "train/lr": steps.scheduler.get_last_lr()[0]}
             steps.done(step, metrics)
-    save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
+    offline.save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, steps.metrics | steps.final)
 
 
 def cli(argv: list[str]) -> int:
-    return stage_cli(DPOConfig, run, argv)
+    return offline.stage_cli(DPOConfig, run, argv)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import check_resumed_base, with_base_record
 from tether.models.lora import LoraSpec, check_targets
@@ -26,7 +27,7 @@ from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.run.launch import join, seed_everything
 from tether.run.optim import NonFiniteStep, make_lr_schedule, make_optimizer
 from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
 from tether.run.slicing import rank_micro_batches, token_parts
 from tether.train.offline_config import TrainConfig
 
@@ -64,6 +65,16 @@ def save_final(run_dir: RunDir, wrapped: nn.Module, d: distributed.Dist, owner: 
             save(owner)
     distributed.barrier(d)
     run_dir.close()
+
+
+def encode_data(cfg: TrainConfig, tokenizer, encode: Callable, source: str, what: str,
+                *options) -> tuple[list, Any]:
+    """The rows of `source` (its --split), announced as they are encoded by `encode`
+    (tether.data.encoding) at --max-length and --on-long-prompt, `options` after: (examples,
+    stats). Read and checked before the run directory is touched: bad input leaves no trace."""
+    rows = load_rows(source, cfg.split)
+    announce(f"{cfg.STAGE} {cfg.run_name}: encoding {len(rows)} {what} of {source}")
+    return encode(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, source, *options)
 
 
 def open_run(cfg: TrainConfig) -> tuple[LoraSpec, RunDir, distributed.Dist]:

@@ -30,18 +30,10 @@ from tether.models.reward_model import RewardModel
 from tether.preference import bradley_terry_loss
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
-from tether.run.rundir import RunResult, announce
+from tether.run.rundir import RunResult
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
-from tether.train.offline import (
-    example_tokens,
-    open_run,
-    save_final,
-    stage_cli,
-    start_training,
-    step_micro_batches,
-    wrap_trained,
-)
+from tether.train import offline
 from tether.train.offline_config import RMConfig
 
 
@@ -96,10 +88,8 @@ def fit_normalization(wrapped, examples, pad_id: int, batch_size: int, d: distri
 
 def _load_data(cfg: RMConfig, tokenizer):
     def encode(source):
-        rows = load_rows(source, cfg.split)
-        announce(f"rm {cfg.run_name}: encoding {len(rows)} pairs of {source}")
-        return encode_preferences(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, source,
-                                  cfg.margin_column)
+        return offline.encode_data(cfg, tokenizer, encode_preferences, source, "pairs",
+                                   cfg.margin_column)
     examples, stats = encode(cfg.data)
     held_out = encode(cfg.eval_data)[0] if cfg.eval_data else []
     norm = []
@@ -122,7 +112,7 @@ def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distr
     (pair by pair, in the micro-batches' order), gathered from every rank (the logged loss is the full batch's). With --micro-batch-tokens the
     cut is by each pair's tokens, chosen row plus rejected row (`step_micro_batches`)."""
     # each pair's tokens as two rows, chosen and rejected: 2 P + C + R
-    micro = step_micro_batches(indices, example_tokens(train, indices, 2), cfg, d)
+    micro = offline.step_micro_batches(indices, offline.example_tokens(train, indices, 2), cfg, d)
     parts = []
     for i, (rows, real) in enumerate(micro):
         batch = to_device(collate_pairs([train[k] for k in rows], pad_id), d.device)
@@ -143,13 +133,13 @@ def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
-    lora, run_dir, d = open_run(cfg)
+    lora, run_dir, d = offline.open_run(cfg)
 
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
     use_threads(cfg.threads, model, d.device)
-    wrapped = wrap_trained(model, cfg, d)
-    steps = start_training(run_dir, cfg, wrapped, len(train))
+    wrapped = offline.wrap_trained(model, cfg, d)
+    steps = offline.start_training(run_dir, cfg, wrapped, len(train))
     pad_id = tokenizer.pad_token_id
 
     with steps:
@@ -187,9 +177,9 @@ def run(cfg: RMConfig) -> RunResult:
         if cfg.merge_lora:
             owner.save_merged(run_dir.merged_dir, tokenizer)
 
-    save_final(run_dir, wrapped, d, model, rebuild, save)
+    offline.save_final(run_dir, wrapped, d, model, rebuild, save)
     return RunResult(run_dir.final_dir, steps.metrics | final)
 
 
 def cli(argv: list[str]) -> int:
-    return stage_cli(RMConfig, run, argv)
+    return offline.stage_cli(RMConfig, run, argv)

@@ -22,24 +22,15 @@ from __future__ import annotations
 
 from tether.data.batches import batch_order, collate_sft, to_device
 from tether.data.encoding import encode_sft
-from tether.data.rows import load_rows
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, language_model, longest_row
 from tether.models.pretrained import load_tokenizer, load_trainable_lm
 from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
-from tether.run.rundir import RunResult, announce
+from tether.run.rundir import RunResult
 from tether.run.threads import use_threads
-from tether.train.offline import (
-    example_tokens,
-    open_run,
-    save_final_lm,
-    stage_cli,
-    start_training,
-    step_micro_batches,
-    wrap_trained,
-)
+from tether.train import offline
 from tether.train.offline_config import SFTConfig
 
 
@@ -64,27 +55,24 @@ def run(cfg: SFTConfig) -> RunResult:
     """Fine-tune `cfg.model` on `cfg.data`; returns the final model's path and last metrics."""
     # Read and check the data before touching the run directory: bad input leaves no trace.
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.data, cfg.split)
-    announce(f"sft {cfg.run_name}: encoding {len(rows)} rows of {cfg.data}")
-    examples, stats = encode_sft(tokenizer, rows, cfg.max_length, cfg.on_long_prompt, cfg.data,
-                                 cfg.loss_on)
+    examples, stats = offline.encode_data(cfg, tokenizer, encode_sft, cfg.data, "rows", cfg.loss_on)
     positions = language_model(cfg.model, "--model", trust_remote_code=cfg.trust_remote_code)
     check_rows_fit([positions], longest_row(examples), cfg.max_length, cfg.data)
-    lora, run_dir, d = open_run(cfg)
+    lora, run_dir, d = offline.open_run(cfg)
 
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     model = lm.model.to(d.device)  # with LoRA: the base with the adapter's layers injected
     use_threads(cfg.threads, model, d.device)
     model.train()
-    wrapped = wrap_trained(model, cfg, d)
-    steps = start_training(run_dir, cfg, wrapped, len(examples),
-                           final={"data/rows": float(len(examples)), **stats.as_metrics()})
+    wrapped = offline.wrap_trained(model, cfg, d)
+    steps = offline.start_training(run_dir, cfg, wrapped, len(examples),
+                                   final={"data/rows": float(len(examples)), **stats.as_metrics()})
     with steps:
         for step in steps:
             indices = batch_order(len(examples), cfg.batch_size, cfg.seed, step - 1)  # global batch
             micro = [(collate_sft([examples[i] for i in rows], tokenizer.pad_token_id), real)
-                     for rows, real in step_micro_batches(
-                         indices, example_tokens(examples, indices), cfg, d)]
+                     for rows, real in offline.step_micro_batches(
+                         indices, offline.example_tokens(examples, indices), cfg, d)]
             # the whole global batch's tokens: every rank's part of the loss divides by it
             n_tokens = distributed.global_sum(sum(response_tokens(b) for b, real in micro if real), d)
             loss = 0.0
@@ -101,9 +89,9 @@ def run(cfg: SFTConfig) -> RunResult:
                               "train/grad_norm": grad_norm,
                               "train/lr": steps.scheduler.get_last_lr()[0]})
 
-    save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
+    offline.save_final_lm(run_dir, wrapped, d, lm, tokenizer, cfg)
     return RunResult(run_dir.final_dir, steps.metrics | steps.final)
 
 
 def cli(argv: list[str]) -> int:
-    return stage_cli(SFTConfig, run, argv)
+    return offline.stage_cli(SFTConfig, run, argv)

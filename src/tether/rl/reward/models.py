@@ -10,7 +10,9 @@ also what `tether serve-rm` serves (tether.rl.reward.remote).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -73,16 +75,25 @@ def prompt_originals(tokenizer, *sources: str) -> dict[str, Prompt]:
     return originals
 
 
-def reward_from_texts(reward_model: nn.Module, chunk: int, originals: dict[str, Prompt],
-                      name: str = "") -> Reward:
+def reward_from_texts(score_texts: Callable[[list, list[str]], torch.Tensor],
+                      chat_template: bool, originals: dict[str, Prompt], name: str) -> Reward:
     """A reward model that reads text as a `Reward`: each prompt text is looked up in
     `originals` (one missing there is read as plain text), the responses are the decoded ones,
-    and the model's `score_texts` tokenises both with its own tokenizer, `chunk` rows at a time.
-    `name` names it when a score is not finite (`checked_model_scores`)."""
+    and `score_texts(prompts, responses)` scores them `[N]`: the model's own `score_texts`, which
+    tokenises both with its own tokenizer, or a served model's (tether.rl.reward.remote). `name`
+    names it when a score is not finite (`checked_model_scores`).
+
+    Such a model renders chat prompts with its own template: without one (`chat_template`
+    False), chat prompts are refused here, at start-up (in process, and for a served model
+    alike)."""
+    if not chat_template and any(is_messages(p) for p in originals.values()):
+        raise TetherError(f"the prompts are chat messages but the reward model {name} has no "
+                          "chat template to render them with; give plain-text prompts, or a "
+                          "reward model whose tokenizer has a chat_template")
+
     @torch.no_grad()
-    def reward(prompts, responses, rollout, rows=None) -> RewardScores:
-        scores = reward_model.score_texts([originals.get(p, p) for p in prompts],
-                                          list(responses), chunk)
+    def reward(prompts, responses, rollout=None, rows=None) -> RewardScores:
+        scores = score_texts([originals.get(p, p) for p in prompts], list(responses))
         return RewardScores(checked_model_scores(scores, name, prompts), {})
     return reward
 
@@ -95,16 +106,6 @@ class ModelReward:
     reward: Reward
     model: nn.Module
     critic_init: nn.Module | None
-
-
-def check_chat_prompts(has_chat_template: bool, originals: dict[str, Prompt], name: str
-                       ) -> None:
-    """A reward model that reads text renders chat prompts with its own template: without one,
-    chat prompts are refused at start-up (in process, and for a served model alike)."""
-    if not has_chat_template and any(is_messages(p) for p in originals.values()):
-        raise TetherError(f"the prompts are chat messages but the reward model {name} has no "
-                          "chat template to render them with; give plain-text prompts, or a "
-                          "reward model whose tokenizer has a chat_template")
 
 
 def load_scoring_model(path: str, device, dtype: str = "float32",
@@ -149,5 +150,6 @@ def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt],
         same_ids = (vocab.items() <= policy_vocab.items()
                     and set(policy_vocab) - set(vocab) <= {policy_tokenizer.pad_token})
         critic_init = model if same_ids and model.head is not None else None
-    check_chat_prompts(has_chat_template(model), originals, path)
-    return ModelReward(reward_from_texts(model, chunk, originals, path), model, critic_init)
+    reward = reward_from_texts(partial(model.score_texts, batch_size=chunk),
+                               has_chat_template(model), originals, path)
+    return ModelReward(reward, model, critic_init)

@@ -32,8 +32,8 @@ from functools import partial
 import torch
 
 from tether.errors import TetherError
-from tether.rl.reward import Prompt, Reward, RewardScores
-from tether.rl.reward.models import check_chat_prompts, checked_model_scores
+from tether.rl.reward import Prompt, Reward
+from tether.rl.reward.models import reward_from_texts
 from tether.run.config import RM_API_KEY_ENV
 from tether.run.user_code.calls import Call, Runner
 
@@ -193,15 +193,11 @@ def score_remote(endpoints: list[Endpoint], prompts: list[Prompt], responses: li
 
 def reward_from_urls(endpoints: list[Endpoint], originals: dict[str, Prompt],
                      timeout: float) -> Reward:
-    """The served reward model as a `Reward`: each prompt text looked up in `originals` (as
-    `reward_from_texts` does; one missing there is sent as plain text), the decoded responses,
-    the scores checked as an in-process reward model's are. Chat prompts are refused here, at
-    start-up, when the served model has no chat template."""
+    """The served reward model as a `Reward`: `reward_from_texts`, as an in-process reward model
+    that reads text, with `score_remote` scoring: each prompt text looked up in `originals` (one
+    missing there is sent as plain text), the decoded responses, the scores checked as an
+    in-process reward model's are. Chat prompts are refused here, at start-up, when the served
+    model has no chat template."""
     name = " and ".join([endpoints[0].name] + [e.url for e in endpoints[1:]])
-    check_chat_prompts(bool(endpoints[0].info.get("chat_template")), originals, name)
-
-    def reward(prompts, responses, rollout=None, rows=None) -> RewardScores:
-        scores = score_remote(endpoints, [originals.get(p, p) for p in prompts],
-                              list(responses), timeout)
-        return RewardScores(checked_model_scores(scores, name, prompts), {})
-    return reward
+    return reward_from_texts(partial(score_remote, endpoints, timeout=timeout),
+                             bool(endpoints[0].info.get("chat_template")), originals, name)
