@@ -26,7 +26,7 @@ from tether.run import scopes, trl_names
 from tether.run.config import C
 from tether.run.config_help import COMMA_LISTS, help_text
 from tether.run.paths import resolve_paths
-from tether.run.scopes import field_default
+from tether.run.scopes import field_default, flag
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
@@ -44,8 +44,6 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise TetherError(f"config field '{name}' must be a list, got {value!r}")
         return [_coerce(name, typing.get_args(tp)[0], v) for v in value]
-    if tp not in _PLAIN:  # Any, or a type without a check of its own
-        return value
     if tp is float and isinstance(value, str):
         value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
     accepted, said = _PLAIN[tp]
@@ -177,7 +175,7 @@ def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[st
         return trl
     close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75)
     if close:
-        meant = f"'{close[0]}'" if as_key else "--" + close[0].replace("_", "-")
+        meant = f"'{close[0]}'" if as_key else flag(close[0])
         return f"unknown {'' if as_key else 'option '}{shown[0]}; did you mean {meant}?"
     return f"unknown {'' if as_key else 'option '}{shown[0]}; see {prog} --help"
 
@@ -256,7 +254,7 @@ def _check_required(cls: type, values: dict[str, Any], prog: str) -> None:
     missing = [f.name for f in dataclasses.fields(cls)
                if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
-        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+        flags = ", ".join(flag(name) for name in missing)
         raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "
                           f"(give them as flags or in --config FILE.yaml; see {prog} --help)")
 
@@ -358,7 +356,7 @@ def _positional_flag(cls: type, argv: list[str]) -> list[str]:
         bare += 1
     if not bare:
         return argv
-    return ["--" + name.replace("_", "-"), *argv[:bare], *argv[bare:]]
+    return [flag(name), *argv[:bare], *argv[bare:]]
 
 
 def _description(cls: type) -> str:
