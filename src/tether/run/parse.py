@@ -311,13 +311,11 @@ def _read_flags(cls: type, argv: list[str], prog: str | None) -> dict[str, Any]:
             i += 1
         if not texts and not many:
             raise TetherError(f"{flag} needs a value (see --help)")
-        if many:
-            item = typing.get_args(hints[name])[0]
-            if name in COMMA_LISTS and item is not str:  # --reward-weights 1,0.5
-                texts = [part for text in texts for part in text.split(",") if part]
-            out[name] = _coerce(name, hints[name], [_typed(item, text) for text in texts])
-        else:
-            out[name] = _coerce(name, hints[name], _typed(hints[name], texts[0]))
+        item = typing.get_args(hints[name])[0] if many else hints[name]
+        if many and name in COMMA_LISTS and item is not str:  # --reward-weights 1,0.5
+            texts = [part for text in texts for part in text.split(",") if part]
+        typed = [_typed(item, text) for text in texts]
+        out[name] = _coerce(name, hints[name], typed if many else typed[0])
     return out
 
 

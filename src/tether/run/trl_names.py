@@ -192,11 +192,7 @@ def hint(name: str, value: object, fields: set[str], stage: str | None, prog: st
 
 def _spell(option: str, as_key: bool) -> str:
     """One of tether's spellings, '--engine vllm', as a flag or as a YAML key ('engine: vllm')."""
-    if not as_key:
-        return option
-    flag, _, value = option.partition(" ")
-    key = flag.removeprefix("--").replace("-", "_")
-    return f"{key}: {value}" if value else key
+    return _prose(option.replace(" ", ": ", 1), as_key) if as_key else option
 
 
 def _prose(text: str, as_key: bool) -> str:
