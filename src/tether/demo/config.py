@@ -50,10 +50,8 @@ class DemoConfig:
 
     def validate(self) -> None:
         require_positive(self, "seeds", "ppo_batches", "ppo_lr", "kl_target", "kl_horizon",
-                         "adaptive_start_beta")
-        require_positive(self, "fixed_beta", allow_zero=True)
-        require_positive(self, "sweep_batches")
-        require_positive(self, "jobs", allow_zero=True)
+                         "adaptive_start_beta", "sweep_batches")
+        require_positive(self, "fixed_beta", "jobs", allow_zero=True)
         if any(beta < 0 for beta in self.sweep_betas):
             raise TetherError(f"config field 'sweep_betas' must hold betas >= 0, got {self.sweep_betas}")
         check_run_name(self.run_name)

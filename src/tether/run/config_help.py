@@ -16,7 +16,7 @@ import textwrap
 import typing
 from typing import Any, Literal
 
-from tether.run.scopes import field_default
+from tether.run.scopes import field_default, flag
 
 SECTION = re.compile(r"^\s*# ---- ([^(]+?)\s*(\(.*\))?\s*$")
 WIDTH = 100
@@ -28,23 +28,20 @@ def _class_fields(cls: type) -> list[tuple[str, str | None, str]]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return []
-    lines = source.splitlines()
+    # the section of a line: the last `# ---- name` above it (None before the first)
+    section_at, section = [], None
+    for line in source.splitlines():
+        section_at.append(section)
+        if match := SECTION.match(line):
+            section = match.group(1)
     body = ast.parse(source).body[0].body
     out = []
-    for i, node in enumerate(body):
+    for node, after in zip(body, [*body[1:], None]):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        doc = ""
-        if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(
-                getattr(body[i + 1], "value", None), ast.Constant):
-            doc = str(body[i + 1].value.value)
-        section = None
-        for line in reversed(lines[:node.lineno - 1]):
-            match = SECTION.match(line)
-            if match:
-                section = match.group(1)
-                break
-        out.append((node.target.id, section, " ".join(doc.split())))
+        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        doc = str(after.value.value) if is_doc else ""
+        out.append((node.target.id, section_at[node.lineno - 1], " ".join(doc.split())))
     return out
 
 
@@ -63,11 +60,9 @@ def field_sections(cls: type) -> dict[str, list[tuple[str, str]]]:
             section_of[name] = section or section_of.get(name, "options")
             help_of[name] = doc or help_of.get(name, "")
             declared[name] = rank
-    sections: dict[str, list[tuple[str, str]]] = {}
-    for klass in classes:  # section order: the sections of the most derived class first
-        for _, section, _ in _class_fields(klass):
-            if section:
-                sections.setdefault(section, [])
+    # section order: the sections of the most derived class first
+    sections: dict[str, list[tuple[str, str]]] = {
+        section: [] for klass in classes for _, section, _ in _class_fields(klass) if section}
     for field in sorted(dataclasses.fields(cls), key=lambda f: declared.get(f.name, 0)):
         sections.setdefault(section_of.get(field.name, "options"), []).append(
             (field.name, help_of.get(field.name, "")))
@@ -75,12 +70,11 @@ def field_sections(cls: type) -> dict[str, list[tuple[str, str]]]:
 
 
 def _flag(name: str, tp: Any) -> str:
-    flag = "--" + name.replace("_", "-")
     if tp is bool:
-        return f"{flag}, --no-{name.replace('_', '-')}"
+        return f"{flag(name)}, --no-{name.replace('_', '-')}"
     if typing.get_origin(tp) is Literal:
-        return f"{flag} {{{','.join(str(a) for a in typing.get_args(tp))}}}"
-    return f"{flag} {getattr(tp, '__name__', 'VALUE').upper()}"
+        return f"{flag(name)} {{{','.join(str(a) for a in typing.get_args(tp))}}}"
+    return f"{flag(name)} {getattr(tp, '__name__', 'VALUE').upper()}"
 
 
 def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
@@ -101,10 +95,9 @@ def _list_note(name: str, tp: Any) -> str:
     """How a list flag takes its values: several after one flag, each value one item."""
     if typing.get_origin(tp) not in (list, tuple):
         return ""
-    flag = name.replace("_", "-")
     if name in COMMA_LISTS:
-        return f" Several values follow one flag (--{flag} A B) or join with commas (A,B)."
-    return f" Several values follow one flag (--{flag} A B), not comma-separated."
+        return f" Several values follow one flag ({flag(name)} A B) or join with commas (A,B)."
+    return f" Several values follow one flag ({flag(name)} A B), not comma-separated."
 
 
 def help_text(cls: type, prog: str, description: str) -> str:

@@ -26,7 +26,7 @@ from tether.run import scopes, trl_names
 from tether.run.config import C
 from tether.run.config_help import COMMA_LISTS, help_text
 from tether.run.paths import resolve_paths
-from tether.run.scopes import field_default
+from tether.run.scopes import field_default, flag
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
@@ -44,8 +44,6 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise TetherError(f"config field '{name}' must be a list, got {value!r}")
         return [_coerce(name, typing.get_args(tp)[0], v) for v in value]
-    if tp not in _PLAIN:  # Any, or a type without a check of its own
-        return value
     if tp is float and isinstance(value, str):
         value = _float_spelling(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
     accepted, said = _PLAIN[tp]
@@ -177,7 +175,7 @@ def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[st
         return trl
     close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75)
     if close:
-        meant = f"'{close[0]}'" if as_key else "--" + close[0].replace("_", "-")
+        meant = f"'{close[0]}'" if as_key else flag(close[0])
         return f"unknown {'' if as_key else 'option '}{shown[0]}; did you mean {meant}?"
     return f"unknown {'' if as_key else 'option '}{shown[0]}; see {prog} --help"
 
@@ -256,7 +254,7 @@ def _check_required(cls: type, values: dict[str, Any], prog: str) -> None:
     missing = [f.name for f in dataclasses.fields(cls)
                if field_default(f) is dataclasses.MISSING and f.name not in values]
     if missing:
-        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+        flags = ", ".join(flag(name) for name in missing)
         raise TetherError(f"missing required option{'s' if len(missing) > 1 else ''}: {flags} "
                           f"(give them as flags or in --config FILE.yaml; see {prog} --help)")
 
@@ -313,13 +311,11 @@ def _read_flags(cls: type, argv: list[str], prog: str | None) -> dict[str, Any]:
             i += 1
         if not texts and not many:
             raise TetherError(f"{flag} needs a value (see --help)")
-        if many:
-            item = typing.get_args(hints[name])[0]
-            if name in COMMA_LISTS and item is not str:  # --reward-weights 1,0.5
-                texts = [part for text in texts for part in text.split(",") if part]
-            out[name] = _coerce(name, hints[name], [_typed(item, text) for text in texts])
-        else:
-            out[name] = _coerce(name, hints[name], _typed(hints[name], texts[0]))
+        item = typing.get_args(hints[name])[0] if many else hints[name]
+        if many and name in COMMA_LISTS and item is not str:  # --reward-weights 1,0.5
+            texts = [part for text in texts for part in text.split(",") if part]
+        typed = [_typed(item, text) for text in texts]
+        out[name] = _coerce(name, hints[name], typed if many else typed[0])
     return out
 
 
@@ -358,7 +354,7 @@ def _positional_flag(cls: type, argv: list[str]) -> list[str]:
         bare += 1
     if not bare:
         return argv
-    return ["--" + name.replace("_", "-"), *argv[:bare], *argv[bare:]]
+    return [flag(name), *argv[:bare], *argv[bare:]]
 
 
 def _description(cls: type) -> str:

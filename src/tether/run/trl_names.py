@@ -78,9 +78,7 @@ ROWS: tuple[Row, ...] = (
     Row("importance_sampling_level", None, "--importance-level sequence"),
     Row("scale_rewards", "true", "--scale-rewards group"),
     Row("scale_rewards", "false", "--scale-rewards none"),
-    Row("scale_rewards", "group", "--scale-rewards group"),
-    Row("scale_rewards", "batch", "--scale-rewards batch"),
-    Row("scale_rewards", "none", "--scale-rewards none"),
+    *(Row("scale_rewards", name, f"--scale-rewards {name}") for name in ("group", "batch", "none")),
     Row("scale_rewards", None, "--scale-rewards", "group, batch or none"),
     Row("loss_type", "dapo", "--loss-aggregation token",
         "tether grpo's default, with --kl-per-token-mean", ONLINE),
@@ -92,8 +90,7 @@ ROWS: tuple[Row, ...] = (
     Row("loss_type", "cispo", "--policy-loss cispo",
         "it caps the ratio at 1 + --clip-high: TRL's epsilon_high 5.0 is --clip-high 4", ONLINE),
     *(Row("loss_type", name, "", "not built yet", ONLINE) for name in ("sapo", "vespo", "luspo")),
-    Row("loss_type", "sigmoid", "--loss sigmoid", "", ("dpo",)),
-    Row("loss_type", "ipo", "--loss ipo", "", ("dpo",)),
+    *(Row("loss_type", name, f"--loss {name}", "", ("dpo",)) for name in ("sigmoid", "ipo")),
     *(Row("loss_type", name, "", _DPO_NOT_BUILT, ("dpo",))
       for name in ("hinge", "robust", "exo_pair", "bco_pair", "nca_pair", "sppo_hard", "aot",
                    "apo_zero", "apo_down", "discopop")),
@@ -195,11 +192,7 @@ def hint(name: str, value: object, fields: set[str], stage: str | None, prog: st
 
 def _spell(option: str, as_key: bool) -> str:
     """One of tether's spellings, '--engine vllm', as a flag or as a YAML key ('engine: vllm')."""
-    if not as_key:
-        return option
-    flag, _, value = option.partition(" ")
-    key = flag.removeprefix("--").replace("-", "_")
-    return f"{key}: {value}" if value else key
+    return _prose(option.replace(" ", ": ", 1), as_key) if as_key else option
 
 
 def _prose(text: str, as_key: bool) -> str:

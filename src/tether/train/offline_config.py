@@ -74,9 +74,9 @@ class SFTConfig(TrainConfig):
     """Supervised fine-tuning on {prompt, response}, {prompt, completion}, {messages} or {text} rows."""
 
     STAGE: ClassVar[str] = "sft"  # the command; recorded in the run directory
+    # (a field redefined for its default without a docstring keeps its base's help)
 
     lr: float = 2e-5
-    """Peak learning rate (AdamW)."""
     loss_on: Literal["all", "last"] = "all"
     """Which assistant turns of a multi-turn chat carry loss: all of them, or the last only."""
     pack: bool = False
@@ -95,8 +95,7 @@ class RMConfig(TrainConfig):
 
     STAGE: ClassVar[str] = "rm"  # the command; recorded in the run directory
 
-    lr: float = 1e-5
-    """Peak learning rate (AdamW)."""
+    lr: float = 1e-5  # TrainConfig's, named here to head the optimisation options of --help
 
     # ---- reward model
     margin_column: str = ""
