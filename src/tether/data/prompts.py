@@ -19,8 +19,6 @@ import torch
 from tether.data.chat import (
     chat_messages,
     check_prompt,
-    is_messages,
-    normalize_messages,
     render_chat,
     truncate_chat,
 )
@@ -34,12 +32,10 @@ from tether.errors import TetherError
 def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None:
     """The chat of a prompt row (`messages`, or a messages-valued `prompt`), each content one
     string; None for a plain-text prompt."""
-    check_prompt(row.get("prompt"), where)
-    if row.get("messages") is not None:
-        messages = chat_messages(row["messages"], "messages", where)
-    elif is_messages(row.get("prompt")):
-        messages = normalize_messages(row["prompt"], f"{where} 'prompt'")
-    else:
+    prompt = check_prompt(row.get("prompt"), where)
+    messages = (chat_messages(row["messages"], "messages", where)
+                if row.get("messages") is not None else prompt)
+    if messages is None:
         return None
     # the template's role markers alone (null content: an assistant turn that only calls tools)
     if not any((m["content"] or "").strip() for m in messages):

@@ -67,6 +67,15 @@ class Segment:
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each
     turn_rewards: dict[int, float] = field(default_factory=dict)  # index in ids -> reward
 
+    def extend(self, ids: list[int], sampled: bool, engine_logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
+        """Append `ids`, all sampled by the policy or all not (an observation's: log-prob 0.0,
+        version 0)."""
+        self.ids += ids
+        self.sampled += [sampled] * len(ids)
+        self.engine_logprobs += [0.0] * len(ids) if engine_logprobs is None else engine_logprobs
+        self.versions += [0] * len(ids) if versions is None else versions
+
 
 @dataclass
 class Episode:
@@ -218,10 +227,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
     """Append the turn `action` and, if the episode goes on, the observation's tokens."""
     text, ids, logprobs, versions, ended = action
     segment = episode.segment
-    segment.ids += ids
-    segment.sampled += [True] * len(ids)
-    segment.engine_logprobs += logprobs
-    segment.versions += versions
+    segment.extend(ids, True, logprobs, versions)
     if ids:
         segment.turn_rewards[len(segment.ids) - 1] = reward
     episode.rewards.append(reward)
@@ -245,10 +251,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
         if len(appended.ids) >= limits.room(episode):  # no room for another turn after it
             episode.over = True
             return
-        segment.ids += appended.ids
-        segment.sampled += [False] * len(appended.ids)
-        segment.engine_logprobs += [0.0] * len(appended.ids)
-        segment.versions += [0] * len(appended.ids)
+        segment.extend(appended.ids, False)
     episode.text += renderer.tokenizer.decode(appended.ids, skip_special_tokens=True)
 
 
