@@ -64,13 +64,14 @@ def is_messages(value: Any) -> bool:
     return message_problem(value) is None
 
 
-def chat_messages(value: Any, what: str, where: str) -> list[dict]:
+def chat_messages(value: Any, what: str, where: str, expected: str = "") -> list[dict]:
     """`value` (a row's `messages` or `prompt`) checked to be a chat, each content one string;
     the first problem (a string, one dict, [], a message without a role or content) is one line
-    naming it, never an error from inside the template."""
+    naming it, never an error from inside the template. `expected`: what the column may be, in
+    that line ("a list", "a string or a list" for a prompt, unless given)."""
     problem = message_problem(value)
     if problem is not None:
-        expected = "a string or a list" if what == "prompt" else "a list"
+        expected = expected or ("a string or a list" if what == "prompt" else "a list")
         raise TetherError(f"{where} {what!r} must be {expected} of {{role, content}} messages "
                           f"({problem}); {MESSAGE_FORM}")
     return normalize_messages(value, f"{where} {what!r}")
@@ -190,11 +191,7 @@ def as_turns(value: Any, what: str, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     turns = [value] if isinstance(value, dict) else value  # one message is one turn
-    problem = message_problem(turns)
-    if problem is not None:
-        raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
-                          f"{{role, content}} messages ({problem}); {MESSAGE_FORM}")
-    return normalize_messages(turns, f"{where} '{what}'")
+    return chat_messages(turns, what, where, "a string, an assistant message or a list")
 
 
 def check_prompt(value: Any, where: str) -> list[dict] | None:

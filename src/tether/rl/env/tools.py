@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tether.data.chat import chat_messages, render_chat
-from tether.data.tool_calls import parse_arguments
+from tether.data.tool_calls import parse_arguments, probe_call
 from tether.errors import TetherError
 from tether.rl.reward.functions import RewardFunctions, reward_from_functions
 from tether.run.user_code.calls import Call, Runner
@@ -64,13 +64,8 @@ def call_format(tokenizer, schemas: list[dict]) -> str:
     (`<tool_call>` JSON), "mistral" (`[TOOL_CALLS]`) or "json" (a bare JSON object)."""
     if getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
         return "parser"
-    call = {"type": "function", "function": {"name": "tether_probe", "arguments": {"x": 1}}}
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "tool_calls": [call]}]
-    try:
-        text = render_chat(tokenizer, messages, False, "the tool-call probe", schemas)
-    except TetherError:
-        text = ""
+    text = probe_call(lambda ms: render_chat(tokenizer, ms, False, "the tool-call probe", schemas),
+                      {"x": 1})
     if "<tool_call>" in text:
         return "tags"
     if "[TOOL_CALLS]" in text:
@@ -127,11 +122,10 @@ class ToolsEnv:
     episodes)."""
 
     def __init__(self, functions: dict[str, Callable], schemas: list[dict], form: str,
-                 reward: RewardFunctions | None, tokenizer, timeout: float = 0.0,
-                 hung: set[str] | None = None):
+                 reward: RewardFunctions | None, tokenizer, timeout: float, hung: set[str]):
         self.functions, self.schemas, self.form = functions, schemas, form
         self.reward, self.tokenizer = reward, tokenizer
-        self.timeout, self.hung = timeout, set() if hung is None else hung
+        self.timeout, self.hung = timeout, hung
         self.prompt, self.row = "", {}
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
 
