@@ -14,6 +14,8 @@ prompt a policy exactly as SFT, RM and DPO encoded their rows.
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 import torch
 
 from tether.data.chat import (
@@ -82,11 +84,9 @@ def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
 
 
 def _special_head(tokenizer, ids: list[int]) -> list[int]:
+    """The special tokens (BOS, role markers) `ids` starts with."""
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    n = 0
-    while n < len(ids) and ids[n] in special:
-        n += 1
-    return ids[:n]
+    return list(takewhile(special.__contains__, ids))
 
 
 def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,
