@@ -189,8 +189,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
         versioned = sampled.versions is not None
         if turn == 0:
             first_turn = sampled
-        actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
-                   for j, i in enumerate(live)]
+        actions = [_take(sampled, j, budget[j], tokenizer) for j in range(len(live))]
         results = calls.gather([partial(episodes[i].env.step, actions[j][0])
                                 for j, i in enumerate(live)],
                                [f"step of {where(i)}, turn {turn}" for i in live])
@@ -205,21 +204,19 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                      versioned)
 
 
-def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],
-          tokenizer) -> tuple[str, list[int], list[float], list[int], bool]:
+def _take(sampled: Rollout, j: int, budget: int, tokenizer
+          ) -> tuple[str, list[int], list[float] | None, list[int] | None, bool]:
     """(decoded action, its ids, the engine's log-probs of them, the versions that sampled
     them, whether the turn ended) of row `j` of a turn's sample, cut at the episode's
-    `budget`."""
+    `budget`; log-probs and versions None where the engine reports none (`Segment.extend`)."""
     kept = sampled.response_mask[j]
-    ids = sampled.responses[j][kept].tolist()
-    logprobs = (sampled.engine_logprobs[j][kept].tolist()
-                if sampled.engine_logprobs is not None else [0.0] * len(ids))
-    versions = (sampled.versions[j][kept].tolist() if sampled.versions is not None
-                else [0] * len(ids))
-    ended = bool(sampled.ended[j])
-    if len(ids) > budget:
-        ids, logprobs, versions, ended = ids[:budget], logprobs[:budget], versions[:budget], False
-    return tokenizer.decode(ids, skip_special_tokens=True), ids, logprobs, versions, ended
+
+    def cut(values: torch.Tensor | None) -> list | None:
+        return None if values is None else values[j][kept].tolist()[:budget]
+    ids = cut(sampled.responses)
+    ended = bool(sampled.ended[j]) and int(kept.sum()) <= budget  # a turn cut short never ended
+    return (tokenizer.decode(ids, skip_special_tokens=True), ids, cut(sampled.engine_logprobs),
+            cut(sampled.versions), ended)
 
 
 def _advance(episode: Episode, action: tuple, observation, reward: float, done: bool, turn: int,
