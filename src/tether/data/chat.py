@@ -64,13 +64,14 @@ def is_messages(value: Any) -> bool:
     return message_problem(value) is None
 
 
-def chat_messages(value: Any, what: str, where: str) -> list[dict]:
+def chat_messages(value: Any, what: str, where: str, expected: str = "") -> list[dict]:
     """`value` (a row's `messages` or `prompt`) checked to be a chat, each content one string;
     the first problem (a string, one dict, [], a message without a role or content) is one line
-    naming it, never an error from inside the template."""
+    naming it, never an error from inside the template. `expected`: what the column may be, in
+    that line ("a list", "a string or a list" for a prompt, unless given)."""
     problem = message_problem(value)
     if problem is not None:
-        expected = "a string or a list" if what == "prompt" else "a list"
+        expected = expected or ("a string or a list" if what == "prompt" else "a list")
         raise TetherError(f"{where} {what!r} must be {expected} of {{role, content}} messages "
                           f"({problem}); {MESSAGE_FORM}")
     return normalize_messages(value, f"{where} {what!r}")
@@ -190,21 +191,19 @@ def as_turns(value: Any, what: str, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     turns = [value] if isinstance(value, dict) else value  # one message is one turn
-    problem = message_problem(turns)
-    if problem is not None:
-        raise TetherError(f"{where} '{what}' must be a string, an assistant message or a list of "
-                          f"{{role, content}} messages ({problem}); {MESSAGE_FORM}")
-    return normalize_messages(turns, f"{where} '{what}'")
+    return chat_messages(turns, what, where, "a string, an assistant message or a list")
 
 
-def check_prompt(value: Any, where: str) -> None:
+def check_prompt(value: Any, where: str) -> list[dict] | None:
     """A `prompt` is text or a chat; anything else (a list of strings, a dict, []) is an error
-    naming what is wrong, never its Python repr."""
+    naming what is wrong, never its Python repr. Returns the chat (`chat_messages`), or None for
+    text or no prompt."""
     if isinstance(value, (list, dict)):
-        chat_messages(value, "prompt", where)
-    elif value is not None and not isinstance(value, str):  # a number, a bool: never its repr
+        return chat_messages(value, "prompt", where)
+    if value is not None and not isinstance(value, str):  # a number, a bool: never its repr
         raise TetherError(f"{where} 'prompt' must be a string or chat messages (got "
                           f"{type(value).__name__}); write it as text, or as {MESSAGE_LIST}")
+    return None
 
 
 def check_reply(text: str, what: str, where: str,
@@ -242,14 +241,12 @@ def chat_preference_texts(tokenizer, row: dict, where: str) -> tuple[str, list[s
     tools = row_tools(row, where)
     chosen = as_turns(row["chosen"], "chosen", where)
     rejected = as_turns(row["rejected"], "rejected", where)
-    check_prompt(prompt, where)
+    prompt_messages = check_prompt(prompt, where)
     if prompt is None:
         prompt_messages = chosen[:common_start(chosen, rejected)]
         if prompt_messages and prompt_messages[-1].get("role") == "assistant":
             prompt_messages = prompt_messages[:-1]
-    elif is_messages(prompt):
-        prompt_messages = normalize_messages(prompt, f"{where} 'prompt'")
-    else:
+    elif prompt_messages is None:
         raise TetherError(f"{where} mixes a plain-text prompt with chat responses; give the "
                           "prompt as a list of messages too, or all three as plain text")
     if not prompt_messages:

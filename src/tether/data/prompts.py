@@ -14,13 +14,13 @@ prompt a policy exactly as SFT, RM and DPO encoded their rows.
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 import torch
 
 from tether.data.chat import (
     chat_messages,
     check_prompt,
-    is_messages,
-    normalize_messages,
     render_chat,
     truncate_chat,
 )
@@ -34,12 +34,10 @@ from tether.errors import TetherError
 def prompt_messages(row: dict, where: str = "a prompt row") -> list[dict] | None:
     """The chat of a prompt row (`messages`, or a messages-valued `prompt`), each content one
     string; None for a plain-text prompt."""
-    check_prompt(row.get("prompt"), where)
-    if row.get("messages") is not None:
-        messages = chat_messages(row["messages"], "messages", where)
-    elif is_messages(row.get("prompt")):
-        messages = normalize_messages(row["prompt"], f"{where} 'prompt'")
-    else:
+    prompt = check_prompt(row.get("prompt"), where)
+    messages = (chat_messages(row["messages"], "messages", where)
+                if row.get("messages") is not None else prompt)
+    if messages is None:
         return None
     # the template's role markers alone (null content: an assistant turn that only calls tools)
     if not any((m["content"] or "").strip() for m in messages):
@@ -86,11 +84,9 @@ def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
 
 
 def _special_head(tokenizer, ids: list[int]) -> list[int]:
+    """The special tokens (BOS, role markers) `ids` starts with."""
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    n = 0
-    while n < len(ids) and ids[n] in special:
-        n += 1
-    return ids[:n]
+    return list(takewhile(special.__contains__, ids))
 
 
 def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,

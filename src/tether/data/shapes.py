@@ -27,8 +27,6 @@ from tether.data.chat import (
     check_prompt,
     check_reply,
     common_start,
-    is_messages,
-    normalize_messages,
 )
 from tether.data.tool_calls import row_tools
 from tether.errors import TetherError
@@ -141,9 +139,8 @@ def read_sft_row(row: dict, shape: tuple[str, ...], where: str) -> SFTRow:
         return SFTRow(messages=chat_messages(row["messages"], "messages", where),
                       tools=row_tools(row, where))
     key = shape[1]
-    check_prompt(row["prompt"], where)
-    if is_messages(row["prompt"]):  # TRL's conversational prompt-completion
-        prompt = normalize_messages(row["prompt"], f"{where} 'prompt'")
+    prompt = check_prompt(row["prompt"], where)
+    if prompt is not None:  # TRL's conversational prompt-completion
         return SFTRow(messages=prompt + as_turns(row[key], key, where), reply_from=len(prompt),
                       tools=row_tools(row, where))
     _no_tools(row, where)

@@ -108,16 +108,23 @@ def row_tools(row: dict, where: str) -> list[dict] | None:
     return tools
 
 
+def probe_call(render, arguments: Any) -> str:
+    """`render(messages)` of a chat whose one assistant turn calls `tether_probe(arguments)`, to
+    read off how a template writes calls; "" when the template refuses it."""
+    call = {"type": "function", "function": {"name": "tether_probe", "arguments": arguments}}
+    try:
+        return render([{"role": "user", "content": "q"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]}])
+    except TetherError:
+        return ""
+
+
 def _quotes_string_arguments(render) -> bool:
     """True when the template writes JSON-text arguments as a quoted JSON string (it applies
-    `tojson` to them), found by rendering a probe call."""
-    call = {"type": "function", "function": {"name": "tether_probe", "arguments": _PROBE_ARGUMENTS}}
-    try:
-        text = render([{"role": "user", "content": "q"},
-                       {"role": "assistant", "content": "", "tool_calls": [call]}], None)
-    except TetherError:  # a template that refuses the probe: the row's own render will say why
-        return False
-    return json.dumps(_PROBE_ARGUMENTS) in text
+    `tojson` to them), found by rendering a probe call (a template that refuses the probe:
+    False, and the row's own render will say why)."""
+    return json.dumps(_PROBE_ARGUMENTS) in probe_call(lambda ms: render(ms, None),
+                                                      _PROBE_ARGUMENTS)
 
 
 def _with_object_arguments(messages: list[dict]) -> list[dict]:

@@ -32,7 +32,7 @@ a `--reward-fn` run (tests/rl/env/test_one_turn.py).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 Observation = str | list[dict] | None
 
@@ -44,5 +44,3 @@ class Environment(Protocol):
 
     def step(self, action: str) -> tuple[Observation, float, bool]: ...
 
-
-EnvFactory = Any  # () -> Environment

@@ -99,8 +99,7 @@ def checked_step(value: Any, where: str) -> tuple[str | list[dict] | None, float
     elif observation is not None and not isinstance(observation, str):
         raise TetherError(f"{where} returned an observation of type {type(observation).__name__};"
                           f" {fix}")
-    if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):
-        reward = reward.item()  # a 0-d tensor or numpy scalar
+    reward, done = _item(reward), _item(done)
     if not isinstance(reward, numbers.Real):  # bools count as 0 and 1, as a reward function's
         raise TetherError(f"{where} returned a reward of type {type(reward).__name__}; {fix}")
     why = out_of_range(float(reward))
@@ -108,8 +107,11 @@ def checked_step(value: Any, where: str) -> tuple[str | list[dict] | None, float
         raise TetherError(f"{where} returned {why.replace('score', 'reward')}; return a finite "
                           f"float within +-{MAX_SCORE:g} (a failed episode is a low reward, not "
                           "NaN)")
-    if getattr(done, "ndim", None) == 0 and hasattr(done, "item"):
-        done = done.item()
     if not isinstance(done, (bool, int)) or isinstance(done, int) and done not in (0, 1):
         raise TetherError(f"{where} returned done={done!r}; {fix}")
     return observation, float(reward), bool(done)
+
+
+def _item(value: Any) -> Any:
+    """A 0-d tensor or numpy scalar as its Python number; anything else as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value

@@ -67,6 +67,15 @@ class Segment:
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each
     turn_rewards: dict[int, float] = field(default_factory=dict)  # index in ids -> reward
 
+    def extend(self, ids: list[int], sampled: bool, engine_logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
+        """Append `ids`, all sampled by the policy or all not (an observation's: log-prob 0.0,
+        version 0)."""
+        self.ids += ids
+        self.sampled += [sampled] * len(ids)
+        self.engine_logprobs += [0.0] * len(ids) if engine_logprobs is None else engine_logprobs
+        self.versions += [0] * len(ids) if versions is None else versions
+
 
 @dataclass
 class Episode:
@@ -180,8 +189,7 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
         versioned = sampled.versions is not None
         if turn == 0:
             first_turn = sampled
-        actions = [_take(episodes[i], sampled, j, budget[j], eos, tokenizer)
-                   for j, i in enumerate(live)]
+        actions = [_take(sampled, j, budget[j], tokenizer) for j in range(len(live))]
         results = calls.gather([partial(episodes[i].env.step, actions[j][0])
                                 for j, i in enumerate(live)],
                                [f"step of {where(i)}, turn {turn}" for i in live])
@@ -196,21 +204,19 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                      versioned)
 
 
-def _take(episode: Episode, sampled: Rollout, j: int, budget: int, eos: set[int],
-          tokenizer) -> tuple[str, list[int], list[float], list[int], bool]:
+def _take(sampled: Rollout, j: int, budget: int, tokenizer
+          ) -> tuple[str, list[int], list[float] | None, list[int] | None, bool]:
     """(decoded action, its ids, the engine's log-probs of them, the versions that sampled
     them, whether the turn ended) of row `j` of a turn's sample, cut at the episode's
-    `budget`."""
+    `budget`; log-probs and versions None where the engine reports none (`Segment.extend`)."""
     kept = sampled.response_mask[j]
-    ids = sampled.responses[j][kept].tolist()
-    logprobs = (sampled.engine_logprobs[j][kept].tolist()
-                if sampled.engine_logprobs is not None else [0.0] * len(ids))
-    versions = (sampled.versions[j][kept].tolist() if sampled.versions is not None
-                else [0] * len(ids))
-    ended = bool(sampled.ended[j])
-    if len(ids) > budget:
-        ids, logprobs, versions, ended = ids[:budget], logprobs[:budget], versions[:budget], False
-    return tokenizer.decode(ids, skip_special_tokens=True), ids, logprobs, versions, ended
+
+    def cut(values: torch.Tensor | None) -> list | None:
+        return None if values is None else values[j][kept].tolist()[:budget]
+    ids = cut(sampled.responses)
+    ended = bool(sampled.ended[j]) and int(kept.sum()) <= budget  # a turn cut short never ended
+    return (tokenizer.decode(ids, skip_special_tokens=True), ids, cut(sampled.engine_logprobs),
+            cut(sampled.versions), ended)
 
 
 def _advance(episode: Episode, action: tuple, observation, reward: float, done: bool, turn: int,
@@ -218,10 +224,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
     """Append the turn `action` and, if the episode goes on, the observation's tokens."""
     text, ids, logprobs, versions, ended = action
     segment = episode.segment
-    segment.ids += ids
-    segment.sampled += [True] * len(ids)
-    segment.engine_logprobs += logprobs
-    segment.versions += versions
+    segment.extend(ids, True, logprobs, versions)
     if ids:
         segment.turn_rewards[len(segment.ids) - 1] = reward
     episode.rewards.append(reward)
@@ -245,10 +248,7 @@ def _advance(episode: Episode, action: tuple, observation, reward: float, done: 
         if len(appended.ids) >= limits.room(episode):  # no room for another turn after it
             episode.over = True
             return
-        segment.ids += appended.ids
-        segment.sampled += [False] * len(appended.ids)
-        segment.engine_logprobs += [0.0] * len(appended.ids)
-        segment.versions += [0] * len(appended.ids)
+        segment.extend(appended.ids, False)
     episode.text += renderer.tokenizer.decode(appended.ids, skip_special_tokens=True)
 
 

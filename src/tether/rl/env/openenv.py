@@ -53,7 +53,7 @@ def openenv_environment(client: str | Callable[[], Any], *, action: Any = None,
     if isinstance(client, str):
         url = client.rstrip("/")
         if action is None or isinstance(action, str):
-            action = _field_action(_text_field(_schema(url)["action"], "action", action))
+            action = _keyword_action(dict, _text_field(_schema(url)["action"], "action", action))
 
         def connect():
             return core.GenericEnvClient(base_url=url)
@@ -63,7 +63,7 @@ def openenv_environment(client: str | Callable[[], Any], *, action: Any = None,
     else:
         connect = client
     if isinstance(action, type):  # an Action class: its one string field takes the text
-        action = _class_action(action, _text_field(action.model_json_schema(), action.__name__,
+        action = _keyword_action(action, _text_field(action.model_json_schema(), action.__name__,
                                                    None))
     to_text = observation if callable(observation) else _field_reader(observation)
     begin = reset or (lambda row, seed: {"seed": seed})
@@ -200,12 +200,10 @@ def _text_field(schema: dict, what: str, named: str | None) -> str:
                       "(action=<field>)")
 
 
-def _field_action(field: str) -> Callable[[str], dict]:
-    return lambda text: {field: text}
-
-
-def _class_action(cls: type, field: str) -> Callable[[str], Any]:
-    return lambda text: cls(**{field: text})
+def _keyword_action(make: Callable[..., Any], field: str) -> Callable[[str], Any]:
+    """text -> `make(field=text)`: the generic client's dict (`make` dict), or an Action class's
+    instance."""
+    return lambda text: make(**{field: text})
 
 
 def _field_reader(field: str | None) -> Callable[[Any], Any]:

@@ -88,7 +88,7 @@ class Renderer:
         observation's messages."""
         if messages is None:
             return self._plain(observation, where)
-        added = self._as_messages(observation, where)
+        added = self._as_messages(observation)
         cut = False
         for message in added:
             message["content"], was_cut = self._capped(message["content"])
@@ -146,7 +146,7 @@ class Renderer:
         text, cut = self._capped(observation)
         return Appended(self._fragment(text), cut)
 
-    def _as_messages(self, observation, where: str) -> list[dict]:
+    def _as_messages(self, observation) -> list[dict]:
         if observation is None:
             return []
         if isinstance(observation, str):

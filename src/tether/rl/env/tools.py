@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tether.data.chat import chat_messages, render_chat
+from tether.data.tool_calls import parse_arguments, probe_call
 from tether.errors import TetherError
 from tether.rl.reward.functions import RewardFunctions, reward_from_functions
 from tether.run.user_code.calls import Call, Runner
@@ -63,13 +64,8 @@ def call_format(tokenizer, schemas: list[dict]) -> str:
     (`<tool_call>` JSON), "mistral" (`[TOOL_CALLS]`) or "json" (a bare JSON object)."""
     if getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
         return "parser"
-    call = {"type": "function", "function": {"name": "tether_probe", "arguments": {"x": 1}}}
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "tool_calls": [call]}]
-    try:
-        text = render_chat(tokenizer, messages, False, "the tool-call probe", schemas)
-    except TetherError:
-        text = ""
+    text = probe_call(lambda ms: render_chat(tokenizer, ms, False, "the tool-call probe", schemas),
+                      {"x": 1})
     if "<tool_call>" in text:
         return "tags"
     if "[TOOL_CALLS]" in text:
@@ -90,37 +86,31 @@ def parse_calls(text: str, form: str, tokenizer=None, tools: list[dict] | None =
         except Exception as exc:
             return [], f"the tool call could not be parsed ({type(exc).__name__}: {exc})"
         raw = [c.get("function", c) for c in parsed.get("tool_calls") or []]
-    elif form == "tags":
-        blocks = _CALL_BLOCK.findall(text)
-        if not blocks:
-            return [], ("a <tool_call> block is not closed" if "<tool_call>" in text else None)
+    else:
+        if form == "tags":  # each block one call
+            blocks = _CALL_BLOCK.findall(text)
+            if not blocks:
+                return [], ("a <tool_call> block is not closed" if "<tool_call>" in text else None)
+        else:  # one JSON value: a call, or a list of calls
+            start = text.find("[TOOL_CALLS]") if form == "mistral" else 0
+            body = text[start + len("[TOOL_CALLS]"):] if form == "mistral" and start >= 0 else text
+            if form == "mistral" and start < 0 or form == "json" and not body.lstrip().startswith("{"):
+                return [], None
+            blocks = [body.strip()]
         raw = []
         for block in blocks:
             try:
-                raw.append(json.loads(block))
+                value = json.loads(block)
             except json.JSONDecodeError as exc:
                 return [], f"the tool call is not JSON ({exc.msg} at character {exc.pos})"
-    else:
-        start = text.find("[TOOL_CALLS]") if form == "mistral" else 0
-        body = text[start + len("[TOOL_CALLS]"):] if form == "mistral" and start >= 0 else text
-        if form == "mistral" and start < 0 or form == "json" and not body.lstrip().startswith("{"):
-            return [], None
-        try:
-            value = json.loads(body.strip())
-        except json.JSONDecodeError as exc:
-            return [], f"the tool call is not JSON ({exc.msg} at character {exc.pos})"
-        raw = value if isinstance(value, list) else [value]
+            raw += value if form != "tags" and isinstance(value, list) else [value]
     calls = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return [], "a tool call needs a 'name' and its 'arguments'"
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if isinstance(arguments, str):  # some formats send the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return [], f"the arguments of {item['name']} are not a JSON object"
-        if not isinstance(arguments, dict):
+        # some formats send the arguments as a JSON string
+        arguments = parse_arguments(item.get("arguments", item.get("parameters", {})))
+        if arguments is None:
             return [], f"the arguments of {item['name']} are not a JSON object"
         calls.append((item["name"], arguments))
     return calls, None
@@ -132,11 +122,10 @@ class ToolsEnv:
     episodes)."""
 
     def __init__(self, functions: dict[str, Callable], schemas: list[dict], form: str,
-                 reward: RewardFunctions | None, tokenizer, timeout: float = 0.0,
-                 hung: set[str] | None = None):
+                 reward: RewardFunctions | None, tokenizer, timeout: float, hung: set[str]):
         self.functions, self.schemas, self.form = functions, schemas, form
         self.reward, self.tokenizer = reward, tokenizer
-        self.timeout, self.hung = timeout, set() if hung is None else hung
+        self.timeout, self.hung = timeout, hung
         self.prompt, self.row = "", {}
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
 
@@ -167,30 +156,30 @@ class ToolsEnv:
 
     def _result(self, name: str, arguments: dict) -> dict:
         self.counts["tool_calls"] += 1
+        content, failed = self._content(name, arguments)
+        self.counts["tool_errors"] += failed
+        return {"role": "tool", "name": name, "content": content}
+
+    def _content(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """(the tool message's text, whether the call failed): a failure is "error: ..." (the
+        tool's failure is the model's observation)."""
         fn = self.functions.get(name)
         if fn is None:
-            self.counts["tool_errors"] += 1
-            return {"role": "tool", "name": name,
-                    "content": f"error: no tool named {name!r}; the tools are "
-                               f"{', '.join(self.functions)}"}
+            return f"error: no tool named {name!r}; the tools are {', '.join(self.functions)}", True
         # In a daemon thread of its own, or on the loop (`async def`); a hung one is left running
         call = Call(partial(fn, **arguments), is_async=is_async_function(fn), label=f"tool {name}")
         [outcome] = Runner(timeout=self.timeout, timeout_flag="--env-timeout").run([call])
-        if outcome.cause is not None:  # the tool's failure is the model's observation
-            self.counts["tool_errors"] += 1
+        if outcome.cause is not None:
             if outcome.error is not None:
-                return {"role": "tool", "name": name, "content": f"error: {raised(outcome.error)}"}
+                return f"error: {raised(outcome.error)}", True
             self._say_hung(name)
-            return {"role": "tool", "name": name,
-                    "content": f"error: {name} did not return within {self.timeout:g} s"}
+            return f"error: {name} did not return within {self.timeout:g} s", True
         result = outcome.value
         try:  # a set, bytes or an object JSON cannot write is the tool's failure too
-            content = result if isinstance(result, str) else json.dumps(result)
+            return (result if isinstance(result, str) else json.dumps(result)), False
         except (TypeError, ValueError):
-            self.counts["tool_errors"] += 1
-            content = (f"error: {name} ({defined_at(fn)}) returned a {type(result).__name__}, "
-                       "which is not JSON; return a str or JSON data")
-        return {"role": "tool", "name": name, "content": content}
+            return (f"error: {name} ({defined_at(fn)}) returned a {type(result).__name__}, "
+                    "which is not JSON; return a str or JSON data"), True
 
     def _say_hung(self, name: str) -> None:
         if name not in self.hung:
