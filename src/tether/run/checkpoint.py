@@ -24,7 +24,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.run import distributed
-from tether.run.atomic import replace_dir
+from tether.run.atomic import read_record, replace_dir
 from tether.run.distributed import unwrap
 
 STEP_PREFIX = "step_"
@@ -335,9 +335,8 @@ def recorded_config(ckpt_root: str | Path) -> dict[str, Any] | None:
     """The config the newest checkpoint in `ckpt_root` whose `state.json` can be read records;
     None when there is no checkpoint, {} when it records none (written before tether did)."""
     for _, path in reversed(list_checkpoints(ckpt_root)):
-        try:
-            payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
+        payload = read_record(path / "state.json", json.loads)
+        if payload is None:
             continue  # damaged: the resume falls back past it too
         config = payload.get("config") if isinstance(payload, dict) else None
         return config if isinstance(config, dict) else {}

@@ -42,7 +42,7 @@ import yaml
 
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
-from tether.run.atomic import atomic_write_bytes, write_failure
+from tether.run.atomic import atomic_write_bytes, read_record, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
@@ -309,12 +309,8 @@ def run_finished(path: str | Path) -> bool:
         return False
     if (path / "merged").is_dir():
         return True
-    try:
-        saved = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        saved = recorded_config(path / "checkpoints")
-    except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
-        saved = None
+    config = path / "config.yaml"
+    saved = read_record(config) if config.exists() else recorded_config(path / "checkpoints")
     return not (isinstance(saved, dict) and saved.get("merge_lora"))
 
 

@@ -27,6 +27,7 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.reward.functions import load_reward_functions
 from tether.run import interrupt, lock
+from tether.run.atomic import read_record
 from tether.run.config import config_to_dict
 from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
@@ -70,13 +71,6 @@ def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
     return out
 
 
-def _read(path: Path, loads) -> Any:
-    try:
-        return loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-
-
 def _recorded_changes(run: PlannedRun) -> list[str]:
     """How the run's directory differs from what the grid gives it now: its config.yaml against
     the planned config, and a DPO/IPO evaluation's eval.json against the planned eval settings."""
@@ -84,10 +78,10 @@ def _recorded_changes(run: PlannedRun) -> list[str]:
     out = []
     if (path / "config.yaml").is_file():
         cfg = config_from_dict(config_class(run.stage), run.fields)
-        out += _differences(_read(path / "config.yaml", yaml.safe_load), config_to_dict(cfg),
+        out += _differences(read_record(path / "config.yaml"), config_to_dict(cfg),
                             field_defaults(cfg), "config.yaml")
     if run.stage == "dpo" and (path / "eval.json").is_file():
-        record = _read(path / "eval.json", json.loads)
+        record = read_record(path / "eval.json", json.loads)
         cfg = config_from_dict(EvalConfig, run.eval_fields)
         diff = _differences(record.get("config") if isinstance(record, dict) else None,
                             config_to_dict(cfg), field_defaults(cfg), "eval.json",
