@@ -331,14 +331,14 @@ def announce(line: str) -> None:
 def progress(total: int, desc: str, initial: int = 0):
     """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
     that prints a plain line now and then, so a log shows where the run is. Under torchrun only
-    rank 0 shows one (the others get a silent one)."""
-    if not distributed.current().is_main:
-        return PlainProgress(total, desc, initial, lines=0)
-    if not sys.stderr.isatty():
+    rank 0 shows one (the others get a silent one: tqdm's disabled bar)."""
+    shows = distributed.current().is_main
+    if shows and not sys.stderr.isatty():
         return PlainProgress(total, desc, initial)
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step")
+    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step",
+                disable=not shows)
 
 
 def _clock(seconds: float) -> str:
@@ -353,8 +353,7 @@ class PlainProgress:
 
     def __init__(self, total: int, desc: str, initial: int = 0, lines: int = 20):
         self.total, self.desc, self.n, self.start_n = total, desc, initial, initial
-        self.silent = lines == 0
-        self.every = max(1, total // max(lines, 1))
+        self.every = max(1, total // lines)
         self.postfix: dict[str, str] = {}
         self.started = time.monotonic()
         self.printed_at = initial
@@ -369,8 +368,6 @@ class PlainProgress:
 
     def _print(self) -> None:
         self.printed_at = self.n
-        if self.silent:
-            return
         elapsed = time.monotonic() - self.started
         done = self.n - self.start_n
         eta = elapsed / done * (self.total - self.n) if done else 0.0

@@ -55,12 +55,13 @@ def execute_run(run: PlannedRun) -> None:
 NOT_A_CHANGE = {"run_name", "output_dir", *HARMLESS_ON_RESUME, *NOT_COMPARED}
 
 
-def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
-                 record: str, locating: tuple[str, ...] = ()) -> list[str]:
-    """`field: saved -> planned` for each field that changes the result; a field tether gained
-    after the run was made is no change while it keeps its default (rundir's resume rule)."""
+def _differences(saved: Any, cfg: Any, record: str, locating: tuple[str, ...] = ()) -> list[str]:
+    """`field: saved -> planned` for each field of the planned `cfg` that changes the result; a
+    field tether gained after the run was made is no change while it keeps its default (rundir's
+    resume rule)."""
     if not isinstance(saved, dict):
         return [f"its {record} cannot be read"]
+    planned, defaults = config_to_dict(cfg), field_defaults(cfg)
     resolved = resolved_paths(saved)  # a path recorded relative to here is the same path
     out = []
     for key, value in planned.items():
@@ -77,14 +78,12 @@ def _recorded_changes(run: PlannedRun) -> list[str]:
     path = Path(run.fields["output_dir"]) / run.name
     out = []
     if (path / "config.yaml").is_file():
-        cfg = config_from_dict(config_class(run.stage), run.fields)
-        out += _differences(read_record(path / "config.yaml"), config_to_dict(cfg),
-                            field_defaults(cfg), "config.yaml")
+        out += _differences(read_record(path / "config.yaml"),
+                            config_from_dict(config_class(run.stage), run.fields), "config.yaml")
     if run.stage == "dpo" and (path / "eval.json").is_file():
         record = read_record(path / "eval.json", json.loads)
-        cfg = config_from_dict(EvalConfig, run.eval_fields)
         diff = _differences(record.get("config") if isinstance(record, dict) else None,
-                            config_to_dict(cfg), field_defaults(cfg), "eval.json",
+                            config_from_dict(EvalConfig, run.eval_fields), "eval.json",
                             locating=("model", "output"))  # the run's own final/ and eval.json
         out += [d if d.startswith("its ") else f"evaluation {d}" for d in diff]
     return out
