@@ -182,10 +182,11 @@ def preflight(stage: str, argv: list[str]) -> str:
 ERROR_GRACE_S = 5.0  # a non-zero rank waits this long for torchrun to end it before reporting
 
 
-def _report(message: str) -> None:
+def _report(message: str, rank_0_waits: bool = False) -> None:
     """Print one error line: at once on rank 0 (or alone); on another rank only if torchrun has
-    not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    not ended this process within ERROR_GRACE_S (then rank 0 had nothing to report). With
+    `rank_0_waits` rank 0 waits too, quietly, for torchrun to stop it: the error is another's."""
+    if rank_0_waits or int(os.environ.get("RANK", "0")) != 0:
         from tether.run import distributed
 
         distributed.teardown()  # the other ranks see the group end instead of waiting on us
@@ -227,13 +228,8 @@ def _run(module, rest: list[str]) -> int:
     except Exception as exc:
         if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ and _lost_peer(exc)):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:  # wait quietly for torchrun to stop us too
-            from tether.run import distributed
-
-            distributed.teardown()
-            time.sleep(ERROR_GRACE_S)
         _report("error: another rank failed and left the process group (its error is above); "
-                "the last complete checkpoint is intact")
+                "the last complete checkpoint is intact", rank_0_waits=True)
         return 1
 
 

@@ -3,9 +3,9 @@ import random
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
-from tether.run.atomic import atomic_save_file, atomic_write_json
+from tether.run.atomic import atomic_write_bytes, read_record
 from tether.run.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 
 
@@ -27,10 +27,11 @@ def _step(model, opt, sched):
 
 
 def test_atomic_writers_leave_no_temp(tmp_path):
-    atomic_write_json(tmp_path / "a.json", {"x": 1})
-    atomic_write_json(tmp_path / "a.json", {"x": 2})
-    atomic_save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
-    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 2}
+    atomic_write_bytes(tmp_path / "a.json", json.dumps({"x": 1}).encode())
+    atomic_write_bytes(tmp_path / "a.json", json.dumps({"x": 2}).encode())
+    atomic_write_bytes(tmp_path / "w.safetensors", save({"w": torch.ones(2)}))
+    assert read_record(tmp_path / "a.json", json.loads) == {"x": 2}
+    assert read_record(tmp_path / "missing.json", json.loads) is None
     assert load_file(str(tmp_path / "w.safetensors"))["w"].tolist() == [1.0, 1.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "w.safetensors"]
 

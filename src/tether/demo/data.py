@@ -12,13 +12,12 @@ from pathlib import Path
 
 from tether.demo import task
 from tether.demo.config import DemoConfig
+from tether.run.atomic import atomic_write_bytes
 
 
 def _write_jsonl(path: Path, rows) -> str:
     """Write `rows()` as JSONL, atomically, unless `path` is there: each file is renamed into
     place once complete, so one that exists is whole (and seeded: what it would be again)."""
-    from tether.run.atomic import atomic_write_bytes
-
     if not path.is_file():
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows()).encode("utf-8"))
     return str(path)
@@ -47,14 +46,11 @@ def prepare_data(root: Path, cfg: DemoConfig) -> dict[str, str]:
 def _save_base(out: Path, sentences: list[str], seed: int) -> str:
     """The untrained tiny GPT-2 and its tokenizer, saved under a temp name and renamed into place
     once complete (so a base that exists is whole), unless it is there."""
-    import tempfile
-
+    from tether.models.saving import atomic_dir
     from tether.models.tiny import save_tiny
-    from tether.run.atomic import replace_dir
 
     if not out.is_dir():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        save_tiny(tmp, sentences, vocab_size=400, n_layer=2, n_embd=64, n_head=2,
-                  n_positions=64, seed=seed)
-        replace_dir(tmp, out)
+        with atomic_dir(out) as tmp:
+            save_tiny(tmp, sentences, vocab_size=400, n_layer=2, n_embd=64, n_head=2,
+                      n_positions=64, seed=seed)
     return str(out)

@@ -351,8 +351,7 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
                              keep_going=lambda stage: stage.name.startswith("sweep/"))
     results |= ran
     workers.close()
-    curves = [results[f"{name}-seed{seed}"] for seed in range(cfg.seed, cfg.seed + cfg.seeds)
-              for name in PPO_VARIANTS]
+    curves = [results[stage.name] for stage in every if stage.fn is run_ppo]  # (seed by seed)
     curves += [results["sft-eval"], *(results[name] for name in OFFLINE)]
     section = ""
     if planned is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import signal
 from pathlib import Path
@@ -28,6 +27,7 @@ import yaml
 from tether.demo.config import DemoConfig
 from tether.demo.curves import Curve
 from tether.errors import AlreadyFinished, TetherError
+from tether.run.atomic import atomic_write_bytes, read_record
 
 SETTINGS = "demo.yaml"
 # Where a demo is, not what it computes: they may differ on --resume. (`jobs` changes no number:
@@ -77,10 +77,7 @@ def settings(cfg: DemoConfig) -> dict[str, Any]:
 
 def changed_settings(path: Path, cfg: DemoConfig) -> list[str]:
     """`field: saved -> now` for every setting that changes the numbers."""
-    try:
-        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        saved = None
+    saved = read_record(path)
     if not isinstance(saved, dict):
         raise TetherError(f"{path} cannot be read, so --resume cannot check the demo's settings; "
                           "delete the demo to run again")
@@ -91,11 +88,7 @@ def changed_settings(path: Path, cfg: DemoConfig) -> list[str]:
 
 def record_settings(root: Path, cfg: DemoConfig) -> None:
     """Write demo.yaml (atomically: a kill mid-write leaves none, or the whole file)."""
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / SETTINGS
-    tmp = path.with_name(f".{SETTINGS}.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(settings(cfg), sort_keys=False), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_bytes(root / SETTINGS, yaml.safe_dump(settings(cfg), sort_keys=False).encode("utf-8"))
 
 
 def read_eval(path: Path, name: str, seed: int) -> Curve:

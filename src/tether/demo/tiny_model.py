@@ -8,14 +8,12 @@ shows is the plumbing (loading, templates, EOS ids, sampling, checkpoints), neve
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from tether.demo import task
 from tether.demo.config import TinyModelConfig
 from tether.models import tiny
-from tether.run.atomic import replace_dir
+from tether.models.saving import atomic_dir
 
 ARCHS = {"gpt2": tiny.save_tiny, "llama": tiny.save_tiny_llama, "mistral": tiny.save_tiny_mistral,
          "qwen2": tiny.save_tiny_qwen2}
@@ -28,15 +26,9 @@ def tiny_model(output: str | Path, arch: str = "gpt2", chat: bool = False) -> Pa
     written beside it under a temporary name and renamed into place once whole."""
     TinyModelConfig(arch=arch, chat=chat, output=str(output)).validate()
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     sizes = {"n_positions": POSITIONS} if arch == "gpt2" else {"max_positions": POSITIONS, "chat": chat}
-    try:
+    with atomic_dir(out) as tmp:  # a build that fails or is stopped leaves no half-written folder
         ARCHS[arch](tmp, task.corpus(2000, seed=0), **sizes)
-    except BaseException:  # a build that fails or is stopped leaves no half-written folder
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out)
     return out
 
 

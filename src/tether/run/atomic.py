@@ -2,6 +2,8 @@
 
 Every file goes to a temp name in the same directory, is fsynced, then `os.replace`d; a directory
 (a checkpoint, a final model) is written whole under a temp name and renamed once complete.
+The reading side of such a record (a config.yaml, a state.json, a lock's `.lock`) is
+`read_record`: a file that is missing, cut off or garbled reads as None, for the caller to judge.
 
 Modes: a temp name is created owner-only (mkstemp 0600, mkdtemp 0700, and safetensors writes its
 files 0600 too), so every file and directory is given the mode a plain `open` or `mkdir` would
@@ -12,18 +14,17 @@ machine the group reads a run's models as it reads its metrics.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import yaml
 from safetensors import SafetensorError
-from safetensors.torch import save
 
 
 def _fsync_dir(path: Path) -> None:
@@ -137,11 +138,10 @@ def replace_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Save tensors as safetensors, atomically."""
-    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON, atomically."""
-    atomic_write_bytes(path, json.dumps(obj, indent=2).encode("utf-8"))
+def read_record(path: str | Path, loads: Callable[[str], Any] = yaml.safe_load) -> Any:
+    """`loads` of the file's text (YAML by default; `json.loads` for JSON), or None when it
+    cannot be read or parsed (absent, unreadable, cut off by a kill, not UTF-8)."""
+    try:
+        return loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # (UnicodeDecodeError is a ValueError)
+        return None

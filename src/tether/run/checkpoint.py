@@ -8,7 +8,6 @@ are safetensors; optimizer and scheduler state use `torch.save` and are read bac
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import shutil
@@ -24,17 +23,11 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.run import distributed
-from tether.run.atomic import replace_dir
+from tether.run.atomic import read_record, replace_dir
 from tether.run.distributed import unwrap
 
 STEP_PREFIX = "step_"
 TEMP_PREFIX = ".tmp-"  # a checkpoint being written; one left behind was cut off by a kill
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -73,8 +66,11 @@ def require_finite_weight(what: str, name: str, tensor: torch.Tensor) -> None:
 def check_finite_weights(model: nn.Module, what: str) -> None:
     """`require_finite_weight` on every weight of `model` that training writes (all of them when
     none is frozen; a frozen LoRA base is not checked)."""
+    # A parameter that takes no gradient (a LoRA base) is frozen: such a model's checkpoint, like
+    # every model's, holds its trainable tensors only (the frozen base is reloaded from its source).
+    frozen = any(not p.requires_grad for p in model.parameters())
     for name, param in model.named_parameters():
-        if param.requires_grad or not has_frozen_parameters(model):
+        if param.requires_grad or not frozen:
             require_finite_weight(what, name, param.detach())
 
 
@@ -91,12 +87,6 @@ def remove_temp_dirs(directory: str | Path) -> list[Path]:
     return removed
 
 
-def has_frozen_parameters(model: nn.Module) -> bool:
-    """True when some parameter takes no gradient (a LoRA base): such a model's checkpoint, like
-    every model's, holds its trainable tensors only (the frozen base is reloaded from its source)."""
-    return any(not p.requires_grad for p in model.parameters())
-
-
 def reshard(model: nn.Module) -> nn.Module:
     """Put every FSDP2 unit in `model` back to its sharded parameters. FSDP2 keeps the root unit
     gathered after a forward (its backward would need it again), so after a no-grad forward
@@ -110,25 +100,20 @@ def reshard(model: nn.Module) -> nn.Module:
     return model
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor: an FSDP2 shard (a DTensor) is all-gathered (every rank must
-    call this, in the same order), a plain tensor is returned as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return param.full_tensor() if isinstance(param, DTensor) else param
-
-
 def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
         -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
     tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
     `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
     holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for name, param in unwrap(reshard(model)).named_parameters():
         if not param.requires_grad:
             continue
-        full = _full(param.detach())
+        # an FSDP2 shard (a DTensor) is all-gathered: every rank does this, in the same order
+        full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         if what:
             require_finite_weight(what, name, full)
         if keep:
@@ -138,10 +123,10 @@ def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
 
 def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy whole `tensors` into the trainable parameters of `model` (each FSDP2 shard takes its
-    own part, no communication); the names must match exactly."""
+    own part, no communication); the names must match exactly (`_read_checkpoint` checked them,
+    on every rank, before anything is restored)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    _check_names(model, tensors)
     params = {name: p for name, p in unwrap(reshard(model)).named_parameters()
               if p.requires_grad}
     with torch.no_grad():
@@ -249,9 +234,9 @@ def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.
         for name, tensors in weights.items():
             (tmp / f"{name}.safetensors").write_bytes(save(tensors))
         if optim is not None:
-            (tmp / "optimizer.pt").write_bytes(_torch_bytes(optim))
+            torch.save(optim, tmp / "optimizer.pt")
         if scheduler is not None:
-            (tmp / "scheduler.pt").write_bytes(_torch_bytes(scheduler.state_dict()))
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
         (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
         replace_dir(tmp, root / f"{STEP_PREFIX}{step}")
@@ -335,9 +320,8 @@ def recorded_config(ckpt_root: str | Path) -> dict[str, Any] | None:
     """The config the newest checkpoint in `ckpt_root` whose `state.json` can be read records;
     None when there is no checkpoint, {} when it records none (written before tether did)."""
     for _, path in reversed(list_checkpoints(ckpt_root)):
-        try:
-            payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
+        payload = read_record(path / "state.json", json.loads)
+        if payload is None:
             continue  # damaged: the resume falls back past it too
         config = payload.get("config") if isinstance(payload, dict) else None
         return config if isinstance(config, dict) else {}

@@ -38,7 +38,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from pathlib import Path
@@ -78,6 +78,23 @@ def error_line(exc: BaseException) -> str:
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
+def _call(job: Job, keep_going: bool = True) -> tuple[Any, str | None, bool, float]:
+    """Run one job, here or in a worker: (its result, its error line or None, whether that is a
+    TetherError, seconds). A bug's traceback is printed (a worker's goes to the job's log); a
+    failure is raised as it is unless `keep_going`, and a stop asked for (`Interrupted`) always."""
+    start, result, error, tether_error = time.perf_counter(), None, None, False
+    try:
+        result = job.fn(*job.args)
+    except Exception as exc:
+        if not keep_going or isinstance(exc, interrupt.Interrupted):
+            raise
+        tether_error = isinstance(exc, TetherError)
+        if not tether_error:
+            traceback.print_exc()  # a bug: its traceback, then the next job
+        error = error_line(exc)
+    return result, error, tether_error, time.perf_counter() - start
+
+
 def _serve(warm: tuple[str, ...], one_at_a_time, inbox: connection.Connection) -> None:
     """A worker process: its imports, then each job it is sent, until told to stop (None) or
     its caller is gone. Sends back (result, error line or None, whether a TetherError, seconds)."""
@@ -92,17 +109,10 @@ def _serve(warm: tuple[str, ...], one_at_a_time, inbox: connection.Connection) -
     hf_logging.disable_progress_bar()
     while (task := _receive(inbox)) is not None:
         job, log = task
-        start, result, error, tether_error = time.perf_counter(), None, None, False
         with open(log, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(out):
-            try:
-                result = job.fn(*job.args)
-            except Exception as exc:
-                tether_error = isinstance(exc, TetherError)
-                if not tether_error:
-                    traceback.print_exc()  # a bug's traceback, in the job's log
-                error = error_line(exc)
-        inbox.send((result, error, tether_error, time.perf_counter() - start))
+            answer = _call(job)
+        inbox.send(answer)
 
 
 def _receive(inbox: connection.Connection):
@@ -240,31 +250,40 @@ def run_jobs(todo: list[Job], jobs: int, log_dir: Path, progress: Progress,
     order = sorted(todo, key=lambda job: -job.cost)  # stable: equal costs keep their order
     results: dict[str, Any] = {}
     failures: dict[str, str] = {}
-    if jobs <= 1:
-        for i, job in enumerate(order):
-            if stop := interrupt.between_steps():  # Ctrl-C during a job that has no steps
-                raise stop
-            progress.start(job.name)
-            try:
-                results[job.name] = job.fn(*job.args)
-            except Exception as exc:
-                if not keep_going(job) or isinstance(exc, interrupt.Interrupted):
-                    raise
-                if not isinstance(exc, TetherError):
-                    traceback.print_exc()  # a bug: its traceback, then the next job
-                failures[job.name] = error_line(exc)
-            progress.finish(job.name, None, [j.name for j in order[i + 1:]],
-                            failures.get(job.name))
-        return results, failures
-    log_dir.mkdir(parents=True, exist_ok=True)
-    pool = Workers(min(jobs, len(order))) if workers is None else contextlib.nullcontext(workers)
+    if jobs > 1:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    pool = (contextlib.nullcontext() if jobs <= 1 else Workers(min(jobs, len(order)))
+            if workers is None else contextlib.nullcontext(workers))
     with pool as running:  # workers started here are stopped here; the caller's stay its own
-        return _run_in(running, order, log_dir, progress, keep_going, results, failures)
+        ended = (_run_here(order, progress, keep_going) if jobs <= 1 else
+                 _run_in(running, order, log_dir, progress))
+        for job, (result, error, tether_error, seconds), waiting, log in ended:
+            if error is None:
+                results[job.name] = result
+            elif not keep_going(job):  # (a worker's: one here has raised its own exception)
+                raise (TetherError(error) if tether_error else
+                       RuntimeError(f"{job.name}: {error} (its traceback is in {log})"))
+            else:
+                failures[job.name] = error
+            progress.finish(job.name, seconds, [j.name for j in waiting], error, log)
+    return results, failures
 
 
-def _run_in(workers: Workers, order: list[Job], log_dir: Path, progress: Progress,
-            keep_going: Callable[[Job], bool], results: dict[str, Any],
-            failures: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _run_here(order: list[Job], progress: Progress, keep_going: Callable[[Job], bool]
+              ) -> Iterator[tuple[Job, tuple, list[Job], None]]:
+    """Each job in this process, one after another, its output on the console: (job, its
+    answer as a worker gives it, the jobs still waiting, no log) as it ends."""
+    for i, job in enumerate(order):
+        if stop := interrupt.between_steps():  # Ctrl-C during a job that has no steps
+            raise stop
+        progress.start(job.name)
+        yield job, _call(job, keep_going(job)), order[i + 1:], None
+
+
+def _run_in(workers: Workers, order: list[Job], log_dir: Path, progress: Progress
+            ) -> Iterator[tuple[Job, tuple, list[Job], Path]]:
+    """Each job in the next free worker: (job, its answer, the jobs still waiting, its log) as
+    it ends."""
     waiting = list(order)
     running: dict[int, Job] = {}  # worker index -> the job it runs
     while waiting or running:
@@ -279,17 +298,6 @@ def _run_in(workers: Workers, order: list[Job], log_dir: Path, progress: Progres
         if stop := interrupt.between_steps():  # the workers are stopped on the way out
             raise stop
         for i, job in list(running.items()):
-            if (answer := workers.outcome(i)) is None:
-                continue
-            del running[i]
-            result, error, tether_error, seconds = answer
-            log = log_path(log_dir, job.name)
-            if error is None:
-                results[job.name] = result
-            elif not keep_going(job):
-                raise (TetherError(error) if tether_error else
-                       RuntimeError(f"{job.name}: {error} (its traceback is in {log})"))
-            else:
-                failures[job.name] = error
-            progress.finish(job.name, seconds, [j.name for j in waiting], error, log)
-    return results, failures
+            if (answer := workers.outcome(i)) is not None:
+                del running[i]
+                yield job, answer, waiting, log_path(log_dir, job.name)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.errors import TetherError
+from tether.run.atomic import read_record
 
 try:
     import fcntl
@@ -133,10 +134,7 @@ def _warn_unlocked(directory: Path, reason: str) -> None:
 
 def holder(directory: str | Path) -> dict[str, Any] | None:
     """Who `.lock` says holds the lock, or None (absent, unreadable, or not yet written)."""
-    try:
-        record = json.loads((Path(directory) / LOCK_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    record = read_record(Path(directory) / LOCK_NAME, json.loads)
     return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
 
 

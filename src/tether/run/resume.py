@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from tether.errors import TetherError
+from tether.run.atomic import read_record
 from tether.run.checkpoint import recorded_config
 from tether.run.paths import resolved_record
 from tether.run.scopes import field_default
@@ -47,13 +48,10 @@ def saved_config(config_path: Path, checkpoint_dir: Path) -> tuple[dict[str, Any
     """What the run recorded it was started with, and where: its config.yaml, else (deleted)
     the config its newest checkpoint carries; None when it has neither (nothing ran yet)."""
     if config_path.exists():
-        try:
-            old = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
-            if not isinstance(old, dict):
-                raise ValueError("not a mapping")
-        except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
+        old = read_record(config_path, lambda text: yaml.safe_load(text) or {})
+        if not isinstance(old, dict):  # unreadable, garbled, or not a mapping
             raise TetherError(f"{config_path} cannot be read; the run cannot be resumed "
-                              "safely: start a new run") from None
+                              "safely: start a new run")
         return old, str(config_path)
     record = recorded_config(checkpoint_dir)
     if record is None:

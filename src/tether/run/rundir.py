@@ -42,7 +42,7 @@ import yaml
 
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
-from tether.run.atomic import atomic_write_bytes, write_failure
+from tether.run.atomic import atomic_write_bytes, read_record, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
@@ -309,12 +309,8 @@ def run_finished(path: str | Path) -> bool:
         return False
     if (path / "merged").is_dir():
         return True
-    try:
-        saved = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        saved = recorded_config(path / "checkpoints")
-    except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
-        saved = None
+    config = path / "config.yaml"
+    saved = read_record(config) if config.exists() else recorded_config(path / "checkpoints")
     return not (isinstance(saved, dict) and saved.get("merge_lora"))
 
 
@@ -335,14 +331,14 @@ def announce(line: str) -> None:
 def progress(total: int, desc: str, initial: int = 0):
     """A tqdm bar with ETA on a terminal; elsewhere (nohup, a cluster log, CI) a `PlainProgress`
     that prints a plain line now and then, so a log shows where the run is. Under torchrun only
-    rank 0 shows one (the others get a silent one)."""
-    if not distributed.current().is_main:
-        return PlainProgress(total, desc, initial, lines=0)
-    if not sys.stderr.isatty():
+    rank 0 shows one (the others get a silent one: tqdm's disabled bar)."""
+    shows = distributed.current().is_main
+    if shows and not sys.stderr.isatty():
         return PlainProgress(total, desc, initial)
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step")
+    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, unit="step",
+                disable=not shows)
 
 
 def _clock(seconds: float) -> str:
@@ -357,8 +353,7 @@ class PlainProgress:
 
     def __init__(self, total: int, desc: str, initial: int = 0, lines: int = 20):
         self.total, self.desc, self.n, self.start_n = total, desc, initial, initial
-        self.silent = lines == 0
-        self.every = max(1, total // max(lines, 1))
+        self.every = max(1, total // lines)
         self.postfix: dict[str, str] = {}
         self.started = time.monotonic()
         self.printed_at = initial
@@ -373,8 +368,6 @@ class PlainProgress:
 
     def _print(self) -> None:
         self.printed_at = self.n
-        if self.silent:
-            return
         elapsed = time.monotonic() - self.started
         done = self.n - self.start_n
         eta = elapsed / done * (self.total - self.n) if done else 0.0

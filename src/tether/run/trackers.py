@@ -24,8 +24,6 @@ from typing import Any
 from tether.errors import TetherError
 from tether.run.extras import install_line, installed, require_tracker
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-
 
 def parse_report_to(value: str) -> list[str]:
     """`tensorboard,wandb` -> ["tensorboard", "wandb"]; `none` -> []; `auto` -> ["tensorboard"]
@@ -121,7 +119,9 @@ class MLflow:
         self.client.set_terminated(self.run_id)
 
 
+TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}  # --report-to's names
+
+
 def start_trackers(names: list[str], run_path: Path, run_name: str,
                    config: dict[str, Any]) -> list:
-    classes = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
-    return [classes[name](run_path, run_name, config) for name in names]
+    return [TRACKERS[name](run_path, run_name, config) for name in names]

@@ -27,6 +27,7 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.reward.functions import load_reward_functions
 from tether.run import interrupt, lock
+from tether.run.atomic import read_record
 from tether.run.config import config_to_dict
 from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
@@ -54,12 +55,13 @@ def execute_run(run: PlannedRun) -> None:
 NOT_A_CHANGE = {"run_name", "output_dir", *HARMLESS_ON_RESUME, *NOT_COMPARED}
 
 
-def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
-                 record: str, locating: tuple[str, ...] = ()) -> list[str]:
-    """`field: saved -> planned` for each field that changes the result; a field tether gained
-    after the run was made is no change while it keeps its default (rundir's resume rule)."""
+def _differences(saved: Any, cfg: Any, record: str, locating: tuple[str, ...] = ()) -> list[str]:
+    """`field: saved -> planned` for each field of the planned `cfg` that changes the result; a
+    field tether gained after the run was made is no change while it keeps its default (rundir's
+    resume rule)."""
     if not isinstance(saved, dict):
         return [f"its {record} cannot be read"]
+    planned, defaults = config_to_dict(cfg), field_defaults(cfg)
     resolved = resolved_paths(saved)  # a path recorded relative to here is the same path
     out = []
     for key, value in planned.items():
@@ -70,27 +72,18 @@ def _differences(saved: Any, planned: dict[str, Any], defaults: dict[str, Any],
     return out
 
 
-def _read(path: Path, loads) -> Any:
-    try:
-        return loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-
-
 def _recorded_changes(run: PlannedRun) -> list[str]:
     """How the run's directory differs from what the grid gives it now: its config.yaml against
     the planned config, and a DPO/IPO evaluation's eval.json against the planned eval settings."""
     path = Path(run.fields["output_dir"]) / run.name
     out = []
     if (path / "config.yaml").is_file():
-        cfg = config_from_dict(config_class(run.stage), run.fields)
-        out += _differences(_read(path / "config.yaml", yaml.safe_load), config_to_dict(cfg),
-                            field_defaults(cfg), "config.yaml")
+        out += _differences(read_record(path / "config.yaml"),
+                            config_from_dict(config_class(run.stage), run.fields), "config.yaml")
     if run.stage == "dpo" and (path / "eval.json").is_file():
-        record = _read(path / "eval.json", json.loads)
-        cfg = config_from_dict(EvalConfig, run.eval_fields)
+        record = read_record(path / "eval.json", json.loads)
         diff = _differences(record.get("config") if isinstance(record, dict) else None,
-                            config_to_dict(cfg), field_defaults(cfg), "eval.json",
+                            config_from_dict(EvalConfig, run.eval_fields), "eval.json",
                             locating=("model", "output"))  # the run's own final/ and eval.json
         out += [d if d.startswith("its ") else f"evaluation {d}" for d in diff]
     return out

@@ -202,9 +202,8 @@ def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
 
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
     """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
-    base = {k: (v[0] if isinstance(v, list) and (k != "stop_strings" or v and isinstance(v[0], list))
-                else v)
-            for k, v in ppo_block.items() if k in SHARED_EVAL_FIELDS}
+    fixed, axes = _split_axes("ppo", ppo_block)  # (a list-typed field is an axis of lists)
+    base = {k: axes[k][0] if k in axes else fixed[k] for k in ppo_block if k in SHARED_EVAL_FIELDS}
     if "eval_prompts" in ppo_block:
         base["prompts"] = ppo_block["eval_prompts"]
     base |= eval_block
