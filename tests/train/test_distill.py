@@ -97,6 +97,26 @@ def test_distill_moves_the_student_toward_the_teacher(arch, estimator, tiny_mode
     assert lines[0]["objective/kl_exact"] > lines[-1]["objective/kl_exact"]
 
 
+def test_jsd_beta_reaches_the_loss(tiny_model_dir, tmp_path):
+    # One batch, one step: the loss term is computed on the very policy that sampled, so with
+    # --jsd-beta 1 (the reverse KL, as GKD defines the end) it equals the logged exact KL to the
+    # teacher (both per-sequence sums averaged over sequences) up to float rounding between the
+    # scoring and the update's passes, and with --jsd-beta 0 (the forward KL) it does not.
+    teacher = make_teacher(str(tiny_model_dir), tmp_path / "teacher")
+    lines = {}
+    for jsd_beta in (0.0, 1.0):
+        name = f"jsd-{jsd_beta}"
+        ppo.run(DistillConfig(**settings(tmp_path, name, policy=str(tiny_model_dir),
+                                         teacher=str(teacher), kl_estimator="jsd",
+                                         jsd_beta=jsd_beta, total_episodes=8)))
+        lines[jsd_beta] = metrics(tmp_path, name)[0]
+    reverse, forward = lines[1.0], lines[0.0]
+    assert reverse["objective/kl_loss"] == pytest.approx(reverse["objective/kl_exact"], rel=1e-5)
+    assert forward["objective/kl_exact"] == reverse["objective/kl_exact"]  # the same samples
+    # the forward KL differs from the reverse by far more than the rounding allowed above
+    assert forward["objective/kl_loss"] != pytest.approx(forward["objective/kl_exact"], rel=1e-3)
+
+
 def test_a_padded_teacher_is_cut_to_the_student_s_vocabulary(tiny_model_dir, tmp_path):
     # The SFT model itself with 16 untrained rows padded past its vocabulary: cut to the student's
     # rows, its distribution over the tokenizer's tokens is the student's start, so the first
