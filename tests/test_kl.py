@@ -209,7 +209,7 @@ def test_exact_runs_in_chunks_without_full_copy(monkeypatch):
 
 # ---------------------------------------------------------------- divergences over the vocabulary
 
-def _dense(name, logits, ref_logits, temperature, beta=0.5):
+def _dense(name, logits, ref_logits, temperature, jsd_beta=0.5):
     """The divergence written out over a whole [..., V] tensor in float64, from the definitions:
     p the policy (student), q the reference (teacher), M = beta q + (1 - beta) p (GKD, eq. 1)."""
     p = torch.softmax(logits.double() / temperature, dim=-1)
@@ -221,12 +221,12 @@ def _dense(name, logits, ref_logits, temperature, beta=0.5):
         return kl_of(p, q)
     if name == "forward":
         return kl_of(q, p)
-    m = beta * q + (1 - beta) * p
-    return beta * kl_of(q, m) + (1 - beta) * kl_of(p, m)
+    m = jsd_beta * q + (1 - jsd_beta) * p
+    return jsd_beta * kl_of(q, m) + (1 - jsd_beta) * kl_of(p, m)
 
 
-DIVERGENCES = [("exact", {}), ("forward", {}), ("jsd", {"beta": 0.5}), ("jsd", {"beta": 0.1}),
-               ("jsd", {"beta": 0.9})]
+DIVERGENCES = [("exact", {}), ("forward", {}), ("jsd", {"jsd_beta": 0.5}),
+               ("jsd", {"jsd_beta": 0.1}), ("jsd", {"jsd_beta": 0.9})]
 
 
 @pytest.mark.parametrize(("name", "extra"), DIVERGENCES)
@@ -253,22 +253,22 @@ def test_divergences_equal_a_dense_float64_computation(name, extra, temperature,
     torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-5, rtol=0)
     assert (got >= -1e-6).all()  # every one of them is a divergence
     if name == "jsd":  # bounded: JSD_beta <= H(beta) = -beta log beta - (1 - beta) log(1 - beta)
-        beta = extra["beta"]
+        beta = extra["jsd_beta"]
         assert (got <= -beta * math.log(beta) - (1 - beta) * math.log(1 - beta) + 1e-6).all()
 
 
 def test_jsd_ends_are_the_two_kls_and_its_middle_is_symmetric():
     gen = torch.Generator().manual_seed(5)
     p, q = torch.randn(6, 9, generator=gen), torch.randn(6, 9, generator=gen)
-    assert torch.equal(kl.jsd_rows(p, q, 1.0, beta=0.0), kl.forward_rows(p, q, 1.0))
-    assert torch.equal(kl.jsd_rows(p, q, 1.0, beta=1.0), kl.exact_rows(p, q, 1.0))
+    assert torch.equal(kl.jsd_rows(p, q, 1.0, jsd_beta=0.0), kl.forward_rows(p, q, 1.0))
+    assert torch.equal(kl.jsd_rows(p, q, 1.0, jsd_beta=1.0), kl.exact_rows(p, q, 1.0))
     # beta = 0.5 is the symmetric JSD: swapping student and teacher leaves it unchanged
     torch.testing.assert_close(kl.jsd_rows(p, q, 1.0), kl.jsd_rows(q, p, 1.0))
     # forward and reverse swap with the arguments
     torch.testing.assert_close(kl.forward_rows(p, q, 1.0), kl.exact_rows(q, p, 1.0))
-    torch.testing.assert_close(kl.jsd_rows(p, p, 1.0, beta=0.3), torch.zeros(6), atol=1e-6, rtol=0)
+    torch.testing.assert_close(kl.jsd_rows(p, p, 1.0, jsd_beta=0.3), torch.zeros(6), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
-        kl.jsd_rows(p, q, 1.0, beta=1.5)
+        kl.jsd_rows(p, q, 1.0, jsd_beta=1.5)
 
 
 def test_exact_rejects_bad_input():

@@ -22,6 +22,8 @@ from fixed_points import fixed_point_forward_kl, fixed_point_reverse_kl
 
 from tether import kl as kl_lib
 from tether.advantages import gae, kl_shaped_rewards, rloo
+from tether.choices import KL_ESTIMATORS
+from tether.kl import KLPlacement
 from tether.losses import exact_kl_penalty, kl_penalty, ppo_policy_loss
 
 V = 8
@@ -53,9 +55,10 @@ def expected_loss_gradient(estimator, theta, ref_logits, old_theta=None, aggrega
     log_ref = torch.log_softmax(ref_logits, -1)
     expected = torch.zeros((), dtype=torch.float64)
     for y in range(V):
-        if estimator == "exact":
+        if KL_ESTIMATORS[estimator].rows is not None:  # exact, forward, jsd
             # the whole vocabulary at the (one) sampled prefix; the same for every y
-            exact = kl_lib.exact(theta.view(1, 1, V), ref_logits.view(1, 1, V))
+            exact = kl_lib.exact(theta.view(1, 1, V), ref_logits.view(1, 1, V),
+                                 rows=KLPlacement("loss", estimator).divergence)
             penalty, _ = exact_kl_penalty(exact, ONE, aggregation)
         else:
             penalty, _ = kl_penalty(log_pi[y].view(1, 1), log_old[y].view(1, 1),
@@ -94,7 +97,7 @@ def test_k1_in_the_reward_follows_the_reverse_kl():
 @pytest.mark.parametrize("aggregation", ["sum", "token"])
 @pytest.mark.parametrize("estimator, divergence, rtol", [
     ("k2", "reverse", 1e-10), ("k3_ratio", "reverse", 1e-10), ("exact", "reverse", FP32_RTOL),
-    ("k3", "forward", 1e-10)])
+    ("k3", "forward", 1e-10), ("forward", "forward", FP32_RTOL)])
 def test_loss_terms_follow_the_kl_the_docs_name(estimator, divergence, rtol, aggregation):
     theta, ref_logits = categorical(seed=1)
     torch.testing.assert_close(

@@ -168,9 +168,10 @@ class KLEstimator:
     ratio: bool = False  # as a loss term, times pi / pi_old (both factors carry the gradient)
     # its expected gradient as a loss term (Schulman 2020; tests/test_kl_gradients.py)
     gradient: str = ""
-    # (logits [N, V], ref_logits [N, V], temperature) -> [N]: the divergence over the whole
-    # vocabulary of an entry whose `token` is None (`tether.kl.exact`'s `rows`)
+    # (logits [N, V], ref_logits [N, V], temperature, **options) -> [N]: the divergence over the
+    # whole vocabulary of an entry whose `token` is None (`tether.kl.exact`'s `rows`)
     rows: Callable | None = None
+    options: tuple[str, ...] = ()  # the options that act only with it, passed to `rows` by name
 
 
 KL_ESTIMATORS: dict[str, KLEstimator] = {
@@ -193,7 +194,7 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
     "jsd": KLEstimator("the generalised Jensen-Shannon divergence over the whole vocabulary at "
                        "each position, --jsd-beta from forward (0) to reverse (1) KL", None, False,
                        True, gradient="JSD_beta(pi, ref)'s exactly, for every pi",
-                       rows=Ref("tether.kl:jsd_rows")),
+                       rows=Ref("tether.kl:jsd_rows"), options=("jsd_beta",)),
 }
 # --kl-estimator auto: k1 in the reward (Ziegler et al. 2019), k3_ratio in the loss (its gradient
 # is KL(pi || ref)'s; plain k3's is KL(ref || pi)'s)

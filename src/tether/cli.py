@@ -51,6 +51,8 @@ STAGES = {
                   "RLOO: k samples per prompt, leave-one-out baseline, no critic"),
     "grpo": Stage("tether.train.grpo", "tether.train.ppo_config", "GRPOConfig",
                   "GRPO: k samples per prompt, group-normalised advantages, KL in the loss"),
+    "distill": Stage("tether.train.distill", "tether.train.ppo_config", "DistillConfig",
+                     "on-policy distillation: the policy samples, a --teacher scores every token"),
     "demo": Stage("tether.demo", "tether.demo.config", "DemoConfig",
                   "a small end-to-end run on a tiny local model"),
     "tiny-model": Stage("tether.demo.tiny_model", "tether.demo.config", "TinyModelConfig",

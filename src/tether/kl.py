@@ -26,7 +26,9 @@ controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Pre
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -131,7 +133,7 @@ def forward_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: fl
 
 
 def jsd_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float,
-             beta: float = 0.5) -> torch.Tensor:
+             jsd_beta: float = 0.5) -> torch.Tensor:
     """The generalised Jensen-Shannon divergence over the vocabulary on rows taken whole
     ([N, V] -> [N] fp32), with p = pi (the student) and q = ref (the teacher), as GKD defines it
     (Agarwal et al. 2024, "On-Policy Distillation of Language Models", eq. 1; TRL's GKD loss):
@@ -141,7 +143,8 @@ def jsd_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float,
 
     and at the two ends, by definition, the forward KL(q || p) (beta = 0) and the reverse
     KL(p || q) (beta = 1), where the formula itself would vanish. beta = 0.5 is the symmetric
-    Jensen-Shannon divergence, bounded by log 2."""
+    Jensen-Shannon divergence, bounded by log 2. `jsd_beta`: beta (--jsd-beta)."""
+    beta = jsd_beta
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"the JSD's beta must lie in [0, 1], got {beta}")
     if beta in (0.0, 1.0):
@@ -162,6 +165,17 @@ class KLPlacement:
 
     kl_in: str = "reward"  # "reward" or "loss"
     kl_estimator: str = "k1"  # a key of tether.choices.KL_ESTIMATORS allowed where kl_in says
+    jsd_beta: float = 0.5  # the generalised JSD's beta (its `options`)
+
+    @property
+    def divergence(self) -> Callable | None:
+        """The estimator's divergence over the whole vocabulary, (logits [N, V], ref_logits
+        [N, V], temperature) -> [N], with its options; None for one of sampled tokens."""
+        term = KL_ESTIMATORS[self.kl_estimator]
+        if term.rows is None:
+            return None
+        return functools.partial(term.rows.resolve(),
+                                 **{name: getattr(self, name) for name in term.options})
 
     def betas(self, beta: float) -> tuple[float, float]:
         """(beta in the reward, beta on the loss term)."""

@@ -359,7 +359,7 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head: nn.Module, tokens: tor
 
 
 def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tensor,
-                  ref_head: nn.Module, temperature: float = 1.0) -> torch.Tensor:
+                  ref_head: nn.Module, temperature: float = 1.0, rows=None) -> torch.Tensor:
     """Exact KL(pi || ref) over the vocabulary per position, chunked (tether.kl.exact).
 
         KL = sum_v p_v (log p_v - log q_v),  p = softmax(head(h) / T), q = softmax(ref_head(h_ref) / T)
@@ -372,6 +372,7 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
         hidden: [..., d] policy hidden states; head: the policy's LM head.
         ref_hidden: [..., d_ref] reference hidden states at the same positions; ref_head: its head.
         temperature: T > 0, applied to both.
+        rows: another divergence over the vocabulary (`tether.kl.exact`'s; default the KL).
 
     Returns:
         [...] fp32, differentiable with respect to the policy side (and the reference's, if it
@@ -384,8 +385,10 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_ref = ref_hidden.reshape(-1, ref_hidden.shape[-1])
 
+    rows = rows or kl_lib.exact_rows
+
     def chunk_kl(h: torch.Tensor, h_ref: torch.Tensor) -> torch.Tensor:
-        return kl_lib.exact_rows(head(h), ref_head(h_ref), temperature)
+        return rows(head(h), ref_head(h_ref), temperature)
 
     vocab = vocab_size(head)
     if vocab_size(ref_head) != vocab:

@@ -329,6 +329,10 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/models/test_lm_head_models.py::test_ppo_scoring_and_update_never_hold_full_logits[gpt2-True]",
     ],
     "online:ref_model": ["tests/train/test_ppo.py::test_different_vocabularies_are_rejected"],
+    "online:teacher": [
+        "tests/train/test_distill.py::test_distill_moves_the_student_toward_the_teacher[exact-gpt2]",
+        "tests/train/test_distill.py::test_a_padded_teacher_is_cut_to_the_student_s_vocabulary",
+    ],
     "online:reward_model": [
         "tests/models/test_lora.py::test_ppo_lora_roles_share_one_base_and_start_at_kl_zero[tiny_model_dir-base]",
         "tests/models/test_hub_reward.py::test_hub_rm_drives_the_online_stages[grpo-tiny_llama_dir-llama-True]",
@@ -371,6 +375,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         ONLINE + "test_max_kl_stops_the_run",
         "tests/train/test_ppo.py::test_kl_as_loss_adds_beta_times_the_kl_term[k3-True]",
     ],
+    "online:jsd_beta": ["tests/train/test_distill.py::test_jsd_beta_reaches_the_loss"],
     "online:kl_per_token_mean": [
         "tests/train/test_ppo.py::test_kl_as_loss_adds_beta_times_the_kl_term[k3-True]",
     ],

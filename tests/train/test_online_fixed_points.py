@@ -132,3 +132,65 @@ def test_the_predicted_points_differ(task):  # noqa: F811
     # Dr. GRPO's finite-k point is the closed form at beta k / (k - 1).
     assert tv(group_point(ref_probs, rewards, 1.0, 4, "grpo_none"),
               fixed_point_reverse_kl(ref_probs, rewards, 4 / 3)) < 1e-6
+
+
+# ----------------------------------------------------------------------------- a teacher
+
+@pytest.fixture(scope="module")
+def teacher(task, tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """A teacher (the tiny model with seeded noise on its weights, test_distill.make_teacher) and
+    its next-token distribution on the bandit's prompt, loaded as tether loads an anchor."""
+    from test_distill import make_teacher
+
+    from tether.models.pretrained import load_causal_lm
+
+    root, tokenizer, _, _ = task
+    path = make_teacher(str(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "t")
+    return path, next_token_probs(load_causal_lm(str(path), tokenizer).eval(), tokenizer)
+
+
+def zero_reward(prompts, responses):
+    return [0.0] * len(responses)
+
+
+# (kl_in, estimator, advantage, with the task reward, the point: "teacher" its distribution,
+# "reverse" pi_T exp(r / beta) / Z, "forward" the forward KL's point around the teacher)
+TEACHER_ROWS = [
+    ("loss", "exact", "reinforce++", False, "teacher"),
+    ("reward", "k1", "reinforce++", False, "teacher"),
+    ("reward", "k1", "reinforce++", True, "reverse"),
+    # reinforce++ whitens the returns over the batch, which rescales the reward against a KL in
+    # the loss ("Whitening and group statistics move the fixed point"): gae, not whitened there
+    ("loss", "forward", "gae", True, "forward"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kl_in, estimator, advantage, rewarded, kind", TEACHER_ROWS,
+                         ids=[f"{r[0]}-{r[1]}-{r[4]}{'-rewarded' * r[3]}" for r in TEACHER_ROWS])
+def test_a_teacher_anchors_the_fixed_point(task, teacher, tiny_model_dir,  # noqa: F811
+                                           kl_in, estimator, advantage, rewarded, kind):
+    """On-policy distillation lands where the KL to the teacher puts it, whatever the student's
+    start: on the teacher with no task reward, on pi_T exp(r / beta) / Z with one (docs/ppo.md,
+    "On-policy distillation"); not on the start's point."""
+    root, tokenizer, rewards, ref_probs = task
+    path, teacher_probs = teacher
+    points = {"teacher": teacher_probs,
+              "reverse": fixed_point_reverse_kl(teacher_probs, rewards, 1.0),
+              "forward": fixed_point_forward_kl(teacher_probs, rewards, 1.0),
+              "start": fixed_point_reverse_kl(ref_probs, rewards, 1.0) if rewarded else ref_probs}
+    target = points[kind]
+    wrong = {name: p for name, p in points.items() if name != kind
+             and tv(p, target) > SEPARATION}  # the points this row must tell apart
+    assert "start" in wrong
+    extra = (LOSS if kl_in == "loss" else {}) | ({"critic": "shared"} if advantage == "gae" else {})
+    cfg = one_token_config(root, tiny_model_dir, f"teacher-{kl_in}-{estimator}-{rewarded}", beta=1.0,
+                           advantage=advantage, kl_in=kl_in, kl_estimator=estimator,
+                           teacher=str(path), **extra)
+    result = run(cfg, reward_fn=table_reward if rewarded else zero_reward)
+    policy = AutoModelForCausalLM.from_pretrained(result.output_path).eval()
+    probs = next_token_probs(policy, tokenizer)
+    landed = tv(probs, target)
+    print(f"\nteacher {kl_in}-{estimator}: TV {landed:.3f} from its point; from the others "
+          + ", ".join(f"{name} {tv(probs, p):.2f}" for name, p in wrong.items()))
+    assert landed < TOLERANCE, (landed, {name: tv(probs, p) for name, p in wrong.items()})

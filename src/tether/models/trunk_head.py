@@ -260,11 +260,11 @@ def response_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], chunked:
 
 def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | None,
                 ref_hidden: torch.Tensor | None, temperature: float,
-                mask: torch.Tensor | None = None) -> torch.Tensor | None:
+                mask: torch.Tensor | None = None, rows=None) -> torch.Tensor | None:
     """Exact KL(pi || ref) over the vocabulary at each response position, [B, R], from the two
     models' hidden states through their LM heads in chunks; None when a model's logits are not
     head(hidden) (tether.lm_head.trunk_and_head says why). `mask` [B, R]: only those positions
-    (the others 0), as in `score_responses`."""
+    (the others 0), as in `score_responses`. `rows`: another divergence (`tether.kl.exact`)."""
     if hidden is None or ref_hidden is None:
         return None
     try:
@@ -273,7 +273,7 @@ def exact_kl_at(policy: nn.Module, reference: nn.Module, hidden: torch.Tensor | 
     except ValueError:
         return None
     if mask is None:
-        return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature)
+        return head_exact_kl(hidden, head, ref_hidden, ref_head, temperature, rows)
     picked = mask.bool()
-    return placed_at(head_exact_kl(hidden[picked], head, ref_hidden[picked], ref_head, temperature),
-                   mask)
+    return placed_at(head_exact_kl(hidden[picked], head, ref_hidden[picked], ref_head, temperature,
+                                   rows), mask)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -180,31 +181,34 @@ def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec, d: Dist
 
 
 def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,
-                   sub: Rollout, chunked: bool, exact: bool, keep_hidden: bool,
+                   sub: Rollout, chunked: bool, exact: Callable | None, keep_hidden: bool,
                    packed: bool = False) -> Forward:
     """The current policy and critic on the micro-batch `sub`, with gradients (`Forward`).
-    `exact`: also KL(pi || ref) over the vocabulary at each position, differentiable in the
-    policy (the reference scored here, without a gradient). `keep_hidden`: return the policy's
+    `exact`: a divergence over the vocabulary (`tether.kl.KLPlacement.divergence`: the KL term's
+    when it is one, else None), also computed at each position, differentiable in the policy (the
+    reference scored here, without a gradient). `keep_hidden`: return the policy's
     hidden states, to read pi_old's entropy and exact KL off this forward. `packed`: the forwards
     on the micro-batch's real tokens in packed rows (tether.models.packed)."""
     scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
                                        sub.context_length, sub.temperature, chunked=chunked,
                                        hidden=exact or keep_hidden, mask=sub.action_mask,
                                        packed=packed)
-    exact_kl = _exact_kl(policy, reference, sub, scores.hidden, chunked, packed) if exact else None
+    exact_kl = (_exact_kl(policy, reference, sub, scores.hidden, chunked, packed, exact)
+                if exact else None)
     return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
 
 
 def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: torch.Tensor,
-              chunked: bool, packed: bool = False) -> torch.Tensor:
-    """KL(pi || ref) over the vocabulary at each response position [b, R], differentiable in the
-    policy's `hidden` states; the reference is scored here, without a gradient."""
+              chunked: bool, packed: bool, rows: Callable) -> torch.Tensor:
+    """The divergence `rows` (KL(pi || ref), the forward KL or the JSD) over the vocabulary at
+    each response position [b, R], differentiable in the policy's `hidden` states; the reference
+    is scored here, without a gradient."""
     ref = score_reference(reference, sub, chunked, packed)  # without a gradient
     per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature,
-                               sub.action_mask)
+                               sub.action_mask, rows)
     if per_position is None:
-        raise TetherError("--kl-estimator exact needs the models' logits to be head(hidden); use "
-                          "k3_ratio for this model")
+        raise TetherError("--kl-estimator exact (and forward, jsd) needs the models' logits to be "
+                          "head(hidden); use k3_ratio for this model")
     return per_position
 
 
@@ -266,7 +270,7 @@ class Forwards:
     def __init__(self, roles: Roles, reference: nn.Module, rollout: Rollout, spec,
                  kl_beta: float):
         self.roles, self.reference, self.rollout, self.spec = roles, reference, rollout, spec
-        self.exact = kl_beta > 0 and spec.kl.kl_estimator == "exact"
+        self.exact = spec.kl.divergence if kl_beta > 0 else None  # a KL term over the vocabulary
         self.kept: tuple[torch.Tensor, Forward] | None = None
 
     def run(self, rows: torch.Tensor, keep_hidden: bool = False) -> Forward:

@@ -33,7 +33,8 @@ def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool
         check_episode_reward(cfg, bool(proxies), env_given=True)
     else:
         check_episode_reward(cfg, functions, env_given=False)
-        if len(proxies) > 1 or training and not proxies:
+        # a teacher's KL alone is an objective (on-policy distillation): its reward is optional
+        if len(proxies) > 1 or training and not proxies and not getattr(cfg, "teacher", ""):
             raise TetherError(f"give {'exactly one reward' if training else 'at most one proxy reward'}"
                               ": --reward-model, --reward-url, --reward-fn or a Python "
                               f"reward_fn (got {', '.join(proxies) if proxies else 'none'})")

@@ -59,6 +59,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """The SFT model to optimise (directory or hub name); also the reference unless --ref-model."""
     ref_model: str = ""
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
+    teacher: str = ""
+    """A teacher as the KL's anchor (on-policy distillation, docs/ppo.md): the policy samples, the teacher scores every token, and the KL term pulls the policy toward it; it must share the policy's tokenizer; a reward becomes optional."""
     reward_weights: list[float] = field(default_factory=list)
     """Weights of the --reward-fn functions, in order (empty: 1 each); the score is their weighted sum, a None score left out, as TRL's reward_weights."""
     critic: Literal["separate", "shared"] = "separate"
@@ -101,6 +103,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """Where the KL penalty goes: reward (per-token, -beta*KL, PPO classic) or loss (GRPO-style); never both."""
     kl_estimator: Literal[("auto", *KL_ESTIMATORS)] = "auto"
     """KL estimator (tether.choices.KL_ESTIMATORS); auto = k1 in the reward, k3_ratio in the loss (its gradient is KL(pi || pi_ref)'s; plain k3's is KL(pi_ref || pi)'s)."""
+    jsd_beta: float = 0.5
+    """--kl-estimator jsd: the generalised Jensen-Shannon divergence's beta, from the forward KL(ref || pi) at 0 to the reverse KL(pi || ref) at 1 (GKD, Agarwal et al. 2024; TRL's beta)."""
     kl_per_token_mean: bool = False
     """KL in the loss, and the surrogate beside it, as token means over the batch (GRPO's form; it changes the objective for responses of different lengths) instead of per-sequence sums averaged over sequences; --loss-aggregation, when given, replaces it."""
     reward_clip: float = 0.0
@@ -217,6 +221,10 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         return "token"
 
     @property
+    def anchor(self) -> tuple[str, str]:  # derived: the KL's anchor ("": the policy's start), its name
+        return (self.teacher, "teacher") if self.teacher else (self.ref_model, "reference model")
+
+    @property
     def resolved_kl_estimator(self) -> str:  # derived: auto -> k1 in the reward, k3_ratio in the loss
         return KL_DEFAULTS[self.kl_in] if self.kl_estimator == "auto" else self.kl_estimator
 
@@ -265,6 +273,12 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
                               f"or one of {', '.join(allowed)} in the reward")
         if self.kl_ctl == "adaptive":
             require_positive(self, "kl_target", "kl_max_error")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise TetherError(f"--jsd-beta {self.jsd_beta} must lie in [0, 1]: 0 is the forward "
+                              "KL, 1 the reverse KL, between them the generalised JSD")
+        if self.teacher and self.ref_model:
+            raise TetherError("--teacher is the KL's anchor in place of the reference; drop "
+                              "--ref-model (or --teacher)")
 
     def _check_sizes(self) -> None:
         """Minibatches, micro-batches and the run's length split the batches evenly."""
@@ -370,3 +384,30 @@ class GRPOConfig(PPOConfig):
     """KL coefficient (Shao et al. 2024 use 0.04)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch (GRPO's usual one)."""
+
+
+@dataclass(kw_only=True)
+class DistillConfig(PPOConfig):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu and Thinking Machines 2025): the policy
+    (the student) samples, a --teacher scores every token, and the loss pulls the student's whole
+    next-token distribution toward the teacher's at every sampled position (the exact KL over the
+    vocabulary, --kl-estimator forward or jsd for the others). No task reward by default; with
+    --reward-fn or --reward-model the optimum is pi_teacher exp(R / beta) / Z (docs/ppo.md)."""
+
+    STAGE: ClassVar[str] = "distill"  # the command; recorded in the run directory
+
+    run_name: str = "distill"
+    policy: str
+    """The student: the model distilled into (directory or hub name)."""
+    teacher: str = field()  # required here (a bare annotation would inherit PPOConfig's "")
+    """The teacher: the model whose next-token distribution the student learns, forward passes only; it must share the student's tokenizer (a larger, padded output layer is cut to the student's)."""
+    advantage: Literal[tuple(ADVANTAGES)] = "reinforce++"
+    """Advantage estimator of a task reward, if one is given (reinforce++ here: no critic, no group; see tether ppo --help)."""
+    kl_in: Literal[tuple(KL_DEFAULTS)] = "loss"
+    """Where the KL to the teacher goes (distill: the loss, where the exact KL acts)."""
+    kl_estimator: Literal[("auto", *KL_ESTIMATORS)] = "exact"
+    """The divergence to the teacher: exact (the reverse KL over the whole vocabulary), forward, jsd (--jsd-beta), or a per-token estimator (k1 in the reward: the sampled-token form); see tether ppo --help."""
+    beta: float = 1.0
+    """Weight of the KL to the teacher (1: distillation alone; smaller lets a task reward pull further)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (on-policy: one)."""

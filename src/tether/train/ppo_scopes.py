@@ -6,7 +6,7 @@ discount, the engines'); the rest are written here, each with why.
 
 from __future__ import annotations
 
-from tether.choices import ADVANTAGES, ENGINES, KL_CONTROLLERS
+from tether.choices import ADVANTAGES, ENGINES, KL_CONTROLLERS, KL_ESTIMATORS
 from tether.run.scopes import Scope, from_table
 
 
@@ -32,7 +32,7 @@ EVALUATION = Scope("--eval-prompts", lambda c: bool(c.eval_prompts),
 # user gave where it would do nothing: tether rloo --scale-rewards batch trained as if it were
 # absent).
 SCOPES = from_table("advantage", ADVANTAGES, _advantage_fix) | from_table(
-    "kl_ctl", KL_CONTROLLERS) | dict.fromkeys(("critic", "vf_coef", "value_clip_range"), CRITIC) | {
+    "kl_ctl", KL_CONTROLLERS) | from_table("kl_estimator", KL_ESTIMATORS) | dict.fromkeys(("critic", "vf_coef", "value_clip_range"), CRITIC) | {
     "gamma": Scope(f"--advantage {' or '.join(_with('discounts'))}",
                    lambda c: ADVANTAGES[c.advantage].discounts,
                    lambda c: f"--advantage {c.advantage}, which discounts nothing",

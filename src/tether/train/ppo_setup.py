@@ -229,8 +229,9 @@ def _models(cfg: PPOConfig, tokenizer, lora: LoraSpec, device: torch.device,
     policy.eval().to(device)
     use_threads(ahead.split_threads(cfg.threads, cfg.generator_threads, cfg.max_staleness > 0)[0],
                 policy, device)  # and [1]: a generator's (--max-staleness)
-    reference = fuse_gelu(reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype,
-                                          cfg.trust_remote_code)).to(device)
+    anchor, what = cfg.anchor  # --teacher, --ref-model or the policy's start
+    reference = fuse_gelu(reference_model(lm, anchor, tokenizer, cfg.dtype, cfg.trust_remote_code,
+                                          what)).to(device)
     shared = (shared_reward_model(lm, cfg.reward_model, tokenizer, cfg.trust_remote_code)
               if cfg.reward_model and served is None and not cfg.episodic else None)
     rewards = wiring.build(cfg, user, tokenizer, device, served=served, chunk=cfg.micro_batch_rows,
@@ -279,9 +280,10 @@ def _config_checks(cfg: PPOConfig, tokenizer, prompt_sets: dict[str, list[list[i
     load: the reference's vocabulary, then a reward model or classifier as the policy or
     reference and samples longer than a model that reads them can take (`check_sampled_models`),
     the LoRA targets, the engine's settings; returns the policy's LoRA settings."""
-    check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
-    models = [(cfg.policy, "--policy", "")] + ([(cfg.ref_model, "--ref-model", "")]
-                                                if cfg.ref_model else [])
+    anchor, what = cfg.anchor
+    check_reference(anchor, tokenizer, cfg.trust_remote_code, what)
+    models = [(cfg.policy, "--policy", "")] + ([(anchor, "--teacher" if cfg.teacher else
+                                                 "--ref-model", "")] if anchor else [])
     check_sampled_models(models, cfg.reward_model, prompt_sets, max_prompt_len=cfg.max_prompt_len,
                          max_new_tokens=cfg.max_new_tokens, episodic=cfg.episodic,
                          trust_remote_code=cfg.trust_remote_code)

@@ -59,6 +59,12 @@ class Rewards:
     gold: Reward | None
 
 
+def no_task_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """0 for every response: the reward of a run distilled from --teacher with no task reward,
+    where the KL to the teacher is the whole objective (docs/ppo.md, "On-policy distillation")."""
+    return [0.0] * len(responses)
+
+
 def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) -> UserCode:
     """The reward and gold functions (`reward_fn` a callable or a list of them, instead of
     --reward-fn), the environment factory (`env`, instead of --env) and the tools, imported and
@@ -72,6 +78,8 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     functions = reward_fn if reward_fn is not None else (
         load_reward_functions(cfg.reward_fn) if cfg.reward_fn else [])
     functions = list(functions) if isinstance(functions, (list, tuple)) else [functions]
+    if training and not (functions or cfg.reward_model or cfg.reward_url or env or cfg.tools):
+        functions = [no_task_reward]  # --teacher alone (check_rewards refuses the rest)
     weighted(functions, getattr(cfg, "reward_weights", ()))  # checked now, before any model loads
     gold = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
     if cfg.reward_model:  # its kind, from its config.json: the first of these to read a file
