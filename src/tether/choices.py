@@ -30,6 +30,7 @@ point up the layers as text only; the imports a reference makes happen where it 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -257,3 +258,65 @@ def masked_mean(x, mask):
     """Mean of `x` over positions where `mask` is true (0 when the mask is empty)."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------- moving references
+
+@dataclass(frozen=True)
+class RefUpdateKind:
+    """A way the KL's reference moves toward the policy (--ref-update, `tether.rl.anchor`)."""
+
+    about: str
+    form: str  # as the user writes it
+    pattern: re.Pattern  # its numbers as groups
+    spec: Callable  # (the pattern's groups) -> (alpha: the policy's weight, every: N batches)
+
+
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+REF_UPDATES: dict[str, RefUpdateKind] = {
+    "none": RefUpdateKind("frozen: the SFT model", "none", re.compile("none"),
+                          lambda: (0.0, 1)),
+    "reset": RefUpdateKind("the policy copied in every N batches (ProRL)", "reset:N",
+                           re.compile("reset:([0-9]+)"), lambda n: (1.0, int(n))),
+    "mix": RefUpdateKind("ref <- ALPHA policy + (1 - ALPHA) ref every N batches (TRL, TR-DPO)",
+                         "mix:ALPHA,N", re.compile(f"mix:{_NUMBER},([0-9]+)"),
+                         lambda alpha, n: (float(alpha), int(n))),
+    "ema": RefUpdateKind("that mix after every batch", "ema:ALPHA", re.compile(f"ema:{_NUMBER}"),
+                         lambda alpha: (float(alpha), 1)),
+}
+
+
+@dataclass(frozen=True)
+class RefUpdate:
+    """--ref-update, parsed: how (`kind`, a key of `REF_UPDATES`), by how much (`alpha`, the
+    policy's weight) and how often (`every` batches) the reference moves."""
+
+    kind: str = "none"
+    alpha: float = 0.0
+    every: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> RefUpdate:
+        """The spec of `text`, or one ValueError line naming the accepted forms."""
+        kind = REF_UPDATES.get(text.partition(":")[0])
+        found = kind.pattern.fullmatch(text) if kind is not None else None
+        forms = ", ".join(k.form for k in REF_UPDATES.values())
+        if found is None:
+            raise ValueError(f"--ref-update {text!r} is not one of {forms} (N a whole number "
+                             "of batches >= 1, ALPHA in [0, 1])")
+        alpha, every = kind.spec(*found.groups())
+        if not 0.0 <= alpha <= 1.0 or every < 1:
+            raise ValueError(f"--ref-update {text}: ALPHA must lie in [0, 1] and N be at least "
+                             f"1 batch ({forms})")
+        return cls(text.partition(":")[0], alpha, every)
+
+    @property
+    def moves(self) -> bool:
+        return self.kind != "none" and self.alpha > 0.0  # ema:0 and mix:0,N never move
+
+    def alpha_after(self, batches_done: int) -> float | None:
+        """The policy's weight in the reference after `batches_done` batches, or None when the
+        reference does not move then."""
+        if not self.moves or batches_done % self.every:
+            return None
+        return self.alpha

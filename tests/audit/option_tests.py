@@ -329,6 +329,13 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/models/test_lm_head_models.py::test_ppo_scoring_and_update_never_hold_full_logits[gpt2-True]",
     ],
     "online:ref_model": ["tests/train/test_ppo.py::test_different_vocabularies_are_rejected"],
+    "online:ref_update": [
+        "tests/train/test_ref_update.py::test_a_reference_reset_after_every_batch_starts_each_batch_at_kl_zero",
+        "tests/train/test_ref_update.py::test_a_resumed_run_anchors_where_the_uninterrupted_one_did",
+    ],
+    "online:ref_reset_optimizer": [
+        "tests/train/test_ref_update.py::test_schedule_and_the_optimizer_reset",
+    ],
     "online:teacher": [
         "tests/train/test_distill.py::test_distill_moves_the_student_toward_the_teacher[exact-gpt2]",
         "tests/train/test_distill.py::test_a_padded_teacher_is_cut_to_the_student_s_vocabulary",

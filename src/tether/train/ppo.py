@@ -41,6 +41,7 @@ from tether.models.forward import autocast
 from tether.models.lora import LoraSpec
 from tether.models.pretrained import load_trainable_lm
 from tether.models.saving import save_trained_lm
+from tether.rl.anchor import TENSOR_PREFIX as ANCHORED
 from tether.rl.dynamic_sampling import FAILURE_ROUNDS, Drawn, collect
 from tether.rl.reward import NonFiniteScore
 from tether.rl.roles import any_rank, check_same_beta, gather_failed, gather_rollout
@@ -103,7 +104,7 @@ def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
             # 2-4. Score the tokens (pi_old, ref, V_old), shape the rewards (-beta * kl_t; with
             #      the KL in the loss, beta moves there), advantages, PPO epochs; engine sync.
             beta = setup.kl_ctl.beta
-            done, lr = update(setup, rollout, scores, beta, seed,
+            done, lr = update(setup, rollout, scores, beta, seed, step,
                               drawn.turn_rewards if cfg.reward_per_turn else None)
 
             # 5. Controller: the batch mean of per-sequence summed KL, and the batch size.
@@ -186,14 +187,17 @@ def close_sources(setup: Setup) -> None:
 
 
 def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, seed: int,
-           placed: torch.Tensor | None = None) -> tuple[BatchUpdate, float]:
-    """Steps 2-4 and the schedule's step; (what they did, the learning rate they used). The
-    engine sleeps through them (a GPU engine frees its KV cache) and takes the new weights after,
-    for the next rollout."""
+           step: int, placed: torch.Tensor | None = None) -> tuple[BatchUpdate, float]:
+    """Steps 2-4 and the schedule's step, then the anchor moved if --ref-update says so after
+    batch `step`; (what they did, the learning rate they used). The engine sleeps through them
+    (a GPU engine frees its KV cache) and takes the new weights after, for the next rollout."""
     setup.engine.sleep()
+    to_start = setup.anchor.kl_to_start(setup.roles, rollout, setup.spec)  # pi_old's, to the SFT
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
                         setup.spec, torch.Generator().manual_seed(seed), placed,
                         setup.steps.version)
+    done.stats |= to_start
+    setup.anchor.after_batch(step, setup.optimizer)
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
     step_schedule(setup.scheduler)  # by batch, whether or not this one took a step
     synced = time.perf_counter()
@@ -304,6 +308,10 @@ def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
         normalizer.load_state_dict(state["score_norm"])
         watch.trained = state.get("trained_batches")  # None: an older checkpoint did not count
         setup.steps.version = state.get("policy_version", 0)
+        tensors = state.pop("tensors", {})  # the moving reference's, then the engine's
+        setup.anchor.load_state_tensors({k: v for k, v in tensors.items() if k.startswith(ANCHORED)})
+        if others := {k: v for k, v in tensors.items() if not k.startswith(ANCHORED)}:
+            state["tensors"] = others
         # The engine's own state (with --max-staleness, the weights of the batches in flight),
         # then those batches asked for again as the uninterrupted run asked for them, each by
         # the weights of its time, before the sync that sends the restored ones.
@@ -343,7 +351,7 @@ def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step:
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
              "score_norm": normalizer.state_dict(), "trained_batches": watch.trained,
              "policy_version": setup.steps.version} | engine
-    tensors = state.pop("tensors", {})
+    tensors = state.pop("tensors", {}) | setup.anchor.state_tensors()  # a moving reference
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config,
                     tensors=tensors)

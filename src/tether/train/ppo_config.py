@@ -16,6 +16,7 @@ from tether.choices import (
     KL_DEFAULTS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    RefUpdate,
     kl_allowed,
 )
 from tether.errors import TetherError
@@ -61,6 +62,10 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """Frozen reference for the KL (default: a frozen copy of --policy)."""
     teacher: str = ""
     """A teacher as the KL's anchor (on-policy distillation, docs/ppo.md): the policy samples, the teacher scores every token, and the KL term pulls the policy toward it; it must share the policy's tokenizer; a reward becomes optional."""
+    ref_update: str = "none"
+    """How the reference moves toward the policy (docs/ppo.md, "Moving references"): none (frozen), reset:N (the policy copied into it every N batches; ProRL), mix:ALPHA,N (ref <- ALPHA * policy + (1 - ALPHA) * ref every N batches; TRL's sync_ref_model), ema:ALPHA (that mix after every batch); objective/kl_sft then logs the KL to the SFT model beside objective/kl."""
+    ref_reset_optimizer: bool = False
+    """--ref-update reset:N: also clear the optimizer's state (AdamW's moments) at each reset (ProRL)."""
     reward_weights: list[float] = field(default_factory=list)
     """Weights of the --reward-fn functions, in order (empty: 1 each); the score is their weighted sum, a None score left out, as TRL's reward_weights."""
     critic: Literal["separate", "shared"] = "separate"
@@ -279,6 +284,26 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
         if self.teacher and self.ref_model:
             raise TetherError("--teacher is the KL's anchor in place of the reference; drop "
                               "--ref-model (or --teacher)")
+        self._check_ref_update()
+
+    def _check_ref_update(self) -> None:
+        """--ref-update's form, and what a moving reference cannot be (yet)."""
+        try:
+            moves = RefUpdate.parse(self.ref_update).kind != "none"
+        except ValueError as exc:
+            raise TetherError(str(exc)) from None
+        if not moves:
+            return
+        fixed = [(bool(self.teacher), "--teacher (a teacher does not move)"),
+                 (bool(self.ref_model), "--ref-model (the reference moves from the policy's "
+                                        "own start)"),
+                 (self.lora_r > 0, "--lora-r (the reference of a LoRA run is the base with an "
+                                   "adapter; not built yet)"),
+                 (self.fsdp, "--fsdp (not built yet; DDP moves it)")]
+        for given, why in fixed:
+            if given:
+                raise TetherError(f"--ref-update {self.ref_update} cannot be used with {why}; "
+                                  "drop one of them")
 
     def _check_sizes(self) -> None:
         """Minibatches, micro-batches and the run's length split the batches evenly."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tether import kl as kl_lib
-from tether.choices import KL_CONTROLLERS, entry
+from tether.choices import KL_CONTROLLERS, RefUpdate, entry
 from tether.data.prompts import load_prompts, prompt_indices
 from tether.data.rows import load_rows
 from tether.errors import TetherError
@@ -35,6 +35,7 @@ from tether.models.prepare import (
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
+from tether.rl.anchor import Anchor
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward import Reward, wiring
@@ -86,6 +87,7 @@ class Setup:
     engine: RolloutEngine  # who samples (--engine), synced after every update
     steps: StepCounter  # the policy's version: optimizer steps taken by this process
     source: RolloutSource  # where a batch's rows come from: prompts, or episodes
+    anchor: Anchor  # the KL's anchor, how it moves (--ref-update) and the start it is measured from
 
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
@@ -161,13 +163,18 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     served = wiring.remote(cfg, tokenizer, files)  # every endpoint answers before weights load
     lm, reference, rewards, critic = _models(cfg, tokenizer, lora, device, user, served)
     policy = lm.model
+    anchor = _anchor(cfg, lm, reference, tokenizer, device)
+    start = anchor.start
     replica = copy.deepcopy((policy, lm.peft)) if cfg.max_staleness and d.fsdp else None  # _engine
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
-    frozen = {"reference": reference} | ({"reward": rewards.model} if rewards.model else {})
+    frozen = ({"reference": reference} | ({"reward": rewards.model} if rewards.model else {})
+              | ({"start": start} if start is not None else {}))
     roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
     if not can_share(policy):  # checkpointed or sharded: the reference scores as it does
-        share_prompts(reference, False)
+        for frozen_lm in (reference, start):
+            if frozen_lm is not None:
+                share_prompts(frozen_lm, False)
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
@@ -198,7 +205,18 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                  reward_functions=rewards.functions, eos_token_ids=eos, prompts=prompts,
                  prompt_ids=prompt_ids, n_rows=len(rows), eval=_evaluation(cfg, source, held_out),
                  spec=update_spec(cfg, d), engine=engine, steps=steps,
+                 anchor=anchor,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, device) -> Anchor:
+    """The KL's anchor (`reference`), how it moves (--ref-update), and the start frozen beside
+    it when it is not the start (a teacher, a moving reference): the metrics' KL to the SFT model
+    (tether.rl.anchor); with LoRA the base and starting adapter, no copy of the weights."""
+    update = RefUpdate.parse(cfg.ref_update)
+    start = (fuse_gelu(reference_model(lm, "", tokenizer, cfg.dtype)).to(device)
+             if cfg.teacher or update.moves else None)
+    return Anchor(reference, lm.model, start, update, cfg.ref_reset_optimizer)
 
 
 def _evaluation(cfg: PPOConfig, source, held_out) -> Evaluation | None:

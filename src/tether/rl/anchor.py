@@ -1,0 +1,101 @@
+"""The KL's anchor over a run, and the start it is measured against.
+
+The anchor is what the KL penalty pulls toward: the frozen SFT model by default, `--ref-model`,
+a `--teacher` (on-policy distillation), or a reference that moves toward the policy
+(`--ref-update`):
+
+    none           frozen (the default)
+    reset:N        every N batches the policy is copied into the reference (ProRL, Liu et al.
+                   2025); --ref-reset-optimizer also clears the optimizer's state then
+    mix:ALPHA,N    every N batches ref <- ALPHA * policy + (1 - ALPHA) * ref (TRL's
+                   sync_ref_model, ref_model_mixup_alpha and ref_model_sync_steps; TR-DPO,
+                   Gorbatovski et al. 2024)
+    ema:ALPHA      that mix after every batch (an exponential moving average of the policy)
+
+When the anchor is not the policy's start (a teacher, or a reference that moves), the start is
+kept frozen beside it (with LoRA, the base with the starting adapter: no copy of the weights)
+and every batch logs `objective/kl_sft` and `objective/kl_sft_exact`, the KL of pi_old to the
+start by k1 and over the vocabulary, beside `objective/kl` to the anchor: how far the run has
+really gone from the SFT model, which the KL to a moving anchor does not say. A moving
+reference is checkpointed with the run (`state_tensors`), so a resumed run anchors where the
+uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tether.choices import RefUpdate
+from tether.errors import TetherError
+from tether.rl.rollout import Rollout
+from tether.rl.scoring import kl_sums, score_batch
+
+TENSOR_PREFIX = "anchor/"  # the moving reference's tensors in a checkpoint's tensors file
+
+
+def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """ref <- alpha * policy + (1 - alpha) * ref for every parameter, in place, in TRL's order of
+    operations (`ref.mul_(1 - alpha).add_(policy, alpha=alpha)`); alpha = 1 copies exactly. The
+    two modules must have the same parameters by name (the reference is a copy of the policy's
+    start)."""
+    ref_params, params = dict(reference.named_parameters()), dict(policy.named_parameters())
+    if ref_params.keys() != params.keys():
+        raise ValueError("the reference and the policy have different parameters; a moving "
+                         "reference must be a copy of the policy")
+    with torch.no_grad():
+        for name, ref in ref_params.items():
+            if alpha == 1.0:
+                ref.copy_(params[name])
+            else:
+                ref.mul_(1.0 - alpha).add_(params[name], alpha=alpha)
+
+
+class Anchor:
+    """The run's anchor (`reference`, moving by `update` toward `policy`) and the frozen start
+    the metrics compare with (`start`: None when the anchor is the start)."""
+
+    def __init__(self, reference: nn.Module, policy: nn.Module, start: nn.Module | None,
+                 update: RefUpdate, reset_optimizer: bool = False):
+        self.reference, self.policy, self.start = reference, policy, start
+        self.update, self.reset_optimizer = update, reset_optimizer
+
+    def kl_to_start(self, roles, rollout: Rollout, spec) -> dict[str, float]:
+        """pi_old's KL to the start on this batch's sampled tokens, summed per sequence and
+        averaged (k1, and over the vocabulary where it can be computed): call before the update.
+        {} when the anchor is the start."""
+        if self.start is None:
+            return {}
+        sums = kl_sums(score_batch(roles, self.start, rollout, spec), rollout.action_mask)
+        out = {"objective/kl_sft": sums["objective/kl_k1"]}
+        if "objective/kl_exact" in sums:
+            out["objective/kl_sft_exact"] = sums["objective/kl_exact"]
+        return out
+
+    def after_batch(self, batches_done: int, optimizer: torch.optim.Optimizer) -> None:
+        """Move the reference if --ref-update says so after `batches_done` batches."""
+        alpha = self.update.alpha_after(batches_done)
+        if alpha is None:
+            return
+        mix_into(self.reference, self.policy, alpha)
+        if self.update.kind == "reset" and self.reset_optimizer:
+            optimizer.state.clear()  # AdamW's moments and step counts start again (ProRL)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The moving reference's parameters for a checkpoint ({} when it never moves)."""
+        if not self.update.moves:
+            return {}
+        return {TENSOR_PREFIX + name: p.detach().contiguous().cpu()
+                for name, p in self.reference.named_parameters()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `state_tensors`' output (taken out of a checkpoint's tensors)."""
+        if not self.update.moves:
+            return
+        params = dict(self.reference.named_parameters())
+        if {TENSOR_PREFIX + name for name in params} != set(tensors):
+            raise TetherError("the checkpoint holds no moving reference for this run's "
+                              "--ref-update; resume with the --ref-update it was written with")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(tensors[TENSOR_PREFIX + name])
