@@ -13,7 +13,8 @@ from tether.data.packing import pack_rows
 from tether.models.forward import position_ids_from_mask
 from tether.models.packed import block_causal_mask, packing_mode
 from tether.models.trunk_head import response_logprobs, score_responses, trunk_and_head
-from tether.run.slicing import balance_ranks, equal_counts, rank_token_cuts, token_budget_cut
+from tether.run.distributed import Dist
+from tether.run.slicing import balance_ranks, equal_counts, token_budget_cut, token_parts
 
 # ----------------------------------------------------------------------------- pack / unpack
 
@@ -240,9 +241,9 @@ def test_balance_ranks_by_hand():
 def test_rank_cuts_give_every_rank_as_many_micro_batches():
     lengths = [4, 9, 6, 8, 5, 7]  # LPT (above): rank 0 rows 1, 2, 4 (9 6 5), rank 1 rows 0, 3, 5
     # budget 10: rank 0's FFD 9 | 6 | 5 (6 + 5 = 11), rank 1's 8 | 7 | 4: three each
-    assert [len(c) for c in rank_token_cuts(lengths, 10, 2)] == [3, 3]
+    assert [len(c) for c in token_parts(lengths, 10, Dist(world_size=2))] == [3, 3]
     # budget 15: rank 0: 9 + 6 | 5; rank 1: 8 + 7 | 4
-    assert rank_token_cuts(lengths, 15, 2) == [[[1, 2], [4]], [[3, 5], [0]]]
+    assert token_parts(lengths, 15, Dist(world_size=2)) == [[[1, 2], [4]], [[3, 5], [0]]]
     # a rank with fewer splits its fullest micro-batch of 2+ rows (its last row moves out) ...
     assert equal_counts([[[0, 1, 2]], [[3], [4], [5]]], [1] * 6) == [
         [[0], [2], [1]], [[3], [4], [5]]]

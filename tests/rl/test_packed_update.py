@@ -141,9 +141,9 @@ def test_token_budget_micro_batches_are_the_forwards(env, tiny_model_dir, monkey
     seen = []
     original = scoring.policy_and_values
 
-    def recording(policy, critic, input_ids, attention_mask, *args, **kwargs):
-        seen.append((int(attention_mask.sum()), input_ids.shape[0], kwargs.get("packed")))
-        return original(policy, critic, input_ids, attention_mask, *args, **kwargs)
+    def recording(policy, critic, rollout, *args, **kwargs):
+        seen.append((int(rollout.attention_mask.sum()), len(rollout), kwargs.get("packed")))
+        return original(policy, critic, rollout, *args, **kwargs)
     monkeypatch.setattr(scoring, "policy_and_values", recording)
     budget = 30
     trained(setup, rollout, replace(setup.spec, micro_rows=4, micro_batch_tokens=budget, pack=True))

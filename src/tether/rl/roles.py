@@ -122,20 +122,12 @@ def gather_rollout(rollout: Rollout, d: Dist, pad_token_id: int) -> Rollout:
     numbered = distributed.global_max(int(rollout.episode is not None), d)
     if numbered:  # episodes everywhere, renumbered below
         rollout = replace(rollout, episode=rollout.episode_ids())
-    gathered = rollout.map_rows(lambda t: gather_rows(t, d))
+    gathered = rollout.map_rows(lambda t: distributed.all_gather_rows(t, d))
     if not numbered:
         return gathered
     counts = distributed.all_gather_rows(torch.tensor([len(rollout)]), d).tolist()
     blocks = torch.split(gathered.episode, counts)
     return replace(gathered, episode=torch.cat(episode_numbers(blocks)))
-
-
-def gather_rows(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    """Every rank's rows of `t`, in rank order (`distributed.all_gather_rows`; a bool tensor
-    travels as uint8: gloo has no bool)."""
-    if t.dtype == torch.bool:
-        return distributed.all_gather_rows(t.to(torch.uint8), d).bool()
-    return distributed.all_gather_rows(t, d)
 
 
 def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows | None:
@@ -144,12 +136,12 @@ def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows
     some row failed (every rank agrees on that, from the gathered mask)."""
     if failed is None:
         return None
-    mask = gather_rows(failed.failed, d)
+    mask = distributed.all_gather_rows(failed.failed, d)
     causes: dict[int, str] = {}
     if mask.any():
         causes = dict(distributed.all_gather_objects(
             [(row + offset, why) for row, why in failed.causes.items()], d))
-    return FailedRows(mask, gather_rows(failed.retries, d), causes)
+    return FailedRows(mask, distributed.all_gather_rows(failed.retries, d), causes)
 
 
 def sum_stats(stats: dict[str, float], d: Dist) -> dict[str, float]:

@@ -261,13 +261,11 @@ def apply_stop_strings(rollout: Rollout, tokenizer, stop_strings: Sequence[str],
         input_ids[row, context + cut:] = pad_token_id
         ended[row] = True
     attention_mask = torch.cat([rollout.attention_mask[:, :context], response_mask.long()], dim=1)
-    engine_logprobs = rollout.engine_logprobs
-    if engine_logprobs is not None:
-        engine_logprobs = engine_logprobs * response_mask
-    versions = rollout.versions * response_mask if rollout.versions is not None else None
+    per_token = {name: getattr(rollout, name) * response_mask  # 0 after the cut
+                 for name in ("engine_logprobs", "versions") if getattr(rollout, name) is not None}
     return replace(rollout, input_ids=input_ids, attention_mask=attention_mask,
                    response_mask=response_mask, action_mask=rollout.action_mask & response_mask,
-                   ended=ended, engine_logprobs=engine_logprobs, versions=versions)
+                   ended=ended, **per_token)
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -48,7 +48,7 @@ from tether.rl.roles import Roles
 from tether.rl.rollout import Rollout
 from tether.run import distributed
 from tether.run.distributed import Dist
-from tether.run.slicing import chunks, rank_slice, token_parts
+from tether.run.slicing import chunks, rank_chunks, token_parts
 
 SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
@@ -78,33 +78,37 @@ class Forward(NamedTuple):
     hidden: torch.Tensor | None  # [b, R, d] the policy's final hidden states, when kept
 
 
-def policy_and_values(policy: nn.Module, critic: nn.Module | None, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, context_length: int, temperature: float, *,
+def policy_and_values(policy: nn.Module, critic: nn.Module | None, rollout: Rollout, *,
                       chunked: bool = True, entropy: bool = False, hidden: bool = False,
-                      mask: torch.Tensor | None = None, packed: bool = False):
+                      packed: bool = False):
     """Response scores of the policy (log-probs [B, R], entropies when asked) and values [B, R]
-    of the critic, in one call.
+    of the critic on the tokens the policy sampled in `rollout`, in one call.
 
     `critic` None (the critic-free estimators) gives zero values. The rollout scoring and the
     PPO update both go through this function, so the "old" log-probs and values are computed by
     the very code that computes the new ones, and the first epoch's probability ratio is exactly
     1. `chunked`: log-probs through the LM head in chunks (tether.lm_head, no [B, R, V] logits);
-    the shared critic reads the same hidden states. `mask`: the positions to score (the tokens
-    the policy sampled; `score_responses`). `packed`: the policy's forward on the rows' real
-    tokens in packed rows (tether.models.packed); a separate critic keeps the padded forward.
+    the shared critic reads the same hidden states. `packed`: the policy's forward on the rows'
+    real tokens in packed rows (tether.models.packed); a separate critic keeps the padded forward.
     """
-    shared = isinstance(critic, ValueHead)
-    scores = score_responses(policy, input_ids, attention_mask, context_length, temperature,
-                             chunked=chunked, entropy=entropy, hidden=shared or hidden, mask=mask,
-                             packed=packed)
+    shared, mask = isinstance(critic, ValueHead), rollout.action_mask
+    scores = scores_of(policy, rollout, chunked, entropy=entropy, hidden=shared or hidden,
+                       packed=packed)
     if critic is None:  # critic-free advantages (rloo, grpo, reinforce++): no values
         values = torch.zeros_like(scores.logprobs)
     elif shared:  # the head reads the positions scored, as the LM head does
-        values = (critic(scores.hidden) if mask is None
-                  else placed_at(critic(scores.hidden[mask.bool()]), mask))
+        values = placed_at(critic(scores.hidden[mask.bool()]), mask)
     else:
-        values = critic(input_ids, attention_mask, context_length, mask)
+        values = critic(rollout.input_ids, rollout.attention_mask, rollout.context_length, mask)
     return scores, values
+
+
+def scores_of(model: nn.Module, rollout: Rollout, chunked: bool, **asked) -> ResponseScores:
+    """`score_responses` of `model` on the tokens the policy sampled in `rollout`, at its
+    sampling temperature; `asked`: entropy, hidden, packed."""
+    return score_responses(model, rollout.input_ids, rollout.attention_mask,
+                           rollout.context_length, rollout.temperature, chunked=chunked,
+                           mask=rollout.action_mask, **asked)
 
 
 @torch.no_grad()
@@ -123,17 +127,14 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
     if temperature is not None and temperature != rollout.temperature:
         raise ValueError(f"log-probs asked at temperature {temperature} for responses sampled at "
                          f"{rollout.temperature}")
-    temperature = rollout.temperature
     parts = []
-    context = rollout.context_length
     for rows in chunks(len(rollout), chunk_size):
         sub = rollout.select(rows)
         mask = sub.action_mask
-        scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                           context, temperature, chunked=chunked, entropy=True,
-                                           hidden=True, mask=mask, packed=packed)
+        scores, values = policy_and_values(policy, critic, sub, chunked=chunked, entropy=True,
+                                           hidden=True, packed=packed)
         ref = score_reference(reference, sub, chunked, packed)
-        exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, temperature, mask)
+        exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, sub.temperature, mask)
         parts.append(_scored(scores.logprobs, ref.logprobs, values, scores.entropy, exact, mask))
     return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
 
@@ -170,14 +171,13 @@ def micro_batches_of(rollout: Rollout, index: torch.Tensor, spec, d: Dist
     is not real: its loss counts 0); or with `spec.micro_batch_tokens` the token-budget cut,
     rows dealt to the ranks for even token sums (`token_parts`), where a rank's empty turn runs
     a borrowed row too. `score_batch` scores the first epoch in these cuts."""
-    if not spec.micro_batch_tokens:
-        mine = index[rank_slice(len(index), d)]
-        parts = [(mine[rows], True) for rows in chunks(len(mine), spec.micro_rows)]
-        most = len(chunks(-(-len(index) // d.world_size), spec.micro_rows))  # the largest share's
-        return parts + [(index[:1], False)] * (most - len(parts))
-    lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
-    cut = token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]
-    return [(index[torch.tensor(rows or [0], device=index.device)], bool(rows)) for rows in cut]
+    if spec.micro_batch_tokens:
+        lengths = rollout.attention_mask.sum(dim=1)[index].tolist()
+        cut = [(rows or [0], bool(rows))
+               for rows in token_parts(lengths, spec.micro_batch_tokens, d)[d.rank]]
+    else:  # positions into `index`, as many runs on every rank as the largest share's
+        cut = rank_chunks(len(index), spec.micro_rows, d)
+    return [(index[torch.tensor(rows, device=index.device)], real) for rows, real in cut]
 
 
 def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Module,
@@ -189,10 +189,8 @@ def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Mo
     reference scored here, without a gradient). `keep_hidden`: return the policy's
     hidden states, to read pi_old's entropy and exact KL off this forward. `packed`: the forwards
     on the micro-batch's real tokens in packed rows (tether.models.packed)."""
-    scores, values = policy_and_values(policy, critic, sub.input_ids, sub.attention_mask,
-                                       sub.context_length, sub.temperature, chunked=chunked,
-                                       hidden=exact or keep_hidden, mask=sub.action_mask,
-                                       packed=packed)
+    scores, values = policy_and_values(policy, critic, sub, chunked=chunked,
+                                       hidden=exact or keep_hidden, packed=packed)
     exact_kl = (_exact_kl(policy, reference, sub, scores.hidden, chunked, packed, exact)
                 if exact else None)
     return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
@@ -216,9 +214,7 @@ def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: tor
 def score_reference(reference: nn.Module, rollout: Rollout, chunked: bool,
                     packed: bool = False) -> ResponseScores:
     """log ref(y_t) [B, R] and the reference's hidden states [B, R, d] (for the exact KL)."""
-    return score_responses(reference, rollout.input_ids, rollout.attention_mask,
-                           rollout.context_length, rollout.temperature, chunked=chunked,
-                           hidden=True, mask=rollout.action_mask, packed=packed)
+    return scores_of(reference, rollout, chunked, hidden=True, packed=packed)
 
 
 @torch.no_grad()
@@ -252,9 +248,7 @@ def _entropy(policy: nn.Module, rollout: Rollout, hidden: torch.Tensor, chunked:
     try:
         _, head = trunk_and_head(policy)
     except ValueError:
-        return score_responses(policy, rollout.input_ids, rollout.attention_mask,
-                               rollout.context_length, rollout.temperature, chunked=chunked,
-                               entropy=True, mask=mask).entropy
+        return scores_of(policy, rollout, chunked, entropy=True).entropy
     picked = head_entropy(hidden.detach()[mask.bool()], head, rollout.temperature)
     return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).index_put(
         (mask.bool(),), picked)

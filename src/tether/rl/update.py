@@ -166,7 +166,7 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
     Reductions: the policy loss and the KL term reduce by `spec.policy.loss_aggregation` over
     `batch.loss_mask`, the value loss is a token mean over `batch.action_mask`. Every term is
     divided by the whole minibatch's `counts`, so the micro-batches' losses add up to the
-    minibatch's; the stats in `TOKEN_MEANS` are means over this micro-batch's tokens.
+    minibatch's; the stats in `POLICY_MEANS` and `VALUE_MEANS` are means over this micro-batch's tokens.
 
     Returns (loss, stats) with detached float stats.
     """
@@ -209,7 +209,6 @@ def update_loss(forward: Forward, batch: LossBatch, spec: UpdateSpec, kl_beta: f
 # the tokens that carry its loss, the critic's over every sampled token.
 POLICY_MEANS = ("policy/clip_frac", "policy/approx_kl", "policy/ratio_mean")
 VALUE_MEANS = ("value/clip_frac",)
-TOKEN_MEANS = POLICY_MEANS + VALUE_MEANS
 
 
 # ----------------------------------------------------------------------------- the forwards

@@ -200,10 +200,13 @@ def global_mean(total: float, count: float, d: Dist | None = None) -> float:
 def all_gather_rows(t: torch.Tensor, d: Dist | None = None) -> torch.Tensor:
     """Concatenate every rank's `t` along dim 0 in rank order (the global batch's row order).
 
-    Ranks may hold different numbers of rows (a short last batch); the other dims must agree."""
+    Ranks may hold different numbers of rows (a short last batch); the other dims must agree.
+    A bool tensor travels as uint8 (gloo has no bool)."""
     d = d or current()
     if not d.active:
         return t
+    if t.dtype == torch.bool:
+        return all_gather_rows(t.to(torch.uint8), d).bool()
     counts = [torch.zeros((), dtype=torch.long) for _ in range(d.world_size)]
     dist.all_gather(counts, torch.tensor(t.shape[0], dtype=torch.long))
     most = int(max(counts))

@@ -123,14 +123,18 @@ def micro_rows(micro_batch_size: int, minibatch_size: int, d: Dist) -> int:
     return micro_batch_size or -(-minibatch_size // d.world_size)
 
 
-def token_parts(lengths: list[int], budget: int, d: Dist) -> list[list[list[int]]]:
+def token_parts(lengths: Sequence[int], budget: int, d: Dist) -> list[list[list[int]]]:
     """Every rank's micro-batches of a minibatch whose rows hold `lengths` real tokens, under the
     token budget `budget` (--micro-batch-tokens), as positions into the minibatch: rows dealt to
-    the ranks for even token sums, each rank's cut first-fit decreasing, and as many micro-batches
-    on every rank (`rank_token_cuts`). An empty micro-batch is a rank's turn
-    to run a borrowed row whose loss counts 0 (every rank calls the wrapped model equally often).
-    One process: `token_budget_cut` of the whole minibatch."""
-    return rank_token_cuts(lengths, budget, d.world_size)
+    the ranks for even token sums (`balance_ranks`), each rank's cut first-fit decreasing
+    (`token_budget_cut`), and as many micro-batches on every rank (`equal_counts`). An empty
+    micro-batch is a rank's turn to run a borrowed row whose loss counts 0 (every rank calls the
+    wrapped model equally often). One process: `token_budget_cut` of the whole minibatch."""
+    cuts = []
+    for rows in balance_ranks(lengths, d.world_size):
+        local = token_budget_cut([lengths[i] for i in rows], budget)
+        cuts.append([[rows[j] for j in part] for part in local])
+    return equal_counts(cuts, lengths)
 
 
 # ----------------------------------------------------------------------------- token budgets
@@ -207,14 +211,3 @@ def equal_counts(cuts: list[list[list[int]]], lengths: Sequence[int]) -> list[li
             cut.append([cut[fullest].pop()])
         out.append(cut)
     return out
-
-
-def rank_token_cuts(lengths: Sequence[int], budget: int, world: int) -> list[list[list[int]]]:
-    """A minibatch's rows cut for `world` ranks: `balance_ranks`, then `token_budget_cut` on each
-    rank's rows, then `equal_counts`. Returns, per rank, its micro-batches of row indices into
-    `lengths`."""
-    cuts = []
-    for rows in balance_ranks(lengths, world):
-        local = token_budget_cut([lengths[i] for i in rows], budget)
-        cuts.append([[rows[j] for j in part] for part in local])
-    return equal_counts(cuts, lengths)

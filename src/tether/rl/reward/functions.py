@@ -43,8 +43,8 @@ from transformers import TrainerState
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
 from tether.rl.reward import MAX_SCORE, FailedRows, Prompt, RewardFn, RewardScores
-from tether.rl.reward.pool import RewardPool, ScoreRefused
-from tether.run.user_code.calls import Call
+from tether.rl.reward.pool import RewardPool
+from tether.run.user_code.calls import Call, Refused
 from tether.run.user_code.deadline import Deadline
 from tether.run.user_code.load import (
     function_name,
@@ -347,12 +347,12 @@ def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
 
 def one_score(what: str, fn: Callable, value: Any) -> float | None:
     """A pooled call's return (one response's): its score, None (the function does not apply),
-    ScoreRefused when it is NaN, inf or out of range (a failed row), TetherError when it is not
+    `Refused` when it is NaN, inf or out of range (a failed row), TetherError when it is not
     one number (a bug: `returned_scores`). `what` and `fn` name the function in errors."""
     [score] = returned_scores(value, 1, what, fn, allow_none=True)
     why = None if score is None else out_of_range(score)
     if why is not None:
-        raise ScoreRefused(why)
+        raise Refused(why)
     return score
 
 

@@ -37,12 +37,7 @@ from dataclasses import dataclass
 
 from tether.errors import TetherError
 from tether.rl.reward import FailedRows
-from tether.run.user_code.calls import Refused, Runner
-
-
-class ScoreRefused(Refused):
-    """What a `check` raises for a value that is a failed score (NaN, inf, out of range), not a
-    bug in the function: the row fails without a retry."""
+from tether.run.user_code.calls import Runner
 
 
 @dataclass(frozen=True)
