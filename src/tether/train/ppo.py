@@ -192,12 +192,14 @@ def update(setup: Setup, rollout: Rollout, scores: torch.Tensor, beta: float, se
     batch `step`; (what they did, the learning rate they used). The engine sleeps through them
     (a GPU engine frees its KV cache) and takes the new weights after, for the next rollout."""
     setup.engine.sleep()
-    to_start = setup.anchor.kl_to_start(setup.roles, rollout, setup.spec)  # pi_old's, to the SFT
+    anchor = setup.anchor  # None: the frozen SFT model
+    to_start = anchor.kl_to_start(setup.roles, rollout, setup.spec) if anchor else {}  # pi_old's
     done = update_batch(setup.roles, setup.reference, setup.optimizer, rollout, scores, beta,
                         setup.spec, torch.Generator().manual_seed(seed), placed,
                         setup.steps.version)
     done.stats |= to_start
-    setup.anchor.after_batch(step, setup.optimizer)
+    if anchor is not None:
+        anchor.after_batch(step, setup.optimizer)
     lr = setup.scheduler.get_last_lr()[0]  # the rate this batch's update used
     step_schedule(setup.scheduler)  # by batch, whether or not this one took a step
     synced = time.perf_counter()
@@ -309,7 +311,9 @@ def restore(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict,
         watch.trained = state.get("trained_batches")  # None: an older checkpoint did not count
         setup.steps.version = state.get("policy_version", 0)
         tensors = state.pop("tensors", {})  # the moving reference's, then the engine's
-        setup.anchor.load_state_tensors({k: v for k, v in tensors.items() if k.startswith(ANCHORED)})
+        if setup.anchor is not None:  # a moving reference
+            setup.anchor.load_state_tensors({k: v for k, v in tensors.items()
+                                             if k.startswith(ANCHORED)})
         if others := {k: v for k, v in tensors.items() if not k.startswith(ANCHORED)}:
             state["tensors"] = others
         # The engine's own state (with --max-staleness, the weights of the batches in flight),
@@ -351,7 +355,7 @@ def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step:
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
              "score_norm": normalizer.state_dict(), "trained_batches": watch.trained,
              "policy_version": setup.steps.version} | engine
-    tensors = state.pop("tensors", {}) | setup.anchor.state_tensors()  # a moving reference
+    tensors = state.pop("tensors", {}) | (setup.anchor.state_tensors() if setup.anchor else {})
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config,
                     tensors=tensors)

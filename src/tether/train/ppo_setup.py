@@ -87,7 +87,9 @@ class Setup:
     engine: RolloutEngine  # who samples (--engine), synced after every update
     steps: StepCounter  # the policy's version: optimizer steps taken by this process
     source: RolloutSource  # where a batch's rows come from: prompts, or episodes
-    anchor: Anchor  # the KL's anchor, how it moves (--ref-update) and the start it is measured from
+    # the KL's anchor when it moves (--ref-update) or is not the start (--teacher), with the start
+    # it is measured from; None for the frozen SFT model, which a plain batch never asks about
+    anchor: Anchor | None
 
 
 def update_spec(cfg: PPOConfig, d: Dist) -> UpdateSpec:
@@ -164,7 +166,7 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     lm, reference, rewards, critic = _models(cfg, tokenizer, lora, device, user, served)
     policy = lm.model
     anchor = _anchor(cfg, lm, reference, tokenizer, device)
-    start = anchor.start
+    start = anchor.start if anchor is not None else None
     replica = copy.deepcopy((policy, lm.peft)) if cfg.max_staleness and d.fsdp else None  # _engine
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
@@ -209,13 +211,16 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
 
 
-def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, device) -> Anchor:
-    """The KL's anchor (`reference`), how it moves (--ref-update), and the start frozen beside
-    it when it is not the start (a teacher, a moving reference): the metrics' KL to the SFT model
-    (tether.rl.anchor); with LoRA the base and starting adapter, no copy of the weights."""
+def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, device
+            ) -> Anchor | None:
+    """The KL's anchor (`reference`) when it is not the start (a teacher, a reference that moves
+    by --ref-update), with the start frozen beside it for the metrics' KL to the SFT model
+    (tether.rl.anchor; with LoRA the base and starting adapter, no copy of the weights); None
+    for the frozen SFT model."""
     update = RefUpdate.parse(cfg.ref_update)
-    start = (fuse_gelu(reference_model(lm, "", tokenizer, cfg.dtype)).to(device)
-             if cfg.teacher or update.moves else None)
+    if not (cfg.teacher or update.moves):
+        return None
+    start = fuse_gelu(reference_model(lm, "", tokenizer, cfg.dtype)).to(device)
     return Anchor(reference, lm.model, start, update, cfg.ref_reset_optimizer)
 
 
