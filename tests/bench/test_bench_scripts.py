@@ -18,7 +18,9 @@ SMOKES = {"bench/adapter_record.py": "test_adapter_record_rows",
           "bench/async_generation.py": "test_async_generation_settings",
           "bench/demo_time.py": "test_demo_time_times_the_demo",
           "bench/engine.py": "test_engine_without_vllm_compares_native_alone",
-          "bench/serve_rm_load.py": "test_serve_rm_load_rows"}
+          "bench/serve_rm_load.py": "test_serve_rm_load_rows",
+          "bench/distill.py": "test_distill_rows",
+          "bench/moving_refs.py": "test_moving_refs_table"}
 
 
 def test_adapter_record_rows(capsys):
@@ -159,3 +161,25 @@ def test_engine_without_vllm_compares_native_alone(capsys):
     assert out.rstrip().endswith("skipped: tether vllm (rollouts and GRPO runs): `import vllm` "
                                  "failed in this interpreter")
 
+
+
+def test_distill_rows(capsys):
+    run_main("bench/distill.py", "--vocab", "600", "--batches", "2", "--batch-size", "2",
+             "--max-new-tokens", "3", "--threads", "1", "--width", "32")
+    out = capsys.readouterr().out
+    assert row(out, "k1 in the reward", 2)[1] == 1.0  # the ratio's base
+    for name in ("exact (reverse KL)", "forward KL", "jsd (beta 0.5)"):
+        seconds, ratio = row(out, name, 2)
+        assert seconds > 0 and ratio > 0
+
+
+@pytest.mark.slow
+def test_moving_refs_table(capsys, tmp_path):
+    """The demo's SFT model and reward model (about 20 CPU seconds), then two batches of each
+    anchor with one seed: every setting's row, and the figure written."""
+    run_main("bench/moving_refs.py", "--batches", "2", "--seeds", "1", "--every", "1,2",
+             "--out", str(tmp_path))
+    out = capsys.readouterr().out
+    for name in ("no penalty", "fixed", "reset:1", "reset:2", "mix:0.5,1", "mix:0.5,2"):
+        finite(line_starting(out, name)[len(name):], 8)  # KL at 1 and 2, proxy, gold: +- each
+    assert (tmp_path / "moving_refs.png").stat().st_size > 0
