@@ -333,6 +333,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/train/test_ref_update.py::test_a_reference_reset_after_every_batch_starts_each_batch_at_kl_zero",
         "tests/train/test_ref_update.py::test_a_resumed_run_anchors_where_the_uninterrupted_one_did",
     ],
+    "online:max_kl_to": ["tests/train/test_ref_update.py::test_max_kl_can_cap_the_kl_to_the_sft_model"],
     "online:ref_reset_optimizer": [
         "tests/train/test_ref_update.py::test_schedule_and_the_optimizer_reset",
     ],

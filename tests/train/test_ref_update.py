@@ -174,3 +174,28 @@ def test_grpo_with_a_moving_reference_logs_both_kls(env, tiny_llama_dir):
     # the anchor moved halfway toward the policy after batch 2: from then on the KL to it is
     # smaller than the KL to the start
     assert lines[-1]["objective/kl_exact"] < lines[-1]["objective/kl_sft_exact"]
+
+
+def test_evaluations_log_the_kl_to_the_sft_model_beside_the_anchor(env, tiny_model_dir):
+    run(config(env, tiny_model_dir, "eval-reset", ref_update="reset:1",
+               eval_prompts=str(env / "prompts.jsonl"), eval_every=2), reward_fn=length_reward)
+    evals = [line for line in lines_of(env, "eval-reset") if "eval/score" in line]
+    assert [line["step"] for line in evals] == [0, 2, 4]
+    # step 0: the anchor is the SFT model, both KLs are the same (0: the policy is the start)
+    assert evals[0]["eval/kl_sft_exact"] == evals[0]["eval/kl_exact"] == 0.0
+    # later the anchor is the policy after the last batch, which is what evaluates: KL 0 to it,
+    # while the KL to the SFT model has grown
+    assert evals[-1]["eval/kl_exact"] == 0.0 and evals[-1]["eval/kl_sft_exact"] > 1e-4
+
+
+def test_max_kl_can_cap_the_kl_to_the_sft_model(env, tiny_model_dir):
+    # reset after every batch: the KL to the anchor is 0 at every batch, the KL to the SFT model
+    # grows; --max-kl-to sft stops the run on the second, --max-kl alone never does
+    common = dict(ref_update="reset:1", lr=1e-2, total_episodes=8 * 4)
+    run(config(env, tiny_model_dir, "cap-anchor", max_kl=1e-4, **common), reward_fn=length_reward)
+    grown = [line["objective/kl_sft"] for line in lines_of(env, "cap-anchor")]
+    assert max(grown) > 1e-4  # the ceiling is crossed by the KL to the SFT model
+    with pytest.raises(TetherError, match=r"the KL to the SFT model is .* past --max-kl 0\.0001 "
+                                          r"\(--max-kl-to sft\)"):
+        run(config(env, tiny_model_dir, "cap-sft", max_kl=1e-4, max_kl_to="sft", **common),
+            reward_fn=length_reward)

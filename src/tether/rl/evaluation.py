@@ -72,10 +72,16 @@ def distinct_n(texts: list[str], n: int) -> float:
 
 @torch.no_grad()
 def measure_responses(policy: nn.Module, reference: nn.Module, rollout: Rollout,
-                      chunked_lm_head: bool = True) -> dict[str, torch.Tensor]:
+                      chunked_lm_head: bool = True, start: nn.Module | None = None
+                      ) -> dict[str, torch.Tensor]:
     """Per-response KL (k1 and exact), mean entropy, length and EOS flag of one chunk, each [B],
     over the tokens the policy sampled (`action_mask`). `chunked_lm_head`: log-probs and
-    entropies through the LM head in chunks (tether.lm_head)."""
+    entropies through the LM head in chunks (tether.lm_head). `start`: the SFT model when the
+    reference is another anchor (tether.rl.anchor): its KLs too, as kl_sft and kl_sft_exact."""
+    if start is not None:
+        to_start = measure_responses(policy, start, rollout, chunked_lm_head)
+        return measure_responses(policy, reference, rollout, chunked_lm_head) | {
+            f"kl_sft{key[2:]}": to_start[key] for key in ("kl", "kl_exact") if key in to_start}
     # the log-probs of what was sampled, at its temperature, as the loop scores pi_old
     scored = score_rollout(policy, reference, None, rollout, None, len(rollout), chunked_lm_head)
     action_mask = rollout.action_mask.float()  # [B, R]
@@ -143,7 +149,8 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
             env[key] = env.get(key, 0.0) + value * len(chunk_texts)
     joined = {k: torch.cat(v) for k, v in parts.items()}
     names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
-             "kl_exact": "eval/kl_exact", "ent": "eval/entropy", "len": "eval/response_len",
+             "kl_exact": "eval/kl_exact", "kl_sft": "eval/kl_sft", "kl_sft_exact":
+             "eval/kl_sft_exact", "ent": "eval/entropy", "len": "eval/response_len",
              "eos": "eval/eos_rate"}
     metrics = {names[k]: v.mean().item() for k, v in joined.items()}
     metrics["eval/distinct_2"] = distinct_n(texts, 2)
@@ -187,8 +194,8 @@ def per_episode(measured: dict[str, torch.Tensor], rollout: Rollout) -> dict[str
     episode's rows, the entropy averaged over its tokens, the EOS flag of its last row."""
     if rollout.episode is None:
         return measured
-    out = {key: rollout.episode_sums(measured[key]) for key in ("kl", "kl_exact", "len")
-           if key in measured}
+    out = {key: rollout.episode_sums(measured[key])
+           for key in ("kl", "kl_exact", "kl_sft", "kl_sft_exact", "len") if key in measured}
     out["ent"] = rollout.episode_sums(measured["ent"] * measured["len"]) / out["len"].clamp(min=1)
     out["eos"] = measured["eos"][rollout.last_rows().cpu()]
     return out

@@ -182,6 +182,8 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """Standardise gae advantages over the batch's real tokens; auto: on with the KL in the reward, off with it in the loss (whitening scales the reward's advantage but not the KL term, moving the optimum)."""
     max_kl: float = 0.0
     """Stop the run (exit 2, checkpoints kept) once a batch's mean sequence KL passes this many nats (0: off)."""
+    max_kl_to: Literal["anchor", "sft"] = "anchor"
+    """What --max-kl caps: anchor (objective/kl, to the reference or teacher) or sft (objective/kl_sft, to the SFT model, logged with --teacher or a moving --ref-update)."""
     target_kl: float = 0.0
     """Trust-region guard: stop a batch's epochs once its approx KL to the rollout policy passes this (0: off)."""
 

@@ -64,9 +64,10 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
     with autocast(cfg.mixed_precision, setup.device):
         # Sampled with the same seed each time: successive evaluations differ only through the
         # policy (tether.rl.evaluation.evaluate_policy).
+        start = setup.anchor.start if setup.anchor is not None else None  # the SFT model, apart
         metrics, samples = evaluate_policy(
             setup.eval, lambda rollout: setup.roles.peek(lambda policy, _critic: (
-                measure_responses(policy, setup.reference, rollout, cfg.chunked_lm_head))),
+                measure_responses(policy, setup.reference, rollout, cfg.chunked_lm_head, start))),
             setup.gold)
     rundir.log_samples(step, samples)
     return metrics

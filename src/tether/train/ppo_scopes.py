@@ -6,7 +6,7 @@ discount, the engines'); the rest are written here, each with why.
 
 from __future__ import annotations
 
-from tether.choices import ADVANTAGES, ENGINES, KL_CONTROLLERS, KL_ESTIMATORS
+from tether.choices import ADVANTAGES, ENGINES, KL_CONTROLLERS, KL_ESTIMATORS, RefUpdate
 from tether.run.scopes import Scope, from_table
 
 
@@ -44,6 +44,10 @@ SCOPES = from_table("advantage", ADVANTAGES, _advantage_fix) | from_table(
                    else f"--loss-aggregation {c.loss_aggregation}"),
         "pass --kl-in loss without --loss-aggregation (which replaces it)"),
     "eval_every": EVALUATION, "gold_fn": EVALUATION,
+    "max_kl_to": Scope("--max-kl with --teacher or a moving --ref-update",
+                       lambda c: c.max_kl > 0 and (bool(c.teacher) or RefUpdate.parse(c.ref_update).moves),
+                       lambda c: ("--max-kl 0" if not c.max_kl else "the SFT model as the anchor"),
+                       "pass --max-kl with --teacher or --ref-update"),
     "ref_reset_optimizer": Scope("--ref-update reset:N", lambda c: c.ref_update.startswith("reset"),
                                  lambda c: f"--ref-update {c.ref_update}",
                                  "pass --ref-update reset:N"),

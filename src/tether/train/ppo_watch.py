@@ -39,6 +39,7 @@ class Watch:
     stops past --max-kl alike, decided from global numbers)."""
 
     max_kl: float = 0.0
+    max_kl_to: str = "anchor"  # what --max-kl caps: "anchor" (objective/kl) or "sft"
     drift_kl: float = DRIFT_KL
     quiet: bool = False  # a rank other than 0
     # this batch's KL and up to DRIFT_BATCHES before it; the first batch's entropy
@@ -66,7 +67,13 @@ class Watch:
                        f"{beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
                        "nats/token); lower --lr, raise --beta, or cap it with --max-kl "
                        "(docs/ppo.md, \"Choosing --max-kl\")")
-        if self.max_kl > 0 and kl > self.max_kl:
+        if self.max_kl > 0 and self.max_kl_to == "sft" and metrics["objective/kl_sft"] > self.max_kl:
+            raise TetherError(f"batch {step}: the KL to the SFT model is "
+                              f"{metrics['objective/kl_sft']:.2f} nats, past --max-kl "
+                              f"{self.max_kl:g} (--max-kl-to sft), at beta {beta:.3g}; stopped, "
+                              "earlier checkpoints are kept. Lower --lr, raise --beta or move "
+                              "the reference less often")
+        if self.max_kl > 0 and self.max_kl_to == "anchor" and kl > self.max_kl:
             raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past "
                               f"--max-kl {self.max_kl:g}, at beta {beta:.3g}; stopped, earlier "
                               "checkpoints are kept. Lower --lr or raise --beta")
@@ -96,7 +103,7 @@ class Watch:
 
 def watch_for(cfg: PPOConfig, quiet: bool) -> Watch:
     drift = max(DRIFT_KL, 2 * cfg.kl_target) if cfg.kl_ctl == "adaptive" else DRIFT_KL
-    return Watch(cfg.max_kl, drift, quiet)
+    return Watch(cfg.max_kl, cfg.max_kl_to, drift, quiet)
 
 
 def nothing_learned(step: int, rows: int, loss_rows: int, zero_advantages: bool,
