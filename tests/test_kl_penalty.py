@@ -133,7 +133,7 @@ def test_loss_estimator_names():
     assert KL_DEFAULTS["loss"] == default == "k3_ratio" and default in kl_lib.LOSS_ESTIMATORS
     assert set(kl_lib.LOSS_ESTIMATORS) & set(kl_lib.ESTIMATORS) == {"k2", "k3"}
     assert set(kl_lib.ESTIMATORS) == {"k1", "k2", "k3", "abs"}
-    assert set(kl_lib.LOSS_ESTIMATORS) == {"k2", "k3", "k3_ratio", "exact"}
+    assert set(kl_lib.LOSS_ESTIMATORS) == {"k2", "k3", "k3_ratio", "exact", "forward", "jsd"}
 
 
 def test_a_name_the_table_lacks_is_an_error_at_the_table_never_another_entry(monkeypatch):

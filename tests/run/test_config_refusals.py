@@ -115,6 +115,13 @@ SCOPED_CASES = [  # (stage, flags, the one line's pattern)
     ("grpo", ["--max-observation-tokens", "64"], "--max-observation-tokens applies with --env"),
     ("grpo", ["--env-timeout", "5"], "--env-timeout applies with --env or --tools"),
     ("grpo", ["--env-workers", "2"], "--env-workers applies with --env or --tools"),
+    ("grpo", ["--jsd-beta", "0.2"], "--jsd-beta applies with --kl-estimator jsd, and tether grpo "
+     "runs with --kl-estimator auto"),
+    ("ppo", ["--ref-reset-optimizer"], "--ref-reset-optimizer applies with --ref-update reset:N, "
+     "and tether ppo runs with --ref-update none"),
+    ("ppo", ["--max-kl", "5", "--max-kl-to", "sft"], "--max-kl-to applies with --max-kl with "
+     "--teacher or a moving --ref-update, and tether ppo runs with the SFT model as the anchor"),
+    ("ppo", ["--max-kl-to", "sft"], "tether ppo runs with --max-kl 0"),
 ]
 
 

@@ -192,3 +192,18 @@ def test_a_teacher_needs_no_task_reward_but_a_plain_run_does(tiny_model_dir, tmp
     assert main(argv) == 2
     assert "give exactly one reward" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_a_lora_student_distills_and_its_start_is_the_base_with_its_adapter(tiny_llama_dir, tmp_path):
+    # LoRA: the teacher loads apart; the start the metrics compare with is the student's own base
+    # with its starting adapter (no copy of the weights), so the first batch's KL to it is 0
+    teacher = make_teacher(str(tiny_llama_dir), tmp_path / "teacher")
+    result = ppo.run(DistillConfig(**settings(tmp_path, "lora", policy=str(tiny_llama_dir),
+                                              teacher=str(teacher), lora_r=8, lr=1e-2,
+                                              merge_lora=True)))
+    lines = metrics(tmp_path, "lora")
+    assert lines[0]["objective/kl_sft"] == 0.0 and lines[0]["objective/kl_sft_exact"] == 0.0
+    assert lines[-1]["objective/kl_exact"] < lines[0]["objective/kl_exact"]
+    merged = tmp_path / "runs" / "lora" / "merged"
+    assert kl_to(str(merged), teacher) < kl_to(str(tiny_llama_dir), teacher)
+    assert result.output_path.exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from test_distill import make_teacher
 from torchrun_helpers import ROOT, torchrun
 
 from tether.errors import TetherError
@@ -128,7 +129,8 @@ def assert_same_run(one: Path, two: Path, start: dict | None) -> None:
             "rollout/response_len", "policy/updates", "policy/approx_kl", "eval/score", "eval/kl",
             "eval/entropy", "eval/response_len", "rollout/varied_groups", "rollout/dynamic_rounds",
             "policy/skipped_minibatches", "env/turns", "env/action_tokens",
-            "env/observation_tokens")
+            "env/observation_tokens", "objective/kl_exact", "objective/kl_sft",
+            "objective/kl_sft_exact", "objective/kl_loss")
     for a, b in zip(m1, m2, strict=True):
         assert a.keys() == b.keys()
         for key in keys:
@@ -157,6 +159,13 @@ CASES = {
                                             "stop_strings": ["a"]}),
     # Episodes of several turns, sharded, on a LoRA adapter: lock-step turns, rows of each
     # rank's own width.
+    # Anchors beyond the SFT model: a teacher scored on every rank (sharded under FSDP2 with the
+    # start the metrics compare with), and a reference every rank moves alike.
+    "grpo-gpt2-ddp-teacher-exact": ("grpo", "gpt2", {"teacher": "TEACHER", "kl_estimator": "exact",
+                                                     "samples_per_prompt": 2}),
+    "rloo-llama-fsdp-teacher": ("rloo", "llama", {"fsdp": True, "teacher": "TEACHER",
+                                                  "samples_per_prompt": 2}),
+    "ppo-gpt2-ddp-ema": ("ppo", "gpt2", {"ref_update": "ema:0.5"}),
     "grpo-llama-fsdp-lora-env": ("grpo", "llama", {"fsdp": True, "lora_r": 4,
                                                    "samples_per_prompt": 2, "env": "ENV",
                                                    "max_turns": 3,
@@ -182,6 +191,8 @@ def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) 
         values["reward_fn"] = f"{env / 'rewards.py'}:coarse_reward"
     if values.get("env") == "ENV":
         values |= {"env": f"{env / 'rewards.py'}:Turns", "reward_fn": ""}
+    if values.get("teacher") == "TEACHER":  # built by two_process_runs for each model
+        values["teacher"] = str(env / f"teacher-{model_dir.name}")
     if values.get("reward_model") == "RM":
         values |= {"reward_model": str(env / "rm"), "reward_fn": ""}
     if stage == "ppo":  # adaptive beta, its error clipped each batch: beta moves every batch
@@ -193,6 +204,8 @@ def case_config(env: Path, model_dir: Path, name: str, stage: str, extra: dict) 
 def two_process_runs(env, tiny_model_dir, tiny_llama_dir):
     """Every case's 2-process run, and the first part of the resumed run, in one launch."""
     dirs = {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
+    for model_dir in dirs.values():  # the teachers of the TEACHER cases (test_distill's)
+        make_teacher(str(model_dir), env / f"teacher-{model_dir.name}")
     tokenizer = load_tokenizer(str(tiny_model_dir))  # an untrained reward model on GPT-2
     RewardModel.from_causal_lm(str(tiny_model_dir), tokenizer).save_pretrained(env / "rm",
                                                                                tokenizer)
