@@ -23,10 +23,10 @@ def test_quick_distill_example(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     commands = [line for line in done.stdout.splitlines() if line.startswith("$ tether ")]
     assert sum(c.startswith("$ tether distill ") for c in commands) == 3
-    assert sum(c.startswith("$ tether eval ") for c in commands) == 5
+    assert sum(c.startswith("$ tether eval ") for c in commands) == 6
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["teacher"]["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)  # itself
-    for name in ("student, SFT alone", "student, k1 in the reward", "student, exact reverse KL",
+    for name in ("student, start (SFT)", "student, SFT alone", "student, k1 in the reward", "student, exact reverse KL",
                  "student, jsd (beta 0.5)"):
         assert all(math.isfinite(v) for v in summary[name].values()), name
         assert summary[name]["kl_to_teacher"] > 0, name

@@ -166,17 +166,11 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     lm, reference, rewards, critic = _models(cfg, tokenizer, lora, device, user, served)
     policy = lm.model
     anchor = _anchor(cfg, lm, reference, tokenizer, device)
-    start = anchor.start if anchor is not None else None
     replica = copy.deepcopy((policy, lm.peft)) if cfg.max_staleness and d.fsdp else None  # _engine
     # One wrapper for the trainable roles; the optimizer after it (FSDP2 replaces the parameters
     # with sharded ones). The optimizer and schedule of every stage; a PPO step is one batch.
-    frozen = ({"reference": reference} | ({"reward": rewards.model} if rewards.model else {})
-              | ({"start": start} if start is not None else {}))
-    roles = Roles(policy, critic, d, {k: m for k, m in frozen.items() if _owns_weights(m)})
-    if not can_share(policy):  # checkpointed or sharded: the reference scores as it does
-        for frozen_lm in (reference, start):
-            if frozen_lm is not None:
-                share_prompts(frozen_lm, False)
+    roles = _roles(policy, critic, d, reference, rewards.model,
+                   anchor.start if anchor is not None else None)
     optimizer = make_optimizer([m for m in (policy, critic) if m is not None], cfg.lr,
                                cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, cfg.n_batches, cfg.warmup_batches, cfg.lr_schedule)
@@ -209,6 +203,21 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                  spec=update_spec(cfg, d), engine=engine, steps=steps,
                  anchor=anchor,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))
+
+
+def _roles(policy: nn.Module, critic: nn.Module | None, d: Dist, reference: nn.Module,
+           reward_model: nn.Module | None, start: nn.Module | None) -> Roles:
+    """The trainable roles under one wrapper, with the frozen models that own weights beside
+    them (the reference, a reward model, the start of an anchor that is not it: FSDP2 shards
+    them alike, tether.rl.roles)."""
+    frozen = {"reference": reference, "reward": reward_model, "start": start}
+    roles = Roles(policy, critic, d, {k: m for k, m in frozen.items()
+                                      if m is not None and _owns_weights(m)})
+    if not can_share(policy):  # checkpointed or sharded: the frozen models score as it does
+        for model in (reference, start):
+            if model is not None:
+                share_prompts(model, False)
+    return roles
 
 
 def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, device
