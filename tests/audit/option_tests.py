@@ -335,6 +335,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "online:max_kl_to": ["tests/train/test_ref_update.py::test_max_kl_can_cap_the_kl_to_the_sft_model"],
     "online:ref_reset_optimizer": [
+        "tests/train/test_ref_update.py::test_ref_reset_optimizer_clears_adams_state_at_each_reset",
         "tests/train/test_ref_update.py::test_schedule_and_the_optimizer_reset",
     ],
     "online:teacher": [

@@ -199,3 +199,15 @@ def test_max_kl_can_cap_the_kl_to_the_sft_model(env, tiny_model_dir):
                                           r"\(--max-kl-to sft\)"):
         run(config(env, tiny_model_dir, "cap-sft", max_kl=1e-4, max_kl_to="sft", **common),
             reward_fn=length_reward)
+
+
+def test_ref_reset_optimizer_clears_adams_state_at_each_reset(env, tiny_model_dir):
+    # the same run with and without --ref-reset-optimizer: the batches after the first reset
+    # start AdamW from fresh moments in one and not the other, so the weights part
+    common = dict(ref_update="reset:2", total_episodes=8 * 4)
+    kept = run(config(env, tiny_model_dir, "adam-kept", **common), reward_fn=length_reward)
+    cleared = run(config(env, tiny_model_dir, "adam-cleared", ref_reset_optimizer=True, **common),
+                  reward_fn=length_reward)
+    assert not same(weights(kept), weights(cleared))
+    # up to the first reset (after batch 2) the two runs are the same run
+    assert lines_of(env, "adam-kept")[:2] == lines_of(env, "adam-cleared")[:2]
