@@ -118,7 +118,8 @@ def test_schedule_and_the_optimizer_reset():
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
-        anchor = Anchor(nn.Linear(2, 2), model, None, RefUpdate.parse("reset:1"), reset)
+        anchor = Anchor(dict(nn.Linear(2, 2).named_parameters()), dict(model.named_parameters()),
+                        None, RefUpdate.parse("reset:1"), reset)
         anchor.after_batch(1, optimizer)
         assert bool(optimizer.state) is not reset  # AdamW's moments cleared only when asked
 
@@ -154,7 +155,7 @@ def test_ref_update_refuses_bad_input_in_one_line(env, tiny_model_dir, capsys):
         (["--ref-update", "mix:1.5,2"], "ALPHA must lie in [0, 1]"),
         (["--ref-update", "reset:0"], "N be at least 1 batch"),
         (["--ref-update", "ema:0.1", "--teacher", str(tiny_model_dir)], "a teacher does not move"),
-        (["--ref-update", "ema:0.1", "--lora-r", "4"], "--lora-r"),
+        (["--ref-update", "ema:0.1", "--lora-r", "4"], "use reset:N"),
         (["--ref-update", "ema:0.1", "--ref-model", str(tiny_model_dir)], "--ref-model"),
         (["--ref-reset-optimizer"], "pass --ref-update reset:N"),
     ]
@@ -211,3 +212,28 @@ def test_ref_reset_optimizer_clears_adams_state_at_each_reset(env, tiny_model_di
     assert not same(weights(kept), weights(cleared))
     # up to the first reset (after batch 2) the two runs are the same run
     assert lines_of(env, "adam-kept")[:2] == lines_of(env, "adam-cleared")[:2]
+
+
+@pytest.mark.parametrize("spec", ["reset:1", "reset:100"])
+def test_a_lora_reference_resets_as_an_adapter_of_its_own(env, tiny_llama_dir, spec):
+    # LoRA: the moving reference is an adapter of its own on the shared base (a copy of the
+    # trained one, zero at the start, as the base is), the start the bare base. reset:1: every
+    # KL to the anchor is exactly 0 (the reference is the policy that samples); reset past the
+    # end: the frozen run's weights and, the anchor being the start, kl_sft equal to kl.
+    name = f"lora-{spec}".replace(":", "_")
+    lora = dict(lora_r=4, lr=1e-2)
+    result = run(config(env, tiny_llama_dir, name, ref_update=spec, **lora), reward_fn=length_reward)
+    lines = lines_of(env, name)
+    if spec == "reset:1":
+        assert all(line["objective/kl_k1"] == 0.0 and line["objective/kl_exact"] == 0.0
+                   for line in lines)
+        assert lines[-1]["objective/kl_sft_exact"] > 1e-4
+        return
+    frozen = run(config(env, tiny_llama_dir, "lora-frozen", **lora), reward_fn=length_reward)
+    adapter = "adapter_model.safetensors"
+    assert same(load_file(str(frozen.output_path / adapter)),
+                load_file(str(result.output_path / adapter)))
+    for line in lines:
+        assert line["objective/kl_sft"] == pytest.approx(line["objective/kl_k1"], rel=1e-5, abs=1e-7)
+    # the anchor adapter is not saved with the policy's
+    assert not any("anchor" in key for key in load_file(str(result.output_path / adapter)))

@@ -12,6 +12,10 @@ a `--teacher` (on-policy distillation), or a reference that moves toward the pol
                    Gorbatovski et al. 2024)
     ema:ALPHA      that mix after every batch (an exponential moving average of the policy)
 
+With LoRA the moving reference is an adapter of its own on the shared base (`add_anchor_adapter`:
+a frozen copy of the trained adapter at the start), reset only: mixing two adapters' factors A
+and B is not mixing their product.
+
 When the anchor is not the policy's start (a teacher, or a reference that moves), the start is
 kept frozen beside it (with LoRA, the base with the starting adapter: no copy of the weights)
 and every batch logs `objective/kl_sft` and `objective/kl_sft_exact`, the KL of pi_old to the
@@ -35,11 +39,16 @@ TENSOR_PREFIX = "anchor/"  # the moving reference's tensors in a checkpoint's te
 
 
 def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """ref <- alpha * policy + (1 - alpha) * ref for every parameter, in place, in TRL's order of
-    operations (`ref.mul_(1 - alpha).add_(policy, alpha=alpha)`); alpha = 1 copies exactly. The
-    two modules must have the same parameters by name (the reference is a copy of the policy's
-    start)."""
-    ref_params, params = dict(reference.named_parameters()), dict(policy.named_parameters())
+    """ref <- alpha * policy + (1 - alpha) * ref for every parameter, in place: `mix` on the two
+    modules' parameters by name (the reference is a copy of the policy's start)."""
+    mix(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
+
+
+def mix(ref_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor], alpha: float
+        ) -> None:
+    """ref <- alpha * policy + (1 - alpha) * ref for each tensor of `ref_params`, in place, in
+    TRL's order of operations (`ref.mul_(1 - alpha).add_(policy, alpha=alpha)`); alpha = 1 copies
+    exactly. `params`: the policy's tensors under the same names."""
     if ref_params.keys() != params.keys():
         raise ValueError("the reference and the policy have different parameters; a moving "
                          "reference must be a copy of the policy")
@@ -51,13 +60,35 @@ def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
                 ref.mul_(1.0 - alpha).add_(params[name], alpha=alpha)
 
 
-class Anchor:
-    """The run's anchor (`reference`, moving by `update` toward `policy`) and the frozen start
-    the metrics compare with (`start`: None when the anchor is the start)."""
+def adapter_params(peft: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """The LoRA weights of one adapter of `peft`, by their names with the adapter's left out (so
+    two adapters' weights pair by name)."""
+    key = f".{adapter}."
+    return {name.replace(key, "."): p for name, p in peft.named_parameters() if key in name}
 
-    def __init__(self, reference: nn.Module, policy: nn.Module, start: nn.Module | None,
-                 update: RefUpdate, reset_optimizer: bool = False):
-        self.reference, self.policy, self.start = reference, policy, start
+
+def add_anchor_adapter(peft: nn.Module, source: str, name: str = "anchor") -> str:
+    """A frozen copy of `peft`'s adapter `source` as adapter `name` (a LoRA run's moving
+    reference: the base with an adapter of its own, no copy of the base); every other
+    parameter's `requires_grad` kept as it was."""
+    import copy
+
+    trainable = {n: p.requires_grad for n, p in peft.named_parameters()}
+    peft.add_adapter(name, copy.deepcopy(peft.peft_config[source]))
+    for n, p in peft.named_parameters():
+        p.requires_grad_(trainable.get(n, False))
+    mix(adapter_params(peft, name), adapter_params(peft, source), 1.0)
+    return name
+
+
+class Anchor:
+    """The run's anchor, whose tensors (`ref_params`) move by `update` toward the policy's
+    (`params`, by the same names: the whole models', or two adapters' of a LoRA run), and the
+    frozen start the metrics compare with (`start`: None when the anchor is the start)."""
+
+    def __init__(self, ref_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                 start: nn.Module | None, update: RefUpdate, reset_optimizer: bool = False):
+        self.ref_params, self.params, self.start = ref_params, params, start
         self.update, self.reset_optimizer = update, reset_optimizer
 
     def kl_to_start(self, roles, rollout: Rollout, spec) -> dict[str, float]:
@@ -77,7 +108,7 @@ class Anchor:
         alpha = self.update.alpha_after(batches_done)
         if alpha is None:
             return
-        mix_into(self.reference, self.policy, alpha)
+        mix(self.ref_params, self.params, alpha)
         if self.update.kind == "reset" and self.reset_optimizer:
             optimizer.state.clear()  # AdamW's moments and step counts start again (ProRL)
 
@@ -86,13 +117,13 @@ class Anchor:
         if not self.update.moves:
             return {}
         return {TENSOR_PREFIX + name: p.detach().contiguous().cpu()
-                for name, p in self.reference.named_parameters()}
+                for name, p in self.ref_params.items()}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore `state_tensors`' output (taken out of a checkpoint's tensors)."""
         if not self.update.moves:
             return
-        params = dict(self.reference.named_parameters())
+        params = self.ref_params
         if {TENSOR_PREFIX + name for name in params} != set(tensors):
             raise TetherError("the checkpoint holds no moving reference for this run's "
                               "--ref-update; resume with the --ref-update it was written with")

@@ -291,16 +291,17 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     def _check_ref_update(self) -> None:
         """--ref-update's form, and what a moving reference cannot be (yet)."""
         try:
-            moves = RefUpdate.parse(self.ref_update).kind != "none"
+            kind = RefUpdate.parse(self.ref_update).kind
         except ValueError as exc:
             raise TetherError(str(exc)) from None
-        if not moves:
+        if kind == "none":
             return
         fixed = [(bool(self.teacher), "--teacher (a teacher does not move)"),
                  (bool(self.ref_model), "--ref-model (the reference moves from the policy's "
                                         "own start)"),
-                 (self.lora_r > 0, "--lora-r (the reference of a LoRA run is the base with an "
-                                   "adapter; not built yet)"),
+                 (self.lora_r > 0 and kind != "reset", "--lora-r (a LoRA run's reference is an "
+                                                       "adapter, and mixing two adapters' factors "
+                                                       "is not mixing their weights: use reset:N)"),
                  (self.fsdp, "--fsdp (not built yet; DDP moves it)")]
         for given, why in fixed:
             if given:

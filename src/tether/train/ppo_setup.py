@@ -25,7 +25,13 @@ from tether.errors import TetherError
 from tether.models.critic import ValueModel, make_critic
 from tether.models.forward import can_share, share_prompts
 from tether.models.limits import check_sampled_models
-from tether.models.lora import AdapterView, LoraSpec, adapter_recompute_context, check_targets
+from tether.models.lora import (
+    TRAINED,
+    AdapterView,
+    LoraSpec,
+    adapter_recompute_context,
+    check_targets,
+)
 from tether.models.prepare import (
     disable_dropout,
     enable_gradient_checkpointing,
@@ -35,7 +41,7 @@ from tether.models.prepare import (
 from tether.models.pretrained import TrainableLM, load_tokenizer, load_trainable_lm, policy_eos_ids
 from tether.models.reference import check_reference, reference_model
 from tether.models.reward_model import position_limit, shared_reward_model
-from tether.rl.anchor import Anchor
+from tether.rl.anchor import Anchor, adapter_params, add_anchor_adapter
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward import Reward, wiring
@@ -230,7 +236,16 @@ def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, de
     if not (cfg.teacher or update.moves):
         return None
     start = fuse_gelu(reference_model(lm, "", tokenizer, cfg.dtype)).to(device)
-    return Anchor(reference, lm.model, start, update, cfg.ref_reset_optimizer)
+    if not update.moves:  # a teacher: fixed
+        return Anchor({}, {}, start, update)
+    if lm.peft is None:
+        return Anchor(dict(reference.named_parameters()), dict(lm.model.named_parameters()),
+                      start, update, cfg.ref_reset_optimizer)
+    # LoRA: the reference moves as an adapter of its own, a copy of the trained one at the start
+    # (the base's function when that starts at zero); the view `reference` now runs it
+    reference.adapter = add_anchor_adapter(lm.peft, TRAINED)
+    return Anchor(adapter_params(lm.peft, reference.adapter), adapter_params(lm.peft, TRAINED),
+                  start, update, cfg.ref_reset_optimizer)
 
 
 def _evaluation(cfg: PPOConfig, source, held_out) -> Evaluation | None:
