@@ -156,6 +156,11 @@ def test_distill_refuses_bad_input_in_one_line(tiny_model_dir, tmp_path, capsys)
     from tether.models.tiny import save_tiny
     save_tiny(other, ["zebra quantum " * 3, "xylophone jam"] * 40, vocab_size=120)
     teacher = make_teacher(str(tiny_model_dir), tmp_path / "teacher")
+    classifier = tmp_path / "classifier"  # a reward model's kind, not a language model
+    from transformers import AutoModelForSequenceClassification
+    AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1
+                                                       ).save_pretrained(classifier)
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(classifier)
     prompts = str(prompts_file(tmp_path))
     base = ["--policy", str(tiny_model_dir), "--prompts", prompts, "--output-dir",
             str(tmp_path / "runs"), "--device", "cpu"]
@@ -163,6 +168,7 @@ def test_distill_refuses_bad_input_in_one_line(tiny_model_dir, tmp_path, capsys)
         (["distill", *base], "--teacher"),
         (["distill", *base, "--teacher", str(other)], "teacher's tokenizer has a different vocabulary"),
         (["distill", *base, "--teacher", str(teacher), "--jsd-beta", "1.5"], "--jsd-beta 1.5 must lie in [0, 1]"),
+        (["distill", *base, "--teacher", str(classifier)], "is not a language model"),
         (["distill", *base, "--teacher", str(teacher), "--jsd-beta", "0.2"], "--jsd-beta"),
         (["distill", *base, "--teacher", str(teacher), "--ref-model", str(tiny_model_dir)], "drop --ref-model"),
         (["distill", *base, "--teacher", str(teacher), "--kl-in", "reward", "--kl-estimator", "forward"],
