@@ -510,3 +510,30 @@ def test_a_model_vllm_cannot_run_on_cpu_is_one_line_and_writes_nothing(tiny_llam
     assert code == 2
     assert len(err) == 1 and "no kernel for head size 16" in err[0] and "--engine native" in err[0]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_distill_samples_the_student_with_the_engine(llama_dir, prompts, tmp_path):
+    """tether distill with --engine vllm: the engine samples the student, the teacher (the
+    model with seeded noise on its weights, as tests/train/test_distill.py makes one) scores;
+    the first batch starts at the SFT model (KL 0 to it) and the KL to the teacher falls."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tether.train.ppo_config import DistillConfig
+
+    teacher = AutoModelForCausalLM.from_pretrained(llama_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(4.0 * p.std() * torch.randn(p.shape, generator=gen))
+    teacher.save_pretrained(tmp_path / "teacher")
+    AutoTokenizer.from_pretrained(llama_dir).save_pretrained(tmp_path / "teacher")
+    result = run(DistillConfig(run_name="d", output_dir=str(tmp_path / "runs"),
+                               policy=str(llama_dir), teacher=str(tmp_path / "teacher"),
+                               prompts=str(prompts), max_new_tokens=8, batch_size=16,
+                               total_episodes=16 * 5, lr=1e-2, engine="vllm", device="cpu",
+                               save_every=0, sample_every=0))
+    lines = metrics_of(Path(result.output_path).parent)
+    assert lines[0]["objective/kl_sft"] == 0.0
+    assert lines[-1]["objective/kl_exact"] < lines[0]["objective/kl_exact"]
+    assert all(line["rollout/engine_kl"] < 0.1 for line in lines)  # it samples the student
