@@ -531,9 +531,10 @@ def test_distill_samples_the_student_with_the_engine(llama_dir, prompts, tmp_pat
     result = run(DistillConfig(run_name="d", output_dir=str(tmp_path / "runs"),
                                policy=str(llama_dir), teacher=str(tmp_path / "teacher"),
                                prompts=str(prompts), max_new_tokens=8, batch_size=16,
-                               total_episodes=16 * 5, lr=1e-2, engine="vllm", device="cpu",
+                               total_episodes=16 * 8, lr=3e-3, engine="vllm", device="cpu",
                                save_every=0, sample_every=0))
     lines = metrics_of(Path(result.output_path).parent)
     assert lines[0]["objective/kl_sft"] == 0.0
-    assert lines[-1]["objective/kl_exact"] < lines[0]["objective/kl_exact"]
+    per_token = [line["objective/kl_exact"] / line["rollout/response_len"] for line in lines]
+    assert sum(per_token[-3:]) / 3 < 0.8 * per_token[0], per_token
     assert all(line["rollout/engine_kl"] < 0.1 for line in lines)  # it samples the student
