@@ -166,6 +166,10 @@ CASES = {
     "rloo-llama-fsdp-teacher": ("rloo", "llama", {"fsdp": True, "teacher": "TEACHER",
                                                   "samples_per_prompt": 2}),
     "ppo-gpt2-ddp-ema": ("ppo", "gpt2", {"ref_update": "ema:0.5"}),
+    "ppo-gpt2-fsdp-mix": ("ppo", "gpt2", {"fsdp": True, "ref_update": "mix:0.5,2", "save_every": 2}),
+    "grpo-llama-fsdp-lora-reset": ("grpo", "llama", {"fsdp": True, "lora_r": 4,
+                                                     "samples_per_prompt": 2,
+                                                     "ref_update": "reset:1"}),
     "grpo-llama-fsdp-lora-env": ("grpo", "llama", {"fsdp": True, "lora_r": 4,
                                                    "samples_per_prompt": 2, "env": "ENV",
                                                    "max_turns": 3,
@@ -249,6 +253,11 @@ def test_two_processes_equal_one(env, two_process_runs, case):
     if extra.get("env"):  # the episodes went on past their first turn, and not all alike
         turns = [m["env/turns"] for m in metrics(runs / f"{case}-2")]
         assert max(turns) > 1 and all(t < 3 for t in turns), turns
+    if extra.get("ref_update"):  # the anchor moved alike on every rank, toward the policy
+        lines = metrics(runs / f"{case}-2")
+        assert lines[-1]["objective/kl_exact"] < lines[-1]["objective/kl_sft_exact"]
+        if extra["ref_update"] == "reset:1":  # the policy that samples is the anchor: KL 0
+            assert all(m["objective/kl_k1"] == 0.0 for m in lines)
     if stage == "rloo":  # one epoch of one minibatch: each rank updates the rows it scored
         assert all(m["policy/approx_kl"] == 0.0 and m["policy/ratio_mean"] == 1.0
                    for m in metrics(runs / f"{case}-2"))

@@ -118,8 +118,8 @@ def test_schedule_and_the_optimizer_reset():
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
-        anchor = Anchor(dict(nn.Linear(2, 2).named_parameters()), dict(model.named_parameters()),
-                        None, RefUpdate.parse("reset:1"), reset)
+        pairs = (dict(nn.Linear(2, 2).named_parameters()), dict(model.named_parameters()))
+        anchor = Anchor(lambda pairs=pairs: pairs, None, RefUpdate.parse("reset:1"), reset)
         anchor.after_batch(1, optimizer)
         assert bool(optimizer.state) is not reset  # AdamW's moments cleared only when asked
 

@@ -27,6 +27,8 @@ uninterrupted one did.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -81,14 +83,33 @@ def add_anchor_adapter(peft: nn.Module, source: str, name: str = "anchor") -> st
     return name
 
 
-class Anchor:
-    """The run's anchor, whose tensors (`ref_params`) move by `update` toward the policy's
-    (`params`, by the same names: the whole models', or two adapters' of a LoRA run), and the
-    frozen start the metrics compare with (`start`: None when the anchor is the start)."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor) all-gathered, every rank alike; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
 
-    def __init__(self, ref_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
-                 start: nn.Module | None, update: RefUpdate, reset_optimizer: bool = False):
-        self.ref_params, self.params, self.start = ref_params, params, start
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole tensor as `param` holds it: this rank's shard of it under FSDP2."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
+
+
+class Anchor:
+    """The run's anchor, whose tensors move by `update` toward the policy's, and the frozen start
+    the metrics compare with (`start`: None when the anchor is the start). `tensors()`: (the
+    reference's tensors, the policy's, by the same names: the whole models', or two adapters' of
+    a LoRA run), read when used, since FSDP2 replaces the parameters with its shards after the
+    anchor is built (the two are sharded alike, so the mix is the same on every shard)."""
+
+    def __init__(self, tensors: Callable[[], tuple[dict, dict]], start: nn.Module | None,
+                 update: RefUpdate, reset_optimizer: bool = False):
+        self.tensors, self.start = tensors, start
         self.update, self.reset_optimizer = update, reset_optimizer
 
     def kl_to_start(self, roles, rollout: Rollout, spec) -> dict[str, float]:
@@ -108,7 +129,7 @@ class Anchor:
         alpha = self.update.alpha_after(batches_done)
         if alpha is None:
             return
-        mix(self.ref_params, self.params, alpha)
+        mix(*self.tensors(), alpha)
         if self.update.kind == "reset" and self.reset_optimizer:
             optimizer.state.clear()  # AdamW's moments and step counts start again (ProRL)
 
@@ -116,17 +137,17 @@ class Anchor:
         """The moving reference's parameters for a checkpoint ({} when it never moves)."""
         if not self.update.moves:
             return {}
-        return {TENSOR_PREFIX + name: p.detach().contiguous().cpu()
-                for name, p in self.ref_params.items()}
+        return {TENSOR_PREFIX + name: _whole(p.detach()).contiguous().cpu()
+                for name, p in self.tensors()[0].items()}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore `state_tensors`' output (taken out of a checkpoint's tensors)."""
         if not self.update.moves:
             return
-        params = self.ref_params
+        params = self.tensors()[0]
         if {TENSOR_PREFIX + name for name in params} != set(tensors):
             raise TetherError("the checkpoint holds no moving reference for this run's "
                               "--ref-update; resume with the --ref-update it was written with")
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(tensors[TENSOR_PREFIX + name])
+                param.copy_(_placed_like(tensors[TENSOR_PREFIX + name].to(param.dtype), param))

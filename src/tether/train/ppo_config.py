@@ -301,8 +301,7 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
                                         "own start)"),
                  (self.lora_r > 0 and kind != "reset", "--lora-r (a LoRA run's reference is an "
                                                        "adapter, and mixing two adapters' factors "
-                                                       "is not mixing their weights: use reset:N)"),
-                 (self.fsdp, "--fsdp (not built yet; DDP moves it)")]
+                                                       "is not mixing their weights: use reset:N)")]
         for given, why in fixed:
             if given:
                 raise TetherError(f"--ref-update {self.ref_update} cannot be used with {why}; "

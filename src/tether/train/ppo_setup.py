@@ -237,14 +237,15 @@ def _anchor(cfg: PPOConfig, lm: TrainableLM, reference: nn.Module, tokenizer, de
         return None
     start = fuse_gelu(reference_model(lm, "", tokenizer, cfg.dtype)).to(device)
     if not update.moves:  # a teacher: fixed
-        return Anchor({}, {}, start, update)
+        return Anchor(lambda: ({}, {}), start, update)
     if lm.peft is None:
-        return Anchor(dict(reference.named_parameters()), dict(lm.model.named_parameters()),
+        policy = lm.model
+        return Anchor(lambda: (dict(reference.named_parameters()), dict(policy.named_parameters())),
                       start, update, cfg.ref_reset_optimizer)
     # LoRA: the reference moves as an adapter of its own, a copy of the trained one at the start
     # (the base's function when that starts at zero); the view `reference` now runs it
-    reference.adapter = add_anchor_adapter(lm.peft, TRAINED)
-    return Anchor(adapter_params(lm.peft, reference.adapter), adapter_params(lm.peft, TRAINED),
+    adapter = reference.adapter = add_anchor_adapter(lm.peft, TRAINED)
+    return Anchor(lambda: (adapter_params(lm.peft, adapter), adapter_params(lm.peft, TRAINED)),
                   start, update, cfg.ref_reset_optimizer)
 
 
