@@ -12,7 +12,6 @@ tests/train/test_online_fixed_points.py.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -197,7 +196,6 @@ def test_a_teacher_needs_no_task_reward_but_a_plain_run_does(tiny_model_dir, tmp
     capsys.readouterr()
     assert main(argv) == 2
     assert "give exactly one reward" in capsys.readouterr().err
-    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
 
 
 def test_a_lora_student_distills_and_its_start_is_the_base_with_its_adapter(tiny_llama_dir, tmp_path):

@@ -18,7 +18,7 @@ from torch import nn
 from tether.choices import RefUpdate
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.anchor import Anchor, mix_into
+from tether.rl.anchor import Anchor, mix
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig, PPOConfig
 
@@ -99,11 +99,11 @@ def test_mix_is_trls_formula_on_the_same_tensors():
                 for name, r in reference.named_parameters()}  # TRL's SyncRefModelCallback
     exact = {name: 0.3 * dict(policy.named_parameters())[name].double() + 0.7 * r.double()
              for name, r in reference.named_parameters()}
-    mix_into(reference, policy, 0.3)
+    mix(dict(reference.named_parameters()), dict(policy.named_parameters()), 0.3)
     for name, r in reference.named_parameters():
         assert torch.equal(r, expected[name])
         torch.testing.assert_close(r.double(), exact[name], rtol=0, atol=1e-6)
-    mix_into(reference, policy, 1.0)  # a reset copies exactly
+    mix(dict(reference.named_parameters()), dict(policy.named_parameters()), 1.0)  # a reset copies
     assert all(torch.equal(r, p) for r, p in zip(reference.parameters(), policy.parameters()))
 
 

@@ -27,6 +27,7 @@ uninterrupted one did.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -36,14 +37,9 @@ from tether.choices import RefUpdate
 from tether.errors import TetherError
 from tether.rl.rollout import Rollout
 from tether.rl.scoring import kl_sums, score_batch
+from tether.run.checkpoint import placed_like, whole
 
 TENSOR_PREFIX = "anchor/"  # the moving reference's tensors in a checkpoint's tensors file
-
-
-def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """ref <- alpha * policy + (1 - alpha) * ref for every parameter, in place: `mix` on the two
-    modules' parameters by name (the reference is a copy of the policy's start)."""
-    mix(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
 
 
 def mix(ref_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor], alpha: float
@@ -73,31 +69,12 @@ def add_anchor_adapter(peft: nn.Module, source: str, name: str = "anchor") -> st
     """A frozen copy of `peft`'s adapter `source` as adapter `name` (a LoRA run's moving
     reference: the base with an adapter of its own, no copy of the base); every other
     parameter's `requires_grad` kept as it was."""
-    import copy
-
     trainable = {n: p.requires_grad for n, p in peft.named_parameters()}
     peft.add_adapter(name, copy.deepcopy(peft.peft_config[source]))
     for n, p in peft.named_parameters():
         p.requires_grad_(trainable.get(n, False))
     mix(adapter_params(peft, name), adapter_params(peft, source), 1.0)
     return name
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """An FSDP2 shard (a DTensor) all-gathered, every rank alike; a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A whole tensor as `param` holds it: this rank's shard of it under FSDP2."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                 src_data_rank=None)
-    return value
 
 
 class Anchor:
@@ -137,7 +114,7 @@ class Anchor:
         """The moving reference's parameters for a checkpoint ({} when it never moves)."""
         if not self.update.moves:
             return {}
-        return {TENSOR_PREFIX + name: _whole(p.detach()).contiguous().cpu()
+        return {TENSOR_PREFIX + name: whole(p.detach()).contiguous().cpu()
                 for name, p in self.tensors()[0].items()}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -150,4 +127,4 @@ class Anchor:
                               "--ref-update; resume with the --ref-update it was written with")
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(_placed_like(tensors[TENSOR_PREFIX + name].to(param.dtype), param))
+                param.copy_(placed_like(tensors[TENSOR_PREFIX + name].to(param.dtype), param))

@@ -100,20 +100,36 @@ def reshard(model: nn.Module) -> nn.Module:
     return model
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor) all-gathered (every rank calls this, in the same order); a
+    plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole tensor as `param` holds it: this rank's own part under FSDP2 (no communication),
+    else `value` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
+
+
 def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
         -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
     tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
     `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
     holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for name, param in unwrap(reshard(model)).named_parameters():
         if not param.requires_grad:
             continue
-        # an FSDP2 shard (a DTensor) is all-gathered: every rank does this, in the same order
-        full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+        full = whole(param.detach())  # every rank gathers a shard, in the same order
         if what:
             require_finite_weight(what, name, full)
         if keep:
@@ -125,17 +141,11 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     """Copy whole `tensors` into the trainable parameters of `model` (each FSDP2 shard takes its
     own part, no communication); the names must match exactly (`_read_checkpoint` checked them,
     on every rank, before anything is restored)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     params = {name: p for name, p in unwrap(reshard(model)).named_parameters()
               if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
-            value = tensors[name].to(param.dtype)
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value.to(param.device), param.device_mesh,
-                                          param.placements, src_data_rank=None)
-            param.copy_(value)
+            param.copy_(placed_like(tensors[name].to(param.dtype), param))
 
 
 def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
