@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tether.cli import main
+from tether.errors import TetherError
 from tether.train import ppo
 from tether.train.ppo_config import DistillConfig, GRPOConfig
 
@@ -187,6 +188,13 @@ def test_distill_s_defaults_are_on_policy_distillation():
     cfg = DistillConfig(policy="s", teacher="t", prompts="p")
     assert (cfg.kl_in, cfg.resolved_kl_estimator, cfg.beta, cfg.ppo_epochs) == ("loss", "exact", 1.0, 1)
     assert cfg.anchor == ("t", "teacher") and not cfg.uses_critic
+    # the spelling, `tether distill --student S --teacher T`, is --policy's other name
+    from tether.run.parse import parse_config
+    for argv in (["--student", "s"], ["--student=s"], ["--policy", "s"]):
+        parsed = parse_config(DistillConfig, [*argv, "--teacher", "t", "--prompts", "p"])
+        assert parsed.policy.endswith("s") and parsed.teacher.endswith("t"), argv
+    with pytest.raises(TetherError, match="unknown option --student"):  # distill's word only
+        parse_config(GRPOConfig, ["--student", "s", "--prompts", "p"])
 
 
 def test_a_teacher_needs_no_task_reward_but_a_plain_run_does(tiny_model_dir, tmp_path, capsys):

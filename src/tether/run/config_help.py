@@ -116,7 +116,8 @@ def help_text(cls: type, prog: str, description: str) -> str:
         out += ["", f"{section}:"]
         for name, doc in fields:
             shown = _default_shown(fields_by_name[name], positional)
-            out.append("  " + _flag(name, hints[name]))
+            also = [k for k, v in getattr(cls, "FLAG_NAMES", {}).items() if v == flag(name)]
+            out.append("  " + _flag(name, hints[name]) + "".join(f", or {a}" for a in also))
             out += textwrap.wrap(f"{doc}{_list_note(name, hints[name])} ({shown})", WIDTH,
                                  initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(out)

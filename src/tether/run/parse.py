@@ -262,7 +262,7 @@ def _check_required(cls: type, values: dict[str, Any], prog: str) -> None:
 def parse_config(cls: type[C], argv: list[str], prog: str | None = None) -> C:
     """Parse `argv` into `cls`: `--config file.yaml` supplies values, flags win, then validate."""
     yaml_path, rest = _split_config_flag(list(argv))
-    rest = _positional_flag(cls, rest)
+    rest = _named_flags(cls, _positional_flag(cls, rest))
     if "-h" in rest or "--help" in rest:
         print(help_text(cls, prog or cls.__name__, _description(cls)))
         raise SystemExit(0)
@@ -355,6 +355,14 @@ def _positional_flag(cls: type, argv: list[str]) -> list[str]:
     if not bare:
         return argv
     return [flag(name), *argv[:bare], *argv[bare:]]
+
+
+def _named_flags(cls: type, argv: list[str]) -> list[str]:
+    """A config class may spell a field's flag in its command's words, `FLAG_NAMES = {"--student":
+    "--policy"}` (`tether distill --student S`): each such flag read as the field's own."""
+    names = getattr(cls, "FLAG_NAMES", {})
+    return [names.get(a.partition("=")[0], a.partition("=")[0]) + "".join(a.partition("=")[1:])
+            for a in argv]
 
 
 def _description(cls: type) -> str:

@@ -422,6 +422,7 @@ class DistillConfig(PPOConfig):
     --reward-fn or --reward-model the optimum is pi_teacher exp(R / beta) / Z (docs/ppo.md)."""
 
     STAGE: ClassVar[str] = "distill"  # the command; recorded in the run directory
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"--student": "--policy"}  # the issue's words
 
     run_name: str = "distill"
     policy: str
