@@ -3,7 +3,9 @@
 Independent truth: a reference that never moves (ema:0, mix:0,N, reset past the run's end) trains
 bit for bit as the frozen one; one reset to the policy after every batch has a KL of exactly 0 to
 it at the next batch's start (the same weights score the same tokens); the mix equals TRL's
-formula on the same tensors; a resumed run anchors where the uninterrupted one did.
+formula on the same tensors; reset:N is, bit for bit, a run stopped after N batches whose
+checkpointed reference is overwritten by hand with its policy and then resumed; a resumed run
+anchors where the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -144,6 +146,41 @@ def test_a_resumed_run_anchors_where_the_uninterrupted_one_did(env, tiny_model_d
     def unnamed(lines):  # the first two lines name the crashing function's reward/<name>
         return [{k: v for k, v in line.items() if not k.startswith("reward/")} for line in lines]
     assert unnamed(lines_of(env, "ema-full")) == unnamed(lines_of(env, "ema-resumed"))
+
+
+def test_reset_is_a_run_stopped_and_continued_with_its_policy_as_the_reference(env, tiny_model_dir):
+    # The issue's definition of reset:N, built by hand: a run whose reference never moves
+    # (reset past its end, so its checkpoints hold the reference) stops after 2 batches; its
+    # checkpoint's reference tensors are overwritten with the policy's own, and the run goes on
+    # (same seeds, optimizer kept). That must be, bit for bit, the run with reset:2.
+    from safetensors.torch import save_file
+    common = dict(total_episodes=8 * 4, save_every=1)
+    reset = run(config(env, tiny_model_dir, "reset2", ref_update="reset:2", **common),
+                reward_fn=length_reward)
+    calls = {"n": 0}
+
+    def stops_at_third_batch(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("stopped after two batches")
+        return length_reward(prompts, responses)
+
+    by_hand = config(env, tiny_model_dir, "by-hand", ref_update="reset:1000", **common)
+    with pytest.raises(TetherError, match="stopped after two batches"):
+        run(by_hand, reward_fn=stops_at_third_batch)
+    step = env / "runs" / "by-hand" / "checkpoints" / "step_2"
+    policy, extra = load_file(str(step / "policy.safetensors")), load_file(str(step / "tensors.safetensors"))
+    anchored = {k for k in extra if k.startswith("anchor/")}
+    assert anchored == {"anchor/" + k for k in policy}  # the whole policy, under its names
+    assert any(not torch.equal(extra["anchor/" + k], policy[k]) for k in policy)  # still the SFT
+    save_file(extra | {"anchor/" + k: v for k, v in policy.items()}, str(step / "tensors.safetensors"))
+    continued = run(config(env, tiny_model_dir, "by-hand", ref_update="reset:1000", resume=True,
+                           **common), reward_fn=length_reward)
+    assert same(weights(reset), weights(continued))
+    assert lines_of(env, "reset2")[2:] == lines_of(env, "by-hand")[2:]  # batches 3 and 4
+    # and the reset was real: the KL to the anchor restarts at 0, the exact KL to the start does not
+    assert lines_of(env, "reset2")[2]["objective/kl_k1"] == 0.0
+    assert lines_of(env, "reset2")[2]["objective/kl_sft_exact"] > 1e-4
 
 
 def test_ref_update_refuses_bad_input_in_one_line(env, tiny_model_dir, capsys):
