@@ -61,6 +61,8 @@ STAGES = {
                       "sample responses from any saved policy to JSONL"),
     "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
                   "held-out evaluation of any saved policy: proxy, gold, KL, diversity"),
+    "bon": Stage("tether.tools.bon", "tether.tools.config", "BonConfig",
+                 "the best-of-n curve from one pool of samples: proxy, gold, exact KL"),
     "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
                     "run directories of any stage on one HTML page, configs diffed"),
     "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",

@@ -75,6 +75,25 @@ class EvalConfig(SamplingConfig, RewardOptions, LMHeadOptions):
 
 
 @dataclass(kw_only=True)
+class BonConfig(SamplingConfig, RewardOptions):
+    """Best-of-n from one pool (Gao et al. 2022; Beirami et al. 2024): --n responses (or episodes)
+    per prompt sampled once, as tether eval samples them, and for every n up to it the expected
+    proxy and gold of the best of n by the proxy, the usual KL bound and the exact KL on the pool."""
+
+    COMMAND: ClassVar[str] = "bon"
+    n: int = 16
+    """Responses sampled per prompt (the pool): the curve covers every n from 1 to it."""
+    output: str
+    """JSON file to write: one object per n {n, proxy, proxy_se, gold, gold_se, kl_bound, kl_exact}."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n < 2:
+            raise TetherError(f"--n {self.n} is a pool of {max(self.n, 0)}: the best of one is the "
+                              "model itself; give --n 2 or more")
+
+
+@dataclass(kw_only=True)
 class ReportConfig:
     """Run directories of any stage on one HTML page: metric curves side by side, configs diffed."""
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from tether.data.prompts import load_prompts
@@ -167,6 +170,29 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     device = resolve_device(cfg.device)
     check_base_option(cfg.model, cfg.base)
     out = output_path(cfg) if write else None
+    with held_out(cfg, device, reward_fn, gold_fn, checked_reference) as (evaluation, measure,
+                                                                          gold, reference_path):
+        metrics, samples = evaluate_policy(evaluation(cfg.seed + EVAL_SEED_OFFSET), measure, gold)
+    if out is not None:
+        record = {"metrics": metrics, "reference": reference_path,
+                  "config": config_to_dict(cfg), "samples": samples}
+        atomic_write_bytes(out, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+    return EvalResult(metrics, samples, out)
+
+
+def lengths_only(rollout) -> dict[str, torch.Tensor]:
+    """A measure with no KL (tether bon: every response is the model's own sample): lengths and
+    EOS flags, the entropy left at 0."""
+    mask = rollout.action_mask.float()
+    return {"ent": torch.zeros(len(mask)), "len": mask.sum(1).cpu(), "eos": rollout.ended.float().cpu()}
+
+
+@contextmanager
+def held_out(cfg: SamplingConfig, device, reward_fn, gold_fn, reference_of=None):
+    """What `tether eval` measures with, checked and loaded: yields (the `Evaluation` at a seed,
+    the measure, the gold reward, the reference's path); closes the engine and source after.
+    `reference_of(cfg, tokenizer)`: the model the KL is measured against; None: none is
+    (`lengths_only`, tether bon)."""
     # What needs no model first: a bad function, prompt file or reference fails in seconds.
     user = wiring.user_code(cfg, reward_fn, gold_fn, training=False)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
@@ -174,7 +200,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     prompt_ids = []
     if not cfg.episodic:  # checked now; encoded for the run below
         prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
-    reference_path = checked_reference(cfg, tokenizer)
+    reference_path = reference_of(cfg, tokenizer) if reference_of else cfg.model
     models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
                                                    if reference_path != cfg.model else [])
     check_sampled_models(models, cfg.reward_model, {cfg.prompts: prompt_ids},
@@ -186,8 +212,12 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
                               longest_prompt=longest_prompt(cfg, prompt_ids),
                               trust_remote_code=cfg.trust_remote_code)
     policy = load_policy(cfg, tokenizer, device)
-    reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
-                               device, base=cfg.base if reference_path == cfg.model else "")
+    measure = lengths_only
+    if reference_of:
+        reference = load_frozen_lm(reference_path, tokenizer, cfg.dtype, cfg.trust_remote_code,
+                                   device, base=cfg.base if reference_path == cfg.model else "")
+        measure = partial(measure_responses, policy, reference,
+                          chunked_lm_head=cfg.chunked_lm_head)
     # A reward model scores a sampling chunk at a time (PPO: micro-batches of micro_batch_rows,
     # the whole chunk by default; a smaller one may differ in rounding).
     rewards = wiring.build(cfg, user, tokenizer, device, served=served,
@@ -195,18 +225,11 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     engine, source = evaluation_source(cfg, policy, tokenizer, device, rows, cfg.episodic,
                                        rewards.reward or rewards.functions, user.env, user.tools)
     try:
-        metrics, samples = evaluate_policy(
-            Evaluation(source, len(rows), cfg.batch_size, cfg.seed + EVAL_SEED_OFFSET),
-            lambda rollout: measure_responses(policy, reference, rollout, cfg.chunked_lm_head),
-            rewards.gold)
+        yield (lambda seed: Evaluation(source, len(rows), cfg.batch_size, seed), measure,
+               rewards.gold, reference_path)
     finally:
         source.close()
         engine.close()
-    if out is not None:
-        record = {"metrics": metrics, "reference": reference_path,
-                  "config": config_to_dict(cfg), "samples": samples}
-        atomic_write_bytes(out, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
-    return EvalResult(metrics, samples, out)
 
 
 def metrics_table(metrics: dict[str, float]) -> str:

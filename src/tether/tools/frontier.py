@@ -10,7 +10,26 @@ Gao, Schulman & Hilton 2022, "Scaling Laws for Reward Model Overoptimization", e
 R rises, peaks at d* = exp(alpha / beta_RL - 1) with R(d*) = beta_RL d*, then falls: the point
 where optimising the proxy further starts to cost gold reward. R is linear in (alpha, beta_RL),
 so the fit is ordinary least squares on the features (d, -d log d). (beta_RL is the fit's
-coefficient, not the KL penalty beta.)
+coefficient, not the KL penalty beta.) Their eq. 1, best-of-n, is R(d) = d (alpha - beta_bon d),
+peaking at d* = alpha / (2 beta_bon) with R(d*) = alpha d* / 2: the same fit on (d, -d^2)
+(`form="bon"`).
+
+Best-of-n from a pool (tether bon): N responses sampled for a prompt, r_(1) <= ... <= r_(N) their
+proxy scores sorted. The best of n drawn from the pool without replacement is the i-th smallest
+with probability C(i-1, n-1) / C(N, n), so
+
+    E[v of the best of n] = sum_i C(i-1, n-1) / C(N, n) v_(i)        (order statistics; an
+                                                                      unbiased estimate of the
+                                                                      expected best of n)
+
+for any value v of the responses (the proxy itself, or the gold score of the one the proxy
+picks); responses tied on the proxy share their group's weight equally (a tie broken at random).
+The KL of best-of-n to the policy it draws from is commonly quoted as log n - (n - 1) / n, which
+Beirami et al. (2024, "Theoretical guarantees on the best-of-n alignment policy") show is an
+upper bound; with the pool as the policy's support (each response 1/N, reward levels with their
+CDF F) best-of-n gives level y the probability F(y)^n - F(y-)^n, and the KL is exact:
+
+    KL_n = sum_levels q log(q / p),   q = F(y)^n - F(y-)^n,   p = F(y) - F(y-)
 """
 
 from __future__ import annotations
@@ -18,24 +37,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Gao et al.'s second feature of R = alpha d + beta f(d), by form: RL's and best-of-n's
+GAO_FORMS = {"rl": lambda d: -d * math.log(d) if d > 0 else 0.0, "bon": lambda d: -d * d}
+
 
 @dataclass
 class GaoFit:
     alpha: float
-    beta_rl: float
+    beta_rl: float  # the second coefficient (beta_bon for form "bon")
     r2: float  # 1 - SS_res / SS_tot of the gold gains
     n: int  # points fitted
+    form: str = "rl"  # "rl": d (alpha - beta log d); "bon": d (alpha - beta d)
 
     def predict(self, kl: float) -> float:
-        """R at a KL: d (alpha - beta_RL log d), with R(0) = 0 (the limit of d log d)."""
+        """R at a KL: d (alpha - beta_RL log d), with R(0) = 0 (the limit of d log d); or
+        best-of-n's d (alpha - beta d)."""
         d = math.sqrt(max(kl, 0.0))
+        if self.form == "bon":
+            return d * (self.alpha - self.beta_rl * d)
         return 0.0 if d == 0 else d * (self.alpha - self.beta_rl * math.log(d))
 
     def peak(self) -> tuple[float, float] | None:
-        """(KL, R) where the fitted gold peaks, d* = exp(alpha / beta_RL - 1); None when
-        beta_RL <= 0 (the fit keeps rising: no over-optimisation seen yet)."""
+        """(KL, R) where the fitted gold peaks, d* = exp(alpha / beta_RL - 1) (best-of-n:
+        alpha / (2 beta)); None when beta <= 0 (the fit keeps rising: no over-optimisation
+        seen yet)."""
         if self.beta_rl <= 0:
             return None
+        if self.form == "bon":
+            d_star = self.alpha / (2 * self.beta_rl)
+            return d_star * d_star, self.predict(d_star * d_star)
         exponent = self.alpha / self.beta_rl - 1
         if exponent > 350:  # a peak far beyond any KL reached; exp would overflow
             return None
@@ -61,8 +91,9 @@ class GaoFit:
         return f"{r2}; {where}"
 
 
-def gao_fit(kls: list[float], gains: list[float]) -> GaoFit | None:
-    """Least-squares (alpha, beta_RL) of R = d (alpha - beta_RL log d), d = sqrt(KL).
+def gao_fit(kls: list[float], gains: list[float], form: str = "rl") -> GaoFit | None:
+    """Least-squares (alpha, beta_RL) of R = d (alpha - beta_RL log d), d = sqrt(KL) (`form`
+    "bon": best-of-n's R = d (alpha - beta d)).
 
     Negative KL (k1 on a small sample can dip below 0) counts as 0. None with fewer than three
     points or when the two features are collinear (e.g. every point at one KL).
@@ -71,7 +102,7 @@ def gao_fit(kls: list[float], gains: list[float]) -> GaoFit | None:
         raise ValueError(f"{len(kls)} KL values but {len(gains)} gold gains")
     ds = [math.sqrt(max(k, 0.0)) for k in kls]
     f1 = ds  # d
-    f2 = [-d * math.log(d) if d > 0 else 0.0 for d in ds]  # -d log d
+    f2 = [GAO_FORMS[form](d) for d in ds]  # -d log d (RL), -d^2 (best-of-n)
     if len(ds) < 3:
         return None
     # Normal equations of the 2-parameter model without intercept (R(0) = 0 by construction).
@@ -85,7 +116,7 @@ def gao_fit(kls: list[float], gains: list[float]) -> GaoFit | None:
         return None
     alpha = (t1 * s22 - t2 * s12) / det
     beta_rl = (s11 * t2 - s12 * t1) / det
-    fit = GaoFit(alpha, beta_rl, float("nan"), len(ds))
+    fit = GaoFit(alpha, beta_rl, float("nan"), len(ds), form)
     mean = sum(gains) / len(gains)
     ss_tot = sum((y - mean) ** 2 for y in gains)
     ss_res = sum((y - fit.predict(k)) ** 2 for k, y in zip(kls, gains))
@@ -102,6 +133,36 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
             best = gold
             out.append((kl, gold))
     return out
+
+
+def best_of_n(proxy: list[float], values: list[float], n: int) -> float:
+    """The expected `values` entry of the best of `n` responses drawn without replacement from
+    the pool, best by `proxy` (one score each; ties share their group's weight): the order
+    statistics sum in the module's docstring. n = 1 gives the pool's mean, n = N its best."""
+    pool = len(proxy)
+    if not 1 <= n <= pool:
+        raise ValueError(f"best of {n} from a pool of {pool}")
+    total, below = 0.0, 0
+    for level in sorted(set(proxy)):
+        group = [v for p, v in zip(proxy, values) if p == level]
+        # sum of C(i-1, n-1) over the group's ranks i = C(below + k, n) - C(below, n)
+        weight = math.comb(below + len(group), n) - math.comb(below, n)
+        total += weight * sum(group) / len(group)
+        below += len(group)
+    return total / math.comb(pool, n)
+
+
+def best_of_n_kl(proxy: list[float], n: int) -> float:
+    """KL(best-of-n || policy) with the pool as the policy's support: sum over the proxy's levels
+    of q log(q / p), q = F^n - F_-^n (Beirami et al. 2024); never above log n - (n - 1) / n."""
+    pool, kl, below = len(proxy), 0.0, 0
+    for level in sorted(set(proxy)):
+        upto = below + proxy.count(level)
+        p = upto / pool - below / pool  # written as q is: at n = 1 they are the same float
+        q = (upto / pool) ** n - (below / pool) ** n
+        kl += q * math.log(q / p) if q > 0 else 0.0
+        below = upto
+    return kl
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
