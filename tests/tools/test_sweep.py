@@ -156,3 +156,38 @@ def test_a_bad_grid_is_one_line_and_exit_2_on_the_command_line(grid, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("error: grid: unknown config field 'bogus' in the 'ppo' block; see tether ppo "
                    "--help")
+
+
+def test_a_bon_block_puts_the_best_of_n_curve_beside_the_runs(grid, tmp_path, capsys):
+    spec = yaml.safe_load(grid.read_text())
+    del spec["dpo"]
+    spec["bon"] = {"n": 3}
+    grid.write_text(yaml.safe_dump(spec))
+    sweep = plan(str(grid))
+    bon_run = sweep.runs[-1]
+    assert [r.name for r in sweep.runs] == ["ppo-beta0-seed0", "ppo-beta0.5-seed0", "bon"]
+    # the starting policy, on the held-out prompts, scored and sampled as PPO's evaluations
+    assert bon_run.eval_fields["model"] == spec["ppo"]["policy"]
+    assert bon_run.eval_fields["gold_fn"] == spec["ppo"]["gold_fn"]
+    assert bon_run.eval_fields["max_new_tokens"] == 5 and bon_run.eval_fields["n"] == 3
+    assert main(["sweep", str(grid)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    root = tmp_path / "runs" / "s"
+    # the same pool as `tether bon` given those settings by hand
+    ppo = spec["ppo"]
+    alone = tmp_path / "alone.json"
+    assert main(["bon", "--model", ppo["policy"], "--prompts", ppo["eval_prompts"], "--reward-fn",
+                 ppo["reward_fn"], "--gold-fn", ppo["gold_fn"], "--max-new-tokens", "5",
+                 "--batch-size", "4", "--device", "cpu", "--n", "3", "--output", str(alone)]) == 0
+    assert (root / "bon" / "bon.json").read_bytes() == alone.read_bytes()
+    assert "Best-of-3: gold" in out
+    page = (root / "report.html").read_text()
+    assert "id='best-of-n'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
+    # a bon block needs a ppo block and its own fields right: one line, nothing run
+    for edit, says in ((lambda g: g.update(bon=[3]), "'bon' is a mapping of tether bon fields"),
+                       (lambda g: g["bon"].update(n=1), "a pool of 1")):
+        bad = yaml.safe_load(yaml.safe_dump(spec))
+        edit(bad)
+        grid.write_text(yaml.safe_dump(bad))
+        with pytest.raises(TetherError, match=says):
+            plan(str(grid))

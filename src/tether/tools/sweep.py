@@ -33,8 +33,8 @@ from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
 from tether.run.paths import resolved_paths
 from tether.run.resume import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
-from tether.tools import evaluate
-from tether.tools.config import EvalConfig, SweepConfig
+from tether.tools import bon, evaluate
+from tether.tools.config import BonConfig, EvalConfig, SweepConfig
 from tether.tools.sweep_plan import PlannedRun, Sweep, config_class, plan, state, unplanned
 from tether.tools.sweep_report import write
 from tether.train import dpo, ppo
@@ -43,6 +43,9 @@ from tether.train import dpo, ppo
 def execute_run(run: PlannedRun) -> None:
     """One run through its stage's own `run`, resumed when it was started before; a DPO/IPO
     policy is then scored by `tether eval`."""
+    if run.stage == "bon":
+        bon.run(config_from_dict(BonConfig, run.eval_fields))
+        return
     resume = state(run) == "broken"
     cfg = config_from_dict(config_class(run.stage), {**run.fields, "resume": resume})
     with contextlib.suppress(AlreadyFinished):  # (DPO/IPO: only its evaluation was missing)

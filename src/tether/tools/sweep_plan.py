@@ -18,6 +18,8 @@ The grid file::
       data: data/pairs.jsonl
       loss: [sigmoid, ipo]
     eval: {}                    # EvalConfig fields for the DPO/IPO evaluations (default: PPO's)
+    bon: {n: 16}                # optional: the best-of-n baseline of the ppo block's policy
+                                # (BonConfig fields; default: PPO's evaluation settings)
 
 A field whose own type is a list (e.g. stop_strings) is an axis only when given a list of lists.
 Every bad field fails here, before any run starts, and so does a grid point given twice (`beta:
@@ -48,13 +50,13 @@ from tether.run.config import (
     config_to_dict,
 )
 from tether.run.parse import config_from_dict, load_yaml, unknown_key
-from tether.tools.config import EvalConfig
+from tether.tools.config import BonConfig, EvalConfig
 
 STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
                  "dpo": ("tether.train.offline_config", "DPOConfig")}
 
 
-TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval")
+TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval", "bon")
 
 
 # The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike: the sections
@@ -67,11 +69,11 @@ SHARED_EVAL_FIELDS = (*(f.name for section in (RewardOptions, SamplingOptions, D
 @dataclass
 class PlannedRun:
     name: str
-    stage: str  # "ppo" or "dpo"
+    stage: str  # "ppo", "dpo", or "bon" (the best-of-n baseline: its fields in eval_fields)
     seed: int
     point: dict[str, Any]  # the grid values that set this run apart (seed excluded)
     fields: dict[str, Any]  # the stage config's fields (run_name and output_dir included)
-    eval_fields: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (dpo only)
+    eval_fields: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (dpo), BonConfig's
 
     @property
     def group(self) -> str:  # the grid point without its seed: runs averaged together
@@ -200,13 +202,36 @@ def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
             run.fields["eval_every"] = max(1, cfg.n_batches // 10)
 
 
-def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
-    """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
+def _eval_base(ppo_block: dict, *more: str) -> dict[str, Any]:
+    """PPO's evaluation settings (each axis at its first value), its held-out prompts as
+    `prompts`, and the `more` fields named."""
     fixed, axes = _split_axes("ppo", ppo_block)  # (a list-typed field is an axis of lists)
-    base = {k: axes[k][0] if k in axes else fixed[k] for k in ppo_block if k in SHARED_EVAL_FIELDS}
+    base = {k: axes[k][0] if k in axes else fixed[k] for k in ppo_block
+            if k in SHARED_EVAL_FIELDS or k in more}
     if "eval_prompts" in ppo_block:
         base["prompts"] = ppo_block["eval_prompts"]
-    base |= eval_block
+    return base
+
+
+def _bon_run(ppo_block: dict, bon_block: dict, root: Path, seed: int) -> PlannedRun:
+    """The best-of-n baseline (tether bon) of the PPO runs' starting policy, sampled and scored
+    as their evaluations are; its own fields from the bon block. Its file: bon/bon.json."""
+    if not ppo_block or not isinstance(bon_block, dict):
+        raise TetherError("grid: 'bon' is a mapping of tether bon fields beside a ppo block (it "
+                          "samples the ppo block's policy on its eval_prompts)")
+    base = _eval_base(ppo_block, "policy")
+    base["model"] = base.pop("policy", "")
+    fields = base | {"seed": seed, "output": str(root / "bon" / "bon.json")} | bon_block
+    try:
+        config_from_dict(BonConfig, fields)
+    except TetherError as exc:
+        raise TetherError(f"grid: bon: {exc}") from None
+    return PlannedRun("bon", "bon", seed, {}, {"output_dir": str(root)}, fields)
+
+
+def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
+    """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
+    base = _eval_base(ppo_block) | eval_block
     for run in runs:
         if run.stage == "dpo":
             final = Path(run.fields["output_dir"]) / run.name / "final"
@@ -265,6 +290,8 @@ def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
     assert len(names) == len(runs), "two planned runs share a directory"  # checked: one dir each
     _ppo_defaults(runs, grid.get("ppo") or {})
     _dpo_eval(runs, grid.get("ppo") or {}, grid.get("eval") or {})
+    if "bon" in grid:
+        runs.append(_bon_run(grid.get("ppo") or {}, grid["bon"] or {}, root, seeds[0]))
     return Sweep(root, runs, axes)
 
 
@@ -281,6 +308,8 @@ def unplanned(sweep: Sweep) -> list[str]:
 def state(run: PlannedRun) -> str:
     """done (final model, merged/ too with merge_lora, and for DPO/IPO its evaluation), broken
     (started, unfinished: --resume completes it) or new. As RunDir.finished, read off the plan."""
+    if run.stage == "bon":  # one file, written whole or not at all
+        return "done" if Path(run.eval_fields["output"]).is_file() else "new"
     path = Path(run.fields["output_dir"]) / run.name
     finished = ((path / "final").exists()
                 and (not run.fields.get("merge_lora") or (path / "merged").exists())

@@ -16,6 +16,7 @@ from tether.tools.frontier import (
     Recommendation,
     error_text,
     frontier,
+    gao_fit,
     mean_and_stderr,
     recommend_beta,
 )
@@ -33,7 +34,15 @@ from tether.tools.report import (
     write_page,
 )
 from tether.tools.sweep_plan import Sweep, unplanned
-from tether.tools.sweep_results import END_EVALS, Group, RunPoints, collect, summarise, write_csv
+from tether.tools.sweep_results import (
+    END_EVALS,
+    Group,
+    RunPoints,
+    best_of_n_curve,
+    collect,
+    summarise,
+    write_csv,
+)
 
 
 def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None:
@@ -52,10 +61,18 @@ def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None
                         color=colour, alpha=0.2)
 
 
-def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Palette):
-    """Every evaluation in its setting's colour, the frontier over all of them, DPO/IPO marked;
-    returns (figure, caption)."""
+BON = "best-of-n"  # the baseline's label and colour in every figure
+
+
+def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Palette,
+                     curve: list[dict]):
+    """Every evaluation in its setting's colour, the frontier over all of them, DPO/IPO marked,
+    the best-of-n curve (`curve`: bon.json) at its exact KL; returns (figure, caption)."""
     fig, ax = plt.subplots(figsize=(8, 5))
+    if curve:
+        ax.errorbar([c["kl_exact"] for c in curve], [c["gold"] for c in curve],
+                    yerr=[c["gold_se"] for c in curve], fmt="--s", markersize=4, capsize=2,
+                    color=palette(BON), label=f"{BON}, n = 1..{curve[-1]['n']} (exact KL)")
     for g in groups:
         if g.stage == "dpo":
             continue
@@ -77,6 +94,10 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
     ax.legend(fontsize=8)
     caption = ("every evaluation of every run, in its setting's colour; the black steps are the "
                "best gold reached within each KL.")
+    if curve:
+        caption += (f" The dashed squares are best-of-n from one pool of {curve[-1]['n']} samples "
+                    "of the starting policy (tether bon), at best-of-n's exact KL, ± one standard "
+                    "error over prompts.")
     if offline:
         caption += (" " + "/".join(sorted({g.label[:3] for g in offline}))
                     + " marked (evaluated once, at the end).")
@@ -95,9 +116,17 @@ def _fit_label(g: Group, top: float) -> str:
     return label + f", R² {g.fit.r2:.2f}"
 
 
-def _fit_figure(fitted: list[Group], palette: Palette):
-    """Gao et al.'s fit per setting, each drawn only over the d its evaluations reached."""
+def _fit_figure(fitted: list[Group], palette: Palette, curve: list[dict]):
+    """Gao et al.'s fit per setting, each drawn only over the d its evaluations reached, and
+    their best-of-n form fitted to the best-of-n curve."""
     fig, ax = plt.subplots(figsize=(8, 5))
+    bon_fit = best_of_n_fit(curve)
+    if bon_fit is not None:
+        ds = [c["kl_exact"] ** 0.5 for c in curve]
+        ax.scatter(ds, [c["gold"] - curve[0]["gold"] for c in curve], marker="s", s=12,
+                   color=palette(BON))
+        ax.plot(ds, [bon_fit.predict(d * d) for d in ds], "--", color=palette(BON), gid=BON,
+                label=f"{BON}: d (alpha - beta d), R² {bon_fit.r2:.2f}")
     for g in fitted:
         colour = palette(g.label)
         ds = [max(k, 0) ** 0.5 for k, _ in g.gains]
@@ -116,7 +145,36 @@ def _fit_figure(fitted: list[Group], palette: Palette):
     return fig
 
 
-def figures(groups: list[Group], points: list[RunPoints]
+def best_of_n_fit(curve: list[dict]):
+    """Gao et al.'s best-of-n form fitted to the curve's gold gain over n = 1 against its exact
+    KL; None without a curve (or too few points)."""
+    if not curve:
+        return None
+    return gao_fit([c["kl_exact"] for c in curve], [c["gold"] - curve[0]["gold"] for c in curve],
+                   form="bon")
+
+
+def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
+    """The page's sentence on RL against best-of-n: best-of-N's gold gain at its exact KL, and
+    the best PPO setting's mean gain (over seeds) at an evaluation within that KL."""
+    top = curve[-1]
+    gain, se = top["gold"] - curve[0]["gold"], top["gold_se"]
+    said = (f"Best-of-{top['n']}: gold {gain:+.3f} ± {se:.3f} over the starting policy at "
+            f"{top['kl_exact']:.2f} nats (its exact KL; the usual formula says "
+            f"{top['kl_bound']:.2f})")
+    rl = [(y - g.mean["gold"][0], k, g.label) for g in groups if g.stage == "ppo"
+          and g.steps[:1] == [0] for k, y in zip(g.mean["kl"], g.mean["gold"])
+          if k <= top["kl_exact"]]
+    if not rl:
+        return said + "; no PPO evaluation lies within that KL."
+    best, kl, label = max(rl)
+    verdict = ("more" if best - gain > 2 * se else "less" if gain - best > 2 * se
+               else "as much, within two standard errors, as")
+    return (f"{said}; the best PPO setting within it, {label}, gains {best:+.3f} at {kl:.2f} "
+            f"nats: within this KL, RL buys {verdict} gold than best-of-n.")
+
+
+def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | None = None
             ) -> list[tuple[str, str, str, dict[str, str]]]:
     """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
     # One colour per setting, handed out in the groups' order, so the sweep page and the demo
@@ -138,11 +196,11 @@ def figures(groups: list[Group], points: list[RunPoints]
     axes[0].legend(fontsize=8)
     add(fig, "Gold and proxy reward against KL",
         "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
-    fig, caption = _frontier_figure(groups, points, palette)
+    fig, caption = _frontier_figure(groups, points, palette, curve or [])
     add(fig, "The frontier", caption)
     fitted = [g for g in groups if g.fit is not None]
     if fitted:
-        add(_fit_figure(fitted, palette), "Gao et al.'s fit per beta",
+        add(_fit_figure(fitted, palette, curve or []), "Gao et al.'s fit per beta",
             "points: every evaluation of every seed; lines: the least-squares fit, drawn only "
             "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
             "inside the data.")
@@ -264,11 +322,15 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
+    curve = best_of_n_curve(sweep)
+    if curve and groups:
+        body.append(f"<p id='best-of-n'>{html.escape(versus_best_of_n(groups, curve))}</p>")
+        summary += "\n" + versus_best_of_n(groups, curve)
     body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
                 f"</table>{EXPLAIN}")
     if points:
         body += [figure_html(src, title, caption, colours)
-                 for title, src, caption, colours in figures(groups, points)]
+                 for title, src, caption, colours in figures(groups, points, curve)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))

@@ -31,11 +31,18 @@ class RunPoints:
     gold_by_prompt: dict[int, list[float]] = field(default_factory=dict)  # step -> per prompt
 
 
+def best_of_n_curve(sweep: Sweep) -> list[dict]:
+    """The best-of-n baseline's bon.json (one object per n), [] when the grid has none or it is
+    not written yet."""
+    done = [run for run in sweep.runs if run.stage == "bon" and state(run) == "done"]
+    return json.loads(Path(done[0].eval_fields["output"]).read_text("utf-8")) if done else []
+
+
 def collect(sweep: Sweep) -> list[RunPoints]:
     """The evaluation points of every finished run (PPO: each evaluation; DPO/IPO: one)."""
     out = []
     for run in sweep.runs:
-        if state(run) != "done":
+        if state(run) != "done" or run.stage == "bon":  # bon: `best_of_n_curve`
             continue
         path = sweep.root / run.name
         points = RunPoints(run)
