@@ -61,6 +61,8 @@ STAGES = {
                       "sample responses from any saved policy to JSONL"),
     "eval": Stage("tether.tools.evaluate", "tether.tools.config", "EvalConfig",
                   "held-out evaluation of any saved policy: proxy, gold, KL, diversity"),
+    "interpolate": Stage("tether.tools.interpolate", "tether.tools.config", "InterpolateConfig",
+                         "the weights between an SFT and an RL model, each point evaluated"),
     "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
                     "run directories of any stage on one HTML page, configs diffed"),
     "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",
@@ -163,7 +165,7 @@ def preflight(stage: str, argv: list[str]) -> str:
 
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     if hasattr(cfg, "reward_fn"):  # the online stages and eval: the CLI passes no Python reward
-        check_rewards(cfg, training=stage != "eval")
+        check_rewards(cfg, training=stage not in ("eval", "interpolate"))
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     check_named_code(cfg)
