@@ -29,7 +29,8 @@ def good(prompts, responses):
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:
-    return {n: t for f in sorted(Path(model_dir).glob("*.safetensors")) for n, t in load_file(f).items()}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -177,8 +178,9 @@ def narrow(tmp_path_factory):
     ("outside", "must be distinct etas"), ("empty", "must be distinct etas"),
     ("architecture", "differ in model_type"), ("shapes", "differ in"),
     ("other base", "is a LoRA adapter on"), ("from adapter", "give full models"),
-    ("not empty", "new or empty"), ("inside", "new or empty"),
-    ("gold without prompts", "give --prompts"), ("no weights", "no safetensors"),
+    ("to a hub name", "no safetensors"),
+    ("not empty", "must be new or empty"), ("inside", "outside --from and --to"),
+    ("gold without prompts", "scores the points on --prompts"), ("no weights", "no safetensors"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(case, message, rl, narrow, tmp_path,
                                                       no_loads, capsys):
@@ -194,10 +196,13 @@ def test_bad_input_is_one_line_and_nothing_is_written(case, message, rl, narrow,
             "other base": [llama, adapter], "from adapter": [adapter, gpt2],
             "not empty": [gpt2, gpt2_rl], "inside": [gpt2, gpt2_rl],
             "gold without prompts": [gpt2, gpt2_rl, "--gold-fn", "x.py:f"],
-            "no weights": [str(tmp_path), gpt2_rl]}[case]
+            "no weights": [str(tmp_path), gpt2_rl], "to a hub name": [gpt2, "gpt2"]}[case]
     if case == "not empty":
         out.mkdir()
         (out / "keep.txt").write_text("mine")
+    if case == "no weights":  # a model saved as a pickle (.bin) only, say
+        args[0] = str(shutil.copytree(gpt2, tmp_path / "bin", ignore=shutil.ignore_patterns(
+            "*.safetensors")))
     if case == "inside":
         out = Path(gpt2_rl) / "line"
     assert interpolate(args[0], args[1], out, *args[2:]) == 2

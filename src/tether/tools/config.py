@@ -1,5 +1,5 @@
-"""The configs of the tools (`tether generate`, `eval`, `interpolate`, `report`, `set-base`, `sweep`,
-`serve-rm`), apart from their code so that `--help` imports no torch.
+"""The configs of the tools (`tether generate`, `eval`, `interpolate`, `report`, `set-base`,
+`sweep`, `serve-rm`), apart from their code so that `--help` imports no torch.
 
 The sampling, reward and device fields are the sections PPOConfig is made of
 (tether.run.config: `SamplingOptions`, `RewardOptions`, `DeviceOptions`, `EnvOptions`), because
@@ -104,12 +104,11 @@ class InterpolateConfig(DeviceOptions, EnvOptions, SamplingOptions, RewardOption
         require_positive(self, "batch_size")
         etas = self.points
         if not etas or etas[0] < 0 or etas[-1] > 1 or any(a >= b for a, b in zip(etas, etas[1:])):
-            raise TetherError(f"--points {','.join(map(str, etas)) or '(none)'} must be distinct etas in "
-                              "[0, 1] in increasing order, e.g. --points 0,0.25,0.5,0.75,1")
+            raise TetherError(f"--points {','.join(map(str, etas)) or '(none)'} must be "
+                              "distinct etas in [0, 1], increasing, e.g. --points 0,0.5,1")
         if not self.prompts and (self.reward_fn or self.reward_model or self.reward_url
                                  or self.gold_fn):
-            raise TetherError("--reward-fn, --reward-model, --reward-url and --gold-fn score the "
-                              "points on --prompts: give --prompts too, or drop them")
+            raise TetherError("a reward or --gold-fn scores the points on --prompts: give both")
 
 
 @dataclass(kw_only=True)

@@ -4,12 +4,12 @@ reward-KL curve they trace.
 
     theta(eta) = theta_SFT + eta (theta_RL - theta_SFT),    0 <= eta <= 1
 
-WiSE-FT (Wortsman et al. 2022, "Robust fine-tuning of zero-shot models", eq. 1) interpolates the
+WiSE-FT (Wortsman et al. 2022, "Robust fine-tuning of zero-shot models") interpolates the
 weights of a fine-tuned model with those of its start; WARP (Rame et al. 2024, "WARP: On the
-Benefits of Weight Averaged Rewarded Policies", step 3, LITI) does the same from the SFT model to
-an RL policy, and shows the points trace a reward-KL front that often beats the RL run's own
-checkpoints. Every tensor is interpolated in float32 and stored in --to's dtype; eta 0 and 1
-are the end tensors themselves, bit for bit; a non-float tensor is --to's.
+Benefits of Weight Averaged Rewarded Policies", its LITI step) does the same from the SFT model
+to an RL policy, where the points trace a reward-KL front. Every tensor is interpolated in
+float32 and stored in --to's dtype; eta 0 and 1 are the end tensors themselves, bit for bit; a
+non-float tensor is --to's.
 
 A LoRA policy (--to an adapter whose base is --from) differs from its start by s B A in each
 adapted layer (s = alpha / r; Hu et al. 2021, eq. 3), so theta(eta) is the same adapter with
@@ -55,13 +55,15 @@ def interpolated(sft: torch.Tensor, rl: torch.Tensor, eta: float) -> torch.Tenso
     return (sft.float() + eta * (rl.float() - sft.float())).to(rl.dtype)
 
 
-def signature(model_dir: Path) -> dict:
+def signature(model_dir: Path, flag: str) -> dict:
     """A full model's config.json `model_type` and `architectures`, then each tensor's name ->
     shape, from the safetensors headers (no weight is read)."""
-    config = read_json(model_dir / "config.json", "give full models (a LoRA run's merged/), or "
-                       "--to a LoRA adapter on --from")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TetherError(f"{flag} {model_dir} holds no safetensors weights; give a local model")
+    config = read_json(model_dir / "config.json", "give full models or --to an adapter on --from")
     out = {key: config.get(key) for key in ("model_type", "architectures")}
-    for file in sorted(model_dir.glob("*.safetensors")):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
     return out
@@ -71,24 +73,20 @@ def check_inputs(cfg: InterpolateConfig) -> bool:
     """Refuse, in one line and before any weight loads, what cannot be interpolated or written
     (the module docstring's list); returns whether --to is a LoRA adapter."""
     sft, rl, out = Path(cfg.reference), Path(cfg.model), Path(cfg.output_dir)
-    for flag, path in (("--from", sft), ("--to", rl)):
-        if not any(path.glob("*.safetensors")):
-            raise TetherError(f"{flag} {path} holds no safetensors weights; give a local model "
-                              "directory (any stage's final/)")
+    start = signature(sft, "--from")
     if is_adapter(rl):
         check_adapter_files(rl)
         if Path(adapter_base(rl)).resolve() != sft.resolve():
             raise TetherError(f"--to {rl} is a LoRA adapter on {adapter_base(rl)}, not on --from "
                               f"{sft}; give --from the base it was trained on")
     else:
-        ends = signature(sft), signature(rl)
-        for key in (k for k in ends[0] | ends[1] if ends[0].get(k) != ends[1].get(k)):
-            raise TetherError(f"--from and --to differ in {key} ({ends[0].get(key)} and "
-                              f"{ends[1].get(key)}); give two models of one architecture and shapes")
+        end = signature(rl, "--to")
+        for key in (k for k in start | end if start.get(k) != end.get(k)):
+            raise TetherError(f"--from and --to differ in {key} ({start.get(key)} and "
+                              f"{end.get(key)}); give two models of one architecture and shapes")
     if any(out.iterdir() if out.is_dir() else ()) or any(
             out.resolve().is_relative_to(p.resolve()) for p in (sft, rl)):
-        raise TetherError(f"--output-dir {out} must be a new or empty directory outside --from "
-                          "and --to")
+        raise TetherError(f"--output-dir {out} must be new or empty, outside --from and --to")
     return is_adapter(rl)
 
 
@@ -97,10 +95,10 @@ def write_points(cfg: InterpolateConfig, lora: bool) -> list[dict]:
     adapter: B scaled, the rest as is, --from recorded as its base); [{eta, path}]."""
     sft_dir, rl_dir = Path(cfg.reference), Path(cfg.model)
     rl = {file.name: load_file(file) for file in sorted(rl_dir.glob("*.safetensors"))}
-    sft = {n: t for file in sorted(sft_dir.glob("*.safetensors")) for n, t in load_file(file).items()}
-    if lora:  # the line starts at the adapter with B = 0, which adds nothing to --from
-        sft = {n: torch.zeros_like(t) if "lora_B" in n or "lora_embedding_B" in n else t
-               for tensors in rl.values() for n, t in tensors.items()}
+    # a LoRA line starts at the adapter with B = 0, which adds nothing to --from
+    sft = {n: torch.zeros_like(t) if "lora_B" in n or "lora_embedding_B" in n else t
+           for tensors in rl.values() for n, t in tensors.items()} if lora else {
+        n: t for file in sorted(sft_dir.glob("*.safetensors")) for n, t in load_file(file).items()}
     rows = []
     for eta in cfg.points:
         path = Path(cfg.output_dir) / f"eta{str(eta).removesuffix('.0')}"
@@ -136,5 +134,4 @@ def cli(argv: list[str]) -> int:
     names = [name for name in rows[0] if name != "path"]
     for line in [names] + [[f"{row[name]:+.4f}" for name in names] for row in rows]:
         print("  ".join(f"{cell:>15}" for cell in line))
-    print(f"written to {Path(rows[0]['path']).parent}")
     return 0
