@@ -131,7 +131,7 @@ def cli(argv: list[str]) -> int:
     from tether.run.parse import parse_config
 
     rows = run(parse_config(InterpolateConfig, argv, prog="tether interpolate"))
-    names = [name for name in rows[0] if name != "path"]
-    for line in [names] + [[f"{row[name]:+.4f}" for name in names] for row in rows]:
-        print("  ".join(f"{cell:>15}" for cell in line))
+    for name in [name for name in rows[0] if name != "path"]:  # a column per point
+        print(f"{name:<24}" + "".join(f"{row[name]:>10.4f}" for row in rows))
+    print(f"written to {Path(rows[0]['path']).parent}")
     return 0
