@@ -43,7 +43,7 @@ def tether_options() -> set[str]:
         for field in dataclasses.fields(config_class(stage)):
             flag = "--" + field.name.replace("_", "-")
             out |= {flag, "--no-" + flag[2:]}  # a boolean also reads as --no-<name>
-        out |= set(getattr(config_class(stage), "FLAG_NAMES", {}))  # distill's --student
+        out |= set(getattr(config_class(stage), "FLAG_NAMES", {}))  # distill --student, ...
     return out
 
 

@@ -63,6 +63,8 @@ STAGES = {
                   "held-out evaluation of any saved policy: proxy, gold, KL, diversity"),
     "bon": Stage("tether.tools.bon", "tether.tools.config", "BonConfig",
                  "the best-of-n curve from one pool of samples: proxy, gold, exact KL"),
+    "interpolate": Stage("tether.tools.interpolate", "tether.tools.config", "InterpolateConfig",
+                         "the weights between an SFT and an RL model, each point evaluated"),
     "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
                     "run directories of any stage on one HTML page, configs diffed"),
     "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",
@@ -165,7 +167,7 @@ def preflight(stage: str, argv: list[str]) -> str:
 
     cfg = parse_config(config_class(stage), argv, prog=f"tether {stage}")
     if hasattr(cfg, "reward_fn"):  # the online stages and eval: the CLI passes no Python reward
-        check_rewards(cfg, training=stage != "eval")
+        check_rewards(cfg, training=stage not in ("eval", "interpolate"))
     require_stage(stage)
     require_engine(getattr(cfg, "engine", "native"))
     check_named_code(cfg)

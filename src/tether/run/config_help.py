@@ -88,7 +88,7 @@ def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
 
 
 # List fields whose items never hold a comma (`file.py:function`), so commas may join them too.
-COMMA_LISTS = frozenset({"tools", "reward_weights"})
+COMMA_LISTS = frozenset({"tools", "reward_weights", "points"})
 
 
 def _list_note(name: str, tp: Any) -> str:

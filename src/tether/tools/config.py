@@ -1,5 +1,5 @@
-"""The configs of the tools (`tether generate`, `eval`, `report`, `set-base`, `sweep`, `serve-rm`), apart from their code so
-that `--help` imports no torch.
+"""The configs of the tools (`tether generate`, `eval`, `interpolate`, `report`, `set-base`,
+`sweep`, `serve-rm`), apart from their code so that `--help` imports no torch.
 
 The sampling, reward and device fields are the sections PPOConfig is made of
 (tether.run.config: `SamplingOptions`, `RewardOptions`, `DeviceOptions`, `EnvOptions`), because
@@ -91,6 +91,43 @@ class BonConfig(SamplingConfig, RewardOptions):
         if self.n < 2:
             raise TetherError(f"--n {self.n} is a pool of {max(self.n, 0)}: the best of one is the "
                               "model itself; give --n 2 or more")
+
+
+@dataclass(kw_only=True)
+class InterpolateConfig(DeviceOptions, EnvOptions, SamplingOptions, RewardOptions, LMHeadOptions):
+    """The models on the line from an SFT model to an RL model trained from it, theta(eta) =
+    theta_SFT + eta (theta_RL - theta_SFT) (WiSE-FT, Wortsman et al. 2022; WARP's LITI, Rame et
+    al. 2024), one directory per point; with --prompts each is evaluated as tether eval does."""
+
+    COMMAND: ClassVar[str] = "interpolate"
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"--from": "--reference", "--to": "--model"}
+
+    # ---- models and points
+    reference: str
+    """The SFT model, eta 0 (a full model's directory): the line's start and every KL's reference."""
+    model: str
+    """The RL model, eta 1: a full model of --from's architecture and shapes, or a LoRA adapter on --from."""
+    points: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """The etas, increasing, in [0, 1]; each names its directory (0.25: D/eta0.25/; a LoRA --to: an adapter with B scaled by eta)."""
+    output_dir: str
+    """Where the models go, D/eta<point>/, with interpolate.json (and D/eta<point>.eval.json); new or empty."""
+    prompts: str = ""
+    """Prompts to evaluate every point on, as tether eval does, KL to --from (none: the models alone)."""
+    batch_size: int = 32
+    """Prompts sampled together (tether eval's --batch-size)."""
+    seed: int = 0
+    """Seed of the sampling stream, the same for every point."""
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "batch_size")
+        etas = self.points
+        if not etas or etas[0] < 0 or etas[-1] > 1 or any(a >= b for a, b in zip(etas, etas[1:])):
+            raise TetherError(f"--points {','.join(map(str, etas)) or '(none)'} must be "
+                              "distinct etas in [0, 1], increasing, e.g. --points 0,0.5,1")
+        if not self.prompts and (self.reward_fn or self.reward_model or self.reward_url
+                                 or self.gold_fn):
+            raise TetherError("a reward or --gold-fn scores the points on --prompts: give both")
 
 
 @dataclass(kw_only=True)
