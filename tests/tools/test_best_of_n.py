@@ -15,7 +15,13 @@ from fractions import Fraction
 
 import pytest
 
-from tether.tools.frontier import best_of_n, best_of_n_kl, gao_fit, mean_and_stderr
+from tether.tools.frontier import (
+    best_of_n,
+    best_of_n_kl,
+    gao_fit,
+    mean_and_stderr,
+    one_curve_test,
+)
 
 
 def brute_force(proxy, values, n):
@@ -125,3 +131,26 @@ def test_gao_s_best_of_n_form_is_recovered_from_noisy_points():
     assert fit.peak()[1] == pytest.approx(alpha * d_star / 2, rel=0.1)
     # the RL form is a different curve: on these points it fits worse
     assert gao_fit(kls, gains).r2 < fit.r2
+
+
+def test_the_one_curve_test_tells_early_stopping_from_different_curves():
+    # Gao et al.'s claim, made true and made false by construction: three "betas" whose points
+    # lie on one RL curve (each reaching its own KL range, as penalties do) plus noise, against
+    # three whose curves differ (alpha 0.4, 0.8, 1.2).
+    rng = random.Random(3)
+
+    def points(alpha, kls):
+        return [(k, math.sqrt(k) * (alpha - 0.3 * math.log(math.sqrt(k))) + rng.gauss(0, 0.02))
+                for k in kls]
+    ranges = [[0.2 * i for i in range(1, 9)], [0.5 * i for i in range(1, 9)],
+              [1.0 * i for i in range(1, 9)]]
+    # under the claim the p-value is uniform: about 5% of tasks fall below 0.05 (here at most
+    # 6 of 40; binomial(40, 0.05) passes 6 with probability 0.014)
+    null = [one_curve_test([points(0.8, kls) for kls in ranges], permutations=99, seed=s)[1]
+            for s in range(40)]
+    assert sum(p <= 0.05 for p in null) <= 6 and sum(null) / len(null) > 0.3
+    for s in range(5):  # different curves: no reassignment of the points comes close
+        share, p = one_curve_test([points(a, kls) for a, kls in zip((0.4, 0.8, 1.2), ranges)],
+                                  permutations=99, seed=s)
+        assert p == 1 / 100 and share > 0.5
+    assert one_curve_test([points(0.8, ranges[0])]) is None  # one group: nothing to compare

@@ -181,8 +181,9 @@ def test_a_bon_block_puts_the_best_of_n_curve_beside_the_runs(grid, tmp_path, ca
                  "--batch-size", "4", "--device", "cpu", "--n", "3", "--output", str(alone)]) == 0
     assert (root / "bon" / "bon.json").read_bytes() == alone.read_bytes()
     assert "Best-of-3: gold" in out
+    assert "One curve for every setting (Gao et al.: a KL penalty acts as early stopping)" in out
     page = (root / "report.html").read_text()
-    assert "id='best-of-n'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
+    assert "id='best-of-n'" in page and "id='one-curve'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
     # a bon block needs a ppo block and its own fields right: one line, nothing run
     for edit, says in ((lambda g: g.update(bon=[3]), "'bon' is a mapping of tether bon fields"),
                        (lambda g: g["bon"].update(n=1), "a pool of 1")):

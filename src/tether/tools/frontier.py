@@ -35,6 +35,7 @@ CDF F) best-of-n gives level y the probability F(y)^n - F(y-)^n, and the KL is e
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 # Gao et al.'s second feature of R = alpha d + beta f(d), by form: RL's and best-of-n's
@@ -304,3 +305,37 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
 def paired_difference(before: list[float], after: list[float]) -> tuple[float, float]:
     """Mean and standard error of after_i - before_i over the same prompts (paired)."""
     return mean_and_stderr([a - b for b, a in zip(before, after, strict=True)])
+
+
+def one_curve_test(groups: list[list[tuple[float, float]]], permutations: int = 999,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """Does a KL penalty only stop RL early? Gao et al. (2022, sec. 3.5) found every KL
+    coefficient's (KL, gold gain) points on one curve, the penalty moving a run along it, not
+    off it. `groups`: each beta's points. Fitted by `gao_fit` once to all points and once per
+    group, the per-group fits can only lower the residual sum of squares; the question is
+    whether by more than noise would. Returns (the reduction as a share of the pooled RSS, its
+    permutation p-value: the share of `permutations` random reassignments of the points to
+    groups of the same sizes whose reduction is at least as large), or None where a fit fails.
+    A small p: the betas trace different curves (the penalty does more than stop early)."""
+    def rss(points: list[tuple[float, float]]) -> float | None:
+        fit = gao_fit([k for k, _ in points], [g for _, g in points])
+        return None if fit is None else sum((g - fit.predict(k)) ** 2 for k, g in points)
+
+    def reduction(parts: list[list[tuple[float, float]]]) -> float | None:
+        separate = [rss(part) for part in parts]
+        return None if None in separate else pooled - sum(separate)
+
+    everything = [p for part in groups for p in part]
+    pooled = rss(everything) if len(groups) >= 2 else None
+    observed = reduction(groups) if pooled else None
+    if observed is None:
+        return None
+    rng, hits = random.Random(seed), 0
+    for _ in range(permutations):
+        shuffled, at, parts = rng.sample(everything, len(everything)), 0, []
+        for part in groups:
+            parts.append(shuffled[at:at + len(part)])
+            at += len(part)
+        drawn = reduction(parts)
+        hits += drawn is None or drawn >= observed - 1e-12 * pooled
+    return observed / pooled, (1 + hits) / (1 + permutations)

@@ -18,6 +18,7 @@ from tether.tools.frontier import (
     frontier,
     gao_fit,
     mean_and_stderr,
+    one_curve_test,
     recommend_beta,
 )
 from tether.tools.report import (
@@ -174,6 +175,22 @@ def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
             f"nats: within this KL, RL buys {verdict} gold than best-of-n.")
 
 
+def one_curve_sentence(groups: list[Group]) -> str:
+    """The page's sentence on Gao et al.'s "the KL penalty acts as early stopping"
+    (frontier.one_curve_test on the PPO settings' (KL, gold gain) points); "" with fewer than
+    two fitted settings."""
+    parts = [g.gains for g in groups if g.fit is not None]
+    test = one_curve_test(parts) if len(parts) >= 2 else None
+    if test is None:
+        return ""
+    share, p = test
+    verdict = ("holds on this task: the settings' points lie on one curve within noise"
+               if p > 0.05 else "does not hold on this task: the settings trace different curves")
+    return (f"One curve for every setting (Gao et al.: a KL penalty acts as early stopping) "
+            f"{verdict} (a fit per setting cuts the residual sum of squares by {share:.0%} "
+            f"against one fit to all {sum(map(len, parts))} points; permutation p = {p:.3f}).")
+
+
 def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | None = None
             ) -> list[tuple[str, str, str, dict[str, str]]]:
     """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
@@ -322,6 +339,10 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
+    said = one_curve_sentence(groups)
+    if said:
+        body.append(f"<p id='one-curve'>{html.escape(said)}</p>")
+        summary += "\n" + said
     curve = best_of_n_curve(sweep)
     if curve and groups:
         body.append(f"<p id='best-of-n'>{html.escape(versus_best_of_n(groups, curve))}</p>")
