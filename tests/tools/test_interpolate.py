@@ -210,3 +210,28 @@ def test_bad_input_is_one_line_and_nothing_is_written(case, message, rl, narrow,
     assert err.startswith("error: ") and message in err and "\n" not in err, err
     assert not out.exists() or [p.name for p in out.iterdir()] == ["keep.txt"]
     assert no_loads == []
+
+
+def test_a_pad_row_tether_added_is_interpolated_from_the_row_tether_loads(tiny_model_dir, tmp_path):
+    # An RL model whose tokenizer gained a pad token in training has one embedding row more
+    # than its SFT model; tether loads the SFT model for that tokenizer with the new row at the
+    # mean row (grow_embeddings), so that is the line's start: eta 0 is the SFT model as loaded.
+    from transformers import AutoModelForCausalLM
+
+    from tether.models.pretrained import grow_embeddings
+    rl = jittered(tiny_model_dir, tmp_path / "rl")
+    model = AutoModelForCausalLM.from_pretrained(rl)
+    rows = model.get_input_embeddings().weight.shape[0]
+    grow_embeddings(model, rows + 1)
+    model.save_pretrained(rl)
+    sft = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    grow_embeddings(sft, rows + 1)
+    out = tmp_path / "line"
+    assert main(["interpolate", "--from", str(tiny_model_dir), "--to", rl, "--points", "0,1",
+                 "--output-dir", str(out)]) == 0
+    start = weights(out / "eta0")
+    assert all(torch.equal(start[name], param.detach()) for name, param in sft.state_dict().items()
+               if name in start)
+    assert start["transformer.wte.weight"].shape[0] == rows + 1
+    end, given = weights(out / "eta1"), weights(rl)
+    assert all(same_bits(end[name], given[name]) for name in given)

@@ -162,9 +162,13 @@ def test_a_bon_block_puts_the_best_of_n_curve_beside_the_runs(grid, tmp_path, ca
     spec = yaml.safe_load(grid.read_text())
     del spec["dpo"]
     spec["bon"] = {"n": 3}
+    spec["interpolate"] = {"points": [0, 0.5, 1]}  # of the smallest beta's run: ppo-beta0-seed0
     grid.write_text(yaml.safe_dump(spec))
     sweep = plan(str(grid))
     bon_run = sweep.runs[-1]
+    assert sweep.runs[0].eval_fields["model"].endswith("ppo-beta0-seed0/final")
+    assert sweep.runs[0].eval_fields["reference"] == spec["ppo"]["policy"]
+    assert not sweep.runs[1].eval_fields
     assert [r.name for r in sweep.runs] == ["ppo-beta0-seed0", "ppo-beta0.5-seed0", "bon"]
     # the starting policy, on the held-out prompts, scored and sampled as PPO's evaluations
     assert bon_run.eval_fields["model"] == spec["ppo"]["policy"]
@@ -181,11 +185,22 @@ def test_a_bon_block_puts_the_best_of_n_curve_beside_the_runs(grid, tmp_path, ca
                  "--batch-size", "4", "--device", "cpu", "--n", "3", "--output", str(alone)]) == 0
     assert (root / "bon" / "bon.json").read_bytes() == alone.read_bytes()
     assert "Best-of-3: gold" in out
+    # the interpolation's ends: eta 0 is the start (KL 0), eta 1 the run's final policy, which
+    # its last evaluation measured with the same prompts and noise
+    rows = json.loads((root / "ppo-beta0-seed0" / "interpolate" / "interpolate.json").read_text())
+    last = [json.loads(x) for x in (root / "ppo-beta0-seed0" / "metrics.jsonl").read_text()
+            .splitlines() if "eval/gold_score" in x][-1]
+    assert [r["eta"] for r in rows] == [0, 0.5, 1] and rows[0]["eval/kl"] == 0.0
+    assert rows[-1]["eval/gold_score"] == last["eval/gold_score"]
+    assert rows[-1]["eval/kl"] == pytest.approx(last["eval/kl"], rel=1e-5)
+    assert "Interpolating ppo-beta0-seed0's weights from its start" in out
     assert "One curve for every setting (Gao et al.: a KL penalty acts as early stopping)" in out
     page = (root / "report.html").read_text()
-    assert "id='best-of-n'" in page and "id='one-curve'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
+    assert "id='best-of-n'" in page and "id='one-curve'" in page and "id='interpolated'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
     # a bon block needs a ppo block and its own fields right: one line, nothing run
     for edit, says in ((lambda g: g.update(bon=[3]), "'bon' is a mapping of tether bon fields"),
+                       (lambda g: g["interpolate"].update(run="ppo-x"), "not one of the grid's"),
+                       (lambda g: g["interpolate"].update(points=[1, 0]), "--points 1.0,0.0 must"),
                        (lambda g: g["bon"].update(n=1), "a pool of 1")):
         bad = yaml.safe_load(yaml.safe_dump(spec))
         edit(bad)

@@ -69,6 +69,13 @@ def signature(model_dir: Path, flag: str) -> dict:
     return out
 
 
+def grown(sft_shape, rl_shape) -> bool:
+    """Whether --to's tensor is --from's with rows added: the pad token tether adds to a
+    tokenizer without one (models.pretrained.grow_embeddings), on the embeddings' first dim."""
+    return (isinstance(sft_shape, list) and isinstance(rl_shape, list) and len(sft_shape) > 0
+            and sft_shape[1:] == rl_shape[1:] and sft_shape[0] < rl_shape[0])
+
+
 def check_inputs(cfg: InterpolateConfig) -> bool:
     """Refuse, in one line and before any weight loads, what cannot be interpolated or written
     (the module docstring's list); returns whether --to is a LoRA adapter."""
@@ -81,7 +88,8 @@ def check_inputs(cfg: InterpolateConfig) -> bool:
                               f"{sft}; give --from the base it was trained on")
     else:
         end = signature(rl, "--to")
-        for key in (k for k in start | end if start.get(k) != end.get(k)):
+        for key in (k for k in start | end if start.get(k) != end.get(k)
+                    and not grown(start.get(k), end.get(k))):
             raise TetherError(f"--from and --to differ in {key} ({start.get(key)} and "
                               f"{end.get(key)}); give two models of one architecture and shapes")
     if any(out.iterdir() if out.is_dir() else ()) or any(
@@ -99,6 +107,11 @@ def write_points(cfg: InterpolateConfig, lora: bool) -> list[dict]:
     sft = {n: torch.zeros_like(t) if "lora_B" in n or "lora_embedding_B" in n else t
            for tensors in rl.values() for n, t in tensors.items()} if lora else {
         n: t for file in sorted(sft_dir.glob("*.safetensors")) for n, t in load_file(file).items()}
+    for tensors in rl.values():  # --from as tether loads it for --to's tokenizer: new rows at
+        for n, t in tensors.items():  # the mean row (grow_embeddings)
+            if sft[n].shape[0] < t.shape[0]:
+                mean = sft[n].mean(0, keepdim=True).expand(t.shape[0] - sft[n].shape[0], -1)
+                sft[n] = torch.cat([sft[n], mean])
     rows = []
     for eta in cfg.points:
         path = Path(cfg.output_dir) / f"eta{str(eta).removesuffix('.0')}"

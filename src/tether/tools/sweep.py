@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,8 @@ from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
 from tether.run.paths import resolved_paths
 from tether.run.resume import HARMLESS_ON_RESUME, NOT_COMPARED, field_defaults
-from tether.tools import bon, evaluate
-from tether.tools.config import BonConfig, EvalConfig, SweepConfig
+from tether.tools import bon, evaluate, interpolate
+from tether.tools.config import BonConfig, EvalConfig, InterpolateConfig, SweepConfig
 from tether.tools.sweep_plan import PlannedRun, Sweep, config_class, plan, state, unplanned
 from tether.tools.sweep_report import write
 from tether.train import dpo, ppo
@@ -52,6 +53,9 @@ def execute_run(run: PlannedRun) -> None:
         (ppo if run.stage == "ppo" else dpo).run(cfg)
     if run.stage == "dpo":
         evaluate.run(config_from_dict(EvalConfig, run.eval_fields))
+    elif run.eval_fields:  # the grid's interpolation of this PPO run; an unfinished one redone
+        shutil.rmtree(run.eval_fields["output_dir"], ignore_errors=True)
+        interpolate.run(config_from_dict(InterpolateConfig, run.eval_fields))
 
 
 # What locates a run rather than shapes it; with rundir's harmless fields, never a "change".

@@ -20,6 +20,9 @@ The grid file::
     eval: {}                    # EvalConfig fields for the DPO/IPO evaluations (default: PPO's)
     bon: {n: 16}                # optional: the best-of-n baseline of the ppo block's policy
                                 # (BonConfig fields; default: PPO's evaluation settings)
+    interpolate: {run: ppo-beta0-seed0}   # optional: that run's weights from its start, each
+                                # point evaluated (InterpolateConfig fields; default run: the
+                                # smallest beta's first)
 
 A field whose own type is a list (e.g. stop_strings) is an axis only when given a list of lists.
 Every bad field fails here, before any run starts, and so does a grid point given twice (`beta:
@@ -50,13 +53,13 @@ from tether.run.config import (
     config_to_dict,
 )
 from tether.run.parse import config_from_dict, load_yaml, unknown_key
-from tether.tools.config import BonConfig, EvalConfig
+from tether.tools.config import BonConfig, EvalConfig, InterpolateConfig
 
 STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
                  "dpo": ("tether.train.offline_config", "DPOConfig")}
 
 
-TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval", "bon")
+TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval", "bon", "interpolate")
 
 
 # The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike: the sections
@@ -73,7 +76,8 @@ class PlannedRun:
     seed: int
     point: dict[str, Any]  # the grid values that set this run apart (seed excluded)
     fields: dict[str, Any]  # the stage config's fields (run_name and output_dir included)
-    eval_fields: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (dpo), BonConfig's
+    eval_fields: dict[str, Any] = field(default_factory=dict)  # EvalConfig's (dpo), BonConfig's,
+    # InterpolateConfig's (the ppo run the grid interpolates)
 
     @property
     def group(self) -> str:  # the grid point without its seed: runs averaged together
@@ -229,6 +233,30 @@ def _bon_run(ppo_block: dict, bon_block: dict, root: Path, seed: int) -> Planned
     return PlannedRun("bon", "bon", seed, {}, {"output_dir": str(root)}, fields)
 
 
+def _interpolation(runs: list[PlannedRun], ppo_block: dict, block: dict, root: Path) -> None:
+    """The interpolate block: one PPO run's weights on the line from its start (tether
+    interpolate), each point evaluated as the run's evaluations are, into <run>/interpolate/;
+    done in that run's job, after its training (its fields: the run's eval_fields)."""
+    ppo_runs = [run for run in runs if run.stage == "ppo"]
+    if not ppo_runs or not isinstance(block, dict):
+        raise TetherError("grid: 'interpolate' is a mapping of tether interpolate fields (and "
+                          "'run', a ppo run's name) beside a ppo block")
+    fields = dict(block)
+    name = fields.pop("run", min(ppo_runs, key=lambda r: r.fields.get("beta", 0.05)).name)
+    run = next((r for r in ppo_runs if r.name == name), None)
+    if run is None:
+        raise TetherError(f"grid: interpolate: run {name!r} is not one of the grid's ppo runs "
+                          f"({', '.join(r.name for r in ppo_runs)})")
+    final = root / name / "final"
+    run.eval_fields = _eval_base(ppo_block) | {
+        "reference": run.fields["policy"], "model": str(final), "seed": run.seed,
+        "output_dir": str(final.parent / "interpolate")} | fields
+    try:
+        config_from_dict(InterpolateConfig, run.eval_fields)
+    except TetherError as exc:
+        raise TetherError(f"grid: interpolate: {exc}") from None
+
+
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
     """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
     base = _eval_base(ppo_block) | eval_block
@@ -290,6 +318,8 @@ def plan(grid_path: str, output_dir: str | None = None) -> Sweep:
     assert len(names) == len(runs), "two planned runs share a directory"  # checked: one dir each
     _ppo_defaults(runs, grid.get("ppo") or {})
     _dpo_eval(runs, grid.get("ppo") or {}, grid.get("eval") or {})
+    if "interpolate" in grid:
+        _interpolation(runs, grid.get("ppo") or {}, grid["interpolate"], root)
     if "bon" in grid:
         runs.append(_bon_run(grid.get("ppo") or {}, grid["bon"] or {}, root, seeds[0]))
     return Sweep(root, runs, axes)
@@ -313,7 +343,9 @@ def state(run: PlannedRun) -> str:
     path = Path(run.fields["output_dir"]) / run.name
     finished = ((path / "final").exists()
                 and (not run.fields.get("merge_lora") or (path / "merged").exists())
-                and (run.stage != "dpo" or (path / "eval.json").exists()))
+                and (run.stage != "dpo" or (path / "eval.json").exists())
+                and (run.stage != "ppo" or not run.eval_fields  # the grid's interpolation
+                     or (path / "interpolate" / "interpolate.json").exists()))
     return "done" if finished else "broken" if path.exists() else "new"
 
 

@@ -41,6 +41,7 @@ from tether.tools.sweep_results import (
     RunPoints,
     best_of_n_curve,
     collect,
+    interpolation,
     summarise,
     write_csv,
 )
@@ -62,14 +63,21 @@ def _plot_groups(ax, groups: list[Group], metric: str, palette: Palette) -> None
                         color=colour, alpha=0.2)
 
 
-BON = "best-of-n"  # the baseline's label and colour in every figure
+BON = "best-of-n"  # the baselines' labels and colours in every figure
+INTERPOLATED = "interpolated"
 
 
 def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Palette,
-                     curve: list[dict]):
+                     curve: list[dict], line: tuple[str, list]):
     """Every evaluation in its setting's colour, the frontier over all of them, DPO/IPO marked,
-    the best-of-n curve (`curve`: bon.json) at its exact KL; returns (figure, caption)."""
+    the best-of-n curve (`curve`: bon.json) at its exact KL, and the interpolation of one run
+    (`line`: sweep_results.interpolation); returns (figure, caption)."""
     fig, ax = plt.subplots(figsize=(8, 5))
+    name, etas = line
+    if etas:
+        ax.errorbar([p[1] for p in etas], [p[2] for p in etas], yerr=[p[3] for p in etas],
+                    fmt=":D", markersize=5, capsize=2, color=palette(INTERPOLATED),
+                    label=f"{name}'s weights from its start, eta {etas[0][0]:g}..{etas[-1][0]:g}")
     if curve:
         ax.errorbar([c["kl_exact"] for c in curve], [c["gold"] for c in curve],
                     yerr=[c["gold_se"] for c in curve], fmt="--s", markersize=4, capsize=2,
@@ -95,6 +103,9 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
     ax.legend(fontsize=8)
     caption = ("every evaluation of every run, in its setting's colour; the black steps are the "
                "best gold reached within each KL.")
+    if etas:
+        caption += (f" The diamonds are {name}'s weights interpolated from its starting model "
+                    "(tether interpolate), each evaluated on the same prompts.")
     if curve:
         caption += (f" The dashed squares are best-of-n from one pool of {curve[-1]['n']} samples "
                     "of the starting policy (tether bon), at best-of-n's exact KL, ± one standard "
@@ -175,6 +186,15 @@ def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
             f"nats: within this KL, RL buys {verdict} gold than best-of-n.")
 
 
+def interpolation_sentence(name: str, etas: list) -> str:
+    """The page's sentence on the interpolated run: its best point against its own end."""
+    eta, kl, gold, se = max(etas, key=lambda p: p[2])
+    end = etas[-1]
+    return (f"Interpolating {name}'s weights from its start (WiSE-FT; WARP's LITI): the best "
+            f"point, eta {eta:g}, reaches gold {gold:+.3f} ± {se:.3f} at KL {kl:.2f}, against "
+            f"{end[2]:+.3f} ± {end[3]:.3f} at KL {end[1]:.2f} for eta {end[0]:g}.")
+
+
 def one_curve_sentence(groups: list[Group]) -> str:
     """The page's sentence on Gao et al.'s "the KL penalty acts as early stopping"
     (frontier.one_curve_test on the PPO settings' (KL, gold gain) points); "" with fewer than
@@ -191,8 +211,8 @@ def one_curve_sentence(groups: list[Group]) -> str:
             f"against one fit to all {sum(map(len, parts))} points; permutation p = {p:.3f}).")
 
 
-def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | None = None
-            ) -> list[tuple[str, str, str, dict[str, str]]]:
+def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | None = None,
+            line: tuple[str, list] = ("", [])) -> list[tuple[str, str, str, dict[str, str]]]:
     """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
     # One colour per setting, handed out in the groups' order, so the sweep page and the demo
     # page (which embeds these figures) colour each setting alike, and no setting takes a colour
@@ -213,7 +233,7 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
     axes[0].legend(fontsize=8)
     add(fig, "Gold and proxy reward against KL",
         "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
-    fig, caption = _frontier_figure(groups, points, palette, curve or [])
+    fig, caption = _frontier_figure(groups, points, palette, curve or [], line)
     add(fig, "The frontier", caption)
     fitted = [g for g in groups if g.fit is not None]
     if fitted:
@@ -339,6 +359,11 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
+    line = interpolation(sweep)
+    if line[1]:
+        said = interpolation_sentence(*line)
+        body.append(f"<p id='interpolated'>{html.escape(said)}</p>")
+        summary += "\n" + said
     said = one_curve_sentence(groups)
     if said:
         body.append(f"<p id='one-curve'>{html.escape(said)}</p>")
@@ -351,7 +376,7 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
                 f"</table>{EXPLAIN}")
     if points:
         body += [figure_html(src, title, caption, colours)
-                 for title, src, caption, colours in figures(groups, points, curve)]
+                 for title, src, caption, colours in figures(groups, points, curve, line)]
     finished = [read_run(sweep.root / p.run.name) for p in points]
     if finished and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))

@@ -15,7 +15,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tether.tools.frontier import GaoFit, end_of_training, gao_fit, over_seeds, peak_then_fall
+from tether.tools.frontier import (
+    GaoFit,
+    end_of_training,
+    gao_fit,
+    mean_and_stderr,
+    over_seeds,
+    peak_then_fall,
+)
 from tether.tools.report import read_run, read_samples
 from tether.tools.sweep_plan import PlannedRun, Sweep, state
 
@@ -36,6 +43,21 @@ def best_of_n_curve(sweep: Sweep) -> list[dict]:
     not written yet."""
     done = [run for run in sweep.runs if run.stage == "bon" and state(run) == "done"]
     return json.loads(Path(done[0].eval_fields["output"]).read_text("utf-8")) if done else []
+
+
+def interpolation(sweep: Sweep) -> tuple[str, list[tuple[float, float, float, float]]]:
+    """The grid's interpolation, read back: (its run, [(eta, KL, gold, gold's standard error
+    over prompts)]); ("", []) when the grid has none or it is not done."""
+    for run in sweep.runs:
+        if run.stage == "ppo" and run.eval_fields and state(run) == "done":
+            rows = json.loads((Path(run.eval_fields["output_dir"]) / "interpolate.json")
+                              .read_text("utf-8"))
+            golds = [[s["gold_score"] for s in json.loads(Path(row["path"] + ".eval.json")
+                                                          .read_text("utf-8"))["samples"]]
+                     for row in rows]
+            return run.name, [(row["eta"], row["eval/kl"], *mean_and_stderr(gold))
+                              for row, gold in zip(rows, golds)]
+    return "", []
 
 
 def collect(sweep: Sweep) -> list[RunPoints]:
