@@ -312,12 +312,8 @@ def cli(argv: list[str]) -> int:
     from tether.run.parse import parse_config
     from tether.tools.config import ReportConfig
 
-    # Leading plain arguments are the runs: `tether report A B` reads as `--runs A B`.
-    positional = []
-    while argv and not argv[0].startswith("--"):
-        positional.append(argv.pop(0))
-    cfg = parse_config(ReportConfig, (["--runs", *positional] if positional else []) + argv,
-                       prog="tether report")
+    # `tether report A B` reads as `--runs A B` (ReportConfig.POSITIONAL)
+    cfg = parse_config(ReportConfig, argv, prog="tether report")
     path = write_report(cfg.runs, cfg.output, cfg.title)
     print(f"report written to {path}")
     return 0
