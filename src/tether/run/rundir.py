@@ -265,11 +265,6 @@ class RunDir:
         for tracker in self._sinks():
             tracker.text(step, tag, text)
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [record for _, record in json_lines(self.metrics_path)]
-
     def close(self) -> None:
         """Close the trackers and free the directory for the next process (`release`)."""
         for tracker in self._trackers or []:
