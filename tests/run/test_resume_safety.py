@@ -15,6 +15,7 @@ from torch import nn
 
 from tether.cli import main
 from tether.errors import AlreadyFinished, TetherError
+from tether.run.atomic import json_lines
 from tether.run.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from tether.run.config import RunConfig
 from tether.run.rundir import RunDir
@@ -95,7 +96,7 @@ def test_partial_metrics_line_and_temp_dirs_are_cleaned(tmp_path, capsys):
     (run.path / ".final.tmp-abc").mkdir()
     (run.checkpoint_dir / ".tmp-step_4-xyz").mkdir(parents=True)
     again = RunDir(tmp_path, "r", resume=True)
-    assert [m["step"] for m in again.read_metrics()] == [1]
+    assert [m["step"] for _, m in json_lines(again.metrics_path)] == [1]
     again.save_config(Cfg(run_name="r", resume=True))
     again.truncate_metrics(after_step=1)
     assert run.metrics_path.read_text() == '{"step": 1, "x": 1.0}\n'

@@ -13,7 +13,9 @@ machine the group reads a run's models as it reads its metrics.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -145,3 +147,13 @@ def read_record(path: str | Path, loads: Callable[[str], Any] = yaml.safe_load) 
         return loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):  # (UnicodeDecodeError is a ValueError)
         return None
+
+
+def json_lines(path: Path) -> list[tuple[str, Any]]:
+    """(line, its JSON) for each line of a JSONL file that parses: an empty line, or one cut off
+    by a kill, is left out."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append((line, json.loads(line)))
+    return out

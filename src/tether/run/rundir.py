@@ -42,7 +42,7 @@ import yaml
 
 from tether.errors import AlreadyFinished, TetherError
 from tether.run import distributed, lock
-from tether.run.atomic import atomic_write_bytes, read_record, write_failure
+from tether.run.atomic import atomic_write_bytes, json_lines, read_record, write_failure
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
@@ -228,7 +228,7 @@ class RunDir:
             return
         for path in (self.metrics_path, self.samples_path):
             if path.exists():  # a partial line goes: the step it belonged to runs again
-                keep = [line for line, record in _json_lines(path)
+                keep = [line for line, record in json_lines(path)
                         if record.get("step", 0) <= after_step]
                 atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
@@ -265,11 +265,6 @@ class RunDir:
         for tracker in self._sinks():
             tracker.text(step, tag, text)
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [record for _, record in _json_lines(self.metrics_path)]
-
     def close(self) -> None:
         """Close the trackers and free the directory for the next process (`release`)."""
         for tracker in self._trackers or []:
@@ -288,16 +283,6 @@ def _writer_process() -> bool:
     """Whether this process will write the run directory, known before torchrun's group is
     joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
     return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
-
-
-def _json_lines(path: Path) -> list[tuple[str, Any]]:
-    """(line, its JSON) for each line of a JSONL file that parses: an empty line, or one cut off
-    by a kill, is left out."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append((line, json.loads(line)))
-    return out
 
 
 def run_finished(path: str | Path) -> bool:

@@ -32,7 +32,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tether.errors import TetherError  # noqa: E402
-from tether.run.atomic import atomic_write_bytes  # noqa: E402
+from tether.run.atomic import atomic_write_bytes, json_lines  # noqa: E402
 from tether.tools.outputs import check_output  # noqa: E402
 
 # Logged every step but about the machine, not the training: left out of the curves.
@@ -80,13 +80,8 @@ def read_run(path: str | Path) -> RunRecord:
                               "or leave the run out")
     metrics = []
     if (path / "metrics.jsonl").is_file():
-        for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                metrics.append(row)
+        metrics = [row for _, row in json_lines(path / "metrics.jsonl")
+                   if isinstance(row, dict) and "step" in row]
     return RunRecord(path.name, path, config, metrics)
 
 
@@ -312,12 +307,8 @@ def cli(argv: list[str]) -> int:
     from tether.run.parse import parse_config
     from tether.tools.config import ReportConfig
 
-    # Leading plain arguments are the runs: `tether report A B` reads as `--runs A B`.
-    positional = []
-    while argv and not argv[0].startswith("--"):
-        positional.append(argv.pop(0))
-    cfg = parse_config(ReportConfig, (["--runs", *positional] if positional else []) + argv,
-                       prog="tether report")
+    # `tether report A B` reads as `--runs A B` (ReportConfig.POSITIONAL)
+    cfg = parse_config(ReportConfig, argv, prog="tether report")
     path = write_report(cfg.runs, cfg.output, cfg.title)
     print(f"report written to {path}")
     return 0

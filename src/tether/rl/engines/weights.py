@@ -1,5 +1,6 @@
 """The policy's weights as an engine is sent them. Under FSDP2 each parameter is a shard,
-gathered whole first (`whole`: a collective, so every rank calls these in the same order).
+gathered whole first (`tether.run.checkpoint.whole`: a collective, so every rank calls these in
+the same order).
 
     trainable, flatten, unflatten_into   the generator process's copy (--max-staleness,
                                          `tether.rl.engines.ahead`): the trainable parameters,
@@ -16,10 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from an FSDP2 shard (a collective: every rank calls it in the same order)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from tether.run.checkpoint import whole
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
