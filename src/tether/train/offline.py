@@ -38,8 +38,9 @@ def count_steps(n_rows: int, cfg: TrainConfig) -> int:
 
 
 def stage_cli(config: type[TrainConfig], run: Callable[[Any], RunResult], argv: list[str]) -> int:
-    """`tether sft | rm | dpo [--config FILE.yaml] [--field value ...]`: the stage's config parsed
-    from `argv` (its command is `config.STAGE`), the run, and its result printed."""
+    """`tether <stage> [--config FILE.yaml] [--field value ...]` of every stage here (sft, rm, dpo,
+    and the online ppo, rloo, grpo, distill): the stage's config parsed from `argv` (its command is
+    `config.STAGE`), the run, and its result printed."""
     cfg = parse_config(config, argv, prog=f"tether {config.STAGE}")
     print_result(run(cfg))
     return 0
