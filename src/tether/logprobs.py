@@ -26,8 +26,9 @@ def _chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 
 
-def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """chunk / T in fp32, without a copy when it is already fp32 and T = 1."""
+def scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """chunk / T in fp32, without a copy when it is already fp32 and T = 1 (`tether.lm_head`
+    then works in place on a fresh fp32 matmul output)."""
     chunk = chunk.float()
     return chunk if temperature == 1.0 else chunk / temperature
 
@@ -47,7 +48,7 @@ class _TokenLogprobs(torch.autograd.Function):
         step = _chunk_rows(flat.shape[-1])
         for start in range(0, flat.shape[0], step):
             rows = slice(start, start + step)
-            x = _scaled(flat[rows], temperature)  # [chunk, V]
+            x = scaled(flat[rows], temperature)  # [chunk, V]
             # log_softmax is one fused kernel; logsumexp runs as several passes on CPU and was
             # 3x slower here (docs/benchmarks.md).
             log_p = torch.log_softmax(x, dim=-1)  # [chunk, V] scratch
@@ -70,7 +71,7 @@ class _TokenLogprobs(torch.autograd.Function):
             g = flat_grad[rows, None]
             # One [chunk, V] buffer: softmax (a fused kernel, 2x faster here than exp(x - lse)),
             # then in place: times -g, plus g at the token, divided by T.
-            chunk_grad = torch.softmax(_scaled(flat[rows], temperature), dim=-1)
+            chunk_grad = torch.softmax(scaled(flat[rows], temperature), dim=-1)
             chunk_grad.mul_(-g).scatter_add_(-1, flat_tokens[rows, None], g)
             if temperature != 1.0:
                 chunk_grad.div_(temperature)
