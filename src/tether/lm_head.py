@@ -159,7 +159,8 @@ def _linear_backward(ctx, grad_out):
     # Chunks of the vocabulary, all positions at once, as in the forward pass: each slice of dW
     # is written once (row chunks would rewrite all of dW, 1 GiB at V=128256, d=2048, per chunk).
     for cols in _slices(vocab, n_rows):
-        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)  # [N, Vc]
+        # [N, Vc]
+        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         # G = g (onehot(y) - p) / T_s with p = exp(x - lse), lse from the forward pass
         grad_x = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])
         hit_rows, hit_cols = _token_hits(tokens, cols)
