@@ -50,13 +50,6 @@ from tether.choices import positive
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _slices(total: int, across: int) -> list[slice]:
-    """Chunks of `total` positions (`across` the vocabulary) or vocabulary entries (`across` all
-    positions), each with ~CHUNK_ELEMENTS logits."""
-    step = max(1, CHUNK_ELEMENTS // max(1, across))
-    return [slice(start, min(start + step, total)) for start in range(0, total, step)]
-
-
 def _token_hits(tokens: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, columns within the chunk) of the positions whose token lies in `cols`."""
     rows = ((tokens >= cols.start) & (tokens < cols.stop)).nonzero().squeeze(-1)
@@ -91,7 +84,7 @@ def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy
     running_max = torch.full((n_rows,), float("-inf"), **f32)  # m
     sum_exp, sum_exp_other, sum_exp_x = (torch.zeros(n_rows, **f32) for _ in range(3))  # s, s', u
     weighted = torch.zeros(h.shape, **f32) if keep_direction else None  # A, [N, d]
-    for cols in _slices(vocab, n_rows):
+    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
         # [N, Vc] fp32: the only tensor with a vocabulary dimension
         x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         hit_rows, hit_cols = _token_hits(tokens, cols)
@@ -158,7 +151,7 @@ def _linear_backward(ctx, grad_out):
     grad_b = torch.empty(vocab, dtype=torch.float32, device=h.device) if need_b else None
     # Chunks of the vocabulary, all positions at once, as in the forward pass: each slice of dW
     # is written once (row chunks would rewrite all of dW, 1 GiB at V=128256, d=2048, per chunk).
-    for cols in _slices(vocab, n_rows):
+    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
         # [N, Vc]
         x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         # G = g (onehot(y) - p) / T_s with p = exp(x - lse), lse from the forward pass
@@ -219,7 +212,7 @@ def _checkpointed_rows(fn, n_rows: int, vocab: int, heads: tuple[nn.Module, ...]
     grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                         or any(p.requires_grad for m in heads for p in m.parameters()))
     parts = []
-    for rows in _slices(n_rows, vocab):
+    for rows in logprobs_lib.chunk_slices(n_rows, vocab, CHUNK_ELEMENTS):
         chunks = [t[rows] for t in tensors]
         parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
     if not parts:
