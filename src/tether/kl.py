@@ -257,13 +257,11 @@ class AnnealedKL(KLController):
     cosine: beta_k = start + (end - start) * (1 - cos(pi * k / steps)) / 2
     """
 
-    SHAPES = ("linear", "cosine")
-
     def __init__(self, start: float, end: float, steps: int, shape: str = "linear"):
         non_negative("start beta", start)
         non_negative("end beta", end)
         positive("steps", steps)
-        entry(self.SHAPES, shape, "anneal shape")
+        entry(("linear", "cosine"), shape, "anneal shape")
         self.start, self.end, self.steps, self.shape = float(start), float(end), int(steps), shape
         self.n_updates = 0
         self.beta = self._beta_at(0)
