@@ -47,7 +47,8 @@ def test_token_logprobs_across_many_chunks(monkeypatch, temperature):
     weights = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(9))
     want, want_grad = _value_and_grad(_naive, logits, tokens, temperature, weights)
     monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 4 * 17)
-    assert logprobs_mod._chunk_rows(17) == 4
+    assert logprobs_mod.chunk_slices(15, 17) == [slice(0, 4), slice(4, 8), slice(8, 12),
+                                                 slice(12, 15)]
     got, got_grad = _value_and_grad(token_logprobs, logits, tokens, temperature, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)

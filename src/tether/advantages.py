@@ -281,9 +281,6 @@ def rloo(rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     return _on_real_tokens(returns - others_mean, mask)
 
 
-GRPO_SCALES = ("group", "batch", "none")
-
-
 def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str = "group",
          eps: float = 1e-4) -> torch.Tensor:
     """Group-relative advantages, outcome supervision (Shao et al. 2024, "DeepSeekMath", GRPO).
@@ -315,7 +312,7 @@ def grpo(rewards: torch.Tensor, mask: torch.Tensor, k: int, scale_rewards: str =
     Returns:
         [B, T] fp32 advantages: A_i on every real token of row i, 0 on padding.
     """
-    entry(GRPO_SCALES, scale_rewards, "scale_rewards")
+    entry(("group", "batch", "none"), scale_rewards, "scale_rewards")
     positive("eps", eps)
     returns = _group_returns(rewards, mask, k, "grpo")  # [n_prompts, k]
     advantages = returns - returns.mean(dim=1, keepdim=True)

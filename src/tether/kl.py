@@ -30,7 +30,6 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -195,20 +194,25 @@ def _as_float(kl: float | torch.Tensor) -> float:
     return value
 
 
-class KLController(Protocol):
+class KLController:
     """What the loop needs of a beta controller: the current beta, an update from the batch
-    mean of per-sequence summed KL and the batch size, and its state for checkpoints."""
+    mean of per-sequence summed KL and the batch size, and its state for checkpoints: every
+    attribute the controller sets in `__init__` (its settings, then where its schedule stands),
+    plain numbers and names, as JSON holds them."""
 
     beta: float
 
-    def update(self, kl: float | torch.Tensor, n_steps: int) -> float: ...
+    def update(self, kl: float | torch.Tensor, n_steps: int) -> float:
+        raise NotImplementedError
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return dict(vars(self))
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
 
 
-class FixedKL:
+class FixedKL(KLController):
     """A constant beta."""
 
     def __init__(self, beta: float):
@@ -219,14 +223,8 @@ class FixedKL:
         _as_float(kl)
         return self.beta
 
-    def state_dict(self) -> dict:
-        return {"beta": self.beta}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.beta = float(state["beta"])
-
-
-class AdaptiveKL:
+class AdaptiveKL(KLController):
     """Proportional control of beta towards a KL target (Ziegler et al. 2019, eq. 2).
 
     e = clip(KL / target - 1, -max_error, max_error);  beta <- beta * (1 + e * n_steps / horizon)
@@ -251,31 +249,19 @@ class AdaptiveKL:
         self.beta *= 1.0 + error * n_steps / self.horizon
         return self.beta
 
-    def state_dict(self) -> dict:
-        return {"beta": self.beta, "target": self.target, "horizon": self.horizon,
-                "max_error": self.max_error}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.beta = float(state["beta"])
-        self.target = float(state["target"])
-        self.horizon = int(state["horizon"])
-        self.max_error = float(state["max_error"])
-
-
-class AnnealedKL:
+class AnnealedKL(KLController):
     """beta moves from `start` to `end` over `steps` updates, then stays at `end`.
 
     linear: beta_k = start + (end - start) * k / steps
     cosine: beta_k = start + (end - start) * (1 - cos(pi * k / steps)) / 2
     """
 
-    SHAPES = ("linear", "cosine")
-
     def __init__(self, start: float, end: float, steps: int, shape: str = "linear"):
         non_negative("start beta", start)
         non_negative("end beta", end)
         positive("steps", steps)
-        entry(self.SHAPES, shape, "anneal shape")
+        entry(("linear", "cosine"), shape, "anneal shape")
         self.start, self.end, self.steps, self.shape = float(start), float(end), int(steps), shape
         self.n_updates = 0
         self.beta = self._beta_at(0)
@@ -290,12 +276,3 @@ class AnnealedKL:
         self.n_updates += 1
         self.beta = self._beta_at(self.n_updates)
         return self.beta
-
-    def state_dict(self) -> dict:
-        return {"start": self.start, "end": self.end, "steps": self.steps, "shape": self.shape,
-                "n_updates": self.n_updates, "beta": self.beta}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.__init__(state["start"], state["end"], state["steps"], state["shape"])
-        self.n_updates = int(state["n_updates"])
-        self.beta = float(state["beta"])

@@ -34,6 +34,8 @@ Everything runs in fp32 after the matmul; under autocast the matmuls run in bf16
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,33 +48,6 @@ from tether.choices import positive
 # Logit elements per chunk: 2^22 fp32 = 16 MiB, the scratch size of tether.logprobs. Read at call
 # time, so tests can shrink it to force many chunks.
 CHUNK_ELEMENTS = 1 << 22
-
-
-def _slices(total: int, step: int) -> list[slice]:
-    return [slice(start, min(start + step, total)) for start in range(0, total, step)]
-
-
-def _row_slices(n_rows: int, vocab: int) -> list[slice]:
-    """Chunks of positions, each with ~CHUNK_ELEMENTS logits."""
-    return _slices(n_rows, max(1, CHUNK_ELEMENTS // max(1, vocab)))
-
-
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype matmuls run in: autocast's when it is on for this device (bf16 matmul, softmax
-    still in fp32, as under autocast in the plain path), else the tensor's own."""
-    device = tensor.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
-
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T_s in fp32; a fresh fp32 matmul output is used in place when T_s = 1."""
-    logits = logits.float()
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def _vocab_slices(n_rows: int, vocab: int) -> list[slice]:
-    """Chunks of the vocabulary, each with ~CHUNK_ELEMENTS logits over all positions."""
-    return _slices(vocab, max(1, CHUNK_ELEMENTS // max(1, n_rows)))
 
 
 def _token_hits(tokens: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,9 +84,9 @@ def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy
     running_max = torch.full((n_rows,), float("-inf"), **f32)  # m
     sum_exp, sum_exp_other, sum_exp_x = (torch.zeros(n_rows, **f32) for _ in range(3))  # s, s', u
     weighted = torch.zeros(h.shape, **f32) if keep_direction else None  # A, [N, d]
-    for cols in _vocab_slices(n_rows, vocab):
+    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
         # [N, Vc] fp32: the only tensor with a vocabulary dimension
-        x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
+        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         hit_rows, hit_cols = _token_hits(tokens, cols)
         token_x[hit_rows] = x[hit_rows, hit_cols]
         new_max = torch.maximum(running_max, x.amax(dim=-1))
@@ -144,8 +119,11 @@ def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy
 
 
 def _cast(hidden, weight, bias):
-    """h, W, b in the dtype the matmuls run in (one cast of W per call, not one per chunk)."""
-    dtype = _compute_dtype(hidden)
+    """h, W, b in the dtype the matmuls run in (one cast of W per call, not one per chunk):
+    autocast's when it is on for this device (bf16 matmul, softmax still in fp32, as under
+    autocast in the plain path), else the hidden states' own."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -173,8 +151,9 @@ def _linear_backward(ctx, grad_out):
     grad_b = torch.empty(vocab, dtype=torch.float32, device=h.device) if need_b else None
     # Chunks of the vocabulary, all positions at once, as in the forward pass: each slice of dW
     # is written once (row chunks would rewrite all of dW, 1 GiB at V=128256, d=2048, per chunk).
-    for cols in _vocab_slices(n_rows, vocab):
-        x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)  # [N, Vc]
+    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
+        # [N, Vc]
+        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         # G = g (onehot(y) - p) / T_s with p = exp(x - lse), lse from the forward pass
         grad_x = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])
         hit_rows, hit_cols = _token_hits(tokens, cols)
@@ -193,9 +172,10 @@ def _linear_backward(ctx, grad_out):
             None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
+@functools.cache
 def _linear_function(device_type: str) -> type[torch.autograd.Function]:
     """The autograd Function for one device type: torch.amp.custom_fwd/custom_bwd need the type
-    to carry the caller's autocast state into the backward pass."""
+    to carry the caller's autocast state into the backward pass. One per device type, made once."""
     class LinearHeadTokenLogprobs(torch.autograd.Function):
         @staticmethod
         @torch.amp.custom_fwd(device_type=device_type)
@@ -208,9 +188,6 @@ def _linear_function(device_type: str) -> type[torch.autograd.Function]:
             return _linear_backward(ctx, grad_out)
 
     return LinearHeadTokenLogprobs
-
-
-_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 def is_plain_linear(head: nn.Module) -> bool:
@@ -235,7 +212,7 @@ def _checkpointed_rows(fn, n_rows: int, vocab: int, heads: tuple[nn.Module, ...]
     grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                         or any(p.requires_grad for m in heads for p in m.parameters()))
     parts = []
-    for rows in _row_slices(n_rows, vocab):
+    for rows in logprobs_lib.chunk_slices(n_rows, vocab, CHUNK_ELEMENTS):
         chunks = [t[rows] for t in tensors]
         parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
     if not parts:
@@ -282,10 +259,7 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
         weight, bias = head.weight, head.bias
         trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
         keep_direction = torch.is_grad_enabled() and flat_h.requires_grad and not trainable
-        device = flat_h.device.type
-        if device not in _FUNCTIONS:
-            _FUNCTIONS[device] = _linear_function(device)
-        function = _FUNCTIONS[device]
+        function = _linear_function(flat_h.device.type)
         out = function.apply(flat_h, weight, bias, flat_y, float(temperature), keep_direction)
     else:
         def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,16 @@ from tether.choices import positive
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunk_rows(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
+def chunk_slices(total: int, across: int, elements: int | None = None) -> list[slice]:
+    """Chunks of `total` rows (or vocabulary entries), each with ~`elements` values `across` the
+    other dimension (default CHUNK_ELEMENTS, read at call time; `tether.lm_head` passes its own)."""
+    step = max(1, (elements or CHUNK_ELEMENTS) // max(1, across))
+    return [slice(start, min(start + step, total)) for start in range(0, total, step)]
 
 
-def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """chunk / T in fp32, without a copy when it is already fp32 and T = 1."""
+def scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """chunk / T in fp32, without a copy when it is already fp32 and T = 1 (`tether.lm_head`
+    then works in place on a fresh fp32 matmul output)."""
     chunk = chunk.float()
     return chunk if temperature == 1.0 else chunk / temperature
 
@@ -44,10 +48,8 @@ class _TokenLogprobs(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
         flat_tokens = tokens.reshape(-1)  # [N]
         out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        step = _chunk_rows(flat.shape[-1])
-        for start in range(0, flat.shape[0], step):
-            rows = slice(start, start + step)
-            x = _scaled(flat[rows], temperature)  # [chunk, V]
+        for rows in chunk_slices(flat.shape[0], flat.shape[-1]):
+            x = scaled(flat[rows], temperature)  # [chunk, V]
             # log_softmax is one fused kernel; logsumexp runs as several passes on CPU and was
             # 3x slower here (docs/benchmarks.md).
             log_p = torch.log_softmax(x, dim=-1)  # [chunk, V] scratch
@@ -64,13 +66,11 @@ class _TokenLogprobs(torch.autograd.Function):
         flat_tokens = tokens.reshape(-1)
         flat_grad = grad_out.reshape(-1).float()
         grad = torch.empty_like(flat)
-        step = _chunk_rows(flat.shape[-1])
-        for start in range(0, flat.shape[0], step):
-            rows = slice(start, start + step)
+        for rows in chunk_slices(flat.shape[0], flat.shape[-1]):
             g = flat_grad[rows, None]
             # One [chunk, V] buffer: softmax (a fused kernel, 2x faster here than exp(x - lse)),
             # then in place: times -g, plus g at the token, divided by T.
-            chunk_grad = torch.softmax(_scaled(flat[rows], temperature), dim=-1)
+            chunk_grad = torch.softmax(scaled(flat[rows], temperature), dim=-1)
             chunk_grad.mul_(-g).scatter_add_(-1, flat_tokens[rows, None], g)
             if temperature != 1.0:
                 chunk_grad.div_(temperature)
@@ -113,11 +113,10 @@ def map_row_chunks(fn, *tensors: torch.Tensor) -> torch.Tensor:
     vocab = tensors[0].shape[-1]
     lead = tensors[0].shape[:-1]
     flats = [t.reshape(-1, vocab) for t in tensors]
-    step = _chunk_rows(vocab)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     parts = []
-    for start in range(0, flats[0].shape[0], step):
-        chunks = [f[start:start + step] for f in flats]
+    for rows in chunk_slices(flats[0].shape[0], vocab):
+        chunks = [f[rows] for f in flats]
         parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
     if not parts:
         return torch.zeros(lead, dtype=torch.float32, device=tensors[0].device)

@@ -96,9 +96,6 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return ((log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None]
 
 
-AGGREGATIONS = ("token", "sequence", "sum")
-
-
 def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token",
                   denominator: float | None = None) -> torch.Tensor:
     """Scalar reduction of a [B, T] per-token quantity over the true tokens of `mask`.
@@ -117,7 +114,7 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token
             minibatch's count when this batch is one of its micro-batches (see the module
             docstring), or the rows that carry loss when some rows are masked out whole.
     """
-    entry(AGGREGATIONS, aggregation, "loss aggregation")
+    entry(("token", "sequence", "sum"), aggregation, "loss aggregation")
     m = mask.to(x.dtype)
     if aggregation == "sequence":  # each response's mean first; a row with no tokens adds 0
         x = x / m.sum(dim=1, keepdim=True).clamp(min=1.0)

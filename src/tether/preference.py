@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tether.choices import entry, same_shape
+from tether.choices import entry, positive, same_shape
 
 
 def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
@@ -66,8 +66,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
         detached.
     """
     entry(("sigmoid", "ipo"), loss_type, "loss_type")
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
+    positive("beta", beta)
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must lie in [0, 0.5), got {label_smoothing}")
     same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected,

@@ -3,8 +3,7 @@ on-policy distillation's settings (`DistillConfig`); every PPO option still appl
 
 from __future__ import annotations
 
-from tether.run.parse import parse_config
-from tether.run.rundir import print_result
+from tether.train.offline import stage_cli
 from tether.train.ppo import run
 from tether.train.ppo_config import DistillConfig
 
@@ -12,5 +11,4 @@ __all__ = ["DistillConfig", "run", "cli"]
 
 
 def cli(argv: list[str]) -> int:
-    print_result(run(parse_config(DistillConfig, argv, prog="tether distill")))
-    return 0
+    return stage_cli(DistillConfig, run, argv)

@@ -159,11 +159,10 @@ def pair_losses(cfg: DPOConfig, policy_logps, ref_chosen, ref_rejected):
     """`dpo_loss` on (chosen, rejected, chosen_len, rejected_len) policy log-probs and the reference's;
     returns (losses, chosen_rewards, rejected_rewards), `[B]` each."""
     policy_chosen, policy_rejected, chosen_len, rejected_len = policy_logps
-    ipo = cfg.loss == "ipo"  # IPO compares per-token averages (Azar et al. 2023)
+    # the lengths act under ipo alone: IPO compares per-token averages (Azar et al. 2023)
     return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
                     loss_type=cfg.loss, label_smoothing=cfg.label_smoothing,
-                    chosen_lengths=chosen_len if ipo else None,
-                    rejected_lengths=rejected_len if ipo else None)
+                    chosen_lengths=chosen_len, rejected_lengths=rejected_len)
 
 
 def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[str, float]:
@@ -186,11 +185,9 @@ def _check_models(cfg: DPOConfig, tokenizer, examples) -> None:
     reward model or classifier given as --model or --ref-model, and rows longer than either
     model reads (tether.models.limits)."""
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
-    named = [("--model", cfg.model)]
-    if cfg.ref_model:
-        named.append(("--ref-model", cfg.ref_model))
+    named = {"--model": cfg.model, "--ref-model": cfg.ref_model}  # "": the model is its own
     positions = [language_model(path, option, trust_remote_code=cfg.trust_remote_code)
-                 for option, path in named]
+                 for option, path in named.items() if path]
     check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
 
 

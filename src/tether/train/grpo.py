@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from tether.run.parse import parse_config
-from tether.run.rundir import print_result
+from tether.train.offline import stage_cli
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig
 
@@ -12,5 +11,4 @@ __all__ = ["GRPOConfig", "run", "cli"]
 
 
 def cli(argv: list[str]) -> int:
-    print_result(run(parse_config(GRPOConfig, argv, prog="tether grpo")))
-    return 0
+    return stage_cli(GRPOConfig, run, argv)

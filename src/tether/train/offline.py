@@ -32,14 +32,10 @@ from tether.run.slicing import rank_micro_batches, token_parts
 from tether.train.offline_config import TrainConfig
 
 
-def count_steps(n_rows: int, cfg: TrainConfig) -> int:
-    """Optimizer steps for the run (derived: max_steps, else epochs * ceil(rows / batch))."""
-    return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
-
-
 def stage_cli(config: type[TrainConfig], run: Callable[[Any], RunResult], argv: list[str]) -> int:
-    """`tether sft | rm | dpo [--config FILE.yaml] [--field value ...]`: the stage's config parsed
-    from `argv` (its command is `config.STAGE`), the run, and its result printed."""
+    """`tether <stage> [--config FILE.yaml] [--field value ...]` of every stage here (sft, rm, dpo,
+    and the online ppo, rloo, grpo, distill): the stage's config parsed from `argv` (its command is
+    `config.STAGE`), the run, and its result printed."""
     cfg = parse_config(config, argv, prog=f"tether {config.STAGE}")
     print_result(run(cfg))
     return 0
@@ -108,7 +104,8 @@ def start_training(run_dir: RunDir, cfg: TrainConfig, model: nn.Module, n_rows: 
     with the last step's metrics.
     """
     run_dir.save_config(cfg)
-    total_steps = count_steps(n_rows, cfg)
+    # derived: --max-steps, else --epochs * ceil(rows / batch)
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
     optimizer = make_optimizer(distributed.unwrap(model), cfg.lr, cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
     state = None

@@ -58,10 +58,12 @@ class TrainConfig(RunConfig):
             raise TetherError(f"--grad-accum-steps {self.grad_accum_steps} must be >= 1 and divide "
                               f"--batch-size {self.batch_size} (each micro-batch has batch_size / "
                               "grad_accum_steps rows)")
+        check_token_budget(self)  # every stage's own --micro-batch-tokens (its help, its place)
 
 
 def check_token_budget(cfg) -> None:
-    """`micro_batch_tokens` >= 0, and not together with --grad-accum-steps (both cut a batch)."""
+    """`micro_batch_tokens` >= 0, and not together with --grad-accum-steps (both cut a batch):
+    every offline stage has the field, each with a help of its own."""
     require_positive(cfg, "micro_batch_tokens", allow_zero=True)
     if cfg.micro_batch_tokens and cfg.grad_accum_steps > 1:
         raise TetherError(f"--micro-batch-tokens {cfg.micro_batch_tokens} and "
@@ -83,10 +85,6 @@ class SFTConfig(TrainConfig):
     """Run each micro-batch as packed rows: several sequences end to end per row, positions restarting per sequence (no padding; the same loss)."""
     micro_batch_tokens: int = 0
     """Tokens (prompt + response) per forward/backward instead of --grad-accum-steps: rows grouped longest first to fit (a longer row runs alone); 0: off."""
-
-    def validate(self) -> None:
-        super().validate()
-        check_token_budget(self)
 
 
 @dataclass(kw_only=True)
@@ -117,7 +115,6 @@ class RMConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_token_budget(self)
         require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
         if self.lora_dropout > 0:
             raise TetherError("--lora-dropout must be 0 for a reward model: dropout stays off so a "
@@ -154,7 +151,6 @@ class DPOConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_token_budget(self)
         if self.pack and self.share_prompt:
             raise TetherError("--pack packs the two-row pair layout, not the shared-prompt row "
                               "(its mask is not a packed sequence's); pass --no-share-prompt with "

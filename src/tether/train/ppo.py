@@ -51,10 +51,10 @@ from tether.run import interrupt
 from tether.run.checkpoint import load_latest_checkpoint, save_checkpoint
 from tether.run.distributed import all_gather_objects, all_gather_rows, barrier, global_mean
 from tether.run.optim import NonFiniteStep, step_schedule
-from tether.run.parse import parse_config
-from tether.run.rundir import RunDir, RunResult, print_result, progress
+from tether.run.rundir import RunDir, RunResult, progress
 from tether.run.slicing import rank_slice
 from tether.run.user_code.load import function_name
+from tether.train.offline import stage_cli
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_log import (
     batch_metrics,
@@ -363,6 +363,4 @@ def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step:
 
 def cli(argv: list[str]) -> int:
     """`tether ppo [--config FILE.yaml] [--field value ...]`."""
-    cfg = parse_config(PPOConfig, argv, prog="tether ppo")
-    print_result(run(cfg))
-    return 0
+    return stage_cli(PPOConfig, run, argv)

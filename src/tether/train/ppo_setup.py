@@ -45,9 +45,7 @@ from tether.rl.anchor import Anchor, adapter_params, add_anchor_adapter
 from tether.rl.engines import RolloutEngine, ahead, check_engine_settings, make_engine
 from tether.rl.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_inputs
 from tether.rl.reward import Reward, wiring
-from tether.rl.reward.functions import (
-    RewardFunctions,
-)
+from tether.rl.reward.functions import RewardFunctions
 from tether.rl.roles import Roles
 from tether.rl.sources import (
     RolloutSource,
@@ -167,8 +165,8 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
     prompts, prompt_ids, rows, eval_ids = _prompt_rows(cfg, tokenizer)
     lora = _config_checks(cfg, tokenizer, {cfg.prompts: prompt_ids, cfg.eval_prompts: eval_ids},
                           device)
-    files = (cfg.prompts, cfg.eval_prompts)
-    served = wiring.remote(cfg, tokenizer, files)  # every endpoint answers before weights load
+    # every endpoint answers before weights load
+    served = wiring.remote(cfg, tokenizer, (cfg.prompts, cfg.eval_prompts))
     lm, reference, rewards, critic = _models(cfg, tokenizer, lora, device, user, served)
     policy = lm.model
     anchor = _anchor(cfg, lm, reference, tokenizer, device)
@@ -215,10 +213,11 @@ def _roles(policy: nn.Module, critic: nn.Module | None, d: Dist, reference: nn.M
            reward_model: nn.Module | None, start: nn.Module | None) -> Roles:
     """The trainable roles under one wrapper, with the frozen models that own weights beside
     them (the reference, a reward model, the start of an anchor that is not it: FSDP2 shards
-    them alike, tether.rl.roles)."""
+    them alike, tether.rl.roles); a view of the LoRA shared base owns none (its weights are the
+    policy's)."""
     frozen = {"reference": reference, "reward": reward_model, "start": start}
     roles = Roles(policy, critic, d, {k: m for k, m in frozen.items()
-                                      if m is not None and _owns_weights(m)})
+                                      if m is not None and any(True for _ in m.parameters())})
     if not can_share(policy):  # checkpointed or sharded: the frozen models score as it does
         for model in (reference, start):
             if model is not None:
@@ -372,11 +371,6 @@ def _checkpoint_trunks(lm: TrainableLM, critic: nn.Module | None) -> None:
     enable_gradient_checkpointing(lm.model, recompute)
     if isinstance(critic, ValueModel) and not isinstance(critic.backbone, AdapterView):
         enable_gradient_checkpointing(critic)
-
-
-def _owns_weights(model: nn.Module) -> bool:
-    """False for a role that is a view of the LoRA shared base (its weights are the policy's)."""
-    return any(True for _ in model.parameters())
 
 
 def batch_rows(setup: Setup, cfg: PPOConfig, batch: int, round_: int = 0) -> list[int]:
