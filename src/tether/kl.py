@@ -209,7 +209,10 @@ class KLController:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        missing = sorted(set(vars(self)) - set(state))  # a state from another controller
+        if missing:
+            raise KeyError(f"{type(self).__name__} state lacks {', '.join(missing)}")
+        vars(self).update({key: state[key] for key in vars(self)})
 
 
 class FixedKL(KLController):
