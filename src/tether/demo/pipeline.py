@@ -136,11 +136,11 @@ def run_offline(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
 
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
-                   name: str, cfg: DemoConfig, out: Path | None = None) -> Curve:
+                   name: str, cfg: DemoConfig, out: Path) -> Curve:
     """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
     sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own.
-    With `out` (`eval_path`) its record is written there and the result read back from it, as
-    a resumed demo reads a finished one (JSON keeps every float exactly)."""
+    Its record is written to `out` (`eval_path`) and the result read back from it, as a resumed
+    demo reads a finished one (JSON keeps every float exactly)."""
     from tether.tools import evaluate
     from tether.tools.config import EvalConfig
 
@@ -148,12 +148,9 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
-                          output=str(out or ""))
-    result = evaluate.run(eval_cfg, write=out is not None)  # atomically: whole, or not at all
-    if out is not None:
-        return read_eval(out, name, cfg.seed)
-    return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
-                 {0: result.samples})
+                          output=str(out))
+    evaluate.run(eval_cfg)  # atomically: whole, or not at all
+    return read_eval(out, name, cfg.seed)
 
 
 def eval_path(root: Path, stage: str) -> Path:

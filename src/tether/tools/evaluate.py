@@ -12,7 +12,6 @@ here with a PPO run's settings gives the numbers that run logged at step 0.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import read_base_record
-from tether.models.base_location import check_base_option
+from tether.models.base_location import check_base_option, write_json
 from tether.models.limits import check_sampled_models
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
@@ -48,7 +47,6 @@ from tether.rl.evaluation import (
 )
 from tether.rl.reward import wiring
 from tether.rl.sources import longest_prompt, make_source
-from tether.run.atomic import atomic_write_bytes
 from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
@@ -176,7 +174,7 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
     if out is not None:
         record = {"metrics": metrics, "reference": reference_path,
                   "config": config_to_dict(cfg), "samples": samples}
-        atomic_write_bytes(out, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+        write_json(out, record, indent=1)
     return EvalResult(metrics, samples, out)
 
 
@@ -197,9 +195,8 @@ def held_out(cfg: SamplingConfig, device, reward_fn, gold_fn, reference_of=None)
     user = wiring.user_code(cfg, reward_fn, gold_fn, training=False)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
-    prompt_ids = []
-    if not cfg.episodic:  # checked now; encoded for the run below
-        prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
+    # (prompts checked now; encoded for the run below)
+    prompt_ids = [] if cfg.episodic else load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
     reference_path = reference_of(cfg, tokenizer) if reference_of else cfg.model
     models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
                                                    if reference_path != cfg.model else [])

@@ -120,11 +120,13 @@ def _fit_figure(fitted: list[Group], palette: Palette, curve: list[dict]):
     """Gao et al.'s fit per setting, each drawn only over the d its evaluations reached, and
     their best-of-n form fitted to the best-of-n curve."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    bon_fit = best_of_n_fit(curve)
+    # Gao et al.'s best-of-n form fitted to the gold gain over n = 1 against the exact KL (None
+    # without a curve, or with too few points)
+    gains = [c["gold"] - curve[0]["gold"] for c in curve]
+    bon_fit = gao_fit([c["kl_exact"] for c in curve], gains, form="bon")
     if bon_fit is not None:
         ds = [c["kl_exact"] ** 0.5 for c in curve]
-        ax.scatter(ds, [c["gold"] - curve[0]["gold"] for c in curve], marker="s", s=12,
-                   color=palette(BON))
+        ax.scatter(ds, gains, marker="s", s=12, color=palette(BON))
         ax.plot(ds, [bon_fit.predict(d * d) for d in ds], "--", color=palette(BON), gid=BON,
                 label=f"{BON}: d (alpha - beta d), R² {bon_fit.r2:.2f}")
     for g in fitted:
@@ -143,15 +145,6 @@ def _fit_figure(fitted: list[Group], palette: Palette, curve: list[dict]):
            title="Gao et al. 2022: gold = d (alpha - beta_RL log d)")
     ax.legend(fontsize=8)
     return fig
-
-
-def best_of_n_fit(curve: list[dict]):
-    """Gao et al.'s best-of-n form fitted to the curve's gold gain over n = 1 against its exact
-    KL; None without a curve (or too few points)."""
-    if not curve:
-        return None
-    return gao_fit([c["kl_exact"] for c in curve], [c["gold"] - curve[0]["gold"] for c in curve],
-                   form="bon")
 
 
 def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
