@@ -350,10 +350,8 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
     workers.close()
     curves = [results[stage.name] for stage in every if stage.fn is run_ppo]  # (seed by seed)
     curves += [results["sft-eval"], *(results[name] for name in OFFLINE)]
-    section = ""
-    if planned is not None:
-        section = sweep_html(root, cfg, planned, {k.removeprefix("sweep/"): v
-                                            for k, v in failures.items()})
+    section = "" if planned is None else sweep_html(root, cfg, planned, {
+        k.removeprefix("sweep/"): v for k, v in failures.items()})
     from tether.demo.report import write_report
 
     minutes = (time.perf_counter() - started) / 60

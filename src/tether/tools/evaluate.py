@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
@@ -47,6 +46,7 @@ from tether.rl.evaluation import (
 )
 from tether.rl.reward import wiring
 from tether.rl.sources import longest_prompt, make_source
+from tether.run.atomic import read_record
 from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
@@ -75,12 +75,7 @@ def default_reference(model_path: str, base: str = "") -> str:
     records), so a run directory that moved with its base, or onto a base passed with --base,
     compares with the same model its policy is built on."""
     config_path = Path(model_path).parent / "config.yaml"
-    if not config_path.is_file():
-        return ""
-    try:
-        saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return ""
+    saved = read_record(config_path)  # None: absent, unreadable or broken
     if not isinstance(saved, dict):  # a list or a scalar records no model, as a broken file
         return ""
     for name in STARTING_MODEL_FIELDS:
@@ -239,8 +234,7 @@ def cli(argv: list[str]) -> int:
     """`tether eval --model M --prompts P [--reference R] [--reward-model RM] [--gold-fn mod:f]`."""
     from tether.run.parse import parse_config
 
-    cfg = parse_config(EvalConfig, argv, prog="tether eval")
-    result = run(cfg)
+    result = run(parse_config(EvalConfig, argv, prog="tether eval"))
     print(metrics_table(result.metrics))
     print(f"written to {result.output_path}")
     return 0

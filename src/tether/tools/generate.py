@@ -64,15 +64,15 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     engine = make_engine(cfg, policy, longest_prompt=max(map(len, inputs.prompt_ids)),
                          d=on_device(device))
     try:
-        by_prompt = _sample_all(cfg, tokenizer, engine, inputs, gen, device)
+        return _sample_all(cfg, tokenizer, engine, inputs, gen, device)
     finally:
         engine.close()
-    return [row for group in by_prompt for row in group]
 
 
 def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
-                gen: torch.Generator, device) -> list[list[dict]]:
-    """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts."""
+                gen: torch.Generator, device) -> list[dict]:
+    """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts, prompt after
+    prompt."""
     pad = tokenizer.pad_token_id
     by_prompt: list[list[dict]] = [[] for _ in inputs.prompts]
     for sample in range(cfg.samples_per_prompt):
@@ -90,7 +90,7 @@ def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
                 by_prompt[i].append({"prompt": inputs.prompts[i], "response": text,
                                      "sample": sample, "ended": bool(rollout.ended[offset]),
                                      "length": int(lengths[offset])})
-    return by_prompt
+    return [row for group in by_prompt for row in group]
 
 
 def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[dict]:

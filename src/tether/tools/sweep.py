@@ -131,8 +131,7 @@ def prepare(sweep: Sweep) -> None:
     """Before any run, reading only: refuse a grid changed under runs already there, and name
     the runs it left out. (plan/<run>.yaml is written once the sweep directory is held.)"""
     check_recorded(sweep)
-    left_out = unplanned(sweep)
-    if left_out:
+    if left_out := unplanned(sweep):
         print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
               f"are, left out of the report: {', '.join(left_out)}", flush=True)
 

@@ -249,8 +249,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
     if not isinstance(grid, dict):
         raise TetherError(f"grid {grid_path} must be a YAML mapping of {', '.join(TOP_KEYS)} "
                           f"(got {type(grid).__name__}); see docs/frontier.md for its format")
-    unknown = sorted(set(grid) - set(TOP_KEYS), key=str)
-    if unknown:
+    if unknown := sorted(set(grid) - set(TOP_KEYS), key=str):
         raise TetherError(f"grid {grid_path}: unknown key '{unknown[0]}'; allowed: "
                           f"{', '.join(TOP_KEYS)}")
     if not grid.get("ppo") and not grid.get("dpo"):
@@ -259,8 +258,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
     if not isinstance(seeds, list) or not seeds or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise TetherError(f"grid {grid_path}: 'seeds' must be a non-empty list of integers")
-    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
-    if repeated:
+    if repeated := sorted({s for s in seeds if seeds.count(s) > 1}):
         raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, so two runs would "
                           "train the same thing (and the report count it as two seeds); remove "
                           "the repeat")

@@ -191,8 +191,7 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
         "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
     fig, caption = _frontier_figure(groups, points, palette, curve or [])
     add(fig, "The frontier", caption)
-    fitted = [g for g in groups if g.fit is not None]
-    if fitted:
+    if fitted := [g for g in groups if g.fit is not None]:
         add(_fit_figure(fitted, palette, curve or []), "Gao et al.'s fit per beta",
             "points: every evaluation of every seed; lines: the least-squares fit, drawn only "
             "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
@@ -324,8 +323,7 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     if points:
         body += [figure_html(src, title, caption, colours)
                  for title, src, caption, colours in figures(groups, points, curve)]
-    finished = [read_run(sweep.root / p.run.name) for p in points]
-    if finished and configs:
+    if (finished := [read_run(sweep.root / p.run.name) for p in points]) and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
     return "\n".join(body), summary
 
