@@ -107,9 +107,7 @@ def read_curve(run_dir: Path, name: str, seed: int) -> Curve:
     from tether.tools.report import read_run, read_samples
 
     curve = Curve(name, seed, samples=read_samples(run_dir))
-    for row in read_run(run_dir).metrics:
-        if "eval/score" not in row:
-            continue
+    for row in (row for row in read_run(run_dir).metrics if "eval/score" in row):
         curve.steps.append(int(row["step"]))
         for key, value in row.items():
             if key.startswith(("eval/", "objective/beta")):

@@ -153,12 +153,17 @@ def _stage_runs(stage: str, block: dict, seeds: list[int], root: Path) -> list[P
     return runs
 
 
-def _config_key(stage: str, name: str, fields: dict[str, Any]) -> str:
-    """The run's checked config as the stage will see it (1 and 1.0 alike), its name aside."""
+def _checked(cls, name: str, fields: dict[str, Any]):
+    """The config `fields` make, checked; a bad field is the grid's one line, naming the run."""
     try:
-        cfg = config_to_dict(config_from_dict(config_class(stage), fields))
+        return config_from_dict(cls, fields)
     except TetherError as exc:
         raise TetherError(f"grid: {name}: {exc}") from None
+
+
+def _config_key(stage: str, name: str, fields: dict[str, Any]) -> str:
+    """The run's checked config as the stage will see it (1 and 1.0 alike), its name aside."""
+    cfg = config_to_dict(_checked(config_class(stage), name, fields))
     return repr(sorted((k, v) for k, v in cfg.items() if k != "run_name"))
 
 
@@ -222,10 +227,7 @@ def _bon_run(ppo_block: dict, bon_block: dict, root: Path, seed: int) -> Planned
     base = _eval_base(ppo_block, "policy")
     base["model"] = base.pop("policy", "")
     fields = base | {"seed": seed, "output": str(root / "bon" / "bon.json")} | bon_block
-    try:
-        config_from_dict(BonConfig, fields)
-    except TetherError as exc:
-        raise TetherError(f"grid: bon: {exc}") from None
+    _checked(BonConfig, "bon", fields)
     return PlannedRun("bon", "bon", seed, {}, {"output_dir": str(root)}, fields)
 
 

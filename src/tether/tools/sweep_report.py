@@ -35,7 +35,6 @@ from tether.tools.report import (
 )
 from tether.tools.sweep_plan import Sweep, unplanned
 from tether.tools.sweep_results import (
-    END_EVALS,
     Group,
     RunPoints,
     best_of_n_curve,
@@ -73,9 +72,7 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
         ax.errorbar([c["kl_exact"] for c in curve], [c["gold"] for c in curve],
                     yerr=[c["gold_se"] for c in curve], fmt="--s", markersize=4, capsize=2,
                     color=palette(BON), label=f"{BON}, n = 1..{curve[-1]['n']} (exact KL)")
-    for g in groups:
-        if g.stage == "dpo":
-            continue
+    for g in (g for g in groups if g.stage != "dpo"):
         mine = [(k, y) for p in points if p.run.group == g.name
                 for k, y in zip(p.values["kl"], p.values["gold"])]
         if mine:
@@ -256,12 +253,13 @@ def recommendation(groups: list[Group]) -> Recommendation | None:
 
 
 def rule_sentence(groups: list[Group]) -> str:
-    """The rule in one sentence, naming the evaluations it averages."""
+    """The rule in one sentence, naming the evaluations it averages (said only beside a
+    recommendation, so some PPO group has its end steps)."""
     ppo = [g for g in groups if g.stage == "ppo" and g.end_steps]
-    steps = ", ".join(str(s) for s in ppo[0].end_steps) if ppo else "-"
+    steps = ", ".join(str(s) for s in ppo[0].end_steps)
     seeds = sorted({s for g in ppo for s in g.seeds})
     return (f"The rule: each beta is judged on its end gold, the mean gold of its last "
-            f"{len(ppo[0].end_steps) if ppo else END_EVALS} evaluations (steps {steps}), per "
+            f"{len(ppo[0].end_steps)} evaluations (steps {steps}), per "
             f"held-out prompt, over seed(s) {', '.join(map(str, seeds))}; a beta whose gap to the "
             "best, paired prompt by prompt, is within twice its standard error cannot be told "
             "apart from the best, and among those the largest beta is recommended.")
