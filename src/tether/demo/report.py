@@ -72,9 +72,8 @@ def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
     """Proxy keeps rising while gold ends below its start and diversity collapses; and,
     separately, whether gold first rose to a peak beyond noise."""
     steps, proxy = mean_series(free, "eval/score")
-    _, gold = mean_series(free, "eval/gold_score")
-    _, dist = mean_series(free, "eval/distinct_2")
-    _, kl = mean_series(free, "eval/kl")
+    gold, dist, kl = (mean_series(free, name)[1]
+                      for name in ("eval/gold_score", "eval/distinct_2", "eval/kl"))
     proxy_rising = proxy[-1] >= max(proxy) - 0.1 * (max(proxy) - min(proxy))
     start, final = pooled_golds(free, steps[0]), pooled_golds(free, steps[-1])
     drop, drop_se = paired_difference(final, start)  # start - final, per prompt
@@ -245,12 +244,11 @@ def _sample_points(curve: Curve) -> list[tuple[str, int]]:
     best = curve.steps[gold.index(max(gold))]
     points = [("start (step 0, the SFT model)", curve.steps[0]), ("best gold", best),
               ("end", curve.steps[-1])]
-    seen, unique = set(), []
+    unique = {}  # step -> the first label that names it
     for label, step in points:
-        if step not in seen and step in curve.samples:
-            seen.add(step)
-            unique.append((f"{label} (step {step})" if "step" not in label else label, step))
-    return unique
+        if step in curve.samples:
+            unique.setdefault(step, f"{label} (step {step})" if "step" not in label else label)
+    return [(label, step) for step, label in unique.items()]
 
 
 def _samples_html(curves: list[Curve], per_point: int = 4) -> str:
