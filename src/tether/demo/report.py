@@ -146,11 +146,10 @@ def _offline_verdict(name: str, curves: list[Curve], sft: list[Curve],
         note += f" ({name.upper()}'s own gain over SFT is within noise: a tentative placement.)"
     # DPO and IPO train once, on the demo's seed, whatever --seeds says: their error is over
     # the held-out prompts, so that is what more of would tighten it.
-    prompts = len(pooled_golds(sft, 0))
     return _judged(f"{name.upper()}: gold rises above the SFT model's beyond noise",
                    f"gold {gold:+.3f} at KL {kl:.2f}, {gain:+.3f} ± {gain_se:.3f} over the SFT "
                    "model (paired over the same prompts)", True, [(gain, gain_se)],
-                   (prompts, "held-out prompt"), note)
+                   (len(pooled_golds(sft, 0)), "held-out prompt"), note)
 
 
 def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
@@ -174,9 +173,8 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
     if adaptive and free:
         out.append(_adaptive_verdict(adaptive, free, kl_target))
     ppo = [c for c in curves if c.run in PPO_RUNS]
-    for name in ("dpo", "ipo"):
-        if runs.get(name) and runs.get("sft"):
-            out.append(_offline_verdict(name, runs[name], runs["sft"], ppo))
+    out += [_offline_verdict(name, runs[name], runs["sft"], ppo) for name in ("dpo", "ipo")
+            if runs.get(name) and runs.get("sft")]
     return out
 
 
@@ -200,9 +198,8 @@ def console_table(curves: list[Curve], found: list[Verdict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for v in found:
-        lines.append(f"[{v.status}] {v.claim} ({v.evidence})"
-                     + (f" {v.note}" if v.note else ""))
+    lines += [f"[{v.status}] {v.claim} ({v.evidence})" + (f" {v.note}" if v.note else "")
+              for v in found]
     return "\n".join(lines)
 
 

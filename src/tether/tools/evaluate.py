@@ -167,9 +167,8 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
                                                                           gold, reference_path):
         metrics, samples = evaluate_policy(evaluation(cfg.seed + EVAL_SEED_OFFSET), measure, gold)
     if out is not None:
-        record = {"metrics": metrics, "reference": reference_path,
-                  "config": config_to_dict(cfg), "samples": samples}
-        write_json(out, record, indent=1)
+        write_json(out, {"metrics": metrics, "reference": reference_path,
+                         "config": config_to_dict(cfg), "samples": samples}, indent=1)
     return EvalResult(metrics, samples, out)
 
 
@@ -224,17 +223,12 @@ def held_out(cfg: SamplingConfig, device, reward_fn, gold_fn, reference_of=None)
         engine.close()
 
 
-def metrics_table(metrics: dict[str, float]) -> str:
-    """`metric  value` lines, aligned."""
-    width = max(len(name) for name in metrics)
-    return "\n".join(f"{name:<{width}}  {value:+.4f}" for name, value in metrics.items())
-
-
 def cli(argv: list[str]) -> int:
     """`tether eval --model M --prompts P [--reference R] [--reward-model RM] [--gold-fn mod:f]`."""
     from tether.run.parse import parse_config
 
     result = run(parse_config(EvalConfig, argv, prog="tether eval"))
-    print(metrics_table(result.metrics))
+    width = max(len(name) for name in result.metrics)  # `metric  value` lines, aligned
+    print("\n".join(f"{name:<{width}}  {value:+.4f}" for name, value in result.metrics.items()))
     print(f"written to {result.output_path}")
     return 0

@@ -83,9 +83,8 @@ def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
                                     eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
                                     generator=gen)
             rollout = apply_stop_strings(rollout, tokenizer, cfg.stop_strings, pad)
-            texts = decode_responses(tokenizer, rollout)
             lengths = rollout.action_mask.sum(1).tolist()
-            for offset, text in enumerate(texts):
+            for offset, text in enumerate(decode_responses(tokenizer, rollout)):
                 i = start + offset
                 by_prompt[i].append({"prompt": inputs.prompts[i], "response": text,
                                      "sample": sample, "ended": bool(rollout.ended[offset]),

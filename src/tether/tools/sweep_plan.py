@@ -184,10 +184,8 @@ def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
     `advantage: grpo` anywhere) would be recorded and ignored: refused, as a flag is. One inert
     in some runs only is a grid crossing its axes (`kl_target` beside `kl_ctl: [fixed,
     adaptive]`), and stays."""
-    if not configs:
-        return
     inert = [scopes.inert(cfg, scopes.given(cfg, block)) for cfg in configs]
-    for name, line in inert[0].items():
+    for name, line in inert[0].items() if inert else ():
         if all(name in lines for lines in inert):
             raise TetherError(f"grid: the ppo block's '{name}' has no effect in any of its runs: "
                               f"{line}")
@@ -203,8 +201,7 @@ def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
                           "plots gold reward against KL on held-out prompts)")
     _check_block_acts(configs, block)
     for run, cfg in zip(ppo_runs, configs, strict=True):
-        if "eval_every" not in run.fields:
-            run.fields["eval_every"] = max(1, cfg.n_batches // 10)
+        run.fields.setdefault("eval_every", max(1, cfg.n_batches // 10))
 
 
 def _eval_base(ppo_block: dict, *more: str) -> dict[str, Any]:

@@ -175,7 +175,7 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
         palette(g.label)
     out = []
 
-    def add(fig, title: str, caption: str) -> None:
+    def add(title: str, fig, caption: str) -> None:
         src, colours = png_data(fig)
         out.append((title, src, caption, colours))
 
@@ -184,12 +184,11 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
         _plot_groups(ax, groups, metric, palette)
         ax.set(xlabel="KL(pi || ref), nats per response", ylabel=title, title=f"{title} against KL")
     axes[0].legend(fontsize=8)
-    add(fig, "Gold and proxy reward against KL",
+    add("Gold and proxy reward against KL", fig,
         "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
-    fig, caption = _frontier_figure(groups, points, palette, curve or [])
-    add(fig, "The frontier", caption)
+    add("The frontier", *_frontier_figure(groups, points, palette, curve or []))
     if fitted := [g for g in groups if g.fit is not None]:
-        add(_fit_figure(fitted, palette, curve or []), "Gao et al.'s fit per beta",
+        add("Gao et al.'s fit per beta", _fit_figure(fitted, palette, curve or []),
             "points: every evaluation of every seed; lines: the least-squares fit, drawn only "
             "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
             "inside the data.")
