@@ -53,7 +53,8 @@ def test_demo_sft_evaluation_equals_ppo_step_zero(task_files, family, request, t
              "eval_prompts": str(task_files / "prompts.jsonl")}
     cfg = DemoConfig(output_dir=str(tmp_path), ppo_batches=1, seed=3)
     ppo_curve = pipeline.run_ppo(tmp_path, cfg, paths, model_dir, rm, "ppo-fixed", 3)
-    sft_curve = pipeline.evaluate_model(model_dir, model_dir, rm, paths, "sft", cfg)
+    sft_curve = pipeline.evaluate_model(model_dir, model_dir, rm, paths, "sft", cfg,
+                                        tmp_path / "sft-eval" / "eval.json")
     at_zero = {k: v[0] for k, v in ppo_curve.values.items() if k.startswith("eval/")}
     offline = {k: v[0] for k, v in sft_curve.values.items()}
     assert set(at_zero) == set(offline) and "eval/kl_exact" in offline

@@ -3,7 +3,7 @@ their code so that `--help` imports no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -62,9 +62,8 @@ class DemoConfig:
             return self
         betas = self.sweep_betas
         quick_betas = [betas[0], betas[-1]] if len(betas) > 2 else betas  # the two extremes
-        return DemoConfig(**{**self.__dict__, "seeds": 1, "ppo_batches": min(self.ppo_batches, 40),
-                             "sweep_betas": quick_betas,
-                             "sweep_batches": min(self.sweep_batches, 12)})
+        return replace(self, seeds=1, ppo_batches=min(self.ppo_batches, 40),
+                       sweep_betas=quick_betas, sweep_batches=min(self.sweep_batches, 12))
 
 
 @dataclass(kw_only=True)

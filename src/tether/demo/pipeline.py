@@ -107,9 +107,7 @@ def read_curve(run_dir: Path, name: str, seed: int) -> Curve:
     from tether.tools.report import read_run, read_samples
 
     curve = Curve(name, seed, samples=read_samples(run_dir))
-    for row in read_run(run_dir).metrics:
-        if "eval/score" not in row:
-            continue
+    for row in (row for row in read_run(run_dir).metrics if "eval/score" in row):
         curve.steps.append(int(row["step"]))
         for key, value in row.items():
             if key.startswith(("eval/", "objective/beta")):
@@ -136,11 +134,11 @@ def run_offline(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
 
 
 def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[str, str],
-                   name: str, cfg: DemoConfig, out: Path | None = None) -> Curve:
+                   name: str, cfg: DemoConfig, out: Path) -> Curve:
     """One evaluation point for an offline-trained policy: `tether eval` with the PPO runs'
     sampling settings and the first PPO seed, so it is measured exactly as PPO measures its own.
-    With `out` (`eval_path`) its record is written there and the result read back from it, as
-    a resumed demo reads a finished one (JSON keeps every float exactly)."""
+    Its record is written to `out` (`eval_path`) and the result read back from it, as a resumed
+    demo reads a finished one (JSON keeps every float exactly)."""
     from tether.tools import evaluate
     from tether.tools.config import EvalConfig
 
@@ -148,12 +146,9 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
                           reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
                           max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
-                          output=str(out or ""))
-    result = evaluate.run(eval_cfg, write=out is not None)  # atomically: whole, or not at all
-    if out is not None:
-        return read_eval(out, name, cfg.seed)
-    return Curve(name, cfg.seed, [0], {k: [v] for k, v in result.metrics.items()},
-                 {0: result.samples})
+                          output=str(out))
+    evaluate.run(eval_cfg)  # atomically: whole, or not at all
+    return read_eval(out, name, cfg.seed)
 
 
 def eval_path(root: Path, stage: str) -> Path:
@@ -353,10 +348,8 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
     workers.close()
     curves = [results[stage.name] for stage in every if stage.fn is run_ppo]  # (seed by seed)
     curves += [results["sft-eval"], *(results[name] for name in OFFLINE)]
-    section = ""
-    if planned is not None:
-        section = sweep_html(root, cfg, planned, {k.removeprefix("sweep/"): v
-                                            for k, v in failures.items()})
+    section = "" if planned is None else sweep_html(root, cfg, planned, {
+        k.removeprefix("sweep/"): v for k, v in failures.items()})
     from tether.demo.report import write_report
 
     minutes = (time.perf_counter() - started) / 60

@@ -72,9 +72,8 @@ def _no_kl_verdicts(free: list[Curve]) -> list[Verdict]:
     """Proxy keeps rising while gold ends below its start and diversity collapses; and,
     separately, whether gold first rose to a peak beyond noise."""
     steps, proxy = mean_series(free, "eval/score")
-    _, gold = mean_series(free, "eval/gold_score")
-    _, dist = mean_series(free, "eval/distinct_2")
-    _, kl = mean_series(free, "eval/kl")
+    gold, dist, kl = (mean_series(free, name)[1]
+                      for name in ("eval/gold_score", "eval/distinct_2", "eval/kl"))
     proxy_rising = proxy[-1] >= max(proxy) - 0.1 * (max(proxy) - min(proxy))
     start, final = pooled_golds(free, steps[0]), pooled_golds(free, steps[-1])
     drop, drop_se = paired_difference(final, start)  # start - final, per prompt
@@ -147,11 +146,10 @@ def _offline_verdict(name: str, curves: list[Curve], sft: list[Curve],
         note += f" ({name.upper()}'s own gain over SFT is within noise: a tentative placement.)"
     # DPO and IPO train once, on the demo's seed, whatever --seeds says: their error is over
     # the held-out prompts, so that is what more of would tighten it.
-    prompts = len(pooled_golds(sft, 0))
     return _judged(f"{name.upper()}: gold rises above the SFT model's beyond noise",
                    f"gold {gold:+.3f} at KL {kl:.2f}, {gain:+.3f} ± {gain_se:.3f} over the SFT "
                    "model (paired over the same prompts)", True, [(gain, gain_se)],
-                   (prompts, "held-out prompt"), note)
+                   (len(pooled_golds(sft, 0)), "held-out prompt"), note)
 
 
 def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
@@ -175,9 +173,8 @@ def verdicts(curves: list[Curve], kl_target: float) -> list[Verdict]:
     if adaptive and free:
         out.append(_adaptive_verdict(adaptive, free, kl_target))
     ppo = [c for c in curves if c.run in PPO_RUNS]
-    for name in ("dpo", "ipo"):
-        if runs.get(name) and runs.get("sft"):
-            out.append(_offline_verdict(name, runs[name], runs["sft"], ppo))
+    out += [_offline_verdict(name, runs[name], runs["sft"], ppo) for name in ("dpo", "ipo")
+            if runs.get(name) and runs.get("sft")]
     return out
 
 
@@ -201,9 +198,8 @@ def console_table(curves: list[Curve], found: list[Verdict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for v in found:
-        lines.append(f"[{v.status}] {v.claim} ({v.evidence})"
-                     + (f" {v.note}" if v.note else ""))
+    lines += [f"[{v.status}] {v.claim} ({v.evidence})" + (f" {v.note}" if v.note else "")
+              for v in found]
     return "\n".join(lines)
 
 
@@ -245,12 +241,11 @@ def _sample_points(curve: Curve) -> list[tuple[str, int]]:
     best = curve.steps[gold.index(max(gold))]
     points = [("start (step 0, the SFT model)", curve.steps[0]), ("best gold", best),
               ("end", curve.steps[-1])]
-    seen, unique = set(), []
+    unique = {}  # step -> the first label that names it
     for label, step in points:
-        if step not in seen and step in curve.samples:
-            seen.add(step)
-            unique.append((f"{label} (step {step})" if "step" not in label else label, step))
-    return unique
+        if step in curve.samples:
+            unique.setdefault(step, f"{label} (step {step})" if "step" not in label else label)
+    return [(label, step) for step, label in unique.items()]
 
 
 def _samples_html(curves: list[Curve], per_point: int = 4) -> str:

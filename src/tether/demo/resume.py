@@ -43,8 +43,7 @@ def check_root(root: Path, cfg: DemoConfig) -> bool:
     (nothing to do), and a root with no demo starts fresh, as a stage's --resume does in an empty
     run directory.
     """
-    holds = any((root / name).exists() for name in (SETTINGS, "report.html", "sft"))
-    if not holds:
+    if not any((root / name).exists() for name in (SETTINGS, "report.html", "sft")):
         if cfg.resume:
             print(f"nothing to resume in {root}: starting a new demo", flush=True)
         return False
@@ -81,8 +80,7 @@ def changed_settings(path: Path, cfg: DemoConfig) -> list[str]:
     if not isinstance(saved, dict):
         raise TetherError(f"{path} cannot be read, so --resume cannot check the demo's settings; "
                           "delete the demo to run again")
-    now = settings(cfg)
-    return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in now.items()
+    return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in settings(cfg).items()
             if key not in NOT_COMPARED and saved.get(key) != value]
 
 

@@ -84,8 +84,7 @@ def split_prompt(text: str) -> tuple[str, str]:
 
 
 def prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [split_prompt(sentence(rng))[0] for _ in range(n)]
+    return [split_prompt(text)[0] for text in corpus(n, seed)]
 
 
 @lru_cache(maxsize=1)

@@ -14,13 +14,11 @@ Coste et al. 2023): it costs no training, and `tether report` draws it beside th
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 
-from tether.models.base_location import check_base_option
+from tether.models.base_location import check_base_option, write_json
 from tether.rl.evaluation import EVAL_SEED_OFFSET, evaluate_policy
-from tether.run.atomic import atomic_write_bytes
 from tether.run.launch import resolve_device
 from tether.tools.config import BonConfig
 from tether.tools.evaluate import held_out
@@ -56,7 +54,7 @@ def run(cfg: BonConfig, reward_fn: Callable | None = None, gold_fn: Callable | N
     proxy = [[draw[i]["score"] for draw in draws] for i in range(len(draws[0]))]
     golds = [[draw[i]["gold_score"] for draw in draws] for i in range(len(draws[0]))]
     points = [curve(proxy, golds if gold else None, n) for n in range(1, cfg.n + 1)]
-    atomic_write_bytes(out, (json.dumps(points, indent=1) + "\n").encode("utf-8"))
+    write_json(out, points, indent=1)
     return points
 
 

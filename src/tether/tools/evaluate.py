@@ -12,7 +12,6 @@ here with a PPO run's settings gives the numbers that run logged at step 0.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from tether.data.prompts import load_prompts
 from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import read_base_record
-from tether.models.base_location import check_base_option
+from tether.models.base_location import check_base_option, write_json
 from tether.models.limits import check_sampled_models
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.prepare import load_frozen_lm
@@ -48,7 +46,7 @@ from tether.rl.evaluation import (
 )
 from tether.rl.reward import wiring
 from tether.rl.sources import longest_prompt, make_source
-from tether.run.atomic import atomic_write_bytes
+from tether.run.atomic import read_record
 from tether.run.config import config_to_dict
 from tether.run.distributed import on_device
 from tether.run.launch import resolve_device
@@ -77,12 +75,7 @@ def default_reference(model_path: str, base: str = "") -> str:
     records), so a run directory that moved with its base, or onto a base passed with --base,
     compares with the same model its policy is built on."""
     config_path = Path(model_path).parent / "config.yaml"
-    if not config_path.is_file():
-        return ""
-    try:
-        saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return ""
+    saved = read_record(config_path)  # None: absent, unreadable or broken
     if not isinstance(saved, dict):  # a list or a scalar records no model, as a broken file
         return ""
     for name in STARTING_MODEL_FIELDS:
@@ -174,9 +167,8 @@ def run(cfg: EvalConfig, reward_fn: Callable | None = None, gold_fn: Callable | 
                                                                           gold, reference_path):
         metrics, samples = evaluate_policy(evaluation(cfg.seed + EVAL_SEED_OFFSET), measure, gold)
     if out is not None:
-        record = {"metrics": metrics, "reference": reference_path,
-                  "config": config_to_dict(cfg), "samples": samples}
-        atomic_write_bytes(out, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+        write_json(out, {"metrics": metrics, "reference": reference_path,
+                         "config": config_to_dict(cfg), "samples": samples}, indent=1)
     return EvalResult(metrics, samples, out)
 
 
@@ -197,9 +189,8 @@ def held_out(cfg: SamplingConfig, device, reward_fn, gold_fn, reference_of=None)
     user = wiring.user_code(cfg, reward_fn, gold_fn, training=False)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     rows = load_rows(cfg.prompts)
-    prompt_ids = []
-    if not cfg.episodic:  # checked now; encoded for the run below
-        prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
+    # (prompts checked now; encoded for the run below)
+    prompt_ids = [] if cfg.episodic else load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)[1]
     reference_path = reference_of(cfg, tokenizer) if reference_of else cfg.model
     models = [(cfg.model, "--model", cfg.base)] + ([(reference_path, "--reference", "")]
                                                    if reference_path != cfg.model else [])
@@ -232,18 +223,12 @@ def held_out(cfg: SamplingConfig, device, reward_fn, gold_fn, reference_of=None)
         engine.close()
 
 
-def metrics_table(metrics: dict[str, float]) -> str:
-    """`metric  value` lines, aligned."""
-    width = max(len(name) for name in metrics)
-    return "\n".join(f"{name:<{width}}  {value:+.4f}" for name, value in metrics.items())
-
-
 def cli(argv: list[str]) -> int:
     """`tether eval --model M --prompts P [--reference R] [--reward-model RM] [--gold-fn mod:f]`."""
     from tether.run.parse import parse_config
 
-    cfg = parse_config(EvalConfig, argv, prog="tether eval")
-    result = run(cfg)
-    print(metrics_table(result.metrics))
+    result = run(parse_config(EvalConfig, argv, prog="tether eval"))
+    width = max(len(name) for name in result.metrics)  # `metric  value` lines, aligned
+    print("\n".join(f"{name:<{width}}  {value:+.4f}" for name, value in result.metrics.items()))
     print(f"written to {result.output_path}")
     return 0

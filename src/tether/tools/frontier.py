@@ -101,10 +101,9 @@ def gao_fit(kls: list[float], gains: list[float], form: str = "rl") -> GaoFit | 
     """
     if len(kls) != len(gains):
         raise ValueError(f"{len(kls)} KL values but {len(gains)} gold gains")
-    ds = [math.sqrt(max(k, 0.0)) for k in kls]
-    f1 = ds  # d
-    f2 = [GAO_FORMS[form](d) for d in ds]  # -d log d (RL), -d^2 (best-of-n)
-    if len(ds) < 3:
+    f1 = [math.sqrt(max(k, 0.0)) for k in kls]  # d
+    f2 = [GAO_FORMS[form](d) for d in f1]  # -d log d (RL), -d^2 (best-of-n)
+    if len(f1) < 3:
         return None
     # Normal equations of the 2-parameter model without intercept (R(0) = 0 by construction).
     s11 = sum(a * a for a in f1)
@@ -117,7 +116,7 @@ def gao_fit(kls: list[float], gains: list[float], form: str = "rl") -> GaoFit | 
         return None
     alpha = (t1 * s22 - t2 * s12) / det
     beta_rl = (s11 * t2 - s12 * t1) / det
-    fit = GaoFit(alpha, beta_rl, float("nan"), len(ds), form)
+    fit = GaoFit(alpha, beta_rl, float("nan"), len(f1), form)
     mean = sum(gains) / len(gains)
     ss_tot = sum((y - mean) ** 2 for y in gains)
     ss_res = sum((y - fit.predict(k)) ** 2 for k, y in zip(kls, gains))

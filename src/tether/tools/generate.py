@@ -64,15 +64,15 @@ def generate(cfg: GenerateConfig, env=None) -> list[dict]:
     engine = make_engine(cfg, policy, longest_prompt=max(map(len, inputs.prompt_ids)),
                          d=on_device(device))
     try:
-        by_prompt = _sample_all(cfg, tokenizer, engine, inputs, gen, device)
+        return _sample_all(cfg, tokenizer, engine, inputs, gen, device)
     finally:
         engine.close()
-    return [row for group in by_prompt for row in group]
 
 
 def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
-                gen: torch.Generator, device) -> list[list[dict]]:
-    """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts."""
+                gen: torch.Generator, device) -> list[dict]:
+    """Each prompt's rows, `samples_per_prompt` draws of every chunk of prompts, prompt after
+    prompt."""
     pad = tokenizer.pad_token_id
     by_prompt: list[list[dict]] = [[] for _ in inputs.prompts]
     for sample in range(cfg.samples_per_prompt):
@@ -83,14 +83,13 @@ def _sample_all(cfg: GenerateConfig, tokenizer, engine: RolloutEngine, inputs,
                                     eos_token_ids=inputs.eos_token_ids, pad_token_id=pad,
                                     generator=gen)
             rollout = apply_stop_strings(rollout, tokenizer, cfg.stop_strings, pad)
-            texts = decode_responses(tokenizer, rollout)
             lengths = rollout.action_mask.sum(1).tolist()
-            for offset, text in enumerate(texts):
+            for offset, text in enumerate(decode_responses(tokenizer, rollout)):
                 i = start + offset
                 by_prompt[i].append({"prompt": inputs.prompts[i], "response": text,
                                      "sample": sample, "ended": bool(rollout.ended[offset]),
                                      "length": int(lengths[offset])})
-    return by_prompt
+    return [row for group in by_prompt for row in group]
 
 
 def _episodes(cfg: GenerateConfig, tokenizer, env, tools: list, device) -> list[dict]:

@@ -188,13 +188,11 @@ class FairScorer:
             try:
                 request.scores += self.score_chunk(request.prompts[start:stop],
                                                    request.responses[start:stop])
-            except TetherError as exc:  # the model refused a row: name the chunk when one of many
-                many = len(request.prompts) > self.batch_size
+            except Exception as exc:  # a bug or the device: the request's 500, as it is
+                # the model refused a row (TetherError): name the chunk when one of many
+                many = isinstance(exc, TetherError) and len(request.prompts) > self.batch_size
                 request.future.set_exception(TetherError(
                     f"rows {start} to {stop - 1}: {exc}") if many else exc)
-                continue
-            except Exception as exc:  # a bug or the device: the request's 500
-                request.future.set_exception(exc)
                 continue
             if stop == len(request.prompts):
                 request.future.set_result(request.scores)

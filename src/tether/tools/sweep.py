@@ -70,13 +70,9 @@ def _differences(saved: Any, cfg: Any, record: str, locating: tuple[str, ...] = 
         return [f"its {record} cannot be read"]
     planned, defaults = config_to_dict(cfg), field_defaults(cfg)
     resolved = resolved_paths(saved)  # a path recorded relative to here is the same path
-    out = []
-    for key, value in planned.items():
-        old = saved.get(key, defaults.get(key, value))  # shown as recorded
-        same = resolved.get(key, defaults.get(key, value)) == value
-        if key not in NOT_A_CHANGE and key not in locating and not same:
-            out.append(f"{key}: {old!r} -> {value!r}")
-    return out
+    return [f"{key}: {saved.get(key, defaults.get(key, value))!r} -> {value!r}"  # shown as recorded
+            for key, value in planned.items() if key not in NOT_A_CHANGE and key not in locating
+            and resolved.get(key, defaults.get(key, value)) != value]
 
 
 def _recorded_changes(run: PlannedRun) -> list[str]:
@@ -135,8 +131,7 @@ def prepare(sweep: Sweep) -> None:
     """Before any run, reading only: refuse a grid changed under runs already there, and name
     the runs it left out. (plan/<run>.yaml is written once the sweep directory is held.)"""
     check_recorded(sweep)
-    left_out = unplanned(sweep)
-    if left_out:
+    if left_out := unplanned(sweep):
         print(f"sweep: {len(left_out)} run(s) in {sweep.root} are not in this grid; kept as they "
               f"are, left out of the report: {', '.join(left_out)}", flush=True)
 

@@ -157,12 +157,17 @@ def _stage_runs(stage: str, block: dict, seeds: list[int], root: Path) -> list[P
     return runs
 
 
-def _config_key(stage: str, name: str, fields: dict[str, Any]) -> str:
-    """The run's checked config as the stage will see it (1 and 1.0 alike), its name aside."""
+def _checked(cls, name: str, fields: dict[str, Any]):
+    """The config `fields` make, checked; a bad field is the grid's one line, naming the run."""
     try:
-        cfg = config_to_dict(config_from_dict(config_class(stage), fields))
+        return config_from_dict(cls, fields)
     except TetherError as exc:
         raise TetherError(f"grid: {name}: {exc}") from None
+
+
+def _config_key(stage: str, name: str, fields: dict[str, Any]) -> str:
+    """The run's checked config as the stage will see it (1 and 1.0 alike), its name aside."""
+    cfg = config_to_dict(_checked(config_class(stage), name, fields))
     return repr(sorted((k, v) for k, v in cfg.items() if k != "run_name"))
 
 
@@ -183,10 +188,8 @@ def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
     `advantage: grpo` anywhere) would be recorded and ignored: refused, as a flag is. One inert
     in some runs only is a grid crossing its axes (`kl_target` beside `kl_ctl: [fixed,
     adaptive]`), and stays."""
-    if not configs:
-        return
     inert = [scopes.inert(cfg, scopes.given(cfg, block)) for cfg in configs]
-    for name, line in inert[0].items():
+    for name, line in inert[0].items() if inert else ():
         if all(name in lines for lines in inert):
             raise TetherError(f"grid: the ppo block's '{name}' has no effect in any of its runs: "
                               f"{line}")
@@ -202,8 +205,7 @@ def _ppo_defaults(runs: list[PlannedRun], block: dict[str, Any]) -> None:
                           "plots gold reward against KL on held-out prompts)")
     _check_block_acts(configs, block)
     for run, cfg in zip(ppo_runs, configs, strict=True):
-        if "eval_every" not in run.fields:
-            run.fields["eval_every"] = max(1, cfg.n_batches // 10)
+        run.fields.setdefault("eval_every", max(1, cfg.n_batches // 10))
 
 
 def _eval_base(ppo_block: dict, *more: str) -> dict[str, Any]:
@@ -226,10 +228,7 @@ def _bon_run(ppo_block: dict, bon_block: dict, root: Path, seed: int) -> Planned
     base = _eval_base(ppo_block, "policy")
     base["model"] = base.pop("policy", "")
     fields = base | {"seed": seed, "output": str(root / "bon" / "bon.json")} | bon_block
-    try:
-        config_from_dict(BonConfig, fields)
-    except TetherError as exc:
-        raise TetherError(f"grid: bon: {exc}") from None
+    _checked(BonConfig, "bon", fields)
     return PlannedRun("bon", "bon", seed, {}, {"output_dir": str(root)}, fields)
 
 
@@ -277,8 +276,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
     if not isinstance(grid, dict):
         raise TetherError(f"grid {grid_path} must be a YAML mapping of {', '.join(TOP_KEYS)} "
                           f"(got {type(grid).__name__}); see docs/frontier.md for its format")
-    unknown = sorted(set(grid) - set(TOP_KEYS), key=str)
-    if unknown:
+    if unknown := sorted(set(grid) - set(TOP_KEYS), key=str):
         raise TetherError(f"grid {grid_path}: unknown key '{unknown[0]}'; allowed: "
                           f"{', '.join(TOP_KEYS)}")
     if not grid.get("ppo") and not grid.get("dpo"):
@@ -287,8 +285,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
     if not isinstance(seeds, list) or not seeds or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise TetherError(f"grid {grid_path}: 'seeds' must be a non-empty list of integers")
-    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
-    if repeated:
+    if repeated := sorted({s for s in seeds if seeds.count(s) > 1}):
         raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, so two runs would "
                           "train the same thing (and the report count it as two seeds); remove "
                           "the repeat")

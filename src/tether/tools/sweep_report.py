@@ -36,7 +36,6 @@ from tether.tools.report import (
 )
 from tether.tools.sweep_plan import Sweep, unplanned
 from tether.tools.sweep_results import (
-    END_EVALS,
     Group,
     RunPoints,
     best_of_n_curve,
@@ -82,9 +81,7 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
         ax.errorbar([c["kl_exact"] for c in curve], [c["gold"] for c in curve],
                     yerr=[c["gold_se"] for c in curve], fmt="--s", markersize=4, capsize=2,
                     color=palette(BON), label=f"{BON}, n = 1..{curve[-1]['n']} (exact KL)")
-    for g in groups:
-        if g.stage == "dpo":
-            continue
+    for g in (g for g in groups if g.stage != "dpo"):
         mine = [(k, y) for p in points if p.run.group == g.name
                 for k, y in zip(p.values["kl"], p.values["gold"])]
         if mine:
@@ -132,11 +129,13 @@ def _fit_figure(fitted: list[Group], palette: Palette, curve: list[dict]):
     """Gao et al.'s fit per setting, each drawn only over the d its evaluations reached, and
     their best-of-n form fitted to the best-of-n curve."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    bon_fit = best_of_n_fit(curve)
+    # Gao et al.'s best-of-n form fitted to the gold gain over n = 1 against the exact KL (None
+    # without a curve, or with too few points)
+    gains = [c["gold"] - curve[0]["gold"] for c in curve]
+    bon_fit = gao_fit([c["kl_exact"] for c in curve], gains, form="bon")
     if bon_fit is not None:
         ds = [c["kl_exact"] ** 0.5 for c in curve]
-        ax.scatter(ds, [c["gold"] - curve[0]["gold"] for c in curve], marker="s", s=12,
-                   color=palette(BON))
+        ax.scatter(ds, gains, marker="s", s=12, color=palette(BON))
         ax.plot(ds, [bon_fit.predict(d * d) for d in ds], "--", color=palette(BON), gid=BON,
                 label=f"{BON}: d (alpha - beta d), R² {bon_fit.r2:.2f}")
     for g in fitted:
@@ -155,15 +154,6 @@ def _fit_figure(fitted: list[Group], palette: Palette, curve: list[dict]):
            title="Gao et al. 2022: gold = d (alpha - beta_RL log d)")
     ax.legend(fontsize=8)
     return fig
-
-
-def best_of_n_fit(curve: list[dict]):
-    """Gao et al.'s best-of-n form fitted to the curve's gold gain over n = 1 against its exact
-    KL; None without a curve (or too few points)."""
-    if not curve:
-        return None
-    return gao_fit([c["kl_exact"] for c in curve], [c["gold"] - curve[0]["gold"] for c in curve],
-                   form="bon")
 
 
 def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
@@ -222,7 +212,7 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
         palette(g.label)
     out = []
 
-    def add(fig, title: str, caption: str) -> None:
+    def add(title: str, fig, caption: str) -> None:
         src, colours = png_data(fig)
         out.append((title, src, caption, colours))
 
@@ -231,13 +221,11 @@ def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | No
         _plot_groups(ax, groups, metric, palette)
         ax.set(xlabel="KL(pi || ref), nats per response", ylabel=title, title=f"{title} against KL")
     axes[0].legend(fontsize=8)
-    add(fig, "Gold and proxy reward against KL",
+    add("Gold and proxy reward against KL", fig,
         "mean over seeds at each evaluation; the band is one standard error (none with one seed).")
-    fig, caption = _frontier_figure(groups, points, palette, curve or [], line)
-    add(fig, "The frontier", caption)
-    fitted = [g for g in groups if g.fit is not None]
-    if fitted:
-        add(_fit_figure(fitted, palette, curve or []), "Gao et al.'s fit per beta",
+    add("The frontier", *_frontier_figure(groups, points, palette, curve or [], line))
+    if fitted := [g for g in groups if g.fit is not None]:
+        add("Gao et al.'s fit per beta", _fit_figure(fitted, palette, curve or []),
             "points: every evaluation of every seed; lines: the least-squares fit, drawn only "
             "over the KL each setting reached (no extrapolation); a star marks a fitted peak "
             "inside the data.")
@@ -301,12 +289,13 @@ def recommendation(groups: list[Group]) -> Recommendation | None:
 
 
 def rule_sentence(groups: list[Group]) -> str:
-    """The rule in one sentence, naming the evaluations it averages."""
+    """The rule in one sentence, naming the evaluations it averages (said only beside a
+    recommendation, so some PPO group has its end steps)."""
     ppo = [g for g in groups if g.stage == "ppo" and g.end_steps]
-    steps = ", ".join(str(s) for s in ppo[0].end_steps) if ppo else "-"
+    steps = ", ".join(str(s) for s in ppo[0].end_steps)
     seeds = sorted({s for g in ppo for s in g.seeds})
     return (f"The rule: each beta is judged on its end gold, the mean gold of its last "
-            f"{len(ppo[0].end_steps) if ppo else END_EVALS} evaluations (steps {steps}), per "
+            f"{len(ppo[0].end_steps)} evaluations (steps {steps}), per "
             f"held-out prompt, over seed(s) {', '.join(map(str, seeds))}; a beta whose gap to the "
             "best, paired prompt by prompt, is within twice its standard error cannot be told "
             "apart from the best, and among those the largest beta is recommended.")
@@ -377,8 +366,7 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     if points:
         body += [figure_html(src, title, caption, colours)
                  for title, src, caption, colours in figures(groups, points, curve, line)]
-    finished = [read_run(sweep.root / p.run.name) for p in points]
-    if finished and configs:
+    if (finished := [read_run(sweep.root / p.run.name) for p in points]) and configs:
         body.append("<h2 id='configs'>Configs</h2>" + config_html(finished, page_dir))
     return "\n".join(body), summary
 

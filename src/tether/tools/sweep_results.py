@@ -63,9 +63,8 @@ def interpolation(sweep: Sweep) -> tuple[str, list[tuple[float, float, float, fl
 def collect(sweep: Sweep) -> list[RunPoints]:
     """The evaluation points of every finished run (PPO: each evaluation; DPO/IPO: one)."""
     out = []
-    for run in sweep.runs:
-        if state(run) != "done" or run.stage == "bon":  # bon: `best_of_n_curve`
-            continue
+    # (bon: `best_of_n_curve`)
+    for run in (run for run in sweep.runs if run.stage != "bon" and state(run) == "done"):
         path = sweep.root / run.name
         points = RunPoints(run)
         if run.stage == "dpo":
