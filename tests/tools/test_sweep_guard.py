@@ -84,8 +84,8 @@ def _edit_ppo(**fields):
 
 BAD_GRIDS = [  # (id, the grid file's text or an edit of a good grid, what the one line says)
     ("list", "- a\n- b\n",  # was "unknown key 'a'"
-     r"grid .*grid.yaml must be a YAML mapping of name, output_dir, seeds, ppo, dpo, eval, bon "
-     r"\(got list\)"),
+     r"grid .*grid.yaml must be a YAML mapping of name, output_dir, seeds, ppo, dpo, eval, bon, "
+     r"interpolate \(got list\)"),
     ("list-of-mappings", "- {ppo: {beta: 0.1}}\n",  # was a TypeError traceback
      r"must be a YAML mapping .*\(got list\)"),
     ("number", "5\n", r"must be a YAML mapping .*\(got int\)"),  # was a TypeError traceback
