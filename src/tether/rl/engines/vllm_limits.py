@@ -171,23 +171,17 @@ def vllm_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line[:300]}"
 
 
-def _positions(text: str) -> str | None:
-    """The model's positions as vLLM's max_model_len refusal states them."""
-    match = re.search(r"derived max_model_len \((?:\w+=)?([0-9.]+)", text)
-    return str(int(float(match.group(1)))) if match else None
-
-
 def start_failure(exc: BaseException, architecture: str, kv_cache_mb: int, max_model_len: int,
                   needed_mb: int | None) -> str:
     """The one line for `exc`, raised by vLLM while starting `architecture`: a cause tether
     knows in its own options and the fix; any other with vLLM's reason and where to look."""
     text = " ".join(_messages(exc))
     if "max_model_len" in text and "greater than the derived" in text:
-        positions = _positions(text)
-        limit = f"the {positions} positions of {architecture}" if positions else \
-            f"the positions of {architecture}"
+        # the model's positions, as vLLM's max_model_len refusal states them
+        match = re.search(r"derived max_model_len \((?:\w+=)?([0-9.]+)", text)
+        positions = f"{int(float(match.group(1)))} " if match else ""
         return (f"the longest prompt plus --max-new-tokens is {max_model_len} tokens, more than "
-                f"{limit}; {LENGTH_FIX}")
+                f"the {positions}positions of {architecture}; {LENGTH_FIX}")
     # CPU: vLLM's own check; GPU: the cache's allocation fails (the weights are placeholders yet)
     if "less than requested memory for kv" in text or "out of memory" in text.lower():
         return _kv_too_large(kv_cache_mb, None, needed_mb)

@@ -264,13 +264,12 @@ class RewardFunctions:
     def score(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
               completion_ids: list[list[int]] | None) -> RewardScores:
         """Each function's scores, and their weighted sum over the functions that applied."""
+        each = self.keywords(prompts, responses, rows, completion_ids)
         if self.pool is not None:
-            return self.pooled(prompts, responses, rows, completion_ids)
-        parts = {}
-        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
-                                                             completion_ids)):
-            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what, keywords,
-                                                 allow_none=True, timeout=self.timeout)
+            return self.pooled(prompts, responses, each)
+        parts = {f.name: call_reward_function(f.fn, prompts, responses, self.what, keywords,
+                                              allow_none=True, timeout=self.timeout)
+                 for f, keywords in zip(self.functions, each)}
         return self.summed(parts, prompts)
 
     def keywords(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
@@ -307,14 +306,12 @@ class RewardFunctions:
         scores = (stacked * weights).nansum(dim=1)
         return RewardScores(scores.masked_fill(failed, math.nan), parts)
 
-    def pooled(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
-               completion_ids: list[list[int]] | None) -> RewardScores:
+    def pooled(self, prompts: list[str], responses: list[str], each: list) -> RewardScores:
         """`score` through the pool: every function on every response, one response per call
-        (tether.rl.reward.pool), the outcomes back in the rows' order."""
+        (tether.rl.reward.pool), the outcomes back in the rows' order; `each`: `keywords`."""
         n = len(responses)
         calls = []
-        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
-                                                             completion_ids)):
+        for f, keywords in zip(self.functions, each):
             name = function_name(f.fn)
             check = partial(one_score, self.what, f.fn)
             for i in range(n):
