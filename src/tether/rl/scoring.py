@@ -301,10 +301,9 @@ def score_old(roles: Roles, reference: nn.Module, rollout: Rollout, spec, forwar
     read off it (`scored_from_forward`); the time it started is returned too, where the update's
     clock starts (None with two passes)."""
     device = rollout.input_ids.device
-    if not one_pass:
-        with autocast(spec.mixed_precision, device):
-            return score_batch(roles, reference, rollout, spec), None
     with autocast(spec.mixed_precision, device):
+        if not one_pass:
+            return score_batch(roles, reference, rollout, spec), None
         ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
     started = time.perf_counter()  # the update's forward is this batch's scoring pass too
     everything = torch.arange(len(rollout), device=device)
