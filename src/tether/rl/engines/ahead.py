@@ -175,12 +175,13 @@ class AheadEngine(SamplesWhenAsked):
     def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict
                 ) -> Rollout:
         """The prefetched batch when one matches, or one asked for now; each token tagged."""
-        key = request_key(prompt_ids, prompt_mask, settings)
-        ticket = self.pending.pop(key, None)
+        ticket = self.pending.pop(request_key(prompt_ids, prompt_mask, settings), None)
         if ticket is None:
             ticket = self._ask(prompt_ids, prompt_mask, settings)
         version, rollout = self._answer(ticket)
-        return tagged(rollout, version, self.device)
+        rollout = rollout.map_rows(lambda t: t.to(self.device))
+        rollout.versions = torch.where(rollout.action_mask, version, 0).long()
+        return rollout
 
     def _load(self, weights: tuple[int, dict[torch.dtype, torch.Tensor]]) -> None:
         """Give the generator these (version, `flatten`'s) weights, after the submitted work."""
@@ -249,13 +250,6 @@ class Turns:
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.engine._sample(prompt_ids, prompt_mask, settings)
-
-
-def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:
-    """`rollout` on `device`, each sampled token tagged with `version`."""
-    rollout = rollout.map_rows(lambda t: t.to(device))
-    rollout.versions = torch.where(rollout.action_mask, version, 0).long()
-    return rollout
 
 
 def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:

@@ -314,8 +314,9 @@ class RewardFunctions:
         for f, keywords in zip(self.functions, each):
             name = function_name(f.fn)
             check = partial(one_score, self.what, f.fn)
-            for i in range(n):
-                run = (partial(f.fn, **row_keywords(keywords, i)) if keywords is not None
+            for i in range(n):  # TRL's keywords for row i alone: each list cut to its item
+                run = (partial(f.fn, **{k: v if k == "trainer_state" else v[i:i + 1]
+                                        for k, v in keywords.items()}) if keywords is not None
                        else partial(f.fn, [prompts[i]], [responses[i]]))
                 calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn),
                                   f"{self.what} {name}"))
@@ -335,11 +336,6 @@ class RewardFunctions:
                                  f"{prompts[i][:40]!r}; {tries})")
         scored = self.summed(parts, prompts, failed)
         return scored._replace(failed=FailedRows(failed, retries, causes))
-
-
-def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
-    """TRL's keywords for row `i` alone: every list aligned with the batch cut to its item."""
-    return {k: v if k == "trainer_state" else v[i:i + 1] for k, v in keywords.items()}
 
 
 def one_score(what: str, fn: Callable, value: Any) -> float | None:
