@@ -95,7 +95,6 @@ class AheadEngine(SamplesWhenAsked):
         self.ready: dict[int, tuple[int, object]] = {}  # ticket -> (version, answer), arrived
         self.tickets = 0
         self.threads = 0  # the generator's torch threads, as it reports them once started
-        self.waited_s = 0.0  # seconds the trainer has waited for the generator
         self.jobs: list[Background] = []  # work submitted and not yet waited for, in order
         # (version, flat weights) of the last `keep` syncs, the oldest first: what a checkpoint
         # needs to sample the batches in flight again on resume (`state_dict`)
@@ -150,8 +149,7 @@ class AheadEngine(SamplesWhenAsked):
         p >= start was asked for at the start of batch p - L, so the i-th request after a resume
         is sampled by held[i] (h = keep of them held; fewer, from an older checkpoint: the oldest
         stand in for those missing, and with none the weights restored)."""
-        held: list[tuple[int, dict[torch.dtype, torch.Tensor]]] = [
-            (v, {}) for v in state.get("ahead_versions", [])]
+        held = [(v, {}) for v in state.get("ahead_versions", [])]  # (version, flat weights)
         for name, flat in state.get("tensors", {}).items():
             index, _, dtype = name.partition("/")
             held[int(index)][1][getattr(torch, dtype)] = flat
@@ -200,10 +198,8 @@ class AheadEngine(SamplesWhenAsked):
     def _drain(self) -> None:
         """Wait until the submitted work is over (a job's error is raised by its `result`)."""
         waiting, self.jobs = self.jobs, []
-        started = time.perf_counter()
         for job in waiting:
             job.wait()
-        self.waited_s += time.perf_counter() - started
 
     def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
         self.tickets += 1
@@ -218,19 +214,15 @@ class AheadEngine(SamplesWhenAsked):
         self.launched.inbox.put(message)
 
     def _answer(self, ticket: int) -> tuple[int, object]:
-        started = time.perf_counter()
-        try:
-            while ticket not in self.ready:
-                message = next_message(self.launched.outbox, self.launched.process)
-                if message is None:
-                    raise self._ended()
-                got, version, answer = message
-                if got == "error":
-                    raise RuntimeError(f"the generator process failed:\n{answer}")
-                self.ready[got] = (version, answer)
-            return self.ready.pop(ticket)
-        finally:
-            self.waited_s += time.perf_counter() - started
+        while ticket not in self.ready:
+            message = next_message(self.launched.outbox, self.launched.process)
+            if message is None:
+                raise self._ended()
+            got, version, answer = message
+            if got == "error":
+                raise RuntimeError(f"the generator process failed:\n{answer}")
+            self.ready[got] = (version, answer)
+        return self.ready.pop(ticket)
 
     def _ended(self) -> TetherError:
         return TetherError(f"the generator process (--max-staleness) ended with exit code "
