@@ -35,6 +35,7 @@ This module is the trainer's side; what runs in the generator process is
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -283,10 +284,8 @@ class Launched:
     def close(self) -> None:
         """Ask it to end, and end it if it does not."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self.inbox.put(("close",))
-            except (OSError, ValueError):
-                pass
             self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from contextlib import suppress
 
 from tether.errors import TetherError
 
@@ -95,13 +96,10 @@ def free_memory_mb(device_type: str) -> int | None:
     CPU; None elsewhere (a GPU's free memory is vLLM's to measure, after the model is on it)."""
     if device_type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
     return None
 
 
