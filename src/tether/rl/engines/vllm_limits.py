@@ -157,13 +157,11 @@ def vllm_cause(exc: BaseException) -> str:
     (not its "1 validation error for ModelConfig" header), else the exception's first line."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        try:
+        with suppress(Exception):  # not pydantic's shape after all: the text below
             first = errors()[0]
             field = ".".join(str(part) for part in first.get("loc", ()) if part != "__root__")
             reason = str(first.get("msg", "")).removeprefix("Value error, ")
             return (f"{field}: {reason}" if field else reason)[:300]
-        except Exception:  # not pydantic's shape after all: the text below
-            pass
     text = str(exc).strip()
     first_line = text.splitlines()[0] if text else type(exc).__name__
     return f"{type(exc).__name__}: {first_line[:300]}"
