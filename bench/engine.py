@@ -17,7 +17,7 @@ vLLM is tether's `--engine vllm` (tether.rl.engines.vllm_engine); both see the s
    engines; after one untimed warm-up of each engine the repeats interleave (native, vllm, then
    vllm, native, ...) and medians are reported. Before every vLLM rollout the weights are pushed
    (`VLLMEngine.sync`), as the loop does after each update: that time, and the engine's start-up
-   (`start_engine`, which includes the first push), are reported apart, outside tokens/s.
+   (`VLLMEngine`, which includes the first push), are reported apart, outside tokens/s.
 2. GRPO runs. `tether.train.ppo.run` with bench/peers/grpo.py's GRPO config (its
    `tether_config`), `engine="native"` against `engine="vllm"`, nothing else changed: 128
    episodes = 4 batches of 32, up to 32 new tokens, one step per batch, fp32. Reported per side:
@@ -89,7 +89,7 @@ class Workload:
 
 @dataclass
 class RolloutTimes:
-    start_s: float | None = None  # start_engine, the first weight push included
+    start_s: float | None = None  # VLLMEngine's start, the first weight push included
     warmup_s: dict[str, float] = field(default_factory=dict)  # each engine's first, untimed rollout
     sync_s: list[float] = field(default_factory=list)  # VLLMEngine.sync before each vLLM rollout
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -173,14 +173,13 @@ def bench_rollouts(work: Workload, engines: list[str], args) -> RolloutTimes:
     times = RolloutTimes(seconds={e: [] for e in engines}, tokens={e: [] for e in engines})
     samplers, engine = {"native": native.start(None, work.model, None, 0, Dist()).sample}, None
     if "vllm" in engines:
-        from tether.rl.engines.vllm_engine import start_engine
+        from tether.rl.engines.vllm_engine import EngineOptions, VLLMEngine
 
         start = time.perf_counter()
         # every prompt the bench samples from: the longest sets the engine's max_model_len
-        engine = start_engine(work.model, None, max(map(len, work.prompt_ids)),
-                              work.max_new_tokens,
-                              kv_cache_mb=work.kv_cache_mb, dtype=work.dtype, seed=0, d=Dist(),
-                              device=torch.device(args.device))
+        longest = max(max(map(len, work.prompt_ids)), 1) + work.max_new_tokens
+        options = EngineOptions(work.kv_cache_mb, work.dtype, longest, 0)
+        engine = VLLMEngine(work.model, None, options, Dist(), torch.device(args.device))
         times.start_s = time.perf_counter() - start
         samplers["vllm"] = engine.sample
     try:

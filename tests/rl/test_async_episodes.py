@@ -277,7 +277,7 @@ def test_the_engine_waits_for_its_jobs_before_anything_else(monkeypatch):
     the generator before any weights sent after it."""
     sent: list[str] = []
     engine = ahead.AheadEngine.__new__(ahead.AheadEngine)
-    engine.jobs, engine.waited_s, engine.pending, engine.history = [], 0.0, {}, deque()
+    engine.jobs, engine.pending, engine.history = [], {}, deque()
     engine.replay, engine.replayed = [], None
     monkeypatch.setattr(ahead.AheadEngine, "_put", lambda self, message: sent.append(message[0]))
     monkeypatch.setattr(ahead, "flatten", lambda params: {})

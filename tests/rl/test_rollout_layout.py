@@ -67,8 +67,8 @@ def test_the_vllm_engine_s_lists_are_laid_out_to_the_given_width():
 
 
 def _episode(segments: list[Segment], rewards: list[float], done: bool) -> Episode:
-    return Episode(row={}, seed=0, env=None, segments=segments, messages=None, prompt="p",
-                   text="t", rewards=rewards, done=done, over=True)
+    return Episode(env=None, segments=segments, messages=None, prompt="p", text="t",
+                   rewards=rewards, done=done, over=True)
 
 
 def _segmented() -> list[Episode]:

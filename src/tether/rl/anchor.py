@@ -96,10 +96,8 @@ class Anchor:
         if self.start is None:
             return {}
         sums = kl_sums(score_batch(roles, self.start, rollout, spec), rollout.action_mask)
-        out = {"objective/kl_sft": sums["objective/kl_k1"]}
-        if "objective/kl_exact" in sums:
-            out["objective/kl_sft_exact"] = sums["objective/kl_exact"]
-        return out
+        names = {"objective/kl_k1": "", "objective/kl_exact": "_exact"}  # kl_sft, kl_sft_exact
+        return {f"objective/kl_sft{names[k]}": v for k, v in sums.items() if k in names}
 
     def after_batch(self, batches_done: int, optimizer: torch.optim.Optimizer) -> None:
         """Move the reference if --ref-update says so after `batches_done` batches."""

@@ -97,9 +97,7 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
     all equal); with a pool, `failure_stats`.
     """
     first = draw(0)
-    if not dynamic and first.failed is None:  # no reward pool: nothing is ever refilled
-        return first, {}
-    if not dynamic and not _has_failures(first):
+    if not dynamic and not _has_failures(first):  # no failure ({} without a pool): no refill
         return first, failure_stats([first], k, 0, dynamic)
     if dynamic and first.rollout.episode is not None:
         raise TetherError("--dynamic-sampling cannot regroup episodes that a chat template split "
@@ -159,7 +157,8 @@ def _search(draw: Callable[[int], Drawn], first: Drawn, k: int, max_rounds: int,
             say(f"dynamic sampling round {more - 1} of {max_rounds} has found {found} of "
                 f"{groups} groups with differing rewards ({WHY_EQUAL})")
         drawn_all.append(draw(more))
-        drawn_all[-2] = _counts_only(drawn_all[-2])
+        old = drawn_all[-2]  # kept for its failure counts alone: its rollout is not needed
+        drawn_all[-2] = Drawn(old.prompts, None, old.raw_scores, old.scores, None, {}, old.failed)
     return drawn_all, rounds, keeps, spares
 
 
@@ -203,11 +202,6 @@ def _failed_groups(drawn: Drawn, k: int) -> torch.Tensor:
     if drawn.failed is None:
         return torch.zeros(len(drawn.prompts) // k, dtype=torch.bool)
     return drawn.failed.failed.cpu().view(-1, k).any(dim=1)
-
-
-def _counts_only(drawn: Drawn) -> Drawn:
-    """A round kept for its failure counts alone (`drawn_all`): its rollout is not needed."""
-    return Drawn(drawn.prompts, None, drawn.raw_scores, drawn.scores, None, {}, drawn.failed)
 
 
 def _warn_failures(drawn: Drawn, k: int, warn: Callable[[str], None] | None) -> None:

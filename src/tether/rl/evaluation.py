@@ -148,11 +148,9 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
         for key, value in part.stats.items():  # episode means, weighted by the chunk's episodes
             env[key] = env.get(key, 0.0) + value * len(chunk_texts)
     joined = {k: torch.cat(v) for k, v in parts.items()}
-    names = {"score": "eval/score", "gold": "eval/gold_score", "kl": "eval/kl",
-             "kl_exact": "eval/kl_exact", "kl_sft": "eval/kl_sft", "kl_sft_exact":
-             "eval/kl_sft_exact", "ent": "eval/entropy", "len": "eval/response_len",
-             "eos": "eval/eos_rate"}
-    metrics = {names[k]: v.mean().item() for k, v in joined.items()}
+    # eval/<key>, but for these (score, kl, kl_exact, kl_sft, kl_sft_exact keep their names)
+    names = {"gold": "gold_score", "ent": "entropy", "len": "response_len", "eos": "eos_rate"}
+    metrics = {f"eval/{names.get(k, k)}": v.mean().item() for k, v in joined.items()}
     metrics["eval/distinct_2"] = distinct_n(texts, 2)
     metrics["eval/distinct_2_tokens"] = distinct_ngrams(token_ids, 2)
     # env/turns -> eval/turns; reward/<name> -> eval/reward/<name> (a function's name is the
@@ -162,9 +160,8 @@ def evaluate_policy(evaluation: Evaluation, measure: Measure, gold: Reward | Non
 
     def per_prompt(key: str) -> list:
         return joined[key].tolist() if key in joined else [None] * len(texts)
-    samples = [{"prompt": p, "response": r, "score": s, "gold_score": g}
-               for p, r, s, g in zip(prompts, texts, per_prompt("score"), per_prompt("gold"))]
-    return metrics, samples
+    return metrics, [{"prompt": p, "response": r, "score": s, "gold_score": g}
+                     for p, r, s, g in zip(prompts, texts, per_prompt("score"), per_prompt("gold"))]
 
 
 def measured_chunk(part: Collected, measure: Measure, gold: Reward | None

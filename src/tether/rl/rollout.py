@@ -219,8 +219,7 @@ def sampling_uniforms(seed: int, n_rows: int, max_new_tokens: int) -> torch.Tens
     """[n_rows, max_new_tokens] uniforms in [0, 1) for a global batch, from one CPU generator
     seeded with `seed`: rank r (or a chunk) takes its rows' slice, so the samples do not depend on
     the world size or the chunking, and a resumed run draws what the uninterrupted one did."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand((n_rows, max_new_tokens), generator=generator)
+    return torch.rand((n_rows, max_new_tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def sampling_noise(uniforms: torch.Tensor | None, generator: torch.Generator | None, rows: int,

@@ -191,23 +191,15 @@ def update_forward(policy: nn.Module, critic: nn.Module | None, reference: nn.Mo
     on the micro-batch's real tokens in packed rows (tether.models.packed)."""
     scores, values = policy_and_values(policy, critic, sub, chunked=chunked,
                                        hidden=exact or keep_hidden, packed=packed)
-    exact_kl = (_exact_kl(policy, reference, sub, scores.hidden, chunked, packed, exact)
-                if exact else None)
+    exact_kl = None
+    if exact:  # [b, R] the divergence (KL(pi || ref), the forward KL or the JSD) at each position
+        ref = score_reference(reference, sub, chunked, packed)  # without a gradient
+        exact_kl = exact_kl_at(policy, reference, scores.hidden, ref.hidden, sub.temperature,
+                               sub.action_mask, exact)
+        if exact_kl is None:
+            raise TetherError("--kl-estimator exact (and forward, jsd) needs the models' logits "
+                              "to be head(hidden); use k3_ratio for this model")
     return Forward(scores.logprobs, values, exact_kl, scores.hidden if keep_hidden else None)
-
-
-def _exact_kl(policy: nn.Module, reference: nn.Module, sub: Rollout, hidden: torch.Tensor,
-              chunked: bool, packed: bool, rows: Callable) -> torch.Tensor:
-    """The divergence `rows` (KL(pi || ref), the forward KL or the JSD) over the vocabulary at
-    each response position [b, R], differentiable in the policy's `hidden` states; the reference
-    is scored here, without a gradient."""
-    ref = score_reference(reference, sub, chunked, packed)  # without a gradient
-    per_position = exact_kl_at(policy, reference, hidden, ref.hidden, sub.temperature,
-                               sub.action_mask, rows)
-    if per_position is None:
-        raise TetherError("--kl-estimator exact (and forward, jsd) needs the models' logits to be "
-                          "head(hidden); use k3_ratio for this model")
-    return per_position
 
 
 @torch.no_grad()
@@ -309,10 +301,9 @@ def score_old(roles: Roles, reference: nn.Module, rollout: Rollout, spec, forwar
     read off it (`scored_from_forward`); the time it started is returned too, where the update's
     clock starts (None with two passes)."""
     device = rollout.input_ids.device
-    if not one_pass:
-        with autocast(spec.mixed_precision, device):
-            return score_batch(roles, reference, rollout, spec), None
     with autocast(spec.mixed_precision, device):
+        if not one_pass:
+            return score_batch(roles, reference, rollout, spec), None
         ref = score_reference(reference, rollout, spec.chunked_lm_head, spec.pack)
     started = time.perf_counter()  # the update's forward is this batch's scoring pass too
     everything = torch.arange(len(rollout), device=device)

@@ -101,11 +101,6 @@ class SubmittedAhead:
         return self.work(self.engine, rows, mine, noise_seed)
 
 
-def part_means(parts: dict[str, torch.Tensor]) -> dict[str, float]:
-    """`reward/<name>`: each reward function's mean over the responses it scored (not None)."""
-    return {f"reward/{name}": float(scores.nanmean()) for name, scores in parts.items()}
-
-
 def env_seed(run_seed: int, row: int) -> int:
     """The environment seed of every episode that starts from prompt row `row`: the k samples of
     a prompt meet the same environment, and a resumed run meets the ones it met before."""
@@ -151,8 +146,10 @@ class PromptSource:
         if self.reward is None:
             return Collected(prompts, responses, rollout, None, None, {}, rows=table)
         scored = self.reward(prompts, responses, rollout, table)
-        return Collected(prompts, responses, rollout, scored.scores.to(self.device), None,
-                         part_means(scored.parts), rows=table, failed=scored.failed)
+        # reward/<name>: each reward function's mean over the responses it scored (not None)
+        means = {f"reward/{name}": float(part.nanmean()) for name, part in scored.parts.items()}
+        return Collected(prompts, responses, rollout, scored.scores.to(self.device), None, means,
+                         rows=table, failed=scored.failed)
 
     def close(self) -> None:
         pass

@@ -399,20 +399,19 @@ def test_generate_and_eval_with_the_engine(tiny_model_dir, prompts, tmp_path, ca
 # ----------------------------------------------------------------------------- the options
 
 class StartSpy:
-    """Records each start_engine call's KV size and the size vLLM itself was given."""
+    """Records each engine start's KV size and the size vLLM itself was given."""
 
     def __init__(self, monkeypatch):
         from tether.rl.engines import vllm_engine
 
         self.sizes: list[tuple[int, int]] = []
-        real = vllm_engine.start_engine
+        real = vllm_engine.VLLMEngine.__init__
 
-        def spy(*args, **kwargs):
-            engine = real(*args, **kwargs)
+        def spy(engine, model, peft, options, *args, **kwargs):
+            real(engine, model, peft, options, *args, **kwargs)
             cache = engine.llm.llm_engine.vllm_config.cache_config
-            self.sizes.append((kwargs["kv_cache_mb"], cache.kv_cache_memory_bytes))
-            return engine
-        monkeypatch.setattr(vllm_engine, "start_engine", spy)
+            self.sizes.append((options.kv_cache_mb, cache.kv_cache_memory_bytes))
+        monkeypatch.setattr(vllm_engine.VLLMEngine, "__init__", spy)
 
 
 @pytest.mark.parametrize("tool", ["grpo", "generate", "eval"])

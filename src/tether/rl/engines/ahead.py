@@ -35,6 +35,7 @@ This module is the trainer's side; what runs in the generator process is
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -95,7 +96,6 @@ class AheadEngine(SamplesWhenAsked):
         self.ready: dict[int, tuple[int, object]] = {}  # ticket -> (version, answer), arrived
         self.tickets = 0
         self.threads = 0  # the generator's torch threads, as it reports them once started
-        self.waited_s = 0.0  # seconds the trainer has waited for the generator
         self.jobs: list[Background] = []  # work submitted and not yet waited for, in order
         # (version, flat weights) of the last `keep` syncs, the oldest first: what a checkpoint
         # needs to sample the batches in flight again on resume (`state_dict`)
@@ -150,8 +150,7 @@ class AheadEngine(SamplesWhenAsked):
         p >= start was asked for at the start of batch p - L, so the i-th request after a resume
         is sampled by held[i] (h = keep of them held; fewer, from an older checkpoint: the oldest
         stand in for those missing, and with none the weights restored)."""
-        held: list[tuple[int, dict[torch.dtype, torch.Tensor]]] = [
-            (v, {}) for v in state.get("ahead_versions", [])]
+        held = [(v, {}) for v in state.get("ahead_versions", [])]  # (version, flat weights)
         for name, flat in state.get("tensors", {}).items():
             index, _, dtype = name.partition("/")
             held[int(index)][1][getattr(torch, dtype)] = flat
@@ -175,12 +174,13 @@ class AheadEngine(SamplesWhenAsked):
     def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict
                 ) -> Rollout:
         """The prefetched batch when one matches, or one asked for now; each token tagged."""
-        key = request_key(prompt_ids, prompt_mask, settings)
-        ticket = self.pending.pop(key, None)
+        ticket = self.pending.pop(request_key(prompt_ids, prompt_mask, settings), None)
         if ticket is None:
             ticket = self._ask(prompt_ids, prompt_mask, settings)
         version, rollout = self._answer(ticket)
-        return tagged(rollout, version, self.device)
+        rollout = rollout.map_rows(lambda t: t.to(self.device))
+        rollout.versions = torch.where(rollout.action_mask, version, 0).long()
+        return rollout
 
     def _load(self, weights: tuple[int, dict[torch.dtype, torch.Tensor]]) -> None:
         """Give the generator these (version, `flatten`'s) weights, after the submitted work."""
@@ -199,10 +199,8 @@ class AheadEngine(SamplesWhenAsked):
     def _drain(self) -> None:
         """Wait until the submitted work is over (a job's error is raised by its `result`)."""
         waiting, self.jobs = self.jobs, []
-        started = time.perf_counter()
         for job in waiting:
             job.wait()
-        self.waited_s += time.perf_counter() - started
 
     def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
         self.tickets += 1
@@ -217,19 +215,15 @@ class AheadEngine(SamplesWhenAsked):
         self.launched.inbox.put(message)
 
     def _answer(self, ticket: int) -> tuple[int, object]:
-        started = time.perf_counter()
-        try:
-            while ticket not in self.ready:
-                message = next_message(self.launched.outbox, self.launched.process)
-                if message is None:
-                    raise self._ended()
-                got, version, answer = message
-                if got == "error":
-                    raise RuntimeError(f"the generator process failed:\n{answer}")
-                self.ready[got] = (version, answer)
-            return self.ready.pop(ticket)
-        finally:
-            self.waited_s += time.perf_counter() - started
+        while ticket not in self.ready:
+            message = next_message(self.launched.outbox, self.launched.process)
+            if message is None:
+                raise self._ended()
+            got, version, answer = message
+            if got == "error":
+                raise RuntimeError(f"the generator process failed:\n{answer}")
+            self.ready[got] = (version, answer)
+        return self.ready.pop(ticket)
 
     def _ended(self) -> TetherError:
         return TetherError(f"the generator process (--max-staleness) ended with exit code "
@@ -249,13 +243,6 @@ class Turns:
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> Rollout:
         return self.engine._sample(prompt_ids, prompt_mask, settings)
-
-
-def tagged(rollout: Rollout, version: int, device: torch.device) -> Rollout:
-    """`rollout` on `device`, each sampled token tagged with `version`."""
-    rollout = rollout.map_rows(lambda t: t.to(device))
-    rollout.versions = torch.where(rollout.action_mask, version, 0).long()
-    return rollout
 
 
 def split_threads(trainer: int, generator: int, ahead: bool) -> tuple[int, int]:
@@ -297,10 +284,8 @@ class Launched:
     def close(self) -> None:
         """Ask it to end, and end it if it does not."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self.inbox.put(("close",))
-            except (OSError, ValueError):
-                pass
             self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()

@@ -25,9 +25,6 @@ class Deferred(Generic[T]):
         self.work: Callable[[], T] | None = work
         self.value: T | None = None
 
-    def wait(self, timeout: float | None = None) -> bool:  # nothing runs before `result`
-        return True
-
     def result(self) -> T:
         if self.work is not None:
             work, self.work = self.work, None

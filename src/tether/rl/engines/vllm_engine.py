@@ -348,21 +348,12 @@ def _layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[li
                                                            device))
 
 
-def start_engine(model: nn.Module, peft: nn.Module | None, longest_prompt: int,
-                 max_new_tokens: int, *, kv_cache_mb: int, dtype: str, seed: int, d: Dist,
-                 device: torch.device) -> VLLMEngine:
-    """A `VLLMEngine` on `model` whose longest sequence is the longest context it will be given
-    plus `max_new_tokens`."""
-    return VLLMEngine(model, peft, EngineOptions(kv_cache_mb, dtype,
-                                                 max(longest_prompt, 1) + max_new_tokens, seed),
-                      d, device)
-
-
 def start(settings, model: nn.Module, peft: nn.Module | None, longest_prompt: int, d: Dist,
           run_model: Callable | None = None) -> VLLMEngine:
-    """`tether.choices.ENGINES`' start (and the generator's, --max-staleness): the engine computes in what the trainer computes in (bf16 under
-    --mixed-precision bf16, else the weights' dtype), on this process's device (`d.device`)."""
-    return start_engine(model, peft, longest_prompt, settings.max_new_tokens,
-                        kv_cache_mb=settings.engine_kv_cache_mb, dtype=engine_dtype(settings),
-                        seed=settings.seed,
-                        d=d, device=d.device)
+    """`tether.choices.ENGINES`' start (and the generator's, --max-staleness): the engine
+    computes in what the trainer computes in (bf16 under --mixed-precision bf16, else the
+    weights' dtype), on this process's device (`d.device`); its longest sequence is the longest
+    context it will be given plus --max-new-tokens."""
+    options = EngineOptions(settings.engine_kv_cache_mb, engine_dtype(settings),
+                            max(longest_prompt, 1) + settings.max_new_tokens, settings.seed)
+    return VLLMEngine(model, peft, options, d, d.device)

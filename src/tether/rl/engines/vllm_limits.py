@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from contextlib import suppress
 
 from tether.errors import TetherError
 
@@ -95,13 +96,10 @@ def free_memory_mb(device_type: str) -> int | None:
     CPU; None elsewhere (a GPU's free memory is vLLM's to measure, after the model is on it)."""
     if device_type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
     return None
 
 
@@ -159,22 +157,14 @@ def vllm_cause(exc: BaseException) -> str:
     (not its "1 validation error for ModelConfig" header), else the exception's first line."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        try:
+        with suppress(Exception):  # not pydantic's shape after all: the text below
             first = errors()[0]
             field = ".".join(str(part) for part in first.get("loc", ()) if part != "__root__")
             reason = str(first.get("msg", "")).removeprefix("Value error, ")
             return (f"{field}: {reason}" if field else reason)[:300]
-        except Exception:  # not pydantic's shape after all: the text below
-            pass
     text = str(exc).strip()
     first_line = text.splitlines()[0] if text else type(exc).__name__
     return f"{type(exc).__name__}: {first_line[:300]}"
-
-
-def _positions(text: str) -> str | None:
-    """The model's positions as vLLM's max_model_len refusal states them."""
-    match = re.search(r"derived max_model_len \((?:\w+=)?([0-9.]+)", text)
-    return str(int(float(match.group(1)))) if match else None
 
 
 def start_failure(exc: BaseException, architecture: str, kv_cache_mb: int, max_model_len: int,
@@ -183,11 +173,11 @@ def start_failure(exc: BaseException, architecture: str, kv_cache_mb: int, max_m
     knows in its own options and the fix; any other with vLLM's reason and where to look."""
     text = " ".join(_messages(exc))
     if "max_model_len" in text and "greater than the derived" in text:
-        positions = _positions(text)
-        limit = f"the {positions} positions of {architecture}" if positions else \
-            f"the positions of {architecture}"
+        # the model's positions, as vLLM's max_model_len refusal states them
+        match = re.search(r"derived max_model_len \((?:\w+=)?([0-9.]+)", text)
+        positions = f"{int(float(match.group(1)))} " if match else ""
         return (f"the longest prompt plus --max-new-tokens is {max_model_len} tokens, more than "
-                f"{limit}; {LENGTH_FIX}")
+                f"the {positions}positions of {architecture}; {LENGTH_FIX}")
     # CPU: vLLM's own check; GPU: the cache's allocation fails (the weights are placeholders yet)
     if "less than requested memory for kv" in text or "out of memory" in text.lower():
         return _kv_too_large(kv_cache_mb, None, needed_mb)

@@ -52,12 +52,9 @@ def hf_weights(model: nn.Module, merge_adapter: str | None = None
     `q_proj.weight`) and no adapter tensors, or, with `merge_adapter`, W + (alpha / r) B A of that
     adapter (peft's own delta, Conv1D layouts included). Under FSDP2 every rank must call this:
     each shard is gathered whole."""
-    merged = {}
-    if merge_adapter is not None:
-        for name, module in model.named_modules():
-            if merge_adapter in getattr(module, "lora_A", {}) and hasattr(module,
-                                                                         "get_delta_weight"):
-                merged[f"{name}.base_layer.weight"] = module
+    merged = {} if merge_adapter is None else {
+        f"{name}.base_layer.weight": module for name, module in model.named_modules()
+        if merge_adapter in getattr(module, "lora_A", {}) and hasattr(module, "get_delta_weight")}
     for key, value in model.state_dict().items():
         if ".lora_" in key:
             continue

@@ -81,8 +81,6 @@ class Segment:
 class Episode:
     """One episode as it is sampled."""
 
-    row: dict
-    seed: int
     env: object
     segments: list[Segment]
     messages: list[dict] | None  # a chat episode's conversation so far
@@ -157,14 +155,14 @@ def _sample(engine: RolloutEngine, calls: EnvCalls, renderer: Renderer, envs: li
                            for env, row, seed in zip(envs, rows, seeds)],
                           [f"reset of {where(i)}" for i in range(len(rows))])
     episodes = []
-    for i, (env, row, seed, first) in enumerate(zip(envs, rows, seeds, firsts)):
+    for i, (env, first) in enumerate(zip(envs, firsts)):
         prompt = checked_prompt(first, f"environment {calls.name}: reset of {where(i)}")
         text, ids, messages = renderer.first(prompt, f"{where(i)}'s first prompt")
         if limits.max_context and len(ids) >= limits.max_context:
             raise TetherError(f"{where(i)}'s first prompt holds {len(ids)} tokens and the model "
                               f"reads at most {limits.max_context}: no room for a turn; lower "
                               "--max-prompt-len")
-        episodes.append(Episode(row, seed, env, [Segment(ids)], messages, text))
+        episodes.append(Episode(env, [Segment(ids)], messages, text))
     pad_token_id, eos = sampling.pad_token_id, set(sampling.eos_token_ids)
     first_turn, versioned = None, False  # versioned: the engine tags tokens (sampling ahead)
     for turn in range(limits.max_turns):

@@ -28,6 +28,7 @@ one session per episode of a batch at once (`max_concurrent_envs` >= this rank's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import urllib.request
@@ -159,10 +160,8 @@ def _close_in_background(client) -> None:
     """Close a session without holding up the batch (a server that went away can keep a close
     waiting for seconds)."""
     def close() -> None:
-        try:
+        with contextlib.suppress(Exception):  # the session is over either way
             client.close()
-        except Exception:  # noqa: BLE001 - the session is over either way
-            pass
     threading.Thread(target=close, daemon=True, name="tether-openenv-close").start()
 
 

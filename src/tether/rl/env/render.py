@@ -88,7 +88,9 @@ class Renderer:
         observation's messages."""
         if messages is None:
             return self._plain(observation, where)
-        added = self._as_messages(observation)
+        if isinstance(observation, str):  # a user turn
+            observation = [{"role": "user", "content": observation}]
+        added = [dict(m) for m in observation or []]
         cut = False
         for message in added:
             message["content"], was_cut = self._capped(message["content"])
@@ -145,13 +147,6 @@ class Renderer:
                               "text, or start the episode with chat messages from reset()")
         text, cut = self._capped(observation)
         return Appended(self._fragment(text), cut)
-
-    def _as_messages(self, observation) -> list[dict]:
-        if observation is None:
-            return []
-        if isinstance(observation, str):
-            return [{"role": "user", "content": observation}]
-        return [dict(m) for m in observation]
 
     def _capped(self, text: str) -> tuple[str, bool]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -172,7 +172,12 @@ class ToolsEnv:
         if outcome.cause is not None:
             if outcome.error is not None:
                 return f"error: {raised(outcome.error)}", True
-            self._say_hung(name)
+            if name not in self.hung:  # said once per tool
+                self.hung.add(name)
+                print(f"warning: tool {name} did not return within {self.timeout:g} s "
+                      "(--env-timeout); the call went back to the model as an error (counted in "
+                      "env/tool_errors) and is left running; fix the tool or raise --env-timeout",
+                      file=sys.stderr, flush=True)
             return f"error: {name} did not return within {self.timeout:g} s", True
         result = outcome.value
         try:  # a set, bytes or an object JSON cannot write is the tool's failure too
@@ -180,14 +185,6 @@ class ToolsEnv:
         except (TypeError, ValueError):
             return (f"error: {name} ({defined_at(fn)}) returned a {type(result).__name__}, "
                     "which is not JSON; return a str or JSON data"), True
-
-    def _say_hung(self, name: str) -> None:
-        if name not in self.hung:
-            self.hung.add(name)
-            print(f"warning: tool {name} did not return within {self.timeout:g} s "
-                  "(--env-timeout); the call went back to the model as an error (counted in "
-                  "env/tool_errors) and is left running; fix the tool or raise --env-timeout",
-                  file=sys.stderr, flush=True)
 
     def metrics(self) -> dict[str, float]:
         return dict(self.counts)

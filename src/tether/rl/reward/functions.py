@@ -264,13 +264,12 @@ class RewardFunctions:
     def score(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
               completion_ids: list[list[int]] | None) -> RewardScores:
         """Each function's scores, and their weighted sum over the functions that applied."""
+        each = self.keywords(prompts, responses, rows, completion_ids)
         if self.pool is not None:
-            return self.pooled(prompts, responses, rows, completion_ids)
-        parts = {}
-        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
-                                                             completion_ids)):
-            parts[f.name] = call_reward_function(f.fn, prompts, responses, self.what, keywords,
-                                                 allow_none=True, timeout=self.timeout)
+            return self.pooled(prompts, responses, each)
+        parts = {f.name: call_reward_function(f.fn, prompts, responses, self.what, keywords,
+                                              allow_none=True, timeout=self.timeout)
+                 for f, keywords in zip(self.functions, each)}
         return self.summed(parts, prompts)
 
     def keywords(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
@@ -307,18 +306,17 @@ class RewardFunctions:
         scores = (stacked * weights).nansum(dim=1)
         return RewardScores(scores.masked_fill(failed, math.nan), parts)
 
-    def pooled(self, prompts: list[str], responses: list[str], rows: list[dict] | None,
-               completion_ids: list[list[int]] | None) -> RewardScores:
+    def pooled(self, prompts: list[str], responses: list[str], each: list) -> RewardScores:
         """`score` through the pool: every function on every response, one response per call
-        (tether.rl.reward.pool), the outcomes back in the rows' order."""
+        (tether.rl.reward.pool), the outcomes back in the rows' order; `each`: `keywords`."""
         n = len(responses)
         calls = []
-        for f, keywords in zip(self.functions, self.keywords(prompts, responses, rows,
-                                                             completion_ids)):
+        for f, keywords in zip(self.functions, each):
             name = function_name(f.fn)
             check = partial(one_score, self.what, f.fn)
-            for i in range(n):
-                run = (partial(f.fn, **row_keywords(keywords, i)) if keywords is not None
+            for i in range(n):  # TRL's keywords for row i alone: each list cut to its item
+                run = (partial(f.fn, **{k: v if k == "trainer_state" else v[i:i + 1]
+                                        for k, v in keywords.items()}) if keywords is not None
                        else partial(f.fn, [prompts[i]], [responses[i]]))
                 calls.append(Call(run, check, is_async_function(f.fn), own_file(f.fn),
                                   f"{self.what} {name}"))
@@ -338,11 +336,6 @@ class RewardFunctions:
                                  f"{prompts[i][:40]!r}; {tries})")
         scored = self.summed(parts, prompts, failed)
         return scored._replace(failed=FailedRows(failed, retries, causes))
-
-
-def row_keywords(keywords: dict[str, Any], i: int) -> dict[str, Any]:
-    """TRL's keywords for row `i` alone: every list aligned with the batch cut to its item."""
-    return {k: v if k == "trainer_state" else v[i:i + 1] for k, v in keywords.items()}
 
 
 def one_score(what: str, fn: Callable, value: Any) -> float | None:
