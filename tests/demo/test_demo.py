@@ -61,6 +61,14 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert sorted(sweep_gold) == [0, 2, 4]
     assert all(sweep_gold[s] == main_gold[s] for s in sweep_gold), (sweep_gold, main_gold)
     assert "beta 0 is the first 4 batches of ppo-no-kl seed 0" in page
+    # the baselines beside the sweep's runs: best-of-8 of the SFT model, beta 0 interpolated
+    assert [p["n"] for p in json.loads((root / "sweep" / "bon" / "bon.json").read_text())] == \
+        list(range(1, 9))
+    line = json.loads((root / "sweep" / "ppo-beta0-seed0" / "interpolate" / "interpolate.json")
+                      .read_text())
+    assert [p["eta"] for p in line] == [0, 0.5, 1] and line[0]["eval/kl"] == 0.0
+    assert line[-1]["eval/gold_score"] == sweep_gold[4]  # eta 1: the run's own final policy
+    assert "id='best-of-n'" in page and "id='interpolated'" in page
 
     # A stage run in a worker process gives the numbers it gives run here, one after another
     # (--jobs 1), bit for bit: every metric but the timings.

@@ -169,7 +169,11 @@ def plan_sweep(root: Path, cfg: DemoConfig, paths: dict[str, str], policy: str,
         **ppo_fields(cfg, paths, policy, reward_model, cfg.sweep_batches),
         # four evaluations after step 0 (two under --quick, whose sweep is a sketch)
         "eval_every": max(1, cfg.sweep_batches // (2 if cfg.quick else 4)),
-        "kl_ctl": "fixed", "beta": list(cfg.sweep_betas)}}
+        "kl_ctl": "fixed", "beta": list(cfg.sweep_betas)},
+        # the baselines beside RL: best-of-n of the SFT model, and the smallest beta's run
+        # interpolated from it (docs/frontier.md)
+        "bon": {"n": 8 if cfg.quick else 16},
+        "interpolate": {"points": [0, 0.5, 1] if cfg.quick else [0, 0.25, 0.5, 0.75, 1]}}
     grid_path, text = root / "data" / "sweep.yaml", yaml.safe_dump(grid)
     if not grid_path.is_file() or grid_path.read_text(encoding="utf-8") != text:
         grid_path.write_text(text, encoding="utf-8")  # (on --resume: kept, as the data are)
