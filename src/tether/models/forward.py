@@ -171,11 +171,9 @@ def can_share(model: nn.Module) -> bool:
     a model takes the plain pass in eval mode too: its rollout scoring and its update must run
     the same code for the first epoch's ratio to be exactly 1."""
     for module in _modules(model):
-        if getattr(module, "gradient_checkpointing", False) is True:
-            return False
-        if getattr(module, SWITCH, True) is False:
-            return False
-        if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
+        if (getattr(module, "gradient_checkpointing", False) is True
+                or getattr(module, SWITCH, True) is False
+                or any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))):
             return False
     try:
         cache_name(model)
@@ -235,10 +233,8 @@ def shared_response_logits(model: nn.Module, input_ids: torch.Tensor,
                                       {"logits_to_keep": 1, **extra},
                                       {"logits_to_keep": width, **extra})
     logits = torch.cat([first.logits[:, -1:][groups.inverse], rest.logits[:, :-1]], dim=1)
-    hidden = None
-    if with_hidden:
-        hidden = torch.cat([first.hidden_states[-1][:, -1:][groups.inverse],
-                            rest.hidden_states[-1][:, :-1]], dim=1)
+    hidden = (torch.cat([first.hidden_states[-1][:, -1:][groups.inverse],
+                         rest.hidden_states[-1][:, :-1]], dim=1) if with_hidden else None)
     return logits, hidden
 
 
