@@ -74,7 +74,7 @@ def chat_messages(value: Any, what: str, where: str, expected: str = "") -> list
         expected = expected or ("a string or a list" if what == "prompt" else "a list")
         raise TetherError(f"{where} {what!r} must be {expected} of {{role, content}} messages "
                           f"({problem}); {MESSAGE_FORM}")
-    return normalize_messages(value, f"{where} {what!r}")
+    return [_normal_message(m, f"{where} {what!r} message {j}") for j, m in enumerate(value)]
 
 
 def content_text(content: Any, where: str) -> str:
@@ -104,6 +104,10 @@ def content_text(content: Any, where: str) -> str:
 
 
 def _normal_message(message: dict, where: str) -> dict:
+    """A copy of `message` (already checked `is_messages`) with its content as one string (null
+    kept on an assistant message that only makes tool calls) and its calls checked; other keys
+    (`tool_calls`, a tool result's `name` and `tool_call_id`) are kept as they are, null-valued
+    ones dropped."""
     # A Parquet/Arrow file gives every message every key any message has (`tool_calls`, `name`,
     # `tool_call_id`), null where it has none; templates that test `'tool_calls' in message`
     # would take those nulls for calls, so they go, as if the JSON had left them out.
@@ -116,14 +120,6 @@ def _normal_message(message: dict, where: str) -> dict:
             raise TetherError(f"{where} content must be a string or a list of text parts (got "
                               "null); give the message its text or its tool_calls, or drop it")
     return dict(message, content=content_text(message["content"], where))
-
-
-def normalize_messages(messages: list[dict], where: str) -> list[dict]:
-    """Copies of `messages` (already checked `is_messages`) with each content as one string
-    (null kept on an assistant message that only makes tool calls) and their calls checked;
-    other keys (`tool_calls`, a tool result's `name` and `tool_call_id`) are kept as they are,
-    null-valued ones dropped."""
-    return [_normal_message(m, f"{where} message {j}") for j, m in enumerate(messages)]
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,

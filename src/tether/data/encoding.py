@@ -86,12 +86,9 @@ def encode_pair(tokenizer, prompt_text: str, response_texts: list[str], chat: bo
         fulls = [prompt + tokenizer(t, add_special_tokens=False)["input_ids"] for t in response_texts]
         shared = len(prompt)
     eos = tokenizer.eos_token_id
-    responses = []
-    for full in fulls:
-        ids = full[shared:]
-        if not chat and eos is not None and (not ids or ids[-1] != eos):
-            ids = ids + [eos]  # the model must learn to stop: EOS carries loss
-        responses.append(ids)
+    responses = [full[shared:] for full in fulls]
+    if not chat and eos is not None:  # the model must learn to stop: EOS carries loss
+        responses = [ids if ids[-1:] == [eos] else ids + [eos] for ids in responses]
     return prompt[:shared], responses
 
 
@@ -220,9 +217,6 @@ def encode_sft(tokenizer, rows: list[dict], max_length: int, on_long_prompt: str
     return out, stats
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: past it, a margin is inf
-
-
 def margin_of(row: dict, column: str, where: str) -> float:
     """The Bradley-Terry margin of a preference row: a number, finite in float32 (the loss's
     precision). A NaN or inf margin would train to a NaN loss, whose message points at the
@@ -232,7 +226,8 @@ def margin_of(row: dict, column: str, where: str) -> float:
         margin = float(value)
     except (TypeError, ValueError):
         raise TetherError(f"{where} column {column!r} must be a number, got {value!r}") from None
-    if not math.isfinite(margin) or abs(margin) > FLOAT32_MAX:
+    # torch.finfo(torch.float32).max: past it, a margin is inf
+    if not math.isfinite(margin) or abs(margin) > 3.4028234663852886e38:
         raise TetherError(f"{where} column {column!r} is {value!r}, not a finite float32 "
                           "number; give every row a finite margin (0 for none), or drop "
                           "--margin-column")

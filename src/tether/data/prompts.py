@@ -83,12 +83,6 @@ def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
     return _prompt(tokenizer, row, where, tools)[0]
 
 
-def _special_head(tokenizer, ids: list[int]) -> list[int]:
-    """The special tokens (BOS, role markers) `ids` starts with."""
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return list(takewhile(special.__contains__, ids))
-
-
 def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,
                       where: str = "a prompt row", tools: list[dict] | None = None
                       ) -> tuple[str, list[int]]:
@@ -108,7 +102,9 @@ def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] |
     if messages is not None:
         return text, truncate_chat(tokenizer, messages, max_tokens,
                                    lambda t: encode_prompt(tokenizer, t, prefix), tools)[1]
-    head = _special_head(tokenizer, ids)
+    # the special tokens (BOS, role markers) `ids` starts with
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    head = list(takewhile(special.__contains__, ids))
     if len(head) >= max_tokens:
         raise TetherError(f"max_prompt_len={max_tokens} leaves no room for prompt content after "
                           f"{len(head)} special tokens; raise --max-prompt-len")
@@ -121,18 +117,6 @@ def prompt_kind(row: dict) -> str:
     return "chat" if chat else "plain text"
 
 
-def check_one_kind(rows: list[dict], source: str) -> None:
-    """Every prompt of a file is plain text, or every one a chat: a file mixing them (two sets
-    merged?) would prompt some rows through the chat template and some not, a policy seeing two
-    formats where SFT taught it one."""
-    first = prompt_kind(rows[0])
-    for i, row in enumerate(rows[1:], 1):
-        if prompt_kind(row) != first:
-            raise TetherError(f"{source}: row {i} is a {prompt_kind(row)} prompt but row 0 is "
-                              f"{first}; give every prompt the same way (all text, or all chat "
-                              "messages)")
-
-
 def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and ids for generation, `{prompt}` or `{messages}` rows (other columns
     ignored), all plain or all chat, encoded by the rule every stage uses, each cut to `max_len`
@@ -143,7 +127,15 @@ def load_prompts(source: str, tokenizer, max_len: int) -> tuple[list[str], list[
             raise TetherError(f"{source}: row {i} has neither a 'prompt' nor a 'messages' field; "
                               "give one of them per row")
         check_prompt(row.get("prompt"), f"{source}: row {i}")
-    check_one_kind(rows, source)
+    # every prompt plain text, or every one a chat: a file mixing them (two sets merged?) would
+    # prompt some rows through the chat template and some not, a policy seeing two formats where
+    # SFT taught it one
+    first = prompt_kind(rows[0])
+    for i, row in enumerate(rows[1:], 1):
+        if prompt_kind(row) != first:
+            raise TetherError(f"{source}: row {i} is a {prompt_kind(row)} prompt but row 0 is "
+                              f"{first}; give every prompt the same way (all text, or all chat "
+                              "messages)")
     texts, ids, prefix = [], [], special_prefix(tokenizer)
     for i, row in enumerate(rows):
         text, tokens = encode_prompt_row(tokenizer, row, max_len, prefix, f"{source}: row {i}")

@@ -119,25 +119,10 @@ def probe_call(render, arguments: Any) -> str:
         return ""
 
 
-def _quotes_string_arguments(render) -> bool:
-    """True when the template writes JSON-text arguments as a quoted JSON string (it applies
-    `tojson` to them), found by rendering a probe call (a template that refuses the probe:
-    False, and the row's own render will say why)."""
-    return json.dumps(_PROBE_ARGUMENTS) in probe_call(lambda ms: render(ms, None),
-                                                      _PROBE_ARGUMENTS)
-
-
-def _with_object_arguments(messages: list[dict]) -> list[dict]:
-    out = []
-    for m in messages:
-        if any(isinstance(_function(c).get("arguments"), str) for c in calls_of(m)):
-            calls = []
-            for c in calls_of(m):
-                function = dict(_function(c), arguments=parse_arguments(_function(c)["arguments"]))
-                calls.append(dict(c, function=function) if "function" in c else function)
-            m = dict(m, tool_calls=calls)
-        out.append(m)
-    return out
+def _object_arguments(call: dict) -> dict:
+    """`call` with its arguments as an object (JSON text parsed), in the form it came in."""
+    function = dict(_function(call), arguments=parse_arguments(_function(call)["arguments"]))
+    return dict(call, function=function) if "function" in call else function
 
 
 def _check_calls_written(render, messages: list[dict], tools: list[dict] | None,
@@ -168,9 +153,14 @@ def prepare_tool_chat(render, messages: list[dict], tools: list[dict] | None,
     call and, when given, the tools' schemas; `render(messages, tools) -> str`."""
     if not tools and not any(calls_of(m) for m in messages):
         return messages  # an ordinary chat: no extra renders
+    # JSON-text arguments go as objects when the template writes them as a quoted JSON string (it
+    # applies `tojson` to them), found by rendering a probe call (a template that refuses the
+    # probe: left as they are, and the row's own render will say why)
+    quoted = json.dumps(_PROBE_ARGUMENTS)
     if any(isinstance(_function(c).get("arguments"), str) for m in messages for c in calls_of(m)) \
-            and _quotes_string_arguments(render):
-        messages = _with_object_arguments(messages)
+            and quoted in probe_call(lambda ms: render(ms, None), _PROBE_ARGUMENTS):
+        messages = [dict(m, tool_calls=[_object_arguments(c) for c in calls_of(m)])
+                    if calls_of(m) else m for m in messages]
     _check_calls_written(render, messages, tools, where)
     if tools and render(messages, tools) == render(messages, None):
         raise TetherError(f"{where} has 'tools' but the chat template does not write tool schemas "

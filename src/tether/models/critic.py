@@ -92,8 +92,7 @@ class ValueModel(nn.Module):
     @classmethod
     def from_causal_lm(cls, model: nn.Module) -> ValueModel:
         """A copy of a causal LM's trunk (`base_model`) with a zero-initialised head."""
-        backbone = copy.deepcopy(model.base_model)
-        return cls(backbone, _zero_head(model.config.hidden_size))
+        return cls(copy.deepcopy(model.base_model), _zero_head(model.config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int, mask: torch.Tensor | None = None) -> torch.Tensor:

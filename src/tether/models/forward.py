@@ -155,27 +155,19 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return PromptGroups(first=first, inverse=inverse)
 
 
-def _modules(model: nn.Module):
-    """`model.modules()`, and those of the model a `tether.models.lora.AdapterView` runs: a LoRA
-    role's view holds the shared model without registering it, but runs its layers."""
-    yield from model.modules()
-    shared = model.__dict__.get("shared")
-    if isinstance(shared, nn.Module):
-        yield from shared.modules()
-
-
 def can_share(model: nn.Module) -> bool:
     """Whether `model` can run a batch as prompt-then-responses: it takes a KV cache, and no
     layer drops it or holds sharded parameters (FSDP2: the two calls would gather every layer
     twice). Transformers ignores the cache of a gradient-checkpointed model in training, so such
     a model takes the plain pass in eval mode too: its rollout scoring and its update must run
     the same code for the first epoch's ratio to be exactly 1."""
-    for module in _modules(model):
-        if getattr(module, "gradient_checkpointing", False) is True:
-            return False
-        if getattr(module, SWITCH, True) is False:
-            return False
-        if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
+    # every module `model` runs: its own, and those of the shared model a LoRA role's view
+    # (`tether.models.lora.AdapterView`) holds without registering it
+    shared = model.__dict__.get("shared")
+    for module in [*model.modules(), *(shared.modules() if isinstance(shared, nn.Module) else ())]:
+        if (getattr(module, "gradient_checkpointing", False) is True
+                or getattr(module, SWITCH, True) is False
+                or any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))):
             return False
     try:
         cache_name(model)
@@ -235,10 +227,8 @@ def shared_response_logits(model: nn.Module, input_ids: torch.Tensor,
                                       {"logits_to_keep": 1, **extra},
                                       {"logits_to_keep": width, **extra})
     logits = torch.cat([first.logits[:, -1:][groups.inverse], rest.logits[:, :-1]], dim=1)
-    hidden = None
-    if with_hidden:
-        hidden = torch.cat([first.hidden_states[-1][:, -1:][groups.inverse],
-                            rest.hidden_states[-1][:, :-1]], dim=1)
+    hidden = (torch.cat([first.hidden_states[-1][:, -1:][groups.inverse],
+                         rest.hidden_states[-1][:, :-1]], dim=1) if with_hidden else None)
     return logits, hidden
 
 

@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from tether.errors import TetherError
 from tether.models.lora import ADAPTER_CONFIG, adapter_base, is_adapter
 from tether.models.reward_model import REWARD_JSON
 
-REWARD_STAGES = "tether ppo, rloo, grpo and eval (--reward-model)"
 
-
-@dataclass(frozen=True)
-class Positions:
+class Positions(NamedTuple):
     """The longest sequence `model` (as the user named it) reads, and the config field(s) that
     say so, for the error line."""
 
@@ -106,7 +103,7 @@ def language_model(name_or_path: str, option: str, *, trust_remote_code: bool = 
         fix = (f"pass it as --reward-model, and a causal LM (e.g. the SFT model) as {option}"
                if takes_reward_model else
                f"pass a causal LM (e.g. the SFT model) as {option}; a reward model scores in "
-               f"{REWARD_STAGES}")
+               "tether ppo, rloo, grpo and eval (--reward-model)")
         raise TetherError(f"{option} {name_or_path} is not a language model: it is {what}; {fix}")
     return positions(config, name_or_path) if config is not None else None
 

@@ -31,10 +31,6 @@ from tether.logprobs import token_logprobs
 from tether.models.trunk_head import chunked_split, final_hidden
 
 PAD, PROMPT, CHOSEN, REJECTED = -1, 0, 1, 2
-# Attention back-ends that take a custom [B, 1, L, L] mask as given.
-MASKABLE = ("sdpa", "eager")
-
-
 # Layer kinds whose concatenated-pass mask this file reproduces.
 KNOWN_LAYERS = {"full_attention", "sliding_attention"}
 
@@ -45,13 +41,9 @@ def attention_layout(config) -> tuple[set[str], int | None]:
     `sliding_window` is set (Mistral)."""
     window = getattr(config, "sliding_window", None)  # Qwen2 sets None without use_sliding_window
     layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-    else:
-        kinds = {"sliding_attention" if window is not None else "full_attention"}
-    if "sliding_attention" not in kinds:
-        window = None
-    return kinds, window
+    kinds = (set(layer_types) if layer_types
+             else {"sliding_attention" if window is not None else "full_attention"})
+    return kinds, (window if "sliding_attention" in kinds else None)
 
 
 def can_share(model, examples: list[Encoded]) -> bool:
@@ -60,7 +52,8 @@ def can_share(model, examples: list[Encoded]) -> bool:
     first token of both responses)."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in MASKABLE or not all(len(e.prompt) > 0 for e in examples):
+    # the attention back-ends that take a custom [B, 1, L, L] mask as given
+    if impl not in ("sdpa", "eager") or not all(len(e.prompt) > 0 for e in examples):
         return False
     kinds, window = attention_layout(config)
     return kinds <= KNOWN_LAYERS and ("sliding_attention" not in kinds or window is not None)

@@ -9,6 +9,7 @@ off unless the caller asks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,10 +149,9 @@ def _saved_configs(name_or_path: str, trust_remote_code: bool) -> list:
 
     configs = []
     for loader in (AutoConfig, GenerationConfig):
-        try:
+        # none saved (e.g. a tokenizer-only directory)
+        with contextlib.suppress(OSError, ValueError, KeyError):
             configs.append(loader.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
-        except (OSError, ValueError, KeyError):  # none saved (e.g. a tokenizer-only directory)
-            pass
     return configs
 
 

@@ -113,8 +113,7 @@ class RewardModel(nn.Module):
             backbone = _load_for_tokenizer(AutoModel, "a model trunk", local_or_hub(name_or_path),
                                            tokenizer, dtype, trust_remote_code)
             model = cls(backbone, tokenizer)
-        hidden = model.head.in_features
-        nn.init.normal_(model.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.normal_(model.head.weight, std=1.0 / (model.head.in_features + 1) ** 0.5)
         return model
 
     @classmethod
@@ -336,19 +335,14 @@ def _add_score_to_adapter(adapter_dir: Path, head_weight: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------- as PPO's reward
 
-def shares_base(lm: TrainableLM, adapter_dir: str) -> bool:
-    """True when `adapter_dir` is a LoRA adapter trained on the base `lm` already holds."""
-    if lm.peft is None or not is_adapter(adapter_dir):
-        return False
-    return local_or_hub(adapter_base(adapter_dir)) == lm.base
-
-
 def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
                         trust_remote_code: bool = False) -> RewardModel | None:
     """The LoRA reward model at `path` as the frozen adapter "reward" on `lm`'s base, with its
     head and normalisation; None when it cannot share the base (load it separately then), or
     is not tether's (a peft adapter of another sequence-classification model)."""
-    if not shares_base(lm, path) or not (Path(path).expanduser() / REWARD_JSON).is_file():
+    # a LoRA adapter trained on the base `lm` already holds, with tether's head beside it
+    if (lm.peft is None or not is_adapter(path) or local_or_hub(adapter_base(path)) != lm.base
+            or not (Path(path).expanduser() / REWARD_JSON).is_file()):
         return None
     check_adapter_files(path)
     record = remembered_base(lm.model)

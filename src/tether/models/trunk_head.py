@@ -65,16 +65,6 @@ LOGIT_TRANSFORMS = (("final_logit_softcapping", "softcap", 0), ("logit_scale", "
                     ("logits_scaling", "divide", 1))
 
 
-def _logit_transform(config) -> tuple[str, float] | None:
-    """The known transforms between head(hidden) and the logits, read from the config: the
-    first field of `LOGIT_TRANSFORMS` that holds a number other than its no-op value."""
-    for field, kind, none in LOGIT_TRANSFORMS:
-        value = getattr(config, field, None)
-        if isinstance(value, (int, float)) and value != none:
-            return kind, value
-    return None
-
-
 def _logits_match(model: nn.Module, trunk: nn.Module, head: nn.Module) -> bool:
     """Does head(trunk(ids)) give model(ids).logits? One forward of 4 tokens in eval mode (modes
     restored), which catches a logit transform the config lookup does not know about."""
@@ -112,9 +102,13 @@ def trunk_and_head(model) -> tuple[nn.Module, nn.Module]:
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
     trunk, head = model.base_model, model.get_output_embeddings()
-    transform = _logit_transform(model.config)
-    if transform is not None:
-        head = LogitTransformHead(head, *transform)
+    # the known transforms between head(hidden) and the logits, read from the config: the first
+    # field of `LOGIT_TRANSFORMS` that holds a number other than its no-op value
+    for field, kind, none in LOGIT_TRANSFORMS:
+        value = getattr(model.config, field, None)
+        if isinstance(value, (int, float)) and value != none:
+            head = LogitTransformHead(head, kind, value)
+            break
     if model not in _VERDICTS:
         try:
             matches = trunk is not model and _logits_match(model, trunk, head)
