@@ -108,12 +108,6 @@ def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     return groups.amax(dim=1) != groups.amin(dim=1)
 
 
-def last_true_index(mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of the last true position of each row of a [B, T] mask; -1 for empty rows."""
-    positions = torch.arange(mask.shape[-1], device=mask.device)
-    return torch.where(mask.bool(), positions, -1).amax(dim=-1)
-
-
 def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                       mask: torch.Tensor, beta: float, estimator: str = "k1",
                       placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +136,9 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"shape mismatch: scores {tuple(scores.shape)} needs one score per row "
                          f"of logprobs {tuple(logprobs.shape)}")
-    last = last_true_index(mask)
+    # [B] index of the last true position of each row; -1 for empty rows
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask.bool(), positions, -1).amax(dim=-1)
     if bool((last < 0).any()):
         raise ValueError("a response has no real tokens in mask; every row needs at least one")
     # torch.where, not a product: whatever a padded position holds (even inf or NaN from a
@@ -193,8 +189,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     values = torch.where(real, values.float(), 0.0)  # masked positions may hold anything
     rewards = torch.where(real, rewards.float(), 0.0)
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    next_advantage = torch.zeros_like(rewards[:, 0])
+    next_value = next_advantage = torch.zeros_like(rewards[:, 0])  # replaced, never written
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask_f[:, t]

@@ -177,15 +177,8 @@ def _linear_function(device_type: str) -> type[torch.autograd.Function]:
     """The autograd Function for one device type: torch.amp.custom_fwd/custom_bwd need the type
     to carry the caller's autocast state into the backward pass. One per device type, made once."""
     class LinearHeadTokenLogprobs(torch.autograd.Function):
-        @staticmethod
-        @torch.amp.custom_fwd(device_type=device_type)
-        def forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction):
-            return _linear_forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction)
-
-        @staticmethod
-        @torch.amp.custom_bwd(device_type=device_type)
-        def backward(ctx, grad_out):
-            return _linear_backward(ctx, grad_out)
+        forward = staticmethod(torch.amp.custom_fwd(_linear_forward, device_type=device_type))
+        backward = staticmethod(torch.amp.custom_bwd(_linear_backward, device_type=device_type))
 
     return LinearHeadTokenLogprobs
 
