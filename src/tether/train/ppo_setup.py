@@ -357,9 +357,8 @@ def _prompt_rows(cfg: PPOConfig, tokenizer
         return [], [], rows, []
     announce(f"{cfg.STAGE} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    eval_ids = []
-    if cfg.eval_prompts:
-        eval_ids = load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
+    eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
+                if cfg.eval_prompts else [])
     return prompts, prompt_ids, rows, eval_ids
 
 
