@@ -85,11 +85,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.T
         [B] fp32 penalties in [-1, 0].
     """
     positive("cache", cache)
-    start = max_len - cache
-    lengths = lengths.float()
-    inside = (start - lengths) / cache
-    return torch.where(lengths <= start, torch.zeros_like(lengths),
-                       torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))
+    # ((L_max - L_cache) - |y|) / L_cache is >= 0 up to L_max - L_cache and < -1 past L_max
+    return ((max_len - cache - lengths.float()) / cache).clamp(-1.0, 0.0)
 
 
 def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -204,10 +204,9 @@ def _checkpointed_rows(fn, n_rows: int, vocab: int, heads: tuple[nn.Module, ...]
     """fn over matching row chunks of [N, ...] tensors, each chunk recomputed in backward."""
     grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                         or any(p.requires_grad for m in heads for p in m.parameters()))
-    parts = []
-    for rows in logprobs_lib.chunk_slices(n_rows, vocab, CHUNK_ELEMENTS):
-        chunks = [t[rows] for t in tensors]
-        parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
+    run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
+    parts = [run(*[t[rows] for t in tensors])
+             for rows in logprobs_lib.chunk_slices(n_rows, vocab, CHUNK_ELEMENTS)]
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=tensors[0].device)
     return torch.cat(parts)
