@@ -143,8 +143,7 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     kl = torch.where(mask.bool(), kl_lib.estimate(logprobs.float(), ref_logprobs.float(),
                                                   estimator), 0.0)
     rewards = -beta * kl
-    rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last] += scores.float()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.float()
     if placed is not None:
         same_shape(placed=placed, mask=mask)
         rewards = rewards + torch.where(mask.bool(), placed.float(), 0.0)
