@@ -120,8 +120,7 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
     world = d.world_size
     if world == 1:
         return
-    per_rank = cfg.batch_size // world
-    if cfg.batch_size % world or per_rank % cfg.samples_per_prompt:
+    if cfg.batch_size % world or (cfg.batch_size // world) % cfg.samples_per_prompt:
         raise TetherError(f"--batch-size {cfg.batch_size} must split over {world} processes in "
                           f"whole groups of --samples-per-prompt {cfg.samples_per_prompt}; use a "
                           f"multiple of {world * cfg.samples_per_prompt}")
