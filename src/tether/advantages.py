@@ -85,11 +85,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.T
         [B] fp32 penalties in [-1, 0].
     """
     positive("cache", cache)
-    start = max_len - cache
-    lengths = lengths.float()
-    inside = (start - lengths) / cache
-    return torch.where(lengths <= start, torch.zeros_like(lengths),
-                       torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))
+    # ((L_max - L_cache) - |y|) / L_cache is >= 0 up to L_max - L_cache and < -1 past L_max
+    return ((max_len - cache - lengths.float()) / cache).clamp(-1.0, 0.0)
 
 
 def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -106,12 +103,6 @@ def varied_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {k}")
     groups = scores.reshape(-1, k)
     return groups.amax(dim=1) != groups.amin(dim=1)
-
-
-def last_true_index(mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of the last true position of each row of a [B, T] mask; -1 for empty rows."""
-    positions = torch.arange(mask.shape[-1], device=mask.device)
-    return torch.where(mask.bool(), positions, -1).amax(dim=-1)
 
 
 def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -142,7 +133,9 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"shape mismatch: scores {tuple(scores.shape)} needs one score per row "
                          f"of logprobs {tuple(logprobs.shape)}")
-    last = last_true_index(mask)
+    # [B] index of the last true position of each row; -1 for empty rows
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask.bool(), positions, -1).amax(dim=-1)
     if bool((last < 0).any()):
         raise ValueError("a response has no real tokens in mask; every row needs at least one")
     # torch.where, not a product: whatever a padded position holds (even inf or NaN from a
@@ -150,8 +143,7 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     kl = torch.where(mask.bool(), kl_lib.estimate(logprobs.float(), ref_logprobs.float(),
                                                   estimator), 0.0)
     rewards = -beta * kl
-    rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last] += scores.float()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.float()
     if placed is not None:
         same_shape(placed=placed, mask=mask)
         rewards = rewards + torch.where(mask.bool(), placed.float(), 0.0)
@@ -193,8 +185,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     values = torch.where(real, values.float(), 0.0)  # masked positions may hold anything
     rewards = torch.where(real, rewards.float(), 0.0)
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    next_advantage = torch.zeros_like(rewards[:, 0])
+    next_value = next_advantage = torch.zeros_like(rewards[:, 0])  # replaced, never written
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask_f[:, t]

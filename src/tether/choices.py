@@ -317,6 +317,4 @@ class RefUpdate:
     def alpha_after(self, batches_done: int) -> float | None:
         """The policy's weight in the reference after `batches_done` batches, or None when the
         reference does not move then."""
-        if not self.moves or batches_done % self.every:
-            return None
-        return self.alpha
+        return self.alpha if self.moves and not batches_done % self.every else None

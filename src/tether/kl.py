@@ -143,16 +143,15 @@ def jsd_rows(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float,
     and at the two ends, by definition, the forward KL(q || p) (beta = 0) and the reverse
     KL(p || q) (beta = 1), where the formula itself would vanish. beta = 0.5 is the symmetric
     Jensen-Shannon divergence, bounded by log 2. `jsd_beta`: beta (--jsd-beta)."""
-    beta = jsd_beta
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"the JSD's beta must lie in [0, 1], got {beta}")
-    if beta in (0.0, 1.0):
-        return (exact_rows if beta == 1.0 else forward_rows)(logits, ref_logits, temperature)
+    if not 0.0 <= jsd_beta <= 1.0:
+        raise ValueError(f"the JSD's beta must lie in [0, 1], got {jsd_beta}")
+    if jsd_beta in (0.0, 1.0):
+        return (exact_rows if jsd_beta == 1.0 else forward_rows)(logits, ref_logits, temperature)
     log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
     log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
-    log_m = torch.logaddexp(log_q + math.log(beta), log_p + math.log1p(-beta))
-    return (beta * (log_q.exp() * (log_q - log_m)).sum(-1)
-            + (1.0 - beta) * (log_p.exp() * (log_p - log_m)).sum(-1))
+    log_m = torch.logaddexp(log_q + math.log(jsd_beta), log_p + math.log1p(-jsd_beta))
+    return (jsd_beta * (log_q.exp() * (log_q - log_m)).sum(-1)
+            + (1.0 - jsd_beta) * (log_p.exp() * (log_p - log_m)).sum(-1))
 
 
 @dataclass(frozen=True)
@@ -209,8 +208,7 @@ class KLController:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict) -> None:
-        missing = sorted(set(vars(self)) - set(state))  # a state from another controller
-        if missing:
+        if missing := sorted(set(vars(self)) - set(state)):  # a state from another controller
             raise KeyError(f"{type(self).__name__} state lacks {', '.join(missing)}")
         vars(self).update({key: state[key] for key in vars(self)})
 

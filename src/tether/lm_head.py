@@ -177,15 +177,8 @@ def _linear_function(device_type: str) -> type[torch.autograd.Function]:
     """The autograd Function for one device type: torch.amp.custom_fwd/custom_bwd need the type
     to carry the caller's autocast state into the backward pass. One per device type, made once."""
     class LinearHeadTokenLogprobs(torch.autograd.Function):
-        @staticmethod
-        @torch.amp.custom_fwd(device_type=device_type)
-        def forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction):
-            return _linear_forward(ctx, hidden, weight, bias, tokens, temperature, keep_direction)
-
-        @staticmethod
-        @torch.amp.custom_bwd(device_type=device_type)
-        def backward(ctx, grad_out):
-            return _linear_backward(ctx, grad_out)
+        forward = staticmethod(torch.amp.custom_fwd(_linear_forward, device_type=device_type))
+        backward = staticmethod(torch.amp.custom_bwd(_linear_backward, device_type=device_type))
 
     return LinearHeadTokenLogprobs
 
@@ -206,15 +199,14 @@ def vocab_size(head: nn.Module) -> int:
     return int(size)
 
 
-def _checkpointed_rows(fn, n_rows: int, vocab: int, heads: tuple[nn.Module, ...],
-                       *tensors: torch.Tensor) -> torch.Tensor:
+def _checkpointed_rows(fn, vocab: int, heads: tuple[nn.Module, ...], *tensors: torch.Tensor
+                       ) -> torch.Tensor:
     """fn over matching row chunks of [N, ...] tensors, each chunk recomputed in backward."""
     grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                         or any(p.requires_grad for m in heads for p in m.parameters()))
-    parts = []
-    for rows in logprobs_lib.chunk_slices(n_rows, vocab, CHUNK_ELEMENTS):
-        chunks = [t[rows] for t in tensors]
-        parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
+    run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
+    parts = [run(*[t[rows] for t in tensors])
+             for rows in logprobs_lib.chunk_slices(tensors[0].shape[0], vocab, CHUNK_ELEMENTS)]
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=tensors[0].device)
     return torch.cat(parts)
@@ -264,7 +256,7 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
     else:
         def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return logprobs_lib.token_logprobs(head(h), y, temperature)
-        out = _checkpointed_rows(chunk_logprobs, flat_h.shape[0], vocab, (head,), flat_h, flat_y)
+        out = _checkpointed_rows(chunk_logprobs, vocab, (head,), flat_h, flat_y)
     return out.reshape(tokens.shape)
 
 
@@ -307,7 +299,7 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
     def chunk_entropy(h: torch.Tensor) -> torch.Tensor:
         return logprobs_lib.entropy_rows(head(h), temperature)
 
-    out = _checkpointed_rows(chunk_entropy, flat_h.shape[0], vocab_size(head), (head,), flat_h)
+    out = _checkpointed_rows(chunk_entropy, vocab_size(head), (head,), flat_h)
     return out.reshape(hidden.shape[:-1])
 
 
@@ -368,5 +360,5 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
     if vocab_size(ref_head) != vocab:
         raise ValueError(f"policy and reference heads have different vocabularies "
                          f"({vocab} vs {vocab_size(ref_head)})")
-    out = _checkpointed_rows(chunk_kl, flat_h.shape[0], vocab, (head, ref_head), flat_h, flat_ref)
+    out = _checkpointed_rows(chunk_kl, vocab, (head, ref_head), flat_h, flat_ref)
     return out.reshape(hidden.shape[:-1])

@@ -13,6 +13,8 @@ log-probs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -114,10 +116,8 @@ def map_row_chunks(fn, *tensors: torch.Tensor) -> torch.Tensor:
     lead = tensors[0].shape[:-1]
     flats = [t.reshape(-1, vocab) for t in tensors]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    parts = []
-    for rows in chunk_slices(flats[0].shape[0], vocab):
-        chunks = [f[rows] for f in flats]
-        parts.append(checkpoint(fn, *chunks, use_reentrant=False) if grad else fn(*chunks))
+    run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
+    parts = [run(*[f[rows] for f in flats]) for rows in chunk_slices(flats[0].shape[0], vocab)]
     if not parts:
         return torch.zeros(lead, dtype=torch.float32, device=tensors[0].device)
     return torch.cat(parts).reshape(lead)

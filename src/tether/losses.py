@@ -118,13 +118,12 @@ def reduce_tokens(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token
     m = mask.to(x.dtype)
     if aggregation == "sequence":  # each response's mean first; a row with no tokens adds 0
         x = x / m.sum(dim=1, keepdim=True).clamp(min=1.0)
-    summed = (x * m).sum()
     if denominator is None:
         if aggregation == "token":
             return masked_mean(x, mask)
         denominator = x.shape[0]
     non_negative("denominator", denominator)
-    return summed / max(float(denominator), 1.0)
+    return (x * m).sum() / max(float(denominator), 1.0)
 
 
 # ----------------------------------------------------------------------------- policy losses

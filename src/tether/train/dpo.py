@@ -101,10 +101,7 @@ def reference_logps(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
     gathered, batched as `layout_model` decides (`collate`); `wrapped`, the model `ref_fn` calls,
     is left resharded."""
     if not cfg.precompute_ref_logprobs:
-        @torch.no_grad()
-        def live(rows, batch):
-            return ref_fn(batch)[:2]
-        return live
+        return torch.no_grad()(lambda rows, batch: ref_fn(batch)[:2])
 
     @torch.no_grad()
     def score(rows):

@@ -108,12 +108,10 @@ def start_training(run_dir: RunDir, cfg: TrainConfig, model: nn.Module, n_rows: 
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * -(-n_rows // cfg.batch_size)
     optimizer = make_optimizer(distributed.unwrap(model), cfg.lr, cfg.weight_decay)
     scheduler = make_lr_schedule(optimizer, total_steps, cfg.warmup_steps, cfg.lr_schedule)
-    state = None
-    if cfg.resume:
-        state = load_latest_checkpoint(run_dir.checkpoint_dir, {"model": model}, optimizer,
-                                       scheduler)
-        if state is not None:  # adapters' checkpoints hold no base: it must be the same one
-            check_resumed_base(state, model, run_dir.checkpoint_dir)
+    state = (load_latest_checkpoint(run_dir.checkpoint_dir, {"model": model}, optimizer, scheduler)
+             if cfg.resume else None)
+    if state is not None:  # adapters' checkpoints hold no base: it must be the same one
+        check_resumed_base(state, model, run_dir.checkpoint_dir)
     run_dir.announce_resume(state["step"] if state else None)
     run_dir.truncate_metrics(after_step=state["step"] if state else -1)
     return Steps(run_dir, cfg, model, optimizer, scheduler, total_steps,

@@ -58,17 +58,13 @@ class TrainConfig(RunConfig):
             raise TetherError(f"--grad-accum-steps {self.grad_accum_steps} must be >= 1 and divide "
                               f"--batch-size {self.batch_size} (each micro-batch has batch_size / "
                               "grad_accum_steps rows)")
-        check_token_budget(self)  # every stage's own --micro-batch-tokens (its help, its place)
-
-
-def check_token_budget(cfg) -> None:
-    """`micro_batch_tokens` >= 0, and not together with --grad-accum-steps (both cut a batch):
-    every offline stage has the field, each with a help of its own."""
-    require_positive(cfg, "micro_batch_tokens", allow_zero=True)
-    if cfg.micro_batch_tokens and cfg.grad_accum_steps > 1:
-        raise TetherError(f"--micro-batch-tokens {cfg.micro_batch_tokens} and "
-                          f"--grad-accum-steps {cfg.grad_accum_steps} both cut a batch; pass "
-                          "one of them")
+        # --micro-batch-tokens >= 0, and not together with --grad-accum-steps (both cut a batch):
+        # every stage has its own field (its help, its place)
+        require_positive(self, "micro_batch_tokens", allow_zero=True)
+        if self.micro_batch_tokens and self.grad_accum_steps > 1:
+            raise TetherError(f"--micro-batch-tokens {self.micro_batch_tokens} and "
+                              f"--grad-accum-steps {self.grad_accum_steps} both cut a batch; pass "
+                              "one of them")
 
 
 @dataclass(kw_only=True)

@@ -351,10 +351,9 @@ def checkpoint(rundir: RunDir, setup: Setup, cfg: PPOConfig, models: dict, step:
     """Every rank gathers, rank 0 writes (whole tensors: a run resumes at any world size). The
     engine's state goes with it (with --max-staleness, the weights the batches in flight are
     sampled by: `RolloutEngine.state_dict`)."""
-    engine = setup.engine.state_dict()  # with --max-staleness, the weights in flight
     state = {"batch": step, "kl_ctl": setup.kl_ctl.state_dict(),
              "score_norm": normalizer.state_dict(), "trained_batches": watch.trained,
-             "policy_version": setup.steps.version} | engine
+             "policy_version": setup.steps.version} | setup.engine.state_dict()
     tensors = state.pop("tensors", {}) | (setup.anchor.state_tensors() if setup.anchor else {})
     save_checkpoint(rundir.checkpoint_dir, step, models, setup.optimizer, setup.scheduler,
                     with_base_record(state, models["policy"]), config=rundir.checkpoint_config,

@@ -36,11 +36,6 @@ from tether.train.ppo_scopes import SCOPES
 MAX_DYNAMIC_ROUNDS = 100
 
 
-# The truncation of the decoupled importance weight when --max-staleness is on and
-# --engine-is-cap is not given (Yao et al. 2025 use 2 for the engine's mismatch alone).
-STALE_IS_CAP = 2.0
-
-
 @dataclass(kw_only=True)
 class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     """PPO maximising R(x, y) - beta * KL(pi || pi_ref), with the KL taken per token."""
@@ -341,8 +336,9 @@ class PPOConfig(RunConfig, EnvOptions, SamplingOptions, RewardOptions):
     @property
     def resolved_engine_is_cap(self) -> float:
         """C of the truncated importance weight: --engine-is-cap, or with --max-staleness and
-        none given `STALE_IS_CAP` (decoupled PPO needs the weight; uncapped it has no bound)."""
-        return self.engine_is_cap or (STALE_IS_CAP if self.max_staleness > 0 else 0.0)
+        none given 2 (decoupled PPO needs the weight; uncapped it has no bound)."""
+        # 2: Yao et al. 2025 use it for the engine's mismatch alone
+        return self.engine_is_cap or (2.0 if self.max_staleness > 0 else 0.0)
 
     def _check_staleness(self) -> None:
         require_positive(self, "max_staleness", allow_zero=True)

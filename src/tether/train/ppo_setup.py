@@ -120,8 +120,7 @@ def check_world(cfg: PPOConfig, d: Dist) -> None:
     world = d.world_size
     if world == 1:
         return
-    per_rank = cfg.batch_size // world
-    if cfg.batch_size % world or per_rank % cfg.samples_per_prompt:
+    if cfg.batch_size % world or (cfg.batch_size // world) % cfg.samples_per_prompt:
         raise TetherError(f"--batch-size {cfg.batch_size} must split over {world} processes in "
                           f"whole groups of --samples-per-prompt {cfg.samples_per_prompt}; use a "
                           f"multiple of {world * cfg.samples_per_prompt}")
@@ -357,9 +356,8 @@ def _prompt_rows(cfg: PPOConfig, tokenizer
         return [], [], rows, []
     announce(f"{cfg.STAGE} {cfg.run_name}: encoding {len(rows)} prompts of {cfg.prompts}")
     prompts, prompt_ids = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len)
-    eval_ids = []
-    if cfg.eval_prompts:
-        eval_ids = load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
+    eval_ids = (load_prompts(cfg.eval_prompts, tokenizer, cfg.max_prompt_len)[1]
+                if cfg.eval_prompts else [])
     return prompts, prompt_ids, rows, eval_ids
 
 

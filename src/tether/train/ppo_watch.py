@@ -59,12 +59,11 @@ class Watch:
             self._warn("collapse", f"batch {step}: the policy is collapsing (entropy "
                        f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta "
                        f"{beta:.3g}); lower --lr, raise --beta, or stop it with --max-kl")
-        window = self.kls
-        if beta > 0 and kl > self.drift_kl and kl > DRIFT_GROWTH * max(window[0], 0.0):
+        if beta > 0 and kl > self.drift_kl and kl > DRIFT_GROWTH * max(self.kls[0], 0.0):
             moving = "rising" if now > first else "falling" if now < first else "unchanged"
             self._warn("drift", f"batch {step}: the KL to the reference is growing fast "
-                       f"({window[0]:.1f} -> {kl:.1f} nats in {len(window) - 1} batches at beta "
-                       f"{beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
+                       f"({self.kls[0]:.1f} -> {kl:.1f} nats in {len(self.kls) - 1} batches at "
+                       f"beta {beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
                        "nats/token); lower --lr, raise --beta, or cap it with --max-kl "
                        "(docs/ppo.md, \"Choosing --max-kl\")")
         if self.max_kl > 0 and self.max_kl_to == "sft" and metrics["objective/kl_sft"] > self.max_kl:

@@ -92,10 +92,8 @@ def _load_data(cfg: RMConfig, tokenizer):
                                    cfg.margin_column)
     examples, stats = encode(cfg.data)
     held_out = encode(cfg.eval_data)[0] if cfg.eval_data else []
-    norm = []
-    if cfg.normalize_data:
-        norm = encode_sft(tokenizer, load_rows(cfg.normalize_data, cfg.split), cfg.max_length,
-                          cfg.on_long_prompt, cfg.normalize_data)[0]
+    norm = (encode_sft(tokenizer, load_rows(cfg.normalize_data, cfg.split), cfg.max_length,
+                       cfg.on_long_prompt, cfg.normalize_data)[0] if cfg.normalize_data else [])
     positions = [model_positions(cfg.model, cfg.trust_remote_code)]  # the trunk's, any head
     for source, encoded in ((cfg.data, examples), (cfg.eval_data, held_out),
                             (cfg.normalize_data, norm)):
