@@ -170,10 +170,10 @@ def versus_best_of_n(groups: list[Group], curve: list[dict]) -> str:
     if not rl:
         return said + "; no PPO evaluation lies within that KL."
     best, kl, label = max(rl)
-    verdict = ("more" if best - gain > 2 * se else "less" if gain - best > 2 * se
-               else "as much, within two standard errors, as")
+    verdict = ("more gold than" if best - gain > 2 * se else "less gold than"
+               if gain - best > 2 * se else "as much gold, within two standard errors, as")
     return (f"{said}; the best PPO setting within it, {label}, gains {best:+.3f} at {kl:.2f} "
-            f"nats: within this KL, RL buys {verdict} gold than best-of-n.")
+            f"nats: within this KL, RL buys {verdict} best-of-n.")
 
 
 def interpolation_sentence(name: str, etas: list) -> str:
