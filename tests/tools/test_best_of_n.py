@@ -154,3 +154,24 @@ def test_the_one_curve_test_tells_early_stopping_from_different_curves():
                                   permutations=99, seed=s)
         assert p == 1 / 100 and share > 0.5
     assert one_curve_test([points(0.8, ranges[0])]) is None  # one group: nothing to compare
+
+
+def test_the_page_compares_rl_with_best_of_n_where_both_were_measured():
+    from tether.tools.sweep_results import Group
+    from tether.tools.sweep_report import versus_best_of_n
+
+    # one PPO setting: gold gain 0.3 at KL 0.5, 0.9 at KL 3 (beyond best-of-4's reach)
+    group = Group("ppo-beta0.1", "ppo", 0.1, "PPO beta 0.1", [0], [0, 10, 20],
+                  {"kl": [0.0, 0.5, 3.0], "gold": [0.1, 0.4, 1.0]}, {}, [1.0])
+
+    def curve(gold_at_4):
+        return [{"n": 1, "gold": 0.1, "gold_se": 0.01, "kl_exact": 0.0, "kl_bound": 0.0},
+                {"n": 4, "gold": 0.1 + gold_at_4, "gold_se": 0.02, "kl_exact": 0.6,
+                 "kl_bound": math.log(4) - 0.75}]
+    for bon_gain, says in ((0.2, "RL buys more gold than best-of-n"),
+                           (0.5, "RL buys less gold than best-of-n"),
+                           (0.31, "RL buys as much gold, within two standard errors, as best-of-n")):
+        said = versus_best_of_n([group], curve(bon_gain))
+        assert said.endswith(says + "."), said
+        assert "gains +0.300 at 0.50 nats" in said  # the evaluation at KL 3 is beyond its reach
+        assert f"Best-of-4: gold {bon_gain:+.3f} ± 0.020" in said
