@@ -200,7 +200,7 @@ class AheadEngine(SamplesWhenAsked):
         """Wait until the submitted work is over (a job's error is raised by its `result`)."""
         waiting, self.jobs = self.jobs, []
         for job in waiting:
-            job.wait()
+            job.done.wait()
 
     def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
         self.tickets += 1
