@@ -41,7 +41,6 @@ from tether.errors import TetherError
 from tether.run.extras import require
 
 OWN_OPTIONS = ("attempts", "system")  # the adapter's; every other option is the dataset's
-DEFAULT_DATASET_SEED = 0  # reasoning-gym draws a random seed when given none: not reproducible
 RETRY = "That answer is not correct. Try again, with your final answer in <answer> </answer> tags."
 NO_TAGS = "No answer found. Give your final answer in <answer> </answer> tags."
 
@@ -89,7 +88,8 @@ def _factory(dataset: str, attempts: Any, system: str, config: dict[str, Any],
     if system != "none" and system not in prompts:
         raise TetherError(f"{needed_by}: system={system!r} is not one of reasoning-gym's system "
                           f"prompts; give one of {', '.join(sorted(prompts))} or none")
-    config.setdefault("seed", DEFAULT_DATASET_SEED)
+    # reasoning-gym draws a random seed when given none: not reproducible
+    config.setdefault("seed", 0)
     try:
         data = rg.create_dataset(dataset, **config)
     except (AssertionError, ValueError, TypeError) as exc:  # the config's own validate()
