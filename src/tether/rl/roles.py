@@ -137,10 +137,8 @@ def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows
     if failed is None:
         return None
     mask = distributed.all_gather_rows(failed.failed, d)
-    causes: dict[int, str] = {}
-    if mask.any():
-        causes = dict(distributed.all_gather_objects(
-            [(row + offset, why) for row, why in failed.causes.items()], d))
+    causes = dict(distributed.all_gather_objects(
+        [(row + offset, why) for row, why in failed.causes.items()], d)) if mask.any() else {}
     return FailedRows(mask, distributed.all_gather_rows(failed.retries, d), causes)
 
 
