@@ -297,8 +297,7 @@ class RewardFunctions:
             raise TetherError(f"every {self.what} returned None for response {i} (prompt "
                               f"{prompts[i][:60]!r}); make at least one function score every "
                               "response")
-        weights = torch.tensor([f.weight for f in self.functions])
-        scores = (stacked * weights).nansum(dim=1)
+        scores = (stacked * torch.tensor([f.weight for f in self.functions])).nansum(dim=1)
         return RewardScores(scores.masked_fill(failed, math.nan), parts)
 
     def pooled(self, prompts: list[str], responses: list[str], each: list) -> RewardScores:
