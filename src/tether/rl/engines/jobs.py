@@ -42,9 +42,8 @@ class Background(Generic[T]):
         self.done = threading.Event()  # set when the work is over (its error kept for `result`)
         self.value: T | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(work, after), daemon=True,
-                                       name="tether-ahead")
-        self.thread.start()
+        threading.Thread(target=self._run, args=(work, after), daemon=True,
+                         name="tether-ahead").start()
 
     def _run(self, work: Callable[[], T], after: Background | None) -> None:
         if after is not None:
