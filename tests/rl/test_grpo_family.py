@@ -57,7 +57,7 @@ def scored_batch(setup, cfg):
     ended[[1, 4, 5]] = False
     rollout = replace(rollout, ended=ended)
     old = score_rollout(setup.policy, setup.reference, setup.critic, rollout, 1.0, len(rollout))
-    old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
+    old = old._replace(ref_logprobs=old.logprobs - 0.3 * rollout.response_mask)
     gen = torch.Generator().manual_seed(2)
     advantages = torch.randn(rollout.response_mask.shape, generator=gen) * rollout.response_mask
     return rollout, old, advantages

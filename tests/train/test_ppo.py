@@ -106,7 +106,7 @@ def test_kl_as_loss_adds_beta_times_the_kl_term(env, tiny_model_dir, estimator, 
     # Pretend the reference gives every real token 0.3 nats less: d = log pi - log ref = 0.3 on
     # every real token, so k3 = exp(-0.3) - 1 + 0.3 = 0.0408182 on each; on-policy the ratio is
     # exactly 1, so k3 x ratio is the same number.
-    old.ref_logprobs = old.logprobs - 0.3 * rollout.response_mask
+    old = old._replace(ref_logprobs=old.logprobs - 0.3 * rollout.response_mask)
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     args = (setup, rollout, old, advantages, advantages)
     loss_without, _ = loss_on(*args, 0.0)

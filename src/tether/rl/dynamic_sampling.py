@@ -104,7 +104,13 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
                           "into segments; use an append-only template or drop --dynamic-sampling")
     groups = len(first.prompts) // k
     drawn_all, rounds, keeps, spares = _search(draw, first, k, max_rounds, say, warn, dynamic)
-    chosen, varied_count = _choose(keeps, spares, groups)
+    # the batch's (round, group) pairs: the kept groups in the order drawn, then spares in the
+    # order drawn, `groups` at most; varied_count of them were kept rather than spares
+    chosen = [(r, g) for r, keep in enumerate(keeps) for g in keep.nonzero().flatten().tolist()]
+    chosen = chosen[:groups]
+    varied_count = len(chosen)
+    chosen += [(r, g) for r, spare in enumerate(spares)
+               for g in spare.nonzero().flatten().tolist()][:groups - varied_count]
     if len(chosen) < groups:
         raise BatchUnscored(_unscored(drawn_all, k, len(chosen), groups))
     if dynamic and varied_count < groups:
@@ -162,26 +168,11 @@ def _search(draw: Callable[[int], Drawn], first: Drawn, k: int, max_rounds: int,
     return drawn_all, rounds, keeps, spares
 
 
-def _choose(keeps: list[torch.Tensor], spares: list[torch.Tensor], groups: int
-            ) -> tuple[list[tuple[int, int]], int]:
-    """(the (round, group) pairs of the batch, how many of them were kept rather than spares):
-    the kept groups in the order drawn, then spares in the order drawn, `groups` at most."""
-    chosen = [(r, g) for r, keep in enumerate(keeps) for g in keep.nonzero().flatten().tolist()]
-    chosen = chosen[:groups]
-    varied_count = len(chosen)
-    chosen += [(r, g) for r, spare in enumerate(spares)
-               for g in spare.nonzero().flatten().tolist()][:groups - varied_count]
-    return chosen, varied_count
-
-
 def _joined(rounds: list[Drawn | None], chosen: list[tuple[int, int]], k: int,
             pad_token_id: int, stats: dict[str, float]) -> Drawn:
     """The `chosen` (round, group) pairs' rows as one batch, in the order drawn."""
-    parts = []
-    for r, drawn in enumerate(rounds):
-        rows = [g * k + j for rr, g in chosen if rr == r for j in range(k)]
-        if rows:
-            parts.append(drawn.select(rows))
+    parts = [drawn.select(rows) for r, drawn in enumerate(rounds)
+             if (rows := [g * k + j for rr, g in chosen if rr == r for j in range(k)])]
     rollout = concat_rollouts([part.rollout for part in parts], pad_token_id)
     width = rollout.responses.shape[1]
     turn_rewards = (None if parts[0].turn_rewards is None else torch.cat(

@@ -100,9 +100,6 @@ class Roles:
         sharded with the roles under FSDP2, and every rank must call it alike."""
         return lambda *args: self.peek(lambda _policy, _critic: reward(*args))
 
-    def no_sync(self, skip: bool):
-        return distributed.no_sync(self.wrapped, skip)
-
     def full_policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's full (unsharded) state dict on rank 0, keys as in `policy.state_dict()`
         (every rank must call this under FSDP2: it gathers the shards)."""
@@ -137,10 +134,8 @@ def gather_failed(failed: FailedRows | None, offset: int, d: Dist) -> FailedRows
     if failed is None:
         return None
     mask = distributed.all_gather_rows(failed.failed, d)
-    causes: dict[int, str] = {}
-    if mask.any():
-        causes = dict(distributed.all_gather_objects(
-            [(row + offset, why) for row, why in failed.causes.items()], d))
+    causes = dict(distributed.all_gather_objects(
+        [(row + offset, why) for row, why in failed.causes.items()], d)) if mask.any() else {}
     return FailedRows(mask, distributed.all_gather_rows(failed.retries, d), causes)
 
 

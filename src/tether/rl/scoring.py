@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -50,11 +49,8 @@ from tether.run import distributed
 from tether.run.distributed import Dist
 from tether.run.slicing import chunks, rank_chunks, token_parts
 
-SCORED = ("logprobs", "ref_logprobs", "values", "entropy", "exact_kl")
 
-
-@dataclass
-class Scored:
+class Scored(NamedTuple):
     """What the rollout-time models say about the sampled tokens; all [B, R], zero on the tokens
     the policy did not sample."""
 
@@ -65,7 +61,7 @@ class Scored:
     exact_kl: torch.Tensor  # KL(pi_old(. | s_t) || ref(. | s_t)) over the whole vocabulary (NaN: n/a)
 
     def select(self, index) -> Scored:
-        return Scored(*(getattr(self, name)[index] for name in SCORED))
+        return Scored(*(t[index] for t in self))
 
 
 class Forward(NamedTuple):
@@ -136,7 +132,7 @@ def score_rollout(policy: nn.Module, reference: nn.Module, critic: nn.Module, ro
         ref = score_reference(reference, sub, chunked, packed)
         exact = exact_kl_at(policy, reference, scores.hidden, ref.hidden, sub.temperature, mask)
         parts.append(_scored(scores.logprobs, ref.logprobs, values, scores.entropy, exact, mask))
-    return Scored(*(torch.cat([getattr(p, name) for p in parts]) for name in SCORED))
+    return Scored(*map(torch.cat, zip(*parts, strict=True)))
 
 
 def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, spec) -> Scored:
@@ -158,8 +154,8 @@ def score_batch(roles: Roles, reference: nn.Module, rollout: Rollout, spec) -> S
                     rows.append(micro)
                     parts.append(part)
         back = torch.argsort(distributed.all_gather_rows(torch.cat(rows), d))  # row i's place
-        return Scored(*(distributed.all_gather_rows(torch.cat([getattr(p, name) for p in parts]),
-                                                    d)[back] for name in SCORED))
+        return Scored(*(distributed.all_gather_rows(torch.cat(tensors), d)[back]
+                        for tensors in zip(*parts, strict=True)))
     return roles.peek(scored)
 
 

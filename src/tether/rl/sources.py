@@ -44,7 +44,9 @@ from tether.run.distributed import current
 from tether.run.user_code.load import load_function
 
 TURN_SEED_STRIDE = 100_003  # turn t's noise: the batch's seed plus t strides
-ENV_SEED_STRIDE = 1_000_033  # an episode's environment seed: the run's seed and its prompt row
+# The environment seed of every episode that starts from prompt row i is run seed * this + i:
+# the k samples of a prompt meet the same environment, and a resumed run meets the ones it met
+ENV_SEED_STRIDE = 1_000_033
 
 
 @dataclass
@@ -99,12 +101,6 @@ class SubmittedAhead:
         if started is not None:
             return started.result()
         return self.work(self.engine, rows, mine, noise_seed)
-
-
-def env_seed(run_seed: int, row: int) -> int:
-    """The environment seed of every episode that starts from prompt row `row`: the k samples of
-    a prompt meet the same environment, and a resumed run meets the ones it met before."""
-    return run_seed * ENV_SEED_STRIDE + row
 
 
 class PromptSource:
@@ -190,8 +186,8 @@ class EnvSource(SubmittedAhead):
                                      s.max_new_tokens)[mine]
         episodes = run_episodes(engine, self.calls, self.renderer,
                                 [self.rows[i] for i in indices],
-                                [env_seed(self.run_seed, i) for i in indices], noise, self.limits,
-                                s, tokenizer=self.tokenizer, device=self.device,
+                                [self.run_seed * ENV_SEED_STRIDE + i for i in indices], noise,
+                                self.limits, s, tokenizer=self.tokenizer, device=self.device,
                                 where=lambda j: f"episode of {self.source_name} row {indices[j]}")
         # A turn cut by --max-new-tokens ends its episode (as specified): said once per source,
         # on its first batch, where every episode ended so in its first turn (issue 47)
@@ -225,8 +221,8 @@ def make_source(settings, engine: RolloutEngine, tokenizer, *, prompts: list[str
     and scored by `reward`. `settings`: a config with the sampling and environment fields
     (PPOConfig; `tether eval` and `tether generate`'s). `context_limit`: the most tokens the
     policy reads (`tether.models.reward_model.position_limit`), which no episode outgrows.
-    `env_seed_base`: the run seed the environment seeds derive from (`env_seed`; the settings'
-    seed by default), so that held-out episodes meet other environments than training's.
+    `env_seed_base`: the run seed the environment seeds derive from (`ENV_SEED_STRIDE`; the
+    settings' seed by default), so that held-out episodes meet other environments than training's.
     `score_ahead`: prompts sampled ahead are scored in the background too (`PromptsScoredAhead`:
     the engine samples ahead, and `reward` runs off the main thread)."""
     sampling = Sampling(settings.max_new_tokens, settings.temperature, tuple(eos_token_ids),

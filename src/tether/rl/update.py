@@ -57,7 +57,7 @@ from tether.rl.scoring import (
     score_old,
     update_mode,
 )
-from tether.run.distributed import Dist
+from tether.run.distributed import Dist, no_sync
 from tether.run.optim import backward, clip_and_step
 from tether.run.slicing import chunks, micro_rows
 
@@ -357,7 +357,7 @@ def accumulate_minibatch(roles: Roles, forwards: Forwards, batch: LossBatch, ind
     parts = micro_batches_of(forwards.rollout, index, spec, d)
     for number, (micro, real) in enumerate(parts):
         part = batch.select(micro)
-        with roles.no_sync(skip=number < len(parts) - 1):
+        with no_sync(roles.wrapped, skip=number < len(parts) - 1):
             with autocast(spec.mixed_precision, micro.device):
                 loss, stats = update_loss(forwards(micro), part, spec, kl_beta, counts,
                                           roles.critic is not None)

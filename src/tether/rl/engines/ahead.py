@@ -60,7 +60,6 @@ from tether.rl.rollout import Rollout
 from tether.run.jobs import available_cores
 from tether.run.optim import StepCounter
 
-START_TIMEOUT_S = 600.0
 T = TypeVar("T")
 
 
@@ -200,7 +199,7 @@ class AheadEngine(SamplesWhenAsked):
         """Wait until the submitted work is over (a job's error is raised by its `result`)."""
         waiting, self.jobs = self.jobs, []
         for job in waiting:
-            job.wait()
+            job.done.wait()
 
     def _ask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> int:
         self.tickets += 1
@@ -333,8 +332,8 @@ def start(settings, model: nn.Module, peft: nn.Module | None, counter: StepCount
     engine = AheadEngine(launched, counter, trainable(model), device, keep)
     if keep:  # the weights the copy holds: every batch until the first sync samples them
         engine.history.append((counter.version, flatten(engine.params)))
-    # the copy arrives, or the process ends (its traceback is on stderr)
-    answer = next_message(launched.outbox, launched.process, time.monotonic() + START_TIMEOUT_S)
+    # the copy arrives, or the process ends (its traceback is on stderr), within 10 minutes
+    answer = next_message(launched.outbox, launched.process, time.monotonic() + 600.0)
     if answer is None:
         engine.close()
         raise TetherError(f"the generator process (--max-staleness) did not start (exit code "

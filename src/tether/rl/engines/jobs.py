@@ -39,16 +39,15 @@ class Background(Generic[T]):
     exiting."""
 
     def __init__(self, work: Callable[[], T], after: Background | None = None):
-        self.done = threading.Event()
+        self.done = threading.Event()  # set when the work is over (its error kept for `result`)
         self.value: T | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(work, after), daemon=True,
-                                       name="tether-ahead")
-        self.thread.start()
+        threading.Thread(target=self._run, args=(work, after), daemon=True,
+                         name="tether-ahead").start()
 
     def _run(self, work: Callable[[], T], after: Background | None) -> None:
         if after is not None:
-            after.wait()
+            after.done.wait()
         try:
             self.value = work()
         except BaseException as exc:  # noqa: BLE001 - raised again by `result`, in the caller
@@ -56,13 +55,8 @@ class Background(Generic[T]):
         finally:
             self.done.set()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Until the work is over (its error, if any, kept for `result`), or `timeout` seconds;
-        whether it is over."""
-        return self.done.wait(timeout)
-
     def result(self) -> T:
-        self.wait()
+        self.done.wait()
         if self.error is not None:
             raise self.error
         return self.value

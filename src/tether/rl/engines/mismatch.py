@@ -88,15 +88,11 @@ def correction_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
     same_shape(trainer_logprobs=trainer_logprobs, engine_logprobs=engine_logprobs, mask=mask)
     mask = mask.bool()
     ratio = torch.exp((trainer_logprobs - engine_logprobs).detach().double())
-    weights = torch.ones_like(ratio)
-    truncated = torch.zeros_like(mask)
-    if correction.engine_is_cap > 0:
-        weights = ratio.clamp(max=correction.engine_is_cap)
-        truncated = (ratio > correction.engine_is_cap) & mask
-    keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if correction.engine_mask_kl > 0:
-        keep = (sequence_k3(trainer_logprobs.detach(), engine_logprobs, mask)
-                <= correction.engine_mask_kl)
+    cap, mask_kl = correction.engine_is_cap, correction.engine_mask_kl
+    weights = ratio.clamp(max=cap) if cap > 0 else torch.ones_like(ratio)
+    truncated = (ratio > cap) & mask if cap > 0 else torch.zeros_like(mask)
+    keep = (sequence_k3(trainer_logprobs.detach(), engine_logprobs, mask) <= mask_kl
+            if mask_kl > 0 else torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device))
     weights = (weights * keep[:, None] * mask).float()
     n_tokens = int(mask.sum())
     stats = {"rollout/engine_is_weight": weights[mask].mean().item() if n_tokens else 1.0,

@@ -115,8 +115,7 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     """
     cdf = probs.double().cumsum(dim=-1)  # [B, V]
     target = (1.0 - uniforms.double())[:, None] * cdf[:, -1:]  # [B, 1]
-    token = torch.searchsorted(cdf, target).squeeze(1)
-    return token.clamp(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp(max=probs.shape[-1] - 1)  # [B]
 
 
 @torch.no_grad()

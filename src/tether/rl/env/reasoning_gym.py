@@ -41,7 +41,6 @@ from tether.errors import TetherError
 from tether.run.extras import require
 
 OWN_OPTIONS = ("attempts", "system")  # the adapter's; every other option is the dataset's
-DEFAULT_DATASET_SEED = 0  # reasoning-gym draws a random seed when given none: not reproducible
 RETRY = "That answer is not correct. Try again, with your final answer in <answer> </answer> tags."
 NO_TAGS = "No answer found. Give your final answer in <answer> </answer> tags."
 
@@ -76,7 +75,12 @@ def _factory(dataset: str, attempts: Any, system: str, config: dict[str, Any],
     """The factory, its options checked; `needed_by` names what the user wrote, in errors."""
     rg = require("reasoning_gym", needed_by)
     utils = require("reasoning_gym.utils", needed_by)
-    fields = _config_fields(rg, dataset, needed_by)
+    registered = rg.factory.DATASETS
+    if dataset not in registered:  # one line listing a few registered names
+        close = difflib.get_close_matches(dataset, sorted(registered), n=8) or sorted(registered)
+        raise TetherError(f"{needed_by}: reasoning-gym has no dataset {dataset!r}; "
+                          f"it has e.g. {', '.join(close[:8])} ({len(registered)} in all)")
+    fields = [f.name for f in dataclasses.fields(registered[dataset][1])]  # its config's
     unknown = sorted(set(config) - set(fields))
     if unknown:
         raise TetherError(f"{needed_by}: {dataset} has no option {unknown[0]!r}; its options are "
@@ -89,7 +93,8 @@ def _factory(dataset: str, attempts: Any, system: str, config: dict[str, Any],
     if system != "none" and system not in prompts:
         raise TetherError(f"{needed_by}: system={system!r} is not one of reasoning-gym's system "
                           f"prompts; give one of {', '.join(sorted(prompts))} or none")
-    config.setdefault("seed", DEFAULT_DATASET_SEED)
+    # reasoning-gym draws a random seed when given none: not reproducible
+    config.setdefault("seed", 0)
     try:
         data = rg.create_dataset(dataset, **config)
     except (AssertionError, ValueError, TypeError) as exc:  # the config's own validate()
@@ -111,16 +116,6 @@ def _whole(needed_by: str, key: str, value: Any, least: int | None = None) -> No
     if not isinstance(value, int) or isinstance(value, bool) or least is not None and value < least:
         raise TetherError(f"{needed_by}: {key}={value!r}; give a whole number"
                           + (f" >= {least}" if least is not None else ""))
-
-
-def _config_fields(rg, dataset: str, needed_by: str) -> list[str]:
-    """The config fields of `dataset`, or one line listing a few registered names."""
-    registered = rg.factory.DATASETS
-    if dataset not in registered:
-        close = difflib.get_close_matches(dataset, sorted(registered), n=8) or sorted(registered)
-        raise TetherError(f"{needed_by}: reasoning-gym has no dataset {dataset!r}; "
-                          f"it has e.g. {', '.join(close[:8])} ({len(registered)} in all)")
-    return [f.name for f in dataclasses.fields(registered[dataset][1])]
 
 
 class _Dataset:

@@ -86,8 +86,14 @@ class Renderer:
         `messages`, in a chat episode; its last sampled id `last_id`, an end-of-turn token when
         it is one of the model's EOS ids `eos`). A chat episode's `messages` gain the
         observation's messages."""
-        if messages is None:
-            return self._plain(observation, where)
+        if messages is None:  # a plain episode: text, encoded as it is
+            if observation is None:
+                return Appended([])
+            if not isinstance(observation, str):
+                raise TetherError(f"{where} returned chat messages in a plain-text episode; return "
+                                  "text, or start the episode with chat messages from reset()")
+            text, cut = self._capped(observation)
+            return Appended(self._fragment(text), cut)
         if isinstance(observation, str):  # a user turn
             observation = [{"role": "user", "content": observation}]
         added = [dict(m) for m in observation or []]
@@ -138,15 +144,6 @@ class Renderer:
                           f"assistant turn with {closing!r}, which starts with none of the "
                           "model's EOS tokens")
         return closing[len(end):], ""
-
-    def _plain(self, observation, where: str) -> Appended:
-        if observation is None:
-            return Appended([])
-        if not isinstance(observation, str):
-            raise TetherError(f"{where} returned chat messages in a plain-text episode; return "
-                              "text, or start the episode with chat messages from reset()")
-        text, cut = self._capped(observation)
-        return Appended(self._fragment(text), cut)
 
     def _capped(self, text: str) -> tuple[str, bool]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

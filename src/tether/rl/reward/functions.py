@@ -42,7 +42,7 @@ from transformers import TrainerState
 
 from tether.data.prompts import prompt_messages
 from tether.errors import TetherError
-from tether.rl.reward import MAX_SCORE, FailedRows, Prompt, RewardFn, RewardScores
+from tether.rl.reward import MAX_SCORE, FailedRows, RewardFn, RewardScores
 from tether.rl.reward.pool import RewardPool
 from tether.run.user_code.calls import Call, Refused
 from tether.run.user_code.deadline import Deadline
@@ -211,12 +211,6 @@ def required_parameters(fn: Callable) -> set[str]:
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def row_prompt(row: dict, text: str) -> Prompt:
-    """A prompt as its row gave it: the chat's messages, else the plain text (`text`)."""
-    messages = prompt_messages(row)
-    return messages if messages is not None else text
-
-
 def row_columns(rows: Sequence[dict]) -> dict[str, list]:
     """The rows' other columns by name, each a list aligned with `rows` (None where a row lacks
     it). A column named like a TRL argument could not be told apart from it: refused."""
@@ -233,7 +227,8 @@ def trl_arguments(prompts: list[str], responses: list[str], rows: Sequence[dict]
     """The keywords of TRL's call (module docstring). Without `rows` the prompts are the texts
     and there are no columns; without `completion_ids` (an answer inside an episode) that
     keyword is left out."""
-    originals = ([row_prompt(row, text) for row, text in zip(rows, prompts, strict=True)]
+    # each prompt as its row gave it: the chat's messages (never []), else the plain text
+    originals = ([prompt_messages(row) or text for row, text in zip(rows, prompts, strict=True)]
                  if rows is not None else list(prompts))
     completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
                    for prompt, text in zip(originals, responses, strict=True)]
@@ -302,8 +297,7 @@ class RewardFunctions:
             raise TetherError(f"every {self.what} returned None for response {i} (prompt "
                               f"{prompts[i][:60]!r}); make at least one function score every "
                               "response")
-        weights = torch.tensor([f.weight for f in self.functions])
-        scores = (stacked * weights).nansum(dim=1)
+        scores = (stacked * torch.tensor([f.weight for f in self.functions])).nansum(dim=1)
         return RewardScores(scores.masked_fill(failed, math.nan), parts)
 
     def pooled(self, prompts: list[str], responses: list[str], each: list) -> RewardScores:

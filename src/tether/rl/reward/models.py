@@ -113,10 +113,9 @@ def load_scoring_model(path: str, device, dtype: str = "float32",
     """The reward model at `path`, frozen on `device`: tether's own (`RewardModel`) or a
     sequence-classification model (`HubRewardModel`). Both score texts with `score_texts`; this
     is what `load_reward_model` loads and what `tether serve-rm` serves."""
-    if reward_model_kind(path, trust_remote_code) == TETHER:
-        model = RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    else:
-        model = load_hub_reward_model(path, dtype, trust_remote_code)
+    model = (RewardModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+             if reward_model_kind(path, trust_remote_code) == TETHER
+             else load_hub_reward_model(path, dtype, trust_remote_code))
     return freeze(fuse_gelu(model), device)
 
 
