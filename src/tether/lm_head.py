@@ -50,6 +50,20 @@ from tether.choices import positive
 CHUNK_ELEMENTS = 1 << 22
 
 
+def _slices(total: int, across: int) -> list[slice]:
+    """Chunks of `total` rows (or vocabulary entries), each with ~CHUNK_ELEMENTS logits `across`
+    the other dimension: tether.logprobs.chunk_slices' rule, and `_scaled` its `scaled`, kept
+    here so that a batch through the LM head reads one file, not two (tests/audit/online_path)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, across))
+    return [slice(start, min(start + step, total)) for start in range(0, total, step)]
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T_s in fp32; a fresh fp32 matmul output is used in place when T_s = 1."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _token_hits(tokens: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, columns within the chunk) of the positions whose token lies in `cols`."""
     rows = ((tokens >= cols.start) & (tokens < cols.stop)).nonzero().squeeze(-1)
@@ -84,9 +98,9 @@ def _vocab_pass(h, w, b, tokens, temperature, keep_direction=False, with_entropy
     running_max = torch.full((n_rows,), float("-inf"), **f32)  # m
     sum_exp, sum_exp_other, sum_exp_x = (torch.zeros(n_rows, **f32) for _ in range(3))  # s, s', u
     weighted = torch.zeros(h.shape, **f32) if keep_direction else None  # A, [N, d]
-    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
+    for cols in _slices(vocab, n_rows):
         # [N, Vc] fp32: the only tensor with a vocabulary dimension
-        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
+        x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         hit_rows, hit_cols = _token_hits(tokens, cols)
         token_x[hit_rows] = x[hit_rows, hit_cols]
         new_max = torch.maximum(running_max, x.amax(dim=-1))
@@ -151,9 +165,9 @@ def _linear_backward(ctx, grad_out):
     grad_b = torch.empty(vocab, dtype=torch.float32, device=h.device) if need_b else None
     # Chunks of the vocabulary, all positions at once, as in the forward pass: each slice of dW
     # is written once (row chunks would rewrite all of dW, 1 GiB at V=128256, d=2048, per chunk).
-    for cols in logprobs_lib.chunk_slices(vocab, n_rows, CHUNK_ELEMENTS):
+    for cols in _slices(vocab, n_rows):
         # [N, Vc]
-        x = logprobs_lib.scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
+        x = _scaled(F.linear(h, w[cols], None if b is None else b[cols]), temperature)
         # G = g (onehot(y) - p) / T_s with p = exp(x - lse), lse from the forward pass
         grad_x = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])
         hit_rows, hit_cols = _token_hits(tokens, cols)
@@ -206,7 +220,7 @@ def _checkpointed_rows(fn, vocab: int, heads: tuple[nn.Module, ...], *tensors: t
                                         or any(p.requires_grad for m in heads for p in m.parameters()))
     run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
     parts = [run(*[t[rows] for t in tensors])
-             for rows in logprobs_lib.chunk_slices(tensors[0].shape[0], vocab, CHUNK_ELEMENTS)]
+             for rows in _slices(tensors[0].shape[0], vocab)]
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=tensors[0].device)
     return torch.cat(parts)
