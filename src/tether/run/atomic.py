@@ -35,9 +35,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:  # some platforms cannot open directories; the rename is still atomic
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -46,12 +45,10 @@ def _umask() -> int:
     """The process umask, read without changing it: Linux says it in /proc/self/status; elsewhere
     it is set and put back, once (the only way there), and remembered."""
     global _UMASK_FALLBACK
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
     if _UMASK_FALLBACK is None:
         _UMASK_FALLBACK = os.umask(0o077)
         os.umask(_UMASK_FALLBACK)
@@ -112,9 +109,8 @@ def follow_umask(root: str | Path) -> None:
     root = Path(root)
     file_mode, dir_mode = created_mode(), created_mode(directory=True)
     for path in root.rglob("*"):
-        if path.is_symlink():
-            continue
-        os.chmod(path, dir_mode if path.is_dir() else file_mode)
+        if not path.is_symlink():
+            os.chmod(path, dir_mode if path.is_dir() else file_mode)
     os.chmod(root, dir_mode)
 
 

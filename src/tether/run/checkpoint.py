@@ -36,11 +36,9 @@ def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     meta = {"python": [version, list(internal), gauss],
             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
-    return meta, tensors
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return meta, {"torch_cpu": torch.get_rng_state()} | {f"torch_cuda_{i}": state
+                                                          for i, state in enumerate(cuda)}
 
 
 def set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -119,19 +117,17 @@ def placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def trainable_tensors(model: nn.Module, keep: bool = True, what: str = "")\
-        -> dict[str, torch.Tensor]:
+def trainable_tensors(model: nn.Module, keep: bool, what: str) -> dict[str, torch.Tensor]:
     """The parameters that take gradients, by name, as whole tensors on the CPU (each shared
     tensor once). Under FSDP2 the shards are gathered: every rank calls this, and a rank with
-    `keep` False gets {} (no whole CPU copy of the model on every rank). With `what`, a tensor
-    holding NaN or inf raises the same TetherError on every rank (each sees the whole tensor)."""
+    `keep` False gets {} (no whole CPU copy of the model on every rank). A tensor holding NaN or
+    inf raises the same TetherError on every rank (each sees the whole tensor)."""
     out = {}
     for name, param in unwrap(reshard(model)).named_parameters():
         if not param.requires_grad:
             continue
         full = whole(param.detach())  # every rank gathers a shard, in the same order
-        if what:
-            require_finite_weight(what, name, full)
+        require_finite_weight(what, name, full)
         if keep:
             out[name] = full.contiguous().cpu()
     return out
@@ -146,14 +142,6 @@ def load_trainable_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(placed_like(tensors[name].to(param.dtype), param))
-
-
-def _check_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    names = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
-    if names != set(tensors):
-        missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
-        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
-                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
 
 
 def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
@@ -189,12 +177,9 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        name = path.name
-        if path.is_dir() and name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-            found.append((int(name[len(STEP_PREFIX):]), path))
-    return sorted(found)
+    return sorted((int(path.name[len(STEP_PREFIX):]), path) for path in root.iterdir()
+                  if path.is_dir() and path.name.startswith(STEP_PREFIX)
+                  and path.name[len(STEP_PREFIX):].isdigit())
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Module], optimizer,
@@ -222,7 +207,6 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
                for name, model in models.items()}
     optim = optimizer_state(models, optimizer) if optimizer is not None else None
     rngs = distributed.gather_objects(rng_state(), d)  # [(meta, tensors)] by rank, on rank 0
-    final = Path(ckpt_root) / f"{STEP_PREFIX}{step}"
     if d.is_main:
         rng_tensors = dict(rngs[0][1])
         for rank, (_, tensors) in enumerate(rngs[1:], start=1):
@@ -232,7 +216,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
         _write_checkpoint(Path(ckpt_root), step, weights | ({"tensors": tensors} if tensors else {}),
                           optim, scheduler, rng_tensors, payload, keep)
     distributed.barrier(d)
-    return final
+    return Path(ckpt_root) / f"{STEP_PREFIX}{step}"
 
 
 def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
@@ -257,7 +241,7 @@ def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.
 
 
 def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], optimizer,
-                           scheduler, restore_rng: bool = True) -> dict[str, Any] | None:
+                           scheduler) -> dict[str, Any] | None:
     """Restore the newest intact checkpoint into `models`, `optimizer`, `scheduler` and the RNGs.
 
     A damaged checkpoint (truncated weights, a garbage optimizer file, a cut `state.json`: a disk
@@ -305,8 +289,7 @@ def load_latest_checkpoint(ckpt_root: str | Path, models: dict[str, nn.Module], 
     if scheduler is not None:
         scheduler.load_state_dict(contents["scheduler"])
     payload = contents["payload"]
-    if restore_rng:
-        set_rng_state(*own_rng_state(payload, contents["rng"], d.rank, d.world_size))
+    set_rng_state(*own_rng_state(payload, contents["rng"], d.rank, d.world_size))
     state = dict(payload["state"])
     state.setdefault("step", payload["step"])
     if contents["tensors"]:
@@ -345,7 +328,11 @@ def _read_checkpoint(path: Path, models: dict[str, nn.Module], optimizer, schedu
     payload = json.loads((path / "state.json").read_text(encoding="utf-8"))
     weights = {name: load_file(str(path / f"{name}.safetensors")) for name in models}
     for name, model in models.items():
-        _check_names(model, weights[name])
+        names = {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
+        if names != set(weights[name]):
+            missing, extra = sorted(names - set(weights[name])), sorted(set(weights[name]) - names)
+            raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
+                               f"(missing {missing[:3]}, unexpected {extra[:3]})")
     extra = path / "tensors.safetensors"
     return {"payload": payload, "weights": weights,
             "tensors": load_file(str(extra)) if extra.exists() else {},

@@ -77,16 +77,6 @@ def _flag(name: str, tp: Any) -> str:
     return f"{flag(name)} {getattr(tp, '__name__', 'VALUE').upper()}"
 
 
-def _default_shown(f: dataclasses.Field, positional: str | None) -> str:
-    """`required` for a field without a default (a default factory's value is a default, e.g.
-    `[]`: such a field is never required); a required field shows no default."""
-    default = field_default(f)
-    shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
-    if f.name == positional:
-        shown += "; or give it as the first argument(s), before any flag"
-    return shown
-
-
 # List fields whose items never hold a comma (`file.py:function`), so commas may join them too.
 COMMA_LISTS = frozenset({"tools", "reward_weights", "points"})
 
@@ -115,7 +105,12 @@ def help_text(cls: type, prog: str, description: str) -> str:
     for section, fields in field_sections(cls).items():
         out += ["", f"{section}:"]
         for name, doc in fields:
-            shown = _default_shown(fields_by_name[name], positional)
+            # `required` for a field without a default (a default factory's value is a default,
+            # e.g. `[]`: such a field is never required); a required field shows no default
+            default = field_default(fields_by_name[name])
+            shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+            if name == positional:
+                shown += "; or give it as the first argument(s), before any flag"
             also = [k for k, v in getattr(cls, "FLAG_NAMES", {}).items() if v == flag(name)]
             out.append("  " + _flag(name, hints[name]) + "".join(f", or {a}" for a in also))
             out += textwrap.wrap(f"{doc}{_list_note(name, hints[name])} ({shown})", WIDTH,

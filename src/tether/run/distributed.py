@@ -314,29 +314,23 @@ def wrap_frozen(model: nn.Module, d: Dist) -> nn.Module:
     return wrap(model, d) if d.fsdp else Parallel(model)
 
 
-def held_fraction(model: nn.Module) -> tuple[float, int]:
-    """(share of `model`'s parameter elements stored on this rank, their total count).
+def _say_layout(model: nn.Module, d: Dist, mode: str) -> None:
+    """Rank 0's start-up line: the mode and the share of the parameters it holds, measured on
+    the wrapped model (so a run asked for --fsdp that replicated instead shows it).
 
-    local / total with local = sum over parameters of the rank's own elements: an FSDP2
-    parameter is a DTensor whose `to_local()` is this rank's shard (~1 / world_size of it), a
-    DDP or single-process parameter is whole (share 1).
+    The share is local / total with local = sum over parameters of the rank's own elements: an
+    FSDP2 parameter is a DTensor whose `to_local()` is this rank's shard (~1 / world_size of it),
+    a DDP or single-process parameter is whole (share 1).
     """
     from torch.distributed.tensor import DTensor
 
-    local = total = 0
-    for param in model.parameters():
-        total += param.numel()
-        local += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
-    return local / max(total, 1), total
-
-
-def _say_layout(model: nn.Module, d: Dist, mode: str) -> None:
-    """Rank 0's start-up line: the mode and the share of the parameters it holds, measured on
-    the wrapped model (so a run asked for --fsdp that replicated instead shows it)."""
     if d.is_main:
-        share, total = held_fraction(model)
-        print(f"{mode} over {d.world_size} ranks: rank 0 holds {share:.2f} of {total:,} "
-              "parameters", flush=True)
+        local = total = 0
+        for param in model.parameters():
+            total += param.numel()
+            local += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+        print(f"{mode} over {d.world_size} ranks: rank 0 holds {local / max(total, 1):.2f} of "
+              f"{total:,} parameters", flush=True)
 
 
 def unwrap(wrapped: nn.Module) -> nn.Module:
@@ -351,12 +345,10 @@ def unwrap(wrapped: nn.Module) -> nn.Module:
 def no_sync(wrapped: nn.Module, skip: bool) -> Iterator[None]:
     """Skip the gradient reduction of this backward when `skip` (all but the last micro-batch of
     an accumulated step: the reduction of the summed gradients happens once, at the last)."""
-    if not skip:
-        yield
-    elif hasattr(wrapped, "no_sync"):  # DDP
+    if skip and hasattr(wrapped, "no_sync"):  # DDP
         with wrapped.no_sync():
             yield
-    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+    elif skip and hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
         wrapped.set_requires_gradient_sync(False)
         try:
             yield

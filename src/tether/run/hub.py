@@ -8,6 +8,7 @@ then model), and logs a line per try: 27-51 s and a page of warnings before the 
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 
 PROBE_TIMEOUT_S = 3.0
@@ -40,9 +41,8 @@ def go_offline() -> None:
     from huggingface_hub import constants
 
     constants.HF_HUB_OFFLINE = True
-    try:
+    # datasets is only needed for hub datasets and save_to_disk directories
+    with contextlib.suppress(ImportError):
         import datasets
 
         datasets.config.HF_HUB_OFFLINE = True
-    except ImportError:  # datasets is only needed for hub datasets and save_to_disk directories
-        pass

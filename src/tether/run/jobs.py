@@ -70,14 +70,6 @@ def log_path(log_dir: Path, name: str) -> Path:
     return log_dir / f"{name.replace('/', '-')}.log"
 
 
-def error_line(exc: BaseException) -> str:
-    """What a failed job reports: a TetherError's own line; for any other exception the last
-    line of its traceback (`ValueError: no gold today`)."""
-    if isinstance(exc, TetherError):
-        return str(exc)
-    return traceback.format_exception_only(type(exc), exc)[-1].strip()
-
-
 def _call(job: Job, keep_going: bool = True) -> tuple[Any, str | None, bool, float]:
     """Run one job, here or in a worker: (its result, its error line or None, whether that is a
     TetherError, seconds). A bug's traceback is printed (a worker's goes to the job's log); a
@@ -91,7 +83,10 @@ def _call(job: Job, keep_going: bool = True) -> tuple[Any, str | None, bool, flo
         tether_error = isinstance(exc, TetherError)
         if not tether_error:
             traceback.print_exc()  # a bug: its traceback, then the next job
-        error = error_line(exc)
+        # what a failed job reports: a TetherError's own line; for any other exception the last
+        # line of its traceback (`ValueError: no gold today`)
+        error = (str(exc) if tether_error
+                 else traceback.format_exception_only(type(exc), exc)[-1].strip())
     return result, error, tether_error, time.perf_counter() - start
 
 

@@ -72,9 +72,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
 
 def make_lr_schedule(optimizer, total_steps: int, warmup_steps: int = 0, schedule: str = "linear"):
     """A LambdaLR following `lr_factor`; its state (the step count) is checkpointed."""
-    def factor(step: int) -> float:
-        return lr_factor(step, total_steps, warmup_steps, schedule)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, schedule))
 
 
 def step_schedule(scheduler) -> None:

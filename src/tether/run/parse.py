@@ -197,9 +197,7 @@ def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 class _KeyTwice(Exception):
-    def __init__(self, key: Any, first_line: int, second_line: int):
-        super().__init__(key)
-        self.key, self.lines = key, (first_line, second_line)
+    """A key written twice in one mapping: its args are (key, first line, second line)."""
 
 
 def _map_of_unique_keys(loader: yaml.SafeLoader, node: yaml.MappingNode):
@@ -240,8 +238,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except _KeyTwice as twice:
-        first, second = twice.lines
-        raise TetherError(f"config file {path} gives {twice.key!r} twice (lines {first} and "
+        key, first, second = twice.args
+        raise TetherError(f"config file {path} gives {key!r} twice (lines {first} and "
                           f"{second}); YAML would keep the second silently: keep one") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -324,10 +322,8 @@ def _is_value(token: str) -> bool:
     with `-`, and, of those that do, `-` alone and numbers (`-1`, `-.5`, `-1e9`, `-inf`, `-nan`);
     any other `-x` is taken for a mistyped flag, not swallowed as a value."""
     key = token.partition("=")[0]
-    if not key.startswith("-"):
-        return True
-    return not key.startswith("--") and (not key[1:2].isalpha()
-                                         or key[1:].lower() in ("inf", "infinity", "nan"))
+    return not key.startswith("-") or not key.startswith("--") and (
+        not key[1:2].isalpha() or key[1:].lower() in ("inf", "infinity", "nan"))
 
 
 def _typed(tp: Any, text: str) -> Any:
@@ -349,12 +345,7 @@ def _positional_flag(cls: type, argv: list[str]) -> list[str]:
     """A config class may name one field `POSITIONAL`: leading bare arguments are its value
     (`tether sweep grid.yaml` is `--grid grid.yaml`; `tether report A B` is `--runs A B`)."""
     name = getattr(cls, "POSITIONAL", None)
-    bare = 0
-    while name and bare < len(argv) and not argv[bare].startswith("-"):
-        bare += 1
-    if not bare:
-        return argv
-    return [flag(name), *argv[:bare], *argv[bare:]]
+    return [flag(name), *argv] if name and argv and not argv[0].startswith("-") else argv
 
 
 def _named_flags(cls: type, argv: list[str]) -> list[str]:

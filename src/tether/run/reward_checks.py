@@ -44,7 +44,12 @@ def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool
     if cfg.reward_url:
         parse_urls(cfg.reward_url)  # the URLs' form; they answer in wiring.remote
     scored = functions or gold_fn or bool(cfg.gold_fn)
-    check_reward_fn_timeout(cfg.reward_fn_timeout, type(cfg).reward_fn_timeout, scored)
+    # --reward-fn-timeout times the reward and gold functions: a value other than the default
+    # with neither is an option that would be accepted and ignored
+    if cfg.reward_fn_timeout != type(cfg).reward_fn_timeout and not scored:
+        raise TetherError(f"--reward-fn-timeout {cfg.reward_fn_timeout:g} limits the calls of "
+                          "--reward-fn and --gold-fn functions, and this run has none; drop it "
+                          "(an environment's calls have --env-timeout)")
     check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
                       cfg.episodic)
 
@@ -61,15 +66,6 @@ def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
                            or getattr(settings, "reward_url", "") or not reward_given):
         raise TetherError("--tools episodes are scored by --reward-fn on the final answer; "
                           "give a reward function (docs/agents.md)")
-
-
-def check_reward_fn_timeout(timeout: float, default: float, has_functions: bool) -> None:
-    """--reward-fn-timeout times the reward and gold functions: a value other than the default
-    with neither is an option that would be accepted and ignored."""
-    if timeout != default and not has_functions:
-        raise TetherError(f"--reward-fn-timeout {timeout:g} limits the calls of --reward-fn and "
-                          "--gold-fn functions, and this run has none; drop it (an environment's "
-                          "calls have --env-timeout)")
 
 
 def check_reward_pool(workers: int, retries: int, default_retries: int, has_functions: bool,

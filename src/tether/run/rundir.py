@@ -80,7 +80,10 @@ class RunDir:
         self.samples_path = self.path / "samples.jsonl"
         self.config_path = self.path / "config.yaml"
         self._lock: lock.DirLock | None = None
-        if _writer_process() and self.path.is_dir():  # in use? say so before a model is loaded
+        # in use? say so before a model is loaded, on the process that will write the directory:
+        # rank 0 by its environment, before torchrun's group is joined (`writes` says the same)
+        writer = not distributed.launched() or os.environ.get("RANK", "0") == "0"
+        if writer and self.path.is_dir():
             lock.probe(self.path, "run directory", IN_USE_FIX)
         self._check_state()
         self._trackers: list | None = None
@@ -277,12 +280,6 @@ class RunDir:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def _writer_process() -> bool:
-    """Whether this process will write the run directory, known before torchrun's group is
-    joined: rank 0 by its environment (after joining, `RunDir.writes` says the same)."""
-    return os.environ.get("RANK", "0") == "0" if distributed.launched() else True
 
 
 def run_finished(path: str | Path) -> bool:

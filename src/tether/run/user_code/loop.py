@@ -42,10 +42,9 @@ def event_loop() -> asyncio.AbstractEventLoop:
     global _LOOP
     with _LOCK:
         if _LOOP is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, daemon=True,
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, daemon=True,
                              name="tether-event-loop").start()
-            _LOOP = loop
         return _LOOP
 
 
