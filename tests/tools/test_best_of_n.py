@@ -157,8 +157,8 @@ def test_the_one_curve_test_tells_early_stopping_from_different_curves():
 
 
 def test_the_page_compares_rl_with_best_of_n_where_both_were_measured():
-    from tether.tools.sweep_results import Group
     from tether.tools.sweep_report import versus_best_of_n
+    from tether.tools.sweep_results import Group
 
     # one PPO setting: gold gain 0.3 at KL 0.5, 0.9 at KL 3 (beyond best-of-4's reach)
     group = Group("ppo-beta0.1", "ppo", 0.1, "PPO beta 0.1", [0], [0, 10, 20],
