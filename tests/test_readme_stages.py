@@ -24,7 +24,8 @@ SMALL = {"sft": "--max-steps 2 --batch-size 2", "rm": "--max-steps 2 --batch-siz
          "ppo": "--total-episodes 4 --batch-size 2 --max-new-tokens 4",
          "grpo": "--total-episodes 8 --batch-size 4 --samples-per-prompt 2 --max-new-tokens 4",
          "distill": "--total-episodes 4 --batch-size 2 --max-new-tokens 4",
-         "eval": "--max-new-tokens 4", "generate": "--max-new-tokens 4"}
+         "eval": "--max-new-tokens 4", "generate": "--max-new-tokens 4",
+         "bon": "--n 2 --max-new-tokens 4", "interpolate": "--max-new-tokens 4"}
 # Not run here, each tested where it lives: a sweep trains its grid (tests/tools/test_sweep.py),
 # serve-rm serves until stopped (tests/rl/test_reward_server.py), and set-base's path is a
 # placeholder for the user's own base.
@@ -83,9 +84,11 @@ def test_the_readme_stage_commands_run_offline(tmp_path):
         assert done.returncode == 0, f"tether {shlex.join(words)}:\n{done.stderr[-3000:]}"
         ran.append(words[0])
     assert ran == ["tiny-model", "sft", "rm", "ppo", "dpo", "grpo", "distill", "ppo", "eval",
-                   "generate", "report"]
+                   "generate", "bon", "interpolate", "report"]
     # what each stage wrote, where the next line looks for it
     for run in ("sft", "rm", "ppo", "ipo", "grpo", "distill"):
         assert (tmp_path / "runs" / run / "final").is_dir(), run
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4
     assert (tmp_path / "compare.html").stat().st_size > 0
+    assert [p["n"] for p in json.loads((tmp_path / "bon.json").read_text())] == [1, 2]
+    assert (tmp_path / "line" / "interpolate.json").is_file()

@@ -155,8 +155,8 @@ def test_an_interrupted_demo_resumes_to_the_numbers_of_one_never_stopped(tmp_pat
     # back, not run again; ppo-fixed goes on from its checkpoint.
     assert main(["demo", *SMALL, "--jobs", "2", "--resume", "--output-dir", str(cut)]) == 0
     out = capsys.readouterr().out
-    assert "[5/10] SFT and the reward model done" in out  # 2 + dpo, ipo and ppo-no-kl
-    assert "3 stages finished before, 5 stages to run" in out and "[10/10] " in out
+    assert "[5/11] SFT and the reward model done" in out  # 2 + dpo, ipo and ppo-no-kl
+    assert "3 stages finished before, 6 stages to run" in out and "[11/11] " in out
     assert "sft: finished before; kept as it is" in out
     assert _files(root, finished) == before  # not a byte rewritten
     assert f"resuming {root / 'ppo-fixed-seed0'} from step 2" in (
