@@ -46,6 +46,19 @@ def config(env, model_dir, name, cls=PPOConfig, **overrides):
     return cls(**(values | overrides))
 
 
+def raising_on_third_call(message):
+    """`length_reward` that raises `message` on its third call: a run stopped in batch 3, after
+    the checkpoint of batch 2."""
+    calls = {"n": 0}
+
+    def reward(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError(message)
+        return length_reward(prompts, responses)
+    return reward
+
+
 def lines_of(env, name):
     return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
             for line in (env / "runs" / name / "metrics.jsonl").read_text().splitlines()]
@@ -129,14 +142,7 @@ def test_schedule_and_the_optimizer_reset():
 def test_a_resumed_run_anchors_where_the_uninterrupted_one_did(env, tiny_model_dir):
     common = dict(total_episodes=8 * 4, save_every=1, ref_update="ema:0.5")
     full = run(config(env, tiny_model_dir, "ema-full", **common), reward_fn=length_reward)
-    calls = {"n": 0}
-
-    def crashes_on_third_batch(prompts, responses):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("reward server went away")
-        return length_reward(prompts, responses)
-
+    crashes_on_third_batch = raising_on_third_call("reward server went away")
     with pytest.raises(TetherError, match="reward server went away"):
         run(config(env, tiny_model_dir, "ema-resumed", **common), reward_fn=crashes_on_third_batch)
     resumed = run(config(env, tiny_model_dir, "ema-resumed", resume=True, **common),
@@ -157,14 +163,7 @@ def test_reset_is_a_run_stopped_and_continued_with_its_policy_as_the_reference(e
     common = dict(total_episodes=8 * 4, save_every=1)
     reset = run(config(env, tiny_model_dir, "reset2", ref_update="reset:2", **common),
                 reward_fn=length_reward)
-    calls = {"n": 0}
-
-    def stops_at_third_batch(prompts, responses):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("stopped after two batches")
-        return length_reward(prompts, responses)
-
+    stops_at_third_batch = raising_on_third_call("stopped after two batches")
     by_hand = config(env, tiny_model_dir, "by-hand", ref_update="reset:1000", **common)
     with pytest.raises(TetherError, match="stopped after two batches"):
         run(by_hand, reward_fn=stops_at_third_batch)
