@@ -197,6 +197,15 @@ def test_a_bon_block_puts_the_best_of_n_curve_beside_the_runs(grid, tmp_path, ca
     assert "One curve for every setting (Gao et al.: a KL penalty acts as early stopping)" in out
     page = (root / "report.html").read_text()
     assert "id='best-of-n'" in page and "id='one-curve'" in page and "id='interpolated'" in page and "best-of-n, n = 1..3" in page.replace("&#x27;", "'")
+    # a grid changed under the baselines already made is refused, as under a run: their
+    # reports would be the old settings' under the new grid's name
+    for block, field, value, says in (("bon", "n", 4, "bon (n: 3 -> 4)"),
+                                      ("interpolate", "points", [0, 1], "ppo-beta0-seed0 (points")):
+        changed = yaml.safe_load(yaml.safe_dump(spec))
+        changed[block][field] = value
+        grid.write_text(yaml.safe_dump(changed))
+        assert main(["sweep", str(grid)]) == 2
+        assert says in capsys.readouterr().err
     # a bon block needs a ppo block and its own fields right: one line, nothing run
     for edit, says in ((lambda g: g.update(bon=[3]), "'bon' is a mapping of tether bon fields"),
                        (lambda g: g["interpolate"].update(run="ppo-x"), "not one of the grid's"),

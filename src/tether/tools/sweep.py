@@ -28,7 +28,7 @@ import yaml
 from tether.errors import AlreadyFinished, TetherError
 from tether.rl.reward.functions import load_reward_functions
 from tether.run import interrupt, lock
-from tether.run.atomic import read_record
+from tether.run.atomic import atomic_write_bytes, read_record
 from tether.run.config import config_to_dict
 from tether.run.jobs import Job, Progress, run_jobs
 from tether.run.parse import config_from_dict, parse_config
@@ -46,6 +46,7 @@ def execute_run(run: PlannedRun) -> None:
     policy is then scored by `tether eval`."""
     if run.stage == "bon":
         bon.run(config_from_dict(BonConfig, run.eval_fields))
+        _made(run)
         return
     resume = state(run) == "broken"
     cfg = config_from_dict(config_class(run.stage), {**run.fields, "resume": resume})
@@ -56,6 +57,25 @@ def execute_run(run: PlannedRun) -> None:
     elif run.eval_fields:  # the grid's interpolation of this PPO run; an unfinished one redone
         shutil.rmtree(run.eval_fields["output_dir"], ignore_errors=True)
         interpolate.run(config_from_dict(InterpolateConfig, run.eval_fields))
+        _made(run)
+
+
+def _baseline(run: PlannedRun) -> tuple[type, Path] | None:
+    """A baseline the grid makes (its best-of-n; a PPO run's interpolation): its config class
+    and the file that records the settings it was made with; None for anything else."""
+    if run.stage == "bon":
+        return BonConfig, Path(run.eval_fields["output"]).with_suffix(".yaml")
+    if run.stage == "ppo" and run.eval_fields:
+        return InterpolateConfig, Path(run.eval_fields["output_dir"]) / "interpolate.yaml"
+    return None
+
+
+def _made(run: PlannedRun) -> None:
+    """Record the settings a baseline was just made with (`_baseline`'s file), so that a grid
+    changed under it is refused as one changed under a run is (`_recorded_changes`)."""
+    cls, record = _baseline(run)
+    text = yaml.safe_dump(config_to_dict(config_from_dict(cls, run.eval_fields)), sort_keys=False)
+    atomic_write_bytes(record, text.encode("utf-8"))
 
 
 # What locates a run rather than shapes it; with rundir's harmless fields, never a "change".
@@ -89,6 +109,10 @@ def _recorded_changes(run: PlannedRun) -> list[str]:
                             config_from_dict(EvalConfig, run.eval_fields), "eval.json",
                             locating=("model", "output"))  # the run's own final/ and eval.json
         out += [d if d.startswith("its ") else f"evaluation {d}" for d in diff]
+    if (baseline := _baseline(run)) and baseline[1].is_file():
+        cls, record = baseline
+        out += _differences(read_record(record), config_from_dict(cls, run.eval_fields),
+                            record.name)
     return out
 
 
