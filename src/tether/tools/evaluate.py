@@ -176,7 +176,8 @@ def lengths_only(rollout) -> dict[str, torch.Tensor]:
     """A measure with no KL (tether bon: every response is the model's own sample): lengths and
     EOS flags, the entropy left at 0."""
     mask = rollout.action_mask.float()
-    return {"ent": torch.zeros(len(mask)), "len": mask.sum(1).cpu(), "eos": rollout.ended.float().cpu()}
+    return {"ent": torch.zeros(len(mask)), "len": mask.sum(1).cpu(),
+            "eos": rollout.ended.float().cpu()}
 
 
 @contextmanager

@@ -110,8 +110,9 @@ def write_points(cfg: InterpolateConfig, lora: bool) -> list[dict]:
     for tensors in rl.values():  # --from as tether loads it for --to's tokenizer: new rows at
         for n, t in tensors.items():  # the mean row (grow_embeddings)
             if sft[n].shape[0] < t.shape[0]:
-                mean = sft[n].mean(0, keepdim=True).expand(t.shape[0] - sft[n].shape[0], -1)
-                sft[n] = torch.cat([sft[n], mean])
+                added = t.shape[0] - sft[n].shape[0]  # a bias's rows too: any rank
+                mean = sft[n].mean(0, keepdim=True)
+                sft[n] = torch.cat([sft[n], mean.expand(added, *t.shape[1:])])
     rows = []
     for eta in cfg.points:
         path = Path(cfg.output_dir) / f"eta{str(eta).removesuffix('.0')}"
