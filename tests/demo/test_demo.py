@@ -86,7 +86,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     # Each stage's output is in its log, and the console shows the progress over all stages.
     assert "ppo-fixed-seed0: step" not in out and "ppo-fixed-seed0: step 12/12" in (
         root / "logs" / "ppo-fixed-seed0.log").read_text()
-    assert "[10/10] " in out and "s left" in out
+    assert "[11/11] " in out and "s left" in out
     for claim in ("no KL penalty: the proxy keeps rising", "no KL penalty: gold first peaks",
                   "adaptive beta: KL stays", "DPO: gold rises", "IPO: gold rises"):
         assert out.count(claim) == 1, claim  # each verdict is printed once
