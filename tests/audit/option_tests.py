@@ -640,3 +640,12 @@ OPTION_TESTS |= {
     "tiny-model:chat": [TINY + "test_the_command_s_chat_flag_gives_the_template"],
     "tiny-model:output": [TINY + "test_each_arch_builds_loads_and_generates[llama]"],
 }
+# Reward-model ensembles (issue 45): tether rm --ensemble K, and --reward-aggregate where it scores
+ENSEMBLE = "tests/train/test_rm_ensemble.py::"
+OPTION_TESTS |= {
+    "rm:ensemble": [ENSEMBLE + "test_rm_ensemble_is_k_runs_with_their_own_seeds_in_one_directory"],
+    "online:reward_aggregate": [ENSEMBLE + "test_ppo_under_min_trains_on_the_worst_member",
+                                ENSEMBLE + "test_refusals_before_anything_is_written"],
+    "eval:reward_aggregate": [ENSEMBLE + "test_eval_of_an_ensemble_against_its_members_and_one_"
+                                         "member_is_the_single_model"],
+}

@@ -64,3 +64,18 @@ def test_quiet_ranks_say_nothing_and_max_kl_stops_every_rank(capsys):
                                           r"--max-kl 10, at beta 0.05"):
         warnings_of(watch, lines([0.0, 6.0, 12.0], [1.0, 1.0, 1.0]), capsys)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("stds, says", [([0.1, 0.2, 0.3, 0.5], True), ([0.5, 0.4, 0.3, 0.2], False)])
+def test_the_blow_up_warning_says_when_an_ensemble_disagrees_more_as_the_proxy_rises(stds, says,
+                                                                                      capsys):
+    # The proxy climbs 0 -> 3 in both; only where the members' spread grows with it (0.1 -> 0.5)
+    # does the warning add that the policy is exploiting where they are unsure.
+    metric_lines = [m | {"objective/score": float(k), "reward/ensemble_std": s}
+                    for k, (m, s) in enumerate(zip(lines([0.0, 1.0, 2.5, 8.3], [1.0] * 4), stds))]
+    (got,) = warnings_of(Watch(), metric_lines, capsys)
+    assert got.startswith("warning: batch 4: the KL to the reference is growing fast")
+    clause = ("; the reward models disagree more as the proxy rises (members' std 0.1 -> 0.5 "
+              "while the score went 0 -> 3): the policy is exploiting where they are unsure; try "
+              "--reward-aggregate min or uwo:LAMBDA (docs/rm.md, \"Ensembles\")")
+    assert got.endswith(clause) == says and ("disagree" in got) == says

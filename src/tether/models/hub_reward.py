@@ -42,6 +42,7 @@ from tether.models.adapter_checks import check_adapter_files
 from tether.models.lora import ADAPTER_CONFIG, TRAINED, adapter_base, is_adapter, load_adapter
 from tether.models.pretrained import _check_exists, _from_pretrained
 from tether.models.reward_model import LOWER_LENGTHS, REWARD_JSON, position_limit
+from tether.run.config import ENSEMBLE_JSON, ensemble_members, is_ensemble
 
 CLASSIFIER = "classifier"  # reward_model_kind: a sequence-classification checkpoint
 CLASSIFIER_ADAPTER = "classifier adapter"  # a peft adapter for one
@@ -76,6 +77,9 @@ def reward_model_kind(name_or_path: str, trust_remote_code: bool = False) -> str
     local = Path(name_or_path).expanduser()
     if (local / REWARD_JSON).is_file():
         return TETHER
+    if is_ensemble(name_or_path):
+        raise TetherError(f"{name_or_path} is an ensemble of reward models ({ENSEMBLE_JSON}), "
+                          "which --reward-model reads; serve or load one of its members")
     _check_exists(name_or_path)
     if local.is_file():  # read as a config.json, a file gives a line about its contents
         raise TetherError(_a_file(name_or_path, local))
@@ -119,10 +123,29 @@ def classifier_tokenizer(name: str, trust_remote_code: bool):
 def check_reward_model(name_or_path: str, trust_remote_code: bool = False) -> str:
     """`reward_model_kind`, and for a sequence-classification checkpoint its tokenizer against its
     embedding rows: what a stage checks before any weights load."""
+    members = ensemble_members(name_or_path)
+    if members:  # each member checked, and all of them on one base
+        kinds = [check_reward_model(member, trust_remote_code) for member in members]
+        bases = {_base(member, trust_remote_code): member for member in members}
+        if len(bases) > 1:
+            (one, first), (other, second) = list(bases.items())[:2]
+            raise TetherError(f"the reward-model ensemble {name_or_path} mixes bases: {first} is "
+                              f"{one}, {second} is {other}; train its members on one base "
+                              "(tether rm --ensemble K does)")
+        return kinds[0]
     kind = reward_model_kind(name_or_path, trust_remote_code)
     if kind == CLASSIFIER:
         classifier_tokenizer(name_or_path, trust_remote_code)
     return kind
+
+
+def _base(member: str, trust_remote_code: bool) -> str:
+    """What an ensemble member is built on: its LoRA base, or its architecture and sizes."""
+    if is_adapter(member):
+        return f"a LoRA adapter on {adapter_base(member)}"
+    text = _config(member, trust_remote_code).get_text_config()
+    return (f"a {text.model_type} of {text.num_hidden_layers} layers, width {text.hidden_size}, "
+            f"{text.vocab_size} tokens")
 
 
 def _tokenizer(name_or_path: str, trust_remote_code: bool):

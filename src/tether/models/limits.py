@@ -29,6 +29,7 @@ from typing import NamedTuple
 from tether.errors import TetherError
 from tether.models.lora import ADAPTER_CONFIG, adapter_base, is_adapter
 from tether.models.reward_model import REWARD_JSON
+from tether.run.config import ensemble_members
 
 
 class Positions(NamedTuple):
@@ -185,8 +186,9 @@ def check_sampled_models(language_models: Sequence[tuple[str, str, str]], reward
               for path, option, base in language_models]
     # a tether reward model reads the policy's ids as they are; a hub classifier re-tokenises
     # the text and checks each row as it scores
-    if reward_model and (Path(reward_model).expanduser() / REWARD_JSON).is_file():
-        models.append(model_positions(reward_model, trust_remote_code))
+    for member in ensemble_members(reward_model) or [reward_model]:  # each of an ensemble
+        if member and (Path(member).expanduser() / REWARD_JSON).is_file():
+            models.append(model_positions(member, trust_remote_code))
     if episodic:
         check_turn_fits(models, max_new_tokens)
     for source, ids in prompt_sets.items():

@@ -336,10 +336,11 @@ def _add_score_to_adapter(adapter_dir: Path, head_weight: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- as PPO's reward
 
 def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
-                        trust_remote_code: bool = False) -> RewardModel | None:
-    """The LoRA reward model at `path` as the frozen adapter "reward" on `lm`'s base, with its
+                        trust_remote_code: bool = False, name: str = REWARD) -> RewardModel | None:
+    """The LoRA reward model at `path` as the frozen adapter `name` on `lm`'s base, with its
     head and normalisation; None when it cannot share the base (load it separately then), or
-    is not tether's (a peft adapter of another sequence-classification model)."""
+    is not tether's (a peft adapter of another sequence-classification model). `lm`: the
+    policy's, or an ensemble's first member's (tether.rl.reward.ensemble)."""
     # a LoRA adapter trained on the base `lm` already holds, with tether's head beside it
     if (lm.peft is None or not is_adapter(path) or local_or_hub(adapter_base(path)) != lm.base
             or not (Path(path).expanduser() / REWARD_JSON).is_file()):
@@ -350,8 +351,8 @@ def shared_reward_model(lm: TrainableLM, path: str, policy_tokenizer,
         check_base(path, record, lm.base)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     check_same_vocabulary(policy_tokenizer, {"reward model": (tokenizer, None)})
-    load_adapter(lm.peft, str(Path(path).expanduser().resolve()), REWARD)
+    load_adapter(lm.peft, str(Path(path).expanduser().resolve()), name)
     set_trainable(lm.peft, [TRAINED])  # loading must not change what trains
-    model = RewardModel(AdapterView(lm.peft, REWARD, part="trunk"), tokenizer)
+    model = RewardModel(AdapterView(lm.peft, name, part="trunk"), tokenizer)
     model.load_head(path)
     return model.to(lm.model.device)

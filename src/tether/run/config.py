@@ -10,6 +10,7 @@ docstring, which `--help` shows (`tether.run.config_help`). Reading one from fla
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,41 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The API key of `tether serve-rm`, read by the server (unless --api-key) and sent by --reward-url:
 # an environment variable, so the secret is neither in a run's config.yaml nor on a command line
 RM_API_KEY_ENV = "TETHER_RM_API_KEY"
+# What `tether rm --ensemble K` writes beside its members: a directory holding it is an ensemble
+ENSEMBLE_JSON = "tether_ensemble.json"
+
+
+def is_ensemble(path: str) -> bool:
+    return bool(path) and (Path(path).expanduser() / ENSEMBLE_JSON).is_file()
+
+
+def ensemble_members(path: str) -> list[str]:
+    """The member directories of the reward-model ensemble at `path` (ENSEMBLE_JSON's names, each
+    a directory beside it), [] for a single model."""
+    if not is_ensemble(path):
+        return []
+    listed = Path(path).expanduser() / ENSEMBLE_JSON
+    try:
+        names = json.loads(listed.read_text(encoding="utf-8"))["members"]
+        assert names and all(isinstance(name, str) and name for name in names)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise TetherError(f"{listed} does not list the ensemble's members as {{\"members\": "
+                          "[\"member0\", ...]}; write it again, or train the ensemble with tether "
+                          "rm --ensemble K") from None
+    return [str(listed.parent / name) for name in names]
+
+
+def parse_aggregate(spec: str) -> tuple[str, float]:
+    """--reward-aggregate as (mean | min | uwo, its LAMBDA: 0 but for uwo), or one line."""
+    name, colon, value = spec.partition(":")
+    try:
+        lam = float(value) if name == "uwo" else 0.0
+    except ValueError:
+        lam = -1.0
+    if name not in ("mean", "min", "uwo") or (name == "uwo") != bool(colon) or not 0 <= lam < 1e30:
+        raise TetherError(f"--reward-aggregate {spec} is not mean, min or uwo:LAMBDA with LAMBDA "
+                          ">= 0 (e.g. uwo:0.5: the members' mean minus 0.5 times their variance)")
+    return name, lam
 
 
 @dataclass(kw_only=True)
@@ -243,16 +279,23 @@ class RewardOptions(Section):
     """The reward pool: N > 1 scores each response with its own call of the --reward-fn and --gold-fn functions, N calls at a time (threads, or one event loop for async def functions); a response whose score fails after --reward-retries is counted (reward_pool/failed) and in training its group dropped and drawn again, in tether eval the command ends with one line (0 or 1: one call per batch; docs/ppo.md)."""
     reward_retries: int = 2
     """The reward pool: times a call that raised or passed --reward-fn-timeout is tried again, after 0.1 s, then twice as long each time (a NaN or out-of-range score is not retried)."""
+    reward_aggregate: str = "mean"
+    """How an ensemble of reward models (`tether rm --ensemble K`'s final/) makes one score: mean, min (the worst member's) or uwo:LAMBDA (the members' mean minus LAMBDA times their variance; docs/rm.md, "Ensembles")."""
 
     SCOPES: ClassVar[dict[str, Scope]] = {
         "reward_url_timeout": Scope("--reward-url", lambda c: bool(c.reward_url),
                                     lambda c: "no --reward-url", "pass --reward-url (a "
-                                    "--reward-fn function's calls have --reward-fn-timeout)")}
+                                    "--reward-fn function's calls have --reward-fn-timeout)"),
+        "reward_aggregate": Scope("--reward-model ENSEMBLE", lambda c: is_ensemble(c.reward_model),
+                                  lambda c: f"--reward-model {c.reward_model}, one model"
+                                  if c.reward_model else "no --reward-model", "pass an ensemble "
+                                  "(tether rm --ensemble K's final/) to --reward-model")}
 
     def validate(self) -> None:
         super().validate()
         require_positive(self, "reward_url_timeout")
         require_positive(self, "reward_fn_timeout", allow_zero=True)
+        parse_aggregate(self.reward_aggregate)
 
 
 def check_run_name(name: str) -> None:

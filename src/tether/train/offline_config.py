@@ -108,9 +108,12 @@ class RMConfig(TrainConfig):
     """Run each micro-batch's chosen and rejected rows packed: several sequences end to end per row, positions restarting per sequence (no padding; the same scores)."""
     micro_batch_tokens: int = 0
     """Tokens per forward/backward instead of --grad-accum-steps: whole pairs (chosen + rejected rows) grouped longest first to fit (a longer pair runs alone); 0: off."""
+    ensemble: int = 1
+    """Reward models to train: K > 1 trains member k as `tether rm --seed SEED+k` into RUN/member<k>/, then writes RUN/final/ holding all K, which --reward-model reads as one ensemble (--reward-aggregate; docs/rm.md, "Ensembles")."""
 
     def validate(self) -> None:
         super().validate()
+        require_positive(self, "ensemble")
         require_positive(self, "center_rewards_coef", "eval_every", allow_zero=True)
         if self.lora_dropout > 0:
             raise TetherError("--lora-dropout must be 0 for a reward model: dropout stays off so a "

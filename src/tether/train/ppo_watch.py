@@ -45,6 +45,7 @@ class Watch:
     # this batch's KL and up to DRIFT_BATCHES before it; the first batch's entropy
     kls: deque = field(default_factory=lambda: deque(maxlen=DRIFT_BATCHES + 1))
     first_entropy: float | None = None
+    first_spread: tuple[float, float] | None = None  # an ensemble's first (score, members' std)
     warned: set[str] = field(default_factory=set)
     # batches whose policy loss held a token, over the whole run (a resume restores it from the
     # checkpoint; None: a checkpoint written before it was counted, so the end is not judged)
@@ -55,6 +56,9 @@ class Watch:
         self.kls.append(kl)
         now = metrics["policy/entropy"]
         first = self.first_entropy = now if self.first_entropy is None else self.first_entropy
+        if "reward/ensemble_std" in metrics:  # a reward-model ensemble (tether.rl.reward.ensemble)
+            self.first_spread = self.first_spread or (metrics["objective/score"],
+                                                      metrics["reward/ensemble_std"])
         if metrics["policy/collapsed"]:
             self._warn("collapse", f"batch {step}: the policy is collapsing (entropy "
                        f"{metrics['policy/entropy']:.3f} nats/token, KL {kl:.1f} nats at beta "
@@ -65,7 +69,7 @@ class Watch:
                        f"({self.kls[0]:.1f} -> {kl:.1f} nats in {len(self.kls) - 1} batches at "
                        f"beta {beta:.3g}) with the entropy {moving} ({first:.2f} -> {now:.2f} "
                        "nats/token); lower --lr, raise --beta, or cap it with --max-kl "
-                       "(docs/ppo.md, \"Choosing --max-kl\")")
+                       "(docs/ppo.md, \"Choosing --max-kl\")" + self._disagreement(metrics))
         if self.max_kl > 0 and self.max_kl_to == "sft" and metrics["objective/kl_sft"] > self.max_kl:
             raise TetherError(f"batch {step}: the KL to the SFT model is "
                               f"{metrics['objective/kl_sft']:.2f} nats, past --max-kl "
@@ -76,6 +80,21 @@ class Watch:
             raise TetherError(f"batch {step}: the KL to the reference is {kl:.2f} nats, past "
                               f"--max-kl {self.max_kl:g}, at beta {beta:.3g}; stopped, earlier "
                               "checkpoints are kept. Lower --lr or raise --beta")
+
+    def _disagreement(self, metrics: dict[str, float]) -> str:
+        """The drift warning's last clause for an ensemble whose members disagree more while the
+        proxy rises: the policy is moving where the reward models are unsure (Coste et al.
+        2024), which a single model cannot show."""
+        if self.first_spread is None:
+            return ""
+        (score0, std0), score, std = (self.first_spread, metrics["objective/score"],
+                                      metrics["reward/ensemble_std"])
+        if not (score > score0 and std > std0):
+            return ""
+        return (f"; the reward models disagree more as the proxy rises (members' std {std0:.3g} "
+                f"-> {std:.3g} while the score went {score0:.3g} -> {score:.3g}): the policy is "
+                "exploiting where they are unsure; try --reward-aggregate min or uwo:LAMBDA "
+                "(docs/rm.md, \"Ensembles\")")
 
     def check_learned(self, step: int, message: str | None, trained: bool) -> None:
         """Count a batch that gave the policy a loss; warn (each time) about one that taught it

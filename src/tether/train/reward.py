@@ -17,20 +17,27 @@ gradients), and the logged metrics and held-out accuracy come from every rank's 
 
 from __future__ import annotations
 
+import os
+import shutil
+from dataclasses import replace
+
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, collate_sft, split_holdout, to_device
 from tether.data.encoding import encode_preferences, encode_sft
 from tether.data.rows import load_rows
+from tether.models.base_location import write_json
 from tether.models.forward import autocast
 from tether.models.limits import check_rows_fit, longest_row, model_positions
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_tokenizer
 from tether.models.reward_model import RewardModel
+from tether.models.saving import atomic_dir
 from tether.preference import bradley_terry_loss
 from tether.run import distributed
+from tether.run.config import ENSEMBLE_JSON
 from tether.run.optim import backward, optimizer_step
-from tether.run.rundir import RunResult
+from tether.run.rundir import RunDir, RunResult, run_finished
 from tether.run.slicing import gather_outputs
 from tether.run.threads import use_threads
 from tether.train import offline
@@ -129,6 +136,8 @@ def accumulate_pairs(wrapped, train, indices: list[int], cfg: RMConfig, d: distr
 
 def run(cfg: RMConfig) -> RunResult:
     """Train a reward model; returns its directory (load with `RewardModel.from_pretrained`)."""
+    if cfg.ensemble > 1:
+        return run_ensemble(cfg)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train, held_out, norm_examples, stats = _load_data(cfg, tokenizer)  # bad input fails here
     lora, run_dir, d = offline.open_run(cfg)
@@ -177,6 +186,29 @@ def run(cfg: RMConfig) -> RunResult:
 
     offline.save_final(run_dir, wrapped, d, model, rebuild, save)
     return RunResult(run_dir.final_dir, steps.metrics | final)
+
+
+def run_ensemble(cfg: RMConfig) -> RunResult:
+    """`--ensemble K`: member k is the run `tether rm --seed SEED+k` into RUN/member<k>/ (its
+    head's start, its batches' order and, without --eval-data, its held-out pairs move with the
+    seed; with --resume a finished member is kept), then RUN/final/ holds their final models
+    (hard links, no second copy on disk) and the list of them, written at once: the directory
+    --reward-model reads as one ensemble (tether.rl.reward.ensemble)."""
+    root = RunDir(cfg.output_dir, cfg.run_name, cfg.resume)  # a finished ensemble: as a run
+    names = [f"member{k}" for k in range(cfg.ensemble)]
+    metrics = {}
+    for k, name in enumerate(names):
+        if not (cfg.resume and run_finished(root.path / name)):
+            member = replace(cfg, ensemble=1, seed=cfg.seed + k, output_dir=str(root.path),
+                             run_name=name)
+            metrics |= {f"{name}/{key}": value for key, value in run(member).metrics.items()
+                        if key.startswith("eval/")}
+    if distributed.current().is_main:
+        with atomic_dir(root.final_dir) as tmp:
+            for name in names:
+                shutil.copytree(root.path / name / "final", tmp / name, copy_function=os.link)
+            write_json(tmp / ENSEMBLE_JSON, {"members": names}, indent=2)
+    return RunResult(root.final_dir, metrics)
 
 
 def cli(argv: list[str]) -> int:

@@ -8,7 +8,8 @@ eval` call the same two steps, so a reward means the same wherever it is measure
     remote      --reward-url: every endpoint answers (GET /info) before any weights load
     build       the rewards once the tokenizer and the device are known: the served model, a
                 reward model (sharing the policy's LoRA base where it can, else loaded apart),
-                or the functions (through the pool with --reward-workers); and the gold
+                an ensemble of them (aggregated by --reward-aggregate), or the functions
+                (through the pool with --reward-workers); and the gold
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tether.rl.reward.models import load_reward_model, prompt_originals, reward_
 from tether.rl.reward.pool import pool_for
 from tether.rl.reward.remote import connect, reward_from_urls
 from tether.rl.sources import load_tools
+from tether.run.config import ensemble_members
 from tether.run.reward_checks import check_rewards, parse_urls
 from tether.run.user_code.load import function_name
 
@@ -122,6 +124,14 @@ def build(cfg, user: UserCode, tokenizer, device, *, served: Reward | None,
     if shared is not None:
         return Rewards(reward_from_model(shared, chunk, cfg.reward_model), shared, shared,
                        functions, gold)
-    loaded = load_reward_model(cfg.reward_model, tokenizer, prompt_originals(tokenizer, *prompt_files),
-                               chunk, device, cfg.dtype, cfg.trust_remote_code)
+    originals = prompt_originals(tokenizer, *prompt_files)
+    members = ensemble_members(cfg.reward_model)
+    if members:  # tether rm --ensemble K's (tether.rl.reward.ensemble)
+        from tether.rl.reward.ensemble import load_ensemble
+
+        loaded = load_ensemble(members, cfg.reward_aggregate, tokenizer, originals, chunk, device,
+                               cfg.dtype, cfg.trust_remote_code)
+    else:
+        loaded = load_reward_model(cfg.reward_model, tokenizer, originals, chunk, device,
+                                   cfg.dtype, cfg.trust_remote_code)
     return Rewards(loaded.reward, loaded.model, loaded.critic_init, functions, gold)
