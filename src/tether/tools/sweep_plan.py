@@ -250,10 +250,7 @@ def _interpolation(runs: list[PlannedRun], ppo_block: dict, block: dict, root: P
     run.eval_fields = _eval_base(ppo_block) | {
         "reference": run.fields["policy"], "model": str(final), "seed": run.seed,
         "output_dir": str(final.parent / "interpolate")} | fields
-    try:
-        config_from_dict(InterpolateConfig, run.eval_fields)
-    except TetherError as exc:
-        raise TetherError(f"grid: interpolate: {exc}") from None
+    _checked(InterpolateConfig, "interpolate", run.eval_fields)
 
 
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
@@ -326,9 +323,7 @@ def unplanned(sweep: Sweep) -> list[str]:
     """Run directories in the sweep directory that the grid no longer plans (points or seeds
     taken out of it): kept on disk as they are, left out of the report."""
     planned = {run.name for run in sweep.runs}
-    if not sweep.root.is_dir():
-        return []
-    return sorted(p.name for p in sweep.root.iterdir()
+    return sorted(p.name for p in (sweep.root.iterdir() if sweep.root.is_dir() else ())
                   if p.name not in planned and (p / "config.yaml").is_file())
 
 
