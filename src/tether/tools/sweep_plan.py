@@ -61,6 +61,10 @@ STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
 
 TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval", "bon", "interpolate")
 
+# Why a grid point or seed given twice is refused, as every such refusal ends
+REPEAT = ("so two runs would train the same thing (and the report count it as two seeds); "
+          "remove the repeat")
+
 
 # The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike: the sections
 # PPO's held-out evaluation and `tether eval` share (the reward, the sampling, the device), and
@@ -179,8 +183,7 @@ def _repeat_message(stage: str, axes: dict[str, list], first: tuple, again: tupl
     else:
         said = f"axes {names} list one setting twice (" + "; ".join(
             f"{key}: {a!r} and {b!r}" for key, a, b in differ) + ")"
-    return (f"grid: {stage} {said}, so two runs would train the same thing (and the report "
-            "count it as two seeds); remove the repeat")
+    return f"grid: {stage} {said}, {REPEAT}"
 
 
 def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
@@ -283,9 +286,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
             isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise TetherError(f"grid {grid_path}: 'seeds' must be a non-empty list of integers")
     if repeated := sorted({s for s in seeds if seeds.count(s) > 1}):
-        raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, so two runs would "
-                          "train the same thing (and the report count it as two seeds); remove "
-                          "the repeat")
+        raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, {REPEAT}")
     for key, kinds, what in (("name", (str, int), "a plain name"), ("output_dir", (str,), "a path"),
                              ("eval", (dict, type(None)), "a mapping of eval fields")):
         value = grid.get(key)

@@ -281,13 +281,6 @@ def best_observed(groups: list[Group]) -> str:
             "is not the end of training, which the recommendation judges.")
 
 
-def recommendation(groups: list[Group]) -> Recommendation | None:
-    """frontier.recommend_beta over the PPO groups' end-of-training gold (END_EVALS)."""
-    ppo = [g for g in groups if g.stage == "ppo" and g.end_gold]
-    return recommend_beta({g.label: g.end_gold for g in ppo}, {g.label: g.beta for g in ppo},
-                          {g.label: len(g.seeds) for g in ppo})
-
-
 def rule_sentence(groups: list[Group]) -> str:
     """The rule in one sentence, naming the evaluations it averages (said only beside a
     recommendation, so some PPO group has its end steps)."""
@@ -322,7 +315,9 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     axes = list(dict.fromkeys(a for names in sweep.axes.values() for a in names))
     write_csv(sweep.root / "results.csv", points, axes)
     groups = summarise(points)
-    rec = recommendation(groups)
+    ppo = [g for g in groups if g.stage == "ppo" and g.end_gold]  # judged on end gold (END_EVALS)
+    rec = recommend_beta({g.label: g.end_gold for g in ppo}, {g.label: g.beta for g in ppo},
+                         {g.label: len(g.seeds) for g in ppo})
     rows = table_rows(groups, rec)
     summary = "\n".join("  ".join(row[:7]) for row in [list(TABLE_COLUMNS[:7]), *rows])
     if groups:
