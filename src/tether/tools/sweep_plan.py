@@ -259,15 +259,14 @@ def _interpolation(runs: list[PlannedRun], ppo_block: dict, block: dict, root: P
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
     """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
     base = _eval_base(ppo_block) | eval_block
-    for run in runs:
-        if run.stage == "dpo":
-            final = Path(run.fields["output_dir"]) / run.name / "final"
-            run.eval_fields = {**base, "model": str(final), "seed": run.seed,
-                               "output": str(final.parent / "eval.json")}
-            config_from_dict(EvalConfig, run.eval_fields)  # bad eval settings fail now
-            if not run.eval_fields.get("gold_fn"):
-                raise TetherError("grid: DPO/IPO runs need a gold_fn to be placed on the frontier"
-                                  " (in the ppo block or in eval)")
+    for run in (run for run in runs if run.stage == "dpo"):
+        final = Path(run.fields["output_dir"]) / run.name / "final"
+        run.eval_fields = {**base, "model": str(final), "seed": run.seed,
+                           "output": str(final.parent / "eval.json")}
+        config_from_dict(EvalConfig, run.eval_fields)  # bad eval settings fail now
+        if not run.eval_fields.get("gold_fn"):
+            raise TetherError("grid: DPO/IPO runs need a gold_fn to be placed on the frontier"
+                              " (in the ppo block or in eval)")
 
 
 def _read_grid(grid_path: str) -> dict[str, Any]:
