@@ -79,4 +79,4 @@ def test_peak_verdict_tells_rise_and_fall_apart():
     start = [0.0, 0.2, -0.2, 0.1]
     risen = [s + 0.4 for s in start]
     held = peak_then_fall(start, risen, risen, 2.0)  # rose, never fell
-    assert held.rose and not held.fell and not held.holds
+    assert held.rose and held.fall == (0.0, 0.0) and not held.holds

@@ -26,7 +26,7 @@ def test_a_clear_winner_is_recommended():
     # sample sd 0.01633, se 0.008165; b0 is far below both.
     end = {"b0.3": [0.5, 0.3, 0.1, 0.06], "b1": [0.4, 0.16, -0.02, -0.06], "b0": [-1.0] * 4}
     rec = recommend_beta(end, BETAS, ONE_SEED)
-    assert rec.beta == 0.3 and rec.clear and rec.best == "b0.3" and rec.tied == ["b0.3"]
+    assert rec.beta == 0.3 and rec.best == "b0.3" and rec.tied == ["b0.3"]
     assert "+0.120 ± 0.008" in rec.evidence and "more than twice" in rec.evidence
     assert "one seed" in rec.evidence  # the error bar's reach is said
 
@@ -37,7 +37,7 @@ def test_no_clear_winner_takes_the_largest_beta_and_says_so_first():
     # se 0.1155 (gap < 2 se: within noise). b0 at -0.5 is 0.8 behind with se 0.0577: beyond noise.
     end = {"b0": [-0.5] * 4, "b0.3": [0.4, 0.2, 0.4, 0.2], "b1": [0.15, 0.35, 0.15, 0.35]}
     rec = recommend_beta(end, BETAS, ONE_SEED)
-    assert rec.best == "b0.3" and rec.beta == 1.0 and not rec.clear
+    assert rec.best == "b0.3" and rec.beta == 1.0
     assert sorted(rec.tied) == ["b0.3", "b1"]
     assert rec.gaps["b1"] == pytest.approx((0.05, math.sqrt(0.16 / 3 / 4)))
     assert rec.evidence.startswith("No clear winner: b0.3 measured best (end gold +0.300)")

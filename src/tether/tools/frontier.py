@@ -182,12 +182,12 @@ def over_seeds(per_seed: list[list[float]]) -> tuple[list[float], list[float]]:
     return [m for m, _ in stats], [e for _, e in stats]
 
 
-def error_text(mean: float, stderr: float, n: int, fmt: str = "+.3f") -> str:
+def error_text(mean: float, stderr: float, n: int) -> str:
     """`mean ± stderr`, or, with one value, the mean and "one seed, no error bar" (never ± 0.000,
     which would claim a certainty one seed cannot give)."""
     if n < 2:
-        return f"{mean:{fmt}} (one seed, no error bar)"
-    return f"{mean:{fmt}} ± {stderr:.3f}"
+        return f"{mean:+.3f} (one seed, no error bar)"
+    return f"{mean:+.3f} ± {stderr:.3f}"
 
 
 def end_of_training(per_eval: list[list[float]], last: int = 3) -> list[float]:
@@ -205,7 +205,6 @@ class Recommendation:
     label: str  # the setting recommended (a sweep group)
     beta: float
     evidence: str
-    clear: bool  # the best measured beats every other setting by more than twice the gap's error
     best: str = ""  # the setting that measured best
     tied: list[str] = field(default_factory=list)  # within noise of the best (the best included)
     gaps: dict[str, tuple[float, float]] = field(default_factory=dict)  # label -> best - it, error
@@ -236,7 +235,7 @@ def recommend_beta(end_gold: dict[str, list[float]], betas: dict[str, float],
     means = {label: sum(v) / len(v) for label, v in end_gold.items()}
     best = max(means, key=lambda label: means[label])
     if len(means) == 1:
-        return Recommendation(best, betas[best], f"only {best} was run", False, best, [best])
+        return Recommendation(best, betas[best], f"only {best} was run", best, [best])
     gaps = {label: _gap(end_gold[best], end_gold[label]) for label in means if label != best}
     tied = [best] + [label for label, (gap, err) in gaps.items() if gap <= 2 * err]
     pick = max(tied, key=lambda label: betas[label])
@@ -249,7 +248,7 @@ def recommend_beta(end_gold: dict[str, list[float]], betas: dict[str, float],
         return Recommendation(best, betas[best], (
             f"{best} measured best, end gold {means[best]:+.3f}, and beats every other beta "
             f"beyond noise: the closest, {runner} ({means[runner]:+.3f}), by {gap:+.3f} ± "
-            f"{err:.3f}, more than twice its error.{caveat}"), True, best, tied, gaps)
+            f"{err:.3f}, more than twice its error.{caveat}"), best, tied, gaps)
     others = [label for label in tied if label != best]
     named = ", ".join(f"{label} ({means[label]:+.3f}, {gaps[label][0]:+.3f} ± "
                       f"{gaps[label][1]:.3f} behind)" for label in others)
@@ -265,7 +264,7 @@ def recommend_beta(end_gold: dict[str, list[float]], betas: dict[str, float],
                  f"{need[0].upper() + need[1:]}.")
     else:
         text += f" {best} also has the largest beta of them, so the rule takes it."
-    return Recommendation(pick, betas[pick], text + caveat, False, best, tied, gaps)
+    return Recommendation(pick, betas[pick], text + caveat, best, tied, gaps)
 
 
 @dataclass
@@ -273,7 +272,6 @@ class PeakVerdict:
     holds: bool  # the rise to the peak and the fall after it both exceed twice their error
     evidence: str
     rose: bool = False  # the rise alone exceeds twice its error
-    fell: bool = False  # the fall alone exceeds twice its error
     rise: tuple[float, float] = (0.0, 0.0)  # mean and standard error
     fall: tuple[float, float] = (0.0, 0.0)  # (0, 0) when the peak is the last evaluation
 
@@ -297,7 +295,7 @@ def peak_then_fall(start: list[float], peak: list[float], final: list[float],
     after = ("the peak is the last evaluation: no fall to judge" if list(peak) == list(final)
              else f"final {m[2]:+.3f} (fall {fall:+.3f} ± {fall_se:.3f})")
     return PeakVerdict(rose and fell, f"start {m[0]:+.3f}, peak {m[1]:+.3f} at KL {peak_kl:.2f} "
-                              f"(rise {rise:+.3f} ± {rise_se:.3f}), {after}", rose, fell,
+                              f"(rise {rise:+.3f} ± {rise_se:.3f}), {after}", rose,
                        (rise, rise_se), (fall, fall_se))
 
 

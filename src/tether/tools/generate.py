@@ -34,14 +34,13 @@ SAMPLE_SEED_STRIDE = 1_000_003  # sample s of an episode draws the noise of seed
 
 
 @torch.no_grad()
-def generate(cfg: GenerateConfig, env=None) -> list[dict]:
+def generate(cfg: GenerateConfig) -> list[dict]:
     """One row {prompt, response, sample, ended, length} per sample, `samples_per_prompt`
-    consecutive rows per prompt, in prompt order; with an environment (--env, --tools, or `env`
-    a factory) one row per episode (`tether.rl.env.episodes.record`, with its row and sample)."""
+    consecutive rows per prompt, in prompt order; with an environment (--env or --tools) one row
+    per episode (`tether.rl.env.episodes.record`, with its row and sample)."""
     device = resolve_device(cfg.device)
     check_base_option(cfg.model, cfg.base)
-    if env is None and cfg.env:  # before any model loads
-        env = load_environment(cfg.env, cfg.max_turns)
+    env = load_environment(cfg.env, cfg.max_turns) if cfg.env else None  # before any model loads
     tools = load_tools(cfg.tools)
     tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, base=cfg.base)
     episodic = env is not None or bool(tools)

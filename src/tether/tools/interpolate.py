@@ -128,14 +128,13 @@ def write_points(cfg: InterpolateConfig, lora: bool) -> list[dict]:
     return rows
 
 
-def run(cfg: InterpolateConfig, reward_fn=None, gold_fn=None) -> list[dict]:
-    """Write every point and, with --prompts, evaluate each against --from (`reward_fn`,
-    `gold_fn`: Python callables, as for `evaluate.run`); returns D/interpolate.json's rows:
-    {eta, path} and `tether eval`'s metrics."""
+def run(cfg: InterpolateConfig) -> list[dict]:
+    """Write every point and, with --prompts, evaluate each against --from; returns
+    D/interpolate.json's rows: {eta, path} and `tether eval`'s metrics."""
     rows = write_points(cfg, check_inputs(cfg))
     for row in rows if cfg.prompts else []:
         point = section(EvalConfig, cfg, model=row["path"], base="", output="")
-        row |= evaluate.run(point, reward_fn, gold_fn).metrics
+        row |= evaluate.run(point).metrics
     write_json(Path(cfg.output_dir) / "interpolate.json", rows, indent=1)
     return rows
 

@@ -38,7 +38,17 @@ def check_output(output: str | Path, inputs: Iterable[tuple[str, str | Path]], e
     if out.is_dir():
         raise TetherError(f"--output {output} is a directory; name a file, e.g. "
                           f"--output {out / example}")
-    _check_parent(output, out)
+    # The nearest existing ancestor must be a writable directory (missing ones below it are
+    # created when the file is written).
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise TetherError(f"--output {output}: {parent} is a file, not a directory; choose "
+                          "another --output")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise TetherError(f"--output {output}: cannot write in {parent} (permission denied); "
+                          "choose a writable --output")
     target = out.resolve()
     for what, source in inputs:
         path = Path(source)
@@ -64,17 +74,3 @@ def function_file(spec: str) -> str:
     """The file of a `file.py:function` reward (an input); '' for `module:function` or none."""
     file, sep, _ = spec.rpartition(":")
     return file if sep and file.endswith(".py") else ""
-
-
-def _check_parent(output: str | Path, out: Path) -> None:
-    """The nearest existing ancestor of `out` must be a writable directory (missing ones below it
-    are created when the file is written)."""
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise TetherError(f"--output {output}: {parent} is a file, not a directory; choose "
-                          "another --output")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise TetherError(f"--output {output}: cannot write in {parent} (permission denied); "
-                          "choose a writable --output")

@@ -61,6 +61,10 @@ STAGE_CONFIGS = {"ppo": ("tether.train.ppo_config", "PPOConfig"),
 
 TOP_KEYS = ("name", "output_dir", "seeds", "ppo", "dpo", "eval", "bon", "interpolate")
 
+# Why a grid point or seed given twice is refused, as every such refusal ends
+REPEAT = ("so two runs would train the same thing (and the report count it as two seeds); "
+          "remove the repeat")
+
 
 # The PPO fields a DPO/IPO run's evaluation takes over, so both are measured alike: the sections
 # PPO's held-out evaluation and `tether eval` share (the reward, the sampling, the device), and
@@ -179,8 +183,7 @@ def _repeat_message(stage: str, axes: dict[str, list], first: tuple, again: tupl
     else:
         said = f"axes {names} list one setting twice (" + "; ".join(
             f"{key}: {a!r} and {b!r}" for key, a, b in differ) + ")"
-    return (f"grid: {stage} {said}, so two runs would train the same thing (and the report "
-            "count it as two seeds); remove the repeat")
+    return f"grid: {stage} {said}, {REPEAT}"
 
 
 def _check_block_acts(configs: list, block: dict[str, Any]) -> None:
@@ -250,24 +253,20 @@ def _interpolation(runs: list[PlannedRun], ppo_block: dict, block: dict, root: P
     run.eval_fields = _eval_base(ppo_block) | {
         "reference": run.fields["policy"], "model": str(final), "seed": run.seed,
         "output_dir": str(final.parent / "interpolate")} | fields
-    try:
-        config_from_dict(InterpolateConfig, run.eval_fields)
-    except TetherError as exc:
-        raise TetherError(f"grid: interpolate: {exc}") from None
+    _checked(InterpolateConfig, "interpolate", run.eval_fields)
 
 
 def _dpo_eval(runs: list[PlannedRun], ppo_block: dict, eval_block: dict) -> None:
     """A DPO/IPO run's evaluation settings: PPO's (first grid value), then the eval block."""
     base = _eval_base(ppo_block) | eval_block
-    for run in runs:
-        if run.stage == "dpo":
-            final = Path(run.fields["output_dir"]) / run.name / "final"
-            run.eval_fields = {**base, "model": str(final), "seed": run.seed,
-                               "output": str(final.parent / "eval.json")}
-            config_from_dict(EvalConfig, run.eval_fields)  # bad eval settings fail now
-            if not run.eval_fields.get("gold_fn"):
-                raise TetherError("grid: DPO/IPO runs need a gold_fn to be placed on the frontier"
-                                  " (in the ppo block or in eval)")
+    for run in (run for run in runs if run.stage == "dpo"):
+        final = Path(run.fields["output_dir"]) / run.name / "final"
+        run.eval_fields = {**base, "model": str(final), "seed": run.seed,
+                           "output": str(final.parent / "eval.json")}
+        config_from_dict(EvalConfig, run.eval_fields)  # bad eval settings fail now
+        if not run.eval_fields.get("gold_fn"):
+            raise TetherError("grid: DPO/IPO runs need a gold_fn to be placed on the frontier"
+                              " (in the ppo block or in eval)")
 
 
 def _read_grid(grid_path: str) -> dict[str, Any]:
@@ -286,9 +285,7 @@ def _read_grid(grid_path: str) -> dict[str, Any]:
             isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise TetherError(f"grid {grid_path}: 'seeds' must be a non-empty list of integers")
     if repeated := sorted({s for s in seeds if seeds.count(s) > 1}):
-        raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, so two runs would "
-                          "train the same thing (and the report count it as two seeds); remove "
-                          "the repeat")
+        raise TetherError(f"grid {grid_path}: 'seeds' lists {repeated[0]} twice, {REPEAT}")
     for key, kinds, what in (("name", (str, int), "a plain name"), ("output_dir", (str,), "a path"),
                              ("eval", (dict, type(None)), "a mapping of eval fields")):
         value = grid.get(key)
@@ -326,9 +323,7 @@ def unplanned(sweep: Sweep) -> list[str]:
     """Run directories in the sweep directory that the grid no longer plans (points or seeds
     taken out of it): kept on disk as they are, left out of the report."""
     planned = {run.name for run in sweep.runs}
-    if not sweep.root.is_dir():
-        return []
-    return sorted(p.name for p in sweep.root.iterdir()
+    return sorted(p.name for p in (sweep.root.iterdir() if sweep.root.is_dir() else ())
                   if p.name not in planned and (p / "config.yaml").is_file())
 
 

@@ -190,7 +190,7 @@ def one_curve_sentence(groups: list[Group]) -> str:
     (frontier.one_curve_test on the PPO settings' (KL, gold gain) points); "" with fewer than
     two fitted settings."""
     parts = [g.gains for g in groups if g.fit is not None]
-    test = one_curve_test(parts) if len(parts) >= 2 else None
+    test = one_curve_test(parts)
     if test is None:
         return ""
     share, p = test
@@ -281,13 +281,6 @@ def best_observed(groups: list[Group]) -> str:
             "is not the end of training, which the recommendation judges.")
 
 
-def recommendation(groups: list[Group]) -> Recommendation | None:
-    """frontier.recommend_beta over the PPO groups' end-of-training gold (END_EVALS)."""
-    ppo = [g for g in groups if g.stage == "ppo" and g.end_gold]
-    return recommend_beta({g.label: g.end_gold for g in ppo}, {g.label: g.beta for g in ppo},
-                          {g.label: len(g.seeds) for g in ppo})
-
-
 def rule_sentence(groups: list[Group]) -> str:
     """The rule in one sentence, naming the evaluations it averages (said only beside a
     recommendation, so some PPO group has its end steps)."""
@@ -322,7 +315,9 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
     axes = list(dict.fromkeys(a for names in sweep.axes.values() for a in names))
     write_csv(sweep.root / "results.csv", points, axes)
     groups = summarise(points)
-    rec = recommendation(groups)
+    ppo = [g for g in groups if g.stage == "ppo" and g.end_gold]  # judged on end gold (END_EVALS)
+    rec = recommend_beta({g.label: g.end_gold for g in ppo}, {g.label: g.beta for g in ppo},
+                         {g.label: len(g.seeds) for g in ppo})
     rows = table_rows(groups, rec)
     summary = "\n".join("  ".join(row[:7]) for row in [list(TABLE_COLUMNS[:7]), *rows])
     if groups:
@@ -332,8 +327,7 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         summary += f"\n{head}: {evidence}{' ' + pick if pick else ''}\n" + rule_sentence(groups)
     body = [f"<p>{len(points)} of {len(sweep.runs)} runs finished; every point is in "
             f"<a href='{relative_link(sweep.root / 'results.csv', page_dir)}'>results.csv</a>.</p>"]
-    left_out = unplanned(sweep)
-    if left_out:  # points or seeds taken out of the grid: the report is the grid's, as it is now
+    if left_out := unplanned(sweep):  # points or seeds taken out of the grid: the report is the grid's, as it is now
         body.append(f"<p id='left-out' class='note'>{len(left_out)} run(s) in the sweep directory "
                     "are not in this grid and are left out: "
                     f"{html.escape(', '.join(left_out))}.</p>")
@@ -348,19 +342,13 @@ def section(sweep: Sweep, failures: dict[str, str], page_dir: Path | None = None
         body.append(f"<p id='rule' class='note'>{html.escape(rule_sentence(groups))}</p>")
     if groups:
         body.append(f"<p id='best-gold'>{html.escape(best_observed(groups))}</p>")
-    line = interpolation(sweep)
-    if line[1]:
-        said = interpolation_sentence(*line)
-        body.append(f"<p id='interpolated'>{html.escape(said)}</p>")
-        summary += "\n" + said
-    said = one_curve_sentence(groups)
-    if said:
-        body.append(f"<p id='one-curve'>{html.escape(said)}</p>")
-        summary += "\n" + said
-    curve = best_of_n_curve(sweep)
-    if curve and groups:
-        body.append(f"<p id='best-of-n'>{html.escape(versus_best_of_n(groups, curve))}</p>")
-        summary += "\n" + versus_best_of_n(groups, curve)
+    line, curve = interpolation(sweep), best_of_n_curve(sweep)
+    for key, said in (("interpolated", line[1] and interpolation_sentence(*line)),
+                      ("one-curve", one_curve_sentence(groups)),
+                      ("best-of-n", curve and groups and versus_best_of_n(groups, curve))):
+        if said:
+            body.append(f"<p id='{key}'>{html.escape(said)}</p>")
+            summary += "\n" + said
     body.append(f"<table id='sweep-table'>{rows_html([TABLE_COLUMNS], 'th')}{rows_html(rows)}"
                 f"</table>{EXPLAIN}")
     if points:

@@ -75,10 +75,9 @@ def collect(sweep: Sweep) -> list[RunPoints]:
             rows = [r for r in read_run(path).metrics if "eval/gold_score" in r]
             points.gold_by_prompt = {step: [s["gold_score"] for s in samples]
                                      for step, samples in read_samples(path).items()}
-        for row in rows:
-            points.steps.append(int(row["step"]))
-            for key, name in METRICS.items():
-                points.values.setdefault(key, []).append(float(row.get(name, float("nan"))))
+        points.steps = [int(row["step"]) for row in rows]
+        points.values = {key: [float(row.get(name, float("nan"))) for row in rows]
+                         for key, name in METRICS.items()}
         if points.steps:
             out.append(points)
     return out
