@@ -65,7 +65,7 @@ STAGES = {
                  "the best-of-n curve from one pool of samples: proxy, gold, exact KL"),
     "interpolate": Stage("tether.tools.interpolate", "tether.tools.config", "InterpolateConfig",
                          "the weights between an SFT and an RL model, each point evaluated"),
-    "report": Stage("tether.tools.report", "tether.tools.config", "ReportConfig",
+    "report": Stage("tether.tools.report_frontier", "tether.tools.config", "ReportConfig",
                     "run directories of any stage on one HTML page, configs diffed"),
     "set-base": Stage("tether.tools.set_base", "tether.tools.config", "SetBaseConfig",
                       "re-point a LoRA adapter at its base model where it is now (checked first)"),

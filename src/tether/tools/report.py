@@ -1,4 +1,5 @@
-"""`tether report RUN [RUN ...]`: any run directories, of any stage, on one HTML page.
+"""`tether report RUN [RUN ...]`: any run directories, of any stage, on one HTML page (the
+command, and the frontier it adds where runs evaluated a gold reward: tether.tools.report_frontier).
 
     runs/<name>/config.yaml, metrics.jsonl   -> RunRecord (read_run)
     one panel per metric, a line per run     -> PNGs embedded in the page (plot_metrics)
@@ -290,25 +291,16 @@ def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
 
 
 def write_report(run_dirs: list[str | Path], output: str | Path,
-                 title: str = "tether runs") -> Path:
-    """Read every run in `run_dirs` and write one page to `output`; returns its path."""
+                 title: str = "tether runs", section: str = "", inputs: list[str] = ()) -> Path:
+    """Read every run in `run_dirs` and write one page to `output`, `section` after the run
+    names (`tether report`'s frontier: tether.tools.report_frontier); returns its path.
+    `inputs`: other files the page reads, which `output` must not be."""
     if not run_dirs:
         raise TetherError("tether report needs at least one run directory: tether report RUN ...")
-    output = check_output(output, [("run directory", d) for d in run_dirs], "report.html",
+    output = check_output(output, [("run directory", d) for d in run_dirs]
+                          + [("baseline", f) for f in inputs], "report.html",
                           own_default="report.html")
     runs = [read_run(d) for d in run_dirs]
     names = ", ".join(run.name for run in runs)
-    return write_page(output, title, f"<p>Runs: {html.escape(names)}.</p>"
+    return write_page(output, title, f"<p>Runs: {html.escape(names)}.</p>" + section
                       + runs_section(runs, output.parent))
-
-
-def cli(argv: list[str]) -> int:
-    """`tether report RUN [RUN ...] [--output report.html] [--title T]`."""
-    from tether.run.parse import parse_config
-    from tether.tools.config import ReportConfig
-
-    # `tether report A B` reads as `--runs A B` (ReportConfig.POSITIONAL)
-    cfg = parse_config(ReportConfig, argv, prog="tether report")
-    path = write_report(cfg.runs, cfg.output, cfg.title)
-    print(f"report written to {path}")
-    return 0

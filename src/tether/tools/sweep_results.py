@@ -46,41 +46,48 @@ def best_of_n_curve(sweep: Sweep) -> list[dict]:
 
 
 def interpolation(sweep: Sweep) -> tuple[str, list[tuple[float, float, float, float]]]:
-    """The grid's interpolation, read back: (its run, [(eta, KL, gold, gold's standard error
-    over prompts)]); ("", []) when the grid has none or it is not done."""
+    """The grid's interpolation, read back: (its run, `read_interpolation`); ("", []) when the
+    grid has none or it is not done."""
     for run in sweep.runs:
         if run.stage == "ppo" and run.eval_fields and state(run) == "done":
-            rows = json.loads((Path(run.eval_fields["output_dir"]) / "interpolate.json")
-                              .read_text("utf-8"))
-            golds = [[s["gold_score"] for s in json.loads(Path(row["path"] + ".eval.json")
-                                                          .read_text("utf-8"))["samples"]]
-                     for row in rows]
-            return run.name, [(row["eta"], row["eval/kl"], *mean_and_stderr(gold))
-                              for row, gold in zip(rows, golds)]
+            return run.name, read_interpolation(Path(run.eval_fields["output_dir"]))
     return "", []
+
+
+def read_interpolation(directory: Path) -> list[tuple[float, float, float, float]]:
+    """`tether interpolate`'s evaluated points in `directory`: [(eta, KL, gold, gold's standard
+    error over prompts)]."""
+    rows = json.loads((directory / "interpolate.json").read_text("utf-8"))
+    golds = [[s["gold_score"] for s in json.loads(Path(row["path"] + ".eval.json")
+                                                  .read_text("utf-8"))["samples"]]
+             for row in rows]
+    return [(row["eta"], row["eval/kl"], *mean_and_stderr(gold)) for row, gold in zip(rows, golds)]
 
 
 def collect(sweep: Sweep) -> list[RunPoints]:
     """The evaluation points of every finished run (PPO: each evaluation; DPO/IPO: one)."""
-    out = []
     # (bon: `best_of_n_curve`)
-    for run in (run for run in sweep.runs if run.stage != "bon" and state(run) == "done"):
-        path = sweep.root / run.name
-        points = RunPoints(run)
-        if run.stage == "dpo":
-            record = json.loads((path / "eval.json").read_text(encoding="utf-8"))
-            rows = [{"step": 0, **record["metrics"]}]
-            points.gold_by_prompt[0] = [s["gold_score"] for s in record["samples"]]
-        else:
-            rows = [r for r in read_run(path).metrics if "eval/gold_score" in r]
-            points.gold_by_prompt = {step: [s["gold_score"] for s in samples]
-                                     for step, samples in read_samples(path).items()}
-        points.steps = [int(row["step"]) for row in rows]
-        points.values = {key: [float(row.get(name, float("nan"))) for row in rows]
-                         for key, name in METRICS.items()}
-        if points.steps:
-            out.append(points)
-    return out
+    points = (run_points(run, sweep.root / run.name) for run in sweep.runs
+              if run.stage != "bon" and state(run) == "done")
+    return [p for p in points if p.steps]
+
+
+def run_points(run: PlannedRun, path: Path) -> RunPoints:
+    """The evaluation points of `run`, read from its directory `path`: each logged evaluation
+    with a gold score (PPO), or its eval.json (DPO/IPO); none (no `steps`) without."""
+    points = RunPoints(run)
+    if run.stage == "dpo":
+        record = json.loads((path / "eval.json").read_text(encoding="utf-8"))
+        rows = [{"step": 0, **record["metrics"]}]
+        points.gold_by_prompt[0] = [s["gold_score"] for s in record["samples"]]
+    else:
+        rows = [r for r in read_run(path).metrics if "eval/gold_score" in r]
+        points.gold_by_prompt = {step: [s["gold_score"] for s in samples]
+                                 for step, samples in read_samples(path).items()}
+    points.steps = [int(row["step"]) for row in rows]
+    points.values = {key: [float(row.get(name, float("nan"))) for row in rows]
+                     for key, name in METRICS.items()}
+    return points
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""`tether report RUN ... [bon.json] [interpolate.json]`: any run directories on one page
+(tether.tools.report: a panel per metric, the configs diffed) and, where the runs evaluated a
+gold reward (--gold-fn with --eval-prompts), the reward-KL frontier as `tether sweep` draws it
+(tether.tools.sweep_report.figures): gold and proxy against KL with error bands, every
+evaluation under the frontier, and Gao et al.'s fit per setting. Run directories named
+NAME-seed<k> are the seeds of one setting, averaged. The baselines given beside them go on the
+same figures: `tether bon`'s best-of-n curve at its exact KL with its standard errors and its own
+Gao fit, and `tether interpolate`'s points (its interpolate.json, evaluated with a gold
+function)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tether.errors import TetherError
+from tether.run.parse import parse_config
+from tether.tools.config import ReportConfig
+from tether.tools.report import figure_html, read_run, write_report
+from tether.tools.sweep_plan import PlannedRun
+from tether.tools.sweep_report import figures
+from tether.tools.sweep_results import read_interpolation, run_points, summarise
+
+BASELINES = "tether bon's bon.json or tether interpolate's interpolate.json"
+
+
+def baseline(path: str) -> tuple[str, list]:
+    """("bon", the curve) or ("interpolate", `read_interpolation`) of a baseline's JSON file."""
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))
+        kind = "bon" if "n" in rows[0] else "interpolate" if "eta" in rows[0] else ""
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        kind = ""
+    if kind == "bon" and rows[0]["gold"] is not None:
+        return kind, rows
+    if kind == "interpolate" and "eval/gold_score" in rows[0]:
+        return kind, read_interpolation(Path(path).parent)
+    raise TetherError(f"{path} is not {BASELINES} with gold scores (--gold-fn); give one, or "
+                      "a run directory")
+
+
+def frontier_html(run_dirs: list[str], baselines: list[str]) -> str:
+    """The frontier's figures for the runs that evaluated a gold reward and the baselines."""
+    given = {kind: (path, rows) for path in baselines for kind, rows in [baseline(path)]}
+    runs = []
+    for d in run_dirs:  # NAME-seed<k>: seed k of the setting NAME
+        group, _, seed = Path(d).name.rpartition("-seed")
+        seed_given = bool(group) and seed.isdigit()
+        runs.append(PlannedRun(Path(d).name, "ppo", int(seed) if seed_given else 0,
+                               {"run": group if seed_given else Path(d).name},
+                               {"beta": read_run(d).config.get("beta", 0.05)}))
+    points = [p for p in (run_points(run, Path(d)) for run, d in zip(runs, run_dirs)) if p.steps]
+    if not points:
+        if baselines:
+            raise TetherError("the baselines are drawn against runs that evaluated a gold reward "
+                              "(--gold-fn with --eval-prompts), and no run given did")
+        return ""
+    where, line = given.get("interpolate", ("", []))
+    return "<h2 id='frontier'>The reward-KL frontier</h2>" + "".join(
+        figure_html(src, title, caption, colours) for title, src, caption, colours in figures(
+            summarise(points), points, given.get("bon", ("", []))[1],
+            (Path(where).parent.name, line)))
+
+
+def cli(argv: list[str]) -> int:
+    """`tether report RUN [RUN ...] [bon.json] [interpolate.json] [--output report.html]`."""
+    # `tether report A B` reads as `--runs A B` (ReportConfig.POSITIONAL)
+    cfg = parse_config(ReportConfig, argv, prog="tether report")
+    run_dirs = [path for path in cfg.runs if not path.endswith(".json")]
+    baselines = [path for path in cfg.runs if path.endswith(".json")]
+    path = write_report(run_dirs, cfg.output, cfg.title, frontier_html(run_dirs, baselines),
+                        baselines)
+    print(f"report written to {path}")
+    return 0
