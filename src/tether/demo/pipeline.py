@@ -143,11 +143,10 @@ def evaluate_model(model_dir: str, ref_dir: str, reward_model: str, paths: dict[
     from tether.tools.config import EvalConfig
 
     # (`tether eval` creates a missing parent of its output, as --output-dir is created)
-    eval_cfg = EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
-                          reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
-                          max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
-                          output=str(out))
-    evaluate.run(eval_cfg)  # atomically: whole, or not at all
+    evaluate.run(EvalConfig(model=model_dir, prompts=paths["eval_prompts"], reference=ref_dir,
+                            reward_model=reward_model, gold_fn=GOLD_FN, batch_size=PPO_BATCH,
+                            max_new_tokens=MAX_NEW_TOKENS, seed=cfg.seed, device=cfg.device,
+                            output=str(out)))  # atomically: whole, or not at all
     return read_eval(out, name, cfg.seed)
 
 
@@ -356,12 +355,10 @@ def _run(cfg: DemoConfig, root: Path, started: float, jobs: int, workers: Worker
         k.removeprefix("sweep/"): v for k, v in failures.items()})
     from tether.demo.report import write_report
 
-    minutes = (time.perf_counter() - started) / 60
     run_dirs = [root / name for name in ("sft", "rm")] + [
         root / f"{name}-seed{cfg.seed}" for name in PPO_VARIANTS] + [root / "dpo", root / "ipo"]
-    path, summary = write_report(curves, root, cfg.kl_target,
-                                 demo_settings(root, cfg, minutes, jobs, resumed), run_dirs,
-                                 section)
+    settings = demo_settings(root, cfg, (time.perf_counter() - started) / 60, jobs, resumed)
+    path, summary = write_report(curves, root, cfg.kl_target, settings, run_dirs, section)
     print(summary)
     print(f"report written to {path}")
     return path

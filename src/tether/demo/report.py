@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.demo.curves import PPO_RUNS, Curve, by_run, mean_series, pooled_golds
+from tether.demo.curves import PPO_RUNS, Curve, by_run, common_steps, mean_series, pooled_golds
 from tether.demo.plots import plot_all
 from tether.tools.frontier import paired_difference, peak_then_fall
 from tether.tools.report import config_html, figure_html, read_run, rows_html, write_page
@@ -113,10 +113,10 @@ def _per_seed_peaks(free: list[Curve]) -> str:
 
 
 def _adaptive_verdict(adaptive: list[Curve], free: list[Curve], kl_target: float) -> Verdict:
-    _, kl = mean_series(adaptive, "eval/kl")
+    steps, kl = mean_series(adaptive, "eval/kl")
     near = abs(kl[-1] - kl_target) <= 0.5 * kl_target
-    last_a, last_f = mean_series(adaptive, "eval/kl")[0][-1], mean_series(free, "eval/kl")[0][-1]
-    gap, gap_se = paired_difference(pooled_golds(free, last_f), pooled_golds(adaptive, last_a))
+    gap, gap_se = paired_difference(pooled_golds(free, common_steps(free)[-1]),
+                                    pooled_golds(adaptive, steps[-1]))
     return _judged(
         "adaptive beta: KL stays near its target and final gold beats the unpenalised run",
         f"final KL {kl[-1]:.2f} (target {kl_target:.2f}); final gold {gap:+.3f} ± {gap_se:.3f} "

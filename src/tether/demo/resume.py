@@ -98,15 +98,14 @@ def read_eval(path: Path, name: str, seed: int) -> Curve:
 
 def resume_command(cfg: DemoConfig) -> str:
     """`tether demo --resume` and the options given this time that change any number."""
-    words, defaults = ["tether", "demo", "--resume"], DemoConfig()
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in ("resume", "jobs") or value == getattr(defaults, f.name):
+    words, defaults = ["tether", "demo", "--resume"], settings(DemoConfig())
+    for name, value in settings(cfg).items():
+        if name in ("resume", "jobs") or value == defaults[name]:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             words.append(flag)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, list):
             words += [flag, *(f"{v:g}" for v in value)]
         else:
             words += [flag, str(value)]

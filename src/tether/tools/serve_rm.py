@@ -124,17 +124,16 @@ async def read_body(scope: dict, receive, limit: int) -> bytes:
     declared = dict(scope["headers"]).get(b"content-length")
     if declared is not None and int(declared) > limit:
         raise too_big
-    parts, size, more = [], 0, True
+    body, more = bytearray(), True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise Refused(400, "the client left before its body arrived")
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > limit:
+        body += message.get("body", b"")
+        if len(body) > limit:
             raise too_big
         more = message.get("more_body", False)
-    return b"".join(parts)
+    return bytes(body)
 
 
 @dataclass
@@ -213,10 +212,8 @@ class RewardApp:
             return
         try:
             status, payload = 200, await self.answer(scope, receive)
-        except Refused as exc:
-            status, payload = exc.status, {"error": str(exc)}
-        except TetherError as exc:
-            status, payload = 400, {"error": str(exc)}
+        except (Refused, TetherError) as exc:  # one line: Refused's own status, a TetherError 400
+            status, payload = getattr(exc, "status", 400), {"error": str(exc)}
         except Exception as exc:  # a bug or the device (out of memory): 500, the client retries
             print(f"serve-rm: {scope['method']} {scope['path']} failed:", file=sys.stderr)
             traceback.print_exc()
