@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pages import check_figures_and_layout, check_report_page, fake_run, fake_sweep
 
@@ -191,3 +193,76 @@ def test_a_fitted_peak_past_the_data_is_named_not_drawn(monkeypatch):
     assert "PPO beta 0.1: fit of only 3 points, peak beyond the data (KL 554), R² 1.00" in labels
     assert max(max(line.get_xdata()) for line in drawn[-1].axes[0].get_lines()) <= 2.0
     assert "DPO" not in titled["The frontier"]  # no DPO run, no promise of its marker
+
+
+def frontier_runs(root):
+    """Two seeds of ppo-a and one of ppo-b with gold evaluations at steps 0, 2, 4, a bon.json and
+    an interpolation evaluated with a gold function."""
+    gold = {("a", 0): [0.0, 0.3, 0.5], ("a", 1): [0.0, 0.5, 0.3], ("b", 0): [0.0, 0.1, 0.2]}
+    for (name, seed), golds in gold.items():
+        fake_run(root, f"ppo-{name}-seed{seed}", {"beta": 0.1 if name == "a" else 0.2, "seed": seed},
+                 [{"step": s, "eval/kl": s / 2, "eval/kl_exact": s / 2, "eval/score": g + 1,
+                   "eval/gold_score": g} for s, g in zip((0, 2, 4), golds)])
+    bon = root / "bon.json"
+    bon.write_text(json.dumps([{"n": n, "proxy": n, "proxy_se": 0.1, "gold": 0.1 * n,
+                                "gold_se": 0.05, "kl_bound": 0.5 * n, "kl_exact": 0.4 * n}
+                               for n in (1, 2, 3)]))
+    line = root / "interp"
+    line.mkdir()
+    rows = []
+    for eta, golds in ((0, [0.0, 0.2]), (1, [0.4, 0.6])):
+        path = line / f"eta{eta}"
+        (line / f"eta{eta}.eval.json").write_text(json.dumps(
+            {"samples": [{"gold_score": g} for g in golds]}))
+        rows.append({"eta": eta, "path": str(path), "eval/kl": eta * 1.5,
+                     "eval/gold_score": sum(golds) / 2})
+    (line / "interpolate.json").write_text(json.dumps(rows))
+    return gold, bon, line / "interpolate.json"
+
+
+def test_report_draws_the_frontier_of_runs_with_gold_and_the_baselines(tmp_path, monkeypatch,
+                                                                       capsys):
+    from tether.tools import report_frontier
+
+    gold, bon, line = frontier_runs(tmp_path)
+    runs = [str(tmp_path / f"ppo-{n}-seed{s}") for n, s in gold]
+    seen = {}
+
+    def figures(groups, points, curve, interpolated, palette):
+        seen.update(groups={g.label: g for g in groups}, curve=curve, line=interpolated)
+        return sweep_report.figures(groups, points, curve, interpolated, palette)
+    monkeypatch.setattr(report_frontier, "figures", figures)
+    out = tmp_path / "page.html"
+    assert main(["report", *runs, str(bon), str(line), "--output", str(out)]) == 0, \
+        capsys.readouterr().err
+    # the seeds of ppo-a averaged step by step; ppo-b alone; both labelled with their beta
+    a, b = seen["groups"]["PPO beta 0.1 (run ppo-a)"], seen["groups"]["PPO beta 0.2 (run ppo-b)"]
+    assert a.seeds == [0, 1] and a.mean["gold"] == pytest.approx([0.0, 0.4, 0.4])
+    assert b.mean["gold"] == pytest.approx([0.0, 0.1, 0.2]) and a.fit is not None
+    assert [c["n"] for c in seen["curve"]] == [1, 2, 3]
+    # the interpolation: each point's mean gold and its standard error over prompts
+    assert seen["line"][0] == "interp"
+    assert [pytest.approx(p) for p in seen["line"][1]] == [(0, 0.0, 0.1, 0.1), (1, 1.5, 0.5, 0.1)]
+    page = out.read_text()
+    assert "id='frontier'" in page and "dashed squares are best-of-n" in page
+    assert "interp&#x27;s weights interpolated" in page
+    colours = check_figures_and_layout(out, min_figures=4)
+    assert {"best-of-n", "interpolated", "PPO beta 0.1 (run ppo-a)"} <= set(colours)
+
+
+def test_report_refuses_a_baseline_it_cannot_draw(tmp_path, capsys):
+    gold, bon, line = frontier_runs(tmp_path)
+    plain = fake_run(tmp_path, "sft", {"lr": 1e-3}, [{"step": 1, "train/loss": 1.0}])
+    out = tmp_path / "page.html"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"a": 1}))
+    no_gold = tmp_path / "no_gold.json"
+    no_gold.write_text(json.dumps([{"n": 1, "gold": None}]))
+    for args, says in (([str(plain), str(bon)], "and no run given did"),
+                       ([str(tmp_path / "ppo-b-seed0"), str(other)], "is not tether bon's"),
+                       ([str(tmp_path / "ppo-b-seed0"), str(no_gold)], "with gold scores"),
+                       ([str(tmp_path / "ppo-b-seed0"), str(tmp_path / "missing.json")],
+                        "is not tether bon's")):
+        assert main(["report", *args, "--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and not out.exists(), err

@@ -183,11 +183,12 @@ def figure_html(src: str, title: str, caption: str = "",
             f"{html.escape(caption)}</figcaption></figure>")
 
 
-def plot_metrics(runs: list[RunRecord], names: list[str]
+def plot_metrics(runs: list[RunRecord], names: list[str], palette: Palette | None = None
                  ) -> list[tuple[str, str, dict[str, str]]]:
     """One figure per metric namespace, a panel per metric, a line per run:
-    [(title, img src, legend colours)]; each run has one colour in every figure."""
-    palette = Palette()
+    [(title, img src, legend colours)]; each run has one colour in every figure (`palette`: the
+    page's, when it has other figures)."""
+    palette = palette or Palette()
     figures = []
     namespaces: dict[str, list[str]] = {}
     for name in names:
@@ -281,20 +282,22 @@ def write_page(path: Path, title: str, body: str, heading: str = "") -> Path:
     return path
 
 
-def runs_section(runs: list[RunRecord], page_dir: Path) -> str:
+def runs_section(runs: list[RunRecord], page_dir: Path, palette: Palette | None = None) -> str:
     """The metric curves side by side and the configs diffed: the body `tether report` writes."""
     figures = "".join(figure_html(src, title, "a line per run, one colour per run in every "
                                   "panel", colours)
-                      for title, src, colours in plot_metrics(runs, metric_names(runs)))
+                      for title, src, colours in plot_metrics(runs, metric_names(runs), palette))
     return (f"<h2 id='curves'>Metrics</h2>{figures or '<p>No metrics logged.</p>'}"
             f"<h2 id='configs'>Configs</h2>{config_html(runs, page_dir)}")
 
 
-def write_report(run_dirs: list[str | Path], output: str | Path,
-                 title: str = "tether runs", section: str = "", inputs: list[str] = ()) -> Path:
+def write_report(run_dirs: list[str | Path], output: str | Path, title: str = "tether runs",
+                 section: str = "", inputs: list[str] = (), palette: Palette | None = None
+                 ) -> Path:
     """Read every run in `run_dirs` and write one page to `output`, `section` after the run
-    names (`tether report`'s frontier: tether.tools.report_frontier); returns its path.
-    `inputs`: other files the page reads, which `output` must not be."""
+    names (`tether report`'s frontier: tether.tools.report_frontier, drawn with `palette`, which
+    the runs' panels then share); returns its path. `inputs`: other files the page reads, which
+    `output` must not be."""
     if not run_dirs:
         raise TetherError("tether report needs at least one run directory: tether report RUN ...")
     output = check_output(output, [("run directory", d) for d in run_dirs]
@@ -303,4 +306,4 @@ def write_report(run_dirs: list[str | Path], output: str | Path,
     runs = [read_run(d) for d in run_dirs]
     names = ", ".join(run.name for run in runs)
     return write_page(output, title, f"<p>Runs: {html.escape(names)}.</p>" + section
-                      + runs_section(runs, output.parent))
+                      + runs_section(runs, output.parent, palette))

@@ -16,7 +16,7 @@ from pathlib import Path
 from tether.errors import TetherError
 from tether.run.parse import parse_config
 from tether.tools.config import ReportConfig
-from tether.tools.report import figure_html, read_run, write_report
+from tether.tools.report import Palette, figure_html, read_run, write_report
 from tether.tools.sweep_plan import PlannedRun
 from tether.tools.sweep_report import figures
 from tether.tools.sweep_results import read_interpolation, run_points, summarise
@@ -39,8 +39,9 @@ def baseline(path: str) -> tuple[str, list]:
                       "a run directory")
 
 
-def frontier_html(run_dirs: list[str], baselines: list[str]) -> str:
-    """The frontier's figures for the runs that evaluated a gold reward and the baselines."""
+def frontier_html(run_dirs: list[str], baselines: list[str], palette: Palette) -> str:
+    """The frontier's figures for the runs that evaluated a gold reward and the baselines, in
+    the page's `palette`."""
     given = {kind: (path, rows) for path in baselines for kind, rows in [baseline(path)]}
     runs = []
     for d in run_dirs:  # NAME-seed<k>: seed k of the setting NAME
@@ -59,7 +60,7 @@ def frontier_html(run_dirs: list[str], baselines: list[str]) -> str:
     return "<h2 id='frontier'>The reward-KL frontier</h2>" + "".join(
         figure_html(src, title, caption, colours) for title, src, caption, colours in figures(
             summarise(points), points, given.get("bon", ("", []))[1],
-            (Path(where).parent.name, line)))
+            (Path(where).parent.name, line), palette))
 
 
 def cli(argv: list[str]) -> int:
@@ -68,7 +69,8 @@ def cli(argv: list[str]) -> int:
     cfg = parse_config(ReportConfig, argv, prog="tether report")
     run_dirs = [path for path in cfg.runs if not path.endswith(".json")]
     baselines = [path for path in cfg.runs if path.endswith(".json")]
-    path = write_report(run_dirs, cfg.output, cfg.title, frontier_html(run_dirs, baselines),
-                        baselines)
+    palette = Palette()  # one colour per run or setting on the whole page
+    path = write_report(run_dirs, cfg.output, cfg.title,
+                        frontier_html(run_dirs, baselines, palette), baselines, palette)
     print(f"report written to {path}")
     return 0

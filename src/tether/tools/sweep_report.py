@@ -76,11 +76,12 @@ def _frontier_figure(groups: list[Group], points: list[RunPoints], palette: Pale
     if etas:
         ax.errorbar([p[1] for p in etas], [p[2] for p in etas], yerr=[p[3] for p in etas],
                     fmt=":D", markersize=5, capsize=2, color=palette(INTERPOLATED),
+                    gid=INTERPOLATED,
                     label=f"{name}'s weights from its start, eta {etas[0][0]:g}..{etas[-1][0]:g}")
     if curve:
         ax.errorbar([c["kl_exact"] for c in curve], [c["gold"] for c in curve],
                     yerr=[c["gold_se"] for c in curve], fmt="--s", markersize=4, capsize=2,
-                    color=palette(BON), label=f"{BON}, n = 1..{curve[-1]['n']} (exact KL)")
+                    color=palette(BON), gid=BON, label=f"{BON}, n = 1..{curve[-1]['n']} (exact KL)")
     for g in (g for g in groups if g.stage != "dpo"):
         mine = [(k, y) for p in points if p.run.group == g.name
                 for k, y in zip(p.values["kl"], p.values["gold"])]
@@ -202,12 +203,14 @@ def one_curve_sentence(groups: list[Group]) -> str:
 
 
 def figures(groups: list[Group], points: list[RunPoints], curve: list[dict] | None = None,
-            line: tuple[str, list] = ("", [])) -> list[tuple[str, str, str, dict[str, str]]]:
-    """[(title, img src, caption, legend colours)]; one colour per setting in every figure."""
+            line: tuple[str, list] = ("", []), palette: Palette | None = None
+            ) -> list[tuple[str, str, str, dict[str, str]]]:
+    """[(title, img src, caption, legend colours)]; one colour per setting in every figure
+    (`palette`: the page's, when it has other figures)."""
     # One colour per setting, handed out in the groups' order, so the sweep page and the demo
     # page (which embeds these figures) colour each setting alike, and no setting takes a colour
     # of the demo's own runs (RUN_COLOURS).
-    palette = Palette()
+    palette = palette or Palette()
     for g in groups:
         palette(g.label)
     out = []
