@@ -11,9 +11,8 @@ from tether.errors import TetherError
 
 
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
     try:
-        return raw.decode("utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TetherError(f"{path} is not valid UTF-8 (bad byte at offset {exc.start}); "
                           "re-encode the file as UTF-8") from None
