@@ -161,14 +161,6 @@ class AheadEngine(SamplesWhenAsked):
     def close(self) -> None:  # a job still running ends on its next request: the process is gone
         self.launched.close()
 
-    # -- for tests and checks
-    def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(version, the generator's log-probs of `ids`): what its weights are now."""
-        self._drain()
-        self.tickets += 1
-        self._put(("logprobs", self.tickets, ids.cpu(), mask.cpu()))
-        return self._answer(self.tickets)
-
     # -- plumbing
     def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict
                 ) -> Rollout:
