@@ -53,7 +53,6 @@ def _read_parquet(path: Path) -> list[dict]:
 # The file formats, by suffix (any case); `.json` is JSON lines too, or one JSON array of objects.
 READERS = {".jsonl": _read_jsonl, ".json": _read_jsonl, ".parquet": _read_parquet,
            ".csv": _read_csv}
-FORMATS = tuple(READERS)
 
 
 def _read_saved_dataset(path: Path, split: str) -> list[dict]:
@@ -103,9 +102,9 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
     elif path.is_file():
         suffix = path.suffix.lower()
         if suffix not in READERS:
-            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(FORMATS)}")
+            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(READERS)}")
         rows = READERS[suffix](path)
-    elif path.suffix.lower() in FORMATS or source.startswith((".", "/", "~")):
+    elif path.suffix.lower() in READERS or source.startswith((".", "/", "~")):
         raise TetherError(f"data file {source} not found; check the path")
     else:
         rows = _read_hub(source, split)
