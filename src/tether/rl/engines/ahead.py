@@ -45,7 +45,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -53,14 +52,12 @@ from torch import nn
 from tether.choices import ENGINES, entry
 from tether.errors import TetherError
 from tether.rl.engines.generator import next_message, serve
-from tether.rl.engines.jobs import Background
+from tether.rl.engines.jobs import Background, T
 from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.weights import flatten, trainable
 from tether.rl.rollout import Rollout
 from tether.run.jobs import available_cores
 from tether.run.optim import StepCounter
-
-T = TypeVar("T")
 
 
 def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> str:
