@@ -13,7 +13,7 @@ import pytest
 
 from tether.cli import main
 from tether.data.batches import collate_sft
-from tether.data.encoding import encode_preferences, encode_sft
+from tether.data.encoding import encode_preferences, encode_sft, special_prefix
 from tether.data.prompts import encode_prompt_row, format_prompt, load_prompts, prompt_kind
 from tether.data.shapes import implicit_prompt
 from tether.errors import TetherError
@@ -185,8 +185,8 @@ def test_content_parts_give_the_ids_of_the_joined_string(llama_tok, tiny_qwen2_d
         pref = {"prompt": with_parts[:1], "chosen": with_parts[1:2], "rejected": with_parts[3:]}
         pref_strings = {"prompt": strings[:1], "chosen": strings[1:2], "rejected": strings[3:]}
         assert encode_preferences(tok, [pref], 256)[0] == encode_preferences(tok, [pref_strings], 256)[0]
-        assert encode_prompt_row(tok, {"messages": with_parts[:3]}, 256) == \
-            encode_prompt_row(tok, {"messages": strings[:3]}, 256)
+        assert encode_prompt_row(tok, {"messages": with_parts[:3]}, 256, special_prefix(tok)) == \
+            encode_prompt_row(tok, {"messages": strings[:3]}, 256, special_prefix(tok))
         assert "{'type'" not in format_prompt(tok, {"prompt": with_parts[:1]})
 
 
@@ -227,7 +227,7 @@ def test_prompts_ending_in_any_turn(llama_tok, tiny_mistral_dir):
     # a multi-turn PPO prompt is exactly the prompt SFT trained the last turn on
     chat = [USER, REPLY, {"role": "user", "content": "and the plot"}]
     sft = encode_sft(tok, [{"messages": chat + [REPLY]}], 256, loss_on="last")[0][0]
-    assert encode_prompt_row(tok, {"messages": chat}, 256)[1] == sft.prompt
+    assert encode_prompt_row(tok, {"messages": chat}, 256, special_prefix(tok))[1] == sft.prompt
     # Mistral's [INST] template has no generation prompt: after an assistant turn no turn opens
     mistral = load_tokenizer(str(tiny_mistral_dir))
     assert format_prompt(mistral, {"messages": [USER]}) == "[INST] the movie [/INST]"

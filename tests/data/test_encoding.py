@@ -58,18 +58,19 @@ def test_bos_exactly_once_and_ppo_prompt_equals_sft_prompt(which, request, tmp_p
 def test_gpt2_tokenizer_adds_nothing(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir))
     assert special_prefix(tok) == []
-    assert encode_prompt_row(tok, {"prompt": "the movie"}, 64)[1] == tok("the movie")["input_ids"]
+    ids = encode_prompt_row(tok, {"prompt": "the movie"}, 64, special_prefix(tok))[1]
+    assert ids == tok("the movie")["input_ids"]
 
 
 def test_max_prompt_len_keeps_the_special_prefix(llama_tok):
     tok, bos = llama_tok, llama_tok.bos_token_id
     long = " ".join(["the movie was long and dull"] * 8)
-    _, ids = encode_prompt_row(tok, {"prompt": long}, 10)
-    full = encode_prompt_row(tok, {"prompt": long}, 1000)[1]
+    _, ids = encode_prompt_row(tok, {"prompt": long}, 10, special_prefix(tok))
+    full = encode_prompt_row(tok, {"prompt": long}, 1000, special_prefix(tok))[1]
     assert len(ids) == 10 and ids[0] == bos and ids[1:] == full[-9:]  # BOS + the last 9 tokens
     system = {"role": "system", "content": "be brief"}
     row = {"messages": [system, {"role": "user", "content": long}]}
-    _, ids = encode_prompt_row(tok, row, 24)
+    _, ids = encode_prompt_row(tok, row, 24, special_prefix(tok))
     text = tok.decode(ids)
     assert len(ids) <= 24 and ids.count(bos) == 1 and ids[0] == bos
     # markers, the system message and the generation prompt stay; the user content lost its start
@@ -77,7 +78,8 @@ def test_max_prompt_len_keeps_the_special_prefix(llama_tok):
     assert text.endswith("dull</s>\n<|assistant|>\n")
     assert len(full) > 24
     with pytest.raises(TetherError, match="cannot fit max_prompt_len=8"):
-        encode_prompt_row(tok, {"messages": [{"role": "system", "content": long}, USER]}, 8)
+        encode_prompt_row(tok, {"messages": [{"role": "system", "content": long}, USER]}, 8,
+                          special_prefix(tok))
 
 
 def _sft_equivalent(tok, prompt_messages, reply):

@@ -273,7 +273,7 @@ def test_background_jobs_run_in_order_and_raise_in_the_caller():
 
 
 def test_the_engine_waits_for_its_jobs_before_anything_else(monkeypatch):
-    """`sync`, `sample`, `prefetch` and `probe` wait for the submitted work: its requests reach
+    """`sync`, `sample` and `prefetch` wait for the submitted work: its requests reach
     the generator before any weights sent after it."""
     sent: list[str] = []
     engine = ahead.AheadEngine.__new__(ahead.AheadEngine)

@@ -10,8 +10,8 @@ and the decoupled PPO loss it trains with, checked against independent truths:
   are known (Monte Carlo, within 3 standard errors of the exact gradient);
 - a schedule of random generation and update times on a simulated clock never trains a token
   more than S steps stale, trains every batch once, in order (none dropped);
-- a LoRA adapter reaches the generator: its log-prob of a probe sequence changes at each sync
-  and equals the trainer's;
+- a LoRA adapter reaches the generator: after each sync the log-probs it records of what it
+  samples equal the trainer's and are not the initial adapter's;
 - the settings that cannot work are refused with one line, before any model loads.
 """
 
@@ -31,7 +31,7 @@ from refusals import refused
 from tether.losses import PolicyLoss, policy_loss
 from tether.rl import update as update_module
 from tether.rl.engines import ahead
-from tether.rl.engines.generator import next_message, sequence_logprobs
+from tether.rl.engines.generator import next_message
 from tether.rl.engines.mismatch import (
     Correction,
     correction_weights,
@@ -45,6 +45,13 @@ from tether.train.ppo_config import GRPOConfig, PPOConfig
 NATIVE = SimpleNamespace(engine="native")  # the settings a generator of the native engine reads
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very",
            "music and", "the actor", "a scene", "very quite"]
+
+
+@torch.no_grad()
+def sequence_logprobs(model, ids, mask):
+    """[B, L - 1] log p(ids[:, t + 1] | ids[:, :t + 1]) under `model`: the trainer's, recomputed."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
 
 
 def length_reward(prompts, responses):
@@ -310,13 +317,17 @@ def test_effective_sample_size_by_hand():
 
 
 def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
-    """The adapter alone travels (the frozen base is not sent), and the generator's log-probs of
-    a probe sequence change at each sync and equal the trainer's, to float rounding."""
+    """The adapter alone travels (the frozen base is not sent), and after each sync the
+    log-probs the generator records of what it samples are those of the trainer's current
+    weights, to float rounding, not of the initial adapter's."""
+    import copy
+
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval(),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    initial = copy.deepcopy(model)
     sent = ahead.trainable(model)
     assert sent and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert sum(p.numel() for p in sent) < sum(p.numel() for p in model.parameters()) / 5
@@ -326,19 +337,23 @@ def test_a_lora_adapter_reaches_the_generator_at_every_sync(tiny_llama_dir):
     try:
         ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
-        before = engine.probe(ids, mask)[1]
+        uniforms = torch.rand((2, 6), generator=torch.Generator().manual_seed(1))
         for step in range(3):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             engine.sync()
-            version, now = engine.probe(ids, mask)
-            assert version == step + 1
-            assert (now - before).abs().max() > 1e-4, step  # the new adapter, not the initial one
-            mine = sequence_logprobs(model, ids, mask)
-            assert (now - mine).abs().max() < 1e-5
-            before = now
+            rollout = engine.sample(ids, mask, max_new_tokens=6, temperature=1.0,
+                                    eos_token_ids=[0], pad_token_id=0, uniforms=uniforms)
+            sampled = rollout.action_mask
+            assert (rollout.versions[sampled] == step + 1).all()
+            full = torch.cat([ids, rollout.responses], dim=1)
+            theirs = rollout.engine_logprobs[sampled]
+            mine, first = (sequence_logprobs(m, full, torch.ones_like(full))[:, ids.shape[1] - 1:]
+                           for m in (model, initial))
+            assert (theirs - mine[sampled]).abs().max() < 1e-5
+            assert (theirs - first[sampled]).abs().max() > 1e-4, step  # not the initial adapter
     finally:
         engine.close()
     assert engine.launched.process.exitcode == 0

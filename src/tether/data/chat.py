@@ -213,10 +213,7 @@ def check_reply(text: str, what: str, where: str,
 
 def common_start(a, b) -> int:
     """How many leading items two sequences (messages, token ids, characters) share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _reply(turns: list[dict], prompt: list[dict], what: str, where: str) -> dict:

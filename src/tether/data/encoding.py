@@ -61,10 +61,9 @@ def special_prefix(tokenizer) -> list[int]:
     return []
 
 
-def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list[int]:
+def encode_prompt(tokenizer, text: str, prefix: list[int]) -> list[int]:
     """Ids of a prompt (or prompt + response) under rule 1. `prefix`: `special_prefix(tokenizer)`,
-    passed when encoding many texts."""
-    prefix = special_prefix(tokenizer) if prefix is None else prefix
+    read once by the caller, which encodes many texts."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids if ids[:len(prefix)] == prefix else prefix + ids
 

@@ -83,18 +83,17 @@ def format_prompt(tokenizer, row: dict, where: str = "a prompt row",
     return _prompt(tokenizer, row, where, tools)[0]
 
 
-def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int] | None = None,
+def encode_prompt_row(tokenizer, row: dict, max_tokens: int, prefix: list[int],
                       where: str = "a prompt row", tools: list[dict] | None = None
                       ) -> tuple[str, list[int]]:
     """(text, ids) of a generation prompt row (`{prompt}` or `{messages}`) under rule 1, in at
-    most `max_tokens` ids.
+    most `max_tokens` ids; `prefix`: `special_prefix(tokenizer)`, read once by the caller.
 
     A long prompt loses the start of its content, never its special prefix: a chat is re-rendered
     with the oldest non-system content cut (BOS, role markers, system message and generation
     prompt stay); a plain prompt keeps its leading special tokens (BOS) and its last tokens.
     The text is the full prompt (what a reward function reads).
     """
-    prefix = special_prefix(tokenizer) if prefix is None else prefix
     text, messages, tools = _prompt(tokenizer, row, where, tools)
     ids = encode_prompt(tokenizer, text, prefix)
     if len(ids) <= max_tokens:

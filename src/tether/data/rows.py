@@ -11,9 +11,8 @@ from tether.errors import TetherError
 
 
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
     try:
-        return raw.decode("utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TetherError(f"{path} is not valid UTF-8 (bad byte at offset {exc.start}); "
                           "re-encode the file as UTF-8") from None
@@ -54,7 +53,6 @@ def _read_parquet(path: Path) -> list[dict]:
 # The file formats, by suffix (any case); `.json` is JSON lines too, or one JSON array of objects.
 READERS = {".jsonl": _read_jsonl, ".json": _read_jsonl, ".parquet": _read_parquet,
            ".csv": _read_csv}
-FORMATS = tuple(READERS)
 
 
 def _read_saved_dataset(path: Path, split: str) -> list[dict]:
@@ -104,9 +102,9 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
     elif path.is_file():
         suffix = path.suffix.lower()
         if suffix not in READERS:
-            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(FORMATS)}")
+            raise TetherError(f"{source}: unknown data format {suffix!r}; use one of {', '.join(READERS)}")
         rows = READERS[suffix](path)
-    elif path.suffix.lower() in FORMATS or source.startswith((".", "/", "~")):
+    elif path.suffix.lower() in READERS or source.startswith((".", "/", "~")):
         raise TetherError(f"data file {source} not found; check the path")
     else:
         rows = _read_hub(source, split)

@@ -18,7 +18,7 @@ import torch
 from episode_helpers import Scripted, episodes, policy_of, scripted_episodes
 
 from tether.data.chat import render_chat
-from tether.data.encoding import encode_prompt
+from tether.data.encoding import encode_prompt, special_prefix
 from tether.models.pretrained import load_tokenizer
 
 APPENDS = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
@@ -82,7 +82,8 @@ def test_a_template_that_drops_a_separator_starts_a_new_segment(policy):
         messages = [{"role": "user", "content": ROWS[i]["prompt"]},
                     {"role": "assistant", "content": Tool.log[i][0]},
                     {"role": "tool", "content": "42"}]
-        context = encode_prompt(tokenizer, render_chat(tokenizer, messages, True))
+        context = encode_prompt(tokenizer, render_chat(tokenizer, messages, True),
+                                special_prefix(tokenizer))
         ids = rollout.input_ids[second][rollout.attention_mask[second].bool()].tolist()
         prompt_part = ids[:len(ids) - int(rollout.response_mask[second].sum())]
         assert prompt_part == context

@@ -19,17 +19,15 @@ below and a `start` function, plus one entry in that table.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from tether.choices import ENGINES, entry
-from tether.rl.engines.jobs import Background, Deferred
+from tether.rl.engines.jobs import Background, Deferred, T
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
-
-T = TypeVar("T")
 
 
 class RolloutEngine(Protocol):

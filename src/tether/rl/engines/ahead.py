@@ -45,7 +45,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -53,14 +52,12 @@ from torch import nn
 from tether.choices import ENGINES, entry
 from tether.errors import TetherError
 from tether.rl.engines.generator import next_message, serve
-from tether.rl.engines.jobs import Background
+from tether.rl.engines.jobs import Background, T
 from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.weights import flatten, trainable
 from tether.rl.rollout import Rollout
 from tether.run.jobs import available_cores
 from tether.run.optim import StepCounter
-
-T = TypeVar("T")
 
 
 def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict) -> str:
@@ -160,14 +157,6 @@ class AheadEngine(SamplesWhenAsked):
 
     def close(self) -> None:  # a job still running ends on its next request: the process is gone
         self.launched.close()
-
-    # -- for tests and checks
-    def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(version, the generator's log-probs of `ids`): what its weights are now."""
-        self._drain()
-        self.tickets += 1
-        self._put(("logprobs", self.tickets, ids.cpu(), mask.cpu()))
-        return self._answer(self.tickets)
 
     # -- plumbing
     def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: dict

@@ -1,7 +1,7 @@
 """The generator process of --max-staleness (`tether.rl.engines.ahead` is the trainer's side, and
 says how the two work together): started before the trainer loads its models (`ahead.launch`), it
 receives its copy of the policy and an engine, then serves the trainer's requests in order
-(`serve`): weights to load, batches to sample, log-probs to report.
+(`serve`): weights to load, batches to sample.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import time
 import traceback
 
 import torch
-from torch import nn
 
 from tether.rl.engines.weights import trainable, unflatten_into
 from tether.run.distributed import Dist
@@ -34,8 +33,7 @@ def serve(threads: int, inbox, outbox) -> None:
     on `replica`, the (model, peft) copy of the policy. It then serves `inbox` in order until "close". Messages:
     ("weights",
     version, flat) load them into the copy and the engine; ("sample", ticket, ids, mask,
-    settings) sample with the current weights and answer (ticket, version, rollout);
-    ("logprobs", ticket, ids, mask) answer the copy's log-probs of those sequences (`probe`)."""
+    settings) sample with the current weights and answer (ticket, version, rollout)."""
     engine = None
     trainer = multiprocessing.parent_process()
     try:
@@ -61,10 +59,6 @@ def serve(threads: int, inbox, outbox) -> None:
                 _, ticket, ids, mask, asked = message
                 rollout = engine.sample(ids.to(device), mask.to(device), **asked)
                 outbox.put((ticket, version, rollout.map_rows(lambda t: t.cpu())))
-            elif kind == "logprobs":
-                _, ticket, ids, mask = message
-                outbox.put((ticket, version,
-                            sequence_logprobs(model, ids.to(device), mask.to(device)).cpu()))
     except Exception:  # noqa: BLE001 - any failure goes back to the trainer, which names it
         outbox.put(("error", None, traceback.format_exc()))
     finally:
@@ -91,10 +85,3 @@ def next_message(box, sender, deadline: float = math.inf) -> tuple | None:
             if sender is None or sender.is_alive():
                 raise  # the sender is alive: the error is the message's own
             return None
-
-
-@torch.no_grad()
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, L - 1] log p(ids[:, t + 1] | ids[:, :t + 1]) under `model` (right-padded `ids`)."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-T = TypeVar("T")
+T = TypeVar("T")  # a job's result (the engines' `submit` share it)
 
 
 class Deferred(Generic[T]):

@@ -20,7 +20,6 @@ would, and a resumed run draws what the uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -28,12 +27,10 @@ from torch import nn
 from tether.models import forward as shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
 from tether.rl.engines import RolloutEngine
-from tether.rl.engines.jobs import Deferred
+from tether.rl.engines.jobs import Deferred, T
 from tether.rl.rollout import Rollout, sampling_noise
 from tether.run import distributed
 from tether.run.distributed import Dist
-
-T = TypeVar("T")
 
 
 class SamplesWhenAsked:

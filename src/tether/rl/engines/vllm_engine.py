@@ -103,6 +103,12 @@ def cold_start_note(cache: Path) -> str | None:
             "for a tiny model on 2 CPU cores, minutes for a large one; later starts reuse them")
 
 
+def _note(note: str | None, d: Dist) -> None:
+    """`note: <note>` on stderr, from rank 0 only, where there is a note."""
+    if note is not None and d.is_main:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def vllm_quietly() -> Iterator[None]:
     """vLLM's own modules trip deprecations of torch's (`torch.distributed.reduce_op`) as they
@@ -162,25 +168,19 @@ class VLLMEngine(SamplesWhenAsked):
     def __init__(self, model: nn.Module, peft: nn.Module | None, options: EngineOptions,
                  d: Dist, device: torch.device, lora_mode: str | None = None,
                  adapter: str = "default"):
-        in_process = keep_engine_in_process()  # before vLLM reads its environment
-        if in_process is not None and d.is_main:
-            print(f"note: {in_process}", file=sys.stderr)
+        _note(keep_engine_in_process(), d)  # before vLLM reads its environment
         # the cache against the run's longest sequence, before anything of vLLM loads
         check_kv_cache(options.kv_cache_mb, model.config, options.dtype, options.max_model_len,
                        device.type)
         vllm = import_vllm()
-        note = vllm_private.version_note(vllm_private.installed_version())
-        if note is not None and d.is_main:
-            print(f"note: {note}", file=sys.stderr)
+        _note(vllm_private.version_note(vllm_private.installed_version()), d)
         self.model, self.peft, self.adapter, self.dist = model, peft, adapter, d
         self.options, self.device = options, device
         architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
         self.lora_mode = self._serving_mode(architecture, lora_mode)
         self.version, self.asleep = 0, False
         self._dir = tempfile.mkdtemp(prefix="tether-vllm-")
-        note = cold_start_note(inductor_cache_dir())
-        if note is not None and d.is_main:
-            print(f"note: {note}", file=sys.stderr, flush=True)
+        _note(cold_start_note(inductor_cache_dir()), d)
         with _rng_kept(device), vllm_quietly():
             try:
                 self.llm = vllm.LLM(**self._engine_args(architecture))
@@ -318,9 +318,8 @@ class VLLMEngine(SamplesWhenAsked):
         tokens = [list(out.outputs[0].token_ids) for out in outputs]
         logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids)]
                     for out, ids in zip(outputs, tokens, strict=True)]
-        width = max([len(t) for t in tokens] + [1])
-        if self.dist.active:  # every rank's rollout has the global width (gather_rollout)
-            width = global_max(width, self.dist)
+        # every rank's rollout has the global width (gather_rollout); one process: its own
+        width = global_max(max([len(t) for t in tokens] + [1]), self.dist)
         return _layout(prompt_ids, prompt_mask, tokens, logprobs, width, eos, pad_token_id,
                        temperature)
 

@@ -72,8 +72,7 @@ def kv_bytes_per_token(config, dtype: str) -> int | None:
     not say (the check is then vLLM's own)."""
     text = _text_config(config)
     layers = _first(text, "num_hidden_layers", "n_layer")
-    heads = _first(text, "num_attention_heads", "n_head")
-    kv_heads = _first(text, "num_key_value_heads") or heads
+    kv_heads = _first(text, "num_key_value_heads", "num_attention_heads", "n_head")
     head = head_dim(config)
     if not (layers and kv_heads and head) or dtype not in DTYPE_BYTES:
         return None

@@ -44,8 +44,7 @@ def installed_version() -> str:
 
 def version_note(version: str) -> str | None:
     """None on the release these were written for; else one line on what to recheck."""
-    release = version.split("+")[0]
-    if release == WRITTEN_FOR:
+    if version.split("+")[0] == WRITTEN_FOR:  # a local build tag (+cpu) is the same release
         return None
     return (f"tether's vLLM engine was written for vLLM {WRITTEN_FOR} and {version} is installed: "
             "it uses five of vLLM's private internals (tether/rl/engines/vllm_private.py); if the "

@@ -278,13 +278,11 @@ def _laid_out(episodes: list[Episode], pad_token_id: int, device: torch.device,
     if not bool(action_mask.any(1).all()):
         raise TetherError("an episode segment holds no token the policy sampled (a bug: please "
                           "report it)")
-    turn_rewards = torch.zeros((len(segments), width), dtype=torch.float32)
-    rewards = torch.zeros(len(segments), dtype=torch.float32)
-    for r, (e_index, s) in enumerate(segments):
-        for position, reward in s.turn_rewards.items():
-            turn_rewards[r, position] = reward
-        if s is episodes[e_index].segments[-1]:
-            rewards[r] = sum(episodes[e_index].rewards)
+    turn_rewards = after(lambda s: [s.turn_rewards.get(t, 0.0) for t in range(len(s.ids))], 0.0,
+                         torch.float32)
+    # each episode's summed reward on the row of its last segment, 0 on the others
+    rewards = torch.tensor([sum(episodes[e].rewards) if s is episodes[e].segments[-1] else 0.0
+                            for e, s in segments], dtype=torch.float32)
     prompt_ids, prompt_mask = left_pad([s.prompt for _, s in segments], pad_token_id, device)
     ended = torch.tensor([episodes[e].done for e, _ in segments], device=device)
     episode = (torch.tensor([e for e, _ in segments], dtype=torch.long, device=device)
