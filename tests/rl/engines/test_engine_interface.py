@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 from tether.choices import ENGINES, Engine
 from tether.errors import TetherError
-from tether.rl.engines import native
-from tether.rl.engines.native import SamplesWhenAsked
+from tether.rl.engines import RolloutEngine, native
 from tether.run.distributed import Dist
 from tether.run.parse import parse_config
 from tether.train.ppo import run
@@ -24,9 +23,9 @@ from tether.train.ppo_config import GRPOConfig, PPOConfig
 PROMPTS = ["the movie was", "a film with a long plot and", "it", "the ending was very"]
 
 
-class Recorder(SamplesWhenAsked):
+class Recorder(RolloutEngine):
     """The native engine, every call written down: an engine that samples only when asked
-    inherits what it has nothing to do in (`SamplesWhenAsked`) and writes the rest."""
+    inherits what it has nothing to do in (`RolloutEngine`) and writes the rest."""
 
     lockstep = True
 

@@ -9,8 +9,7 @@ import torch
 
 from tether.models.prepare import disable_dropout
 from tether.models.pretrained import load_causal_lm, load_tokenizer
-from tether.rl.engines import native
-from tether.rl.engines.native import SamplesWhenAsked
+from tether.rl.engines import RolloutEngine, native
 from tether.rl.env.calls import EnvCalls
 from tether.rl.env.episodes import EpisodeLimits, run_episodes
 from tether.rl.env.render import Renderer
@@ -18,9 +17,9 @@ from tether.rl.rollout import Sampling, sampling_uniforms
 from tether.run.distributed import Dist
 
 
-class InProcess(SamplesWhenAsked):
+class InProcess(RolloutEngine):
     """A test engine's RolloutEngine side beside `sample`: no log-probs of its own, and nothing
-    to put to sleep, sync, close or checkpoint (`SamplesWhenAsked`)."""
+    to put to sleep, sync, close or checkpoint (`RolloutEngine`)."""
 
     lockstep = True
 

@@ -60,31 +60,41 @@ class RolloutEngine(Protocol):
                 {} for an engine without state
     load_state_dict   the same, restored by --resume before the run's first sync; the batches in
                 flight are then asked for again (`prefetch`, `submit`), oldest first
-    An engine that samples only when asked inherits the methods it has nothing to do in
-    (`native.SamplesWhenAsked`, the native engine's).
+    An engine subclasses this class and inherits what an engine that samples only when asked,
+    on weights it keeps no copy of, has nothing to do in (the native engine): no prefetch, work
+    run when its result is asked for (`jobs.Deferred`), nothing to free, take, close or
+    checkpoint. It writes `sample` and whatever it does differently (vLLM: `sleep`, `sync`,
+    `close`; sampling ahead: all of them).
     """
 
-    own_logprobs: bool
-    lockstep: bool
+    own_logprobs: bool = False
+    lockstep: bool = False
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
                pad_token_id: int, uniforms: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> Rollout: ...
 
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None: ...
+    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
+        pass
 
-    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T] | Background[T]: ...
+    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T] | Background[T]:
+        return Deferred(lambda: work(self))
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        pass
 
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        pass
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class EngineSettings(Protocol):

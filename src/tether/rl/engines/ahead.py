@@ -51,9 +51,9 @@ from torch import nn
 
 from tether.choices import ENGINES, entry
 from tether.errors import TetherError
+from tether.rl.engines import RolloutEngine
 from tether.rl.engines.generator import next_message, serve
 from tether.rl.engines.jobs import Background, T
-from tether.rl.engines.native import SamplesWhenAsked
 from tether.rl.engines.weights import flatten, trainable
 from tether.rl.rollout import Rollout
 from tether.run.jobs import available_cores
@@ -74,7 +74,7 @@ def request_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: d
     return digest.hexdigest()
 
 
-class AheadEngine(SamplesWhenAsked):
+class AheadEngine(RolloutEngine):
     """A `RolloutEngine` whose samples come from the generator process (see the module's
     docstring). `prefetch` asks for a batch without waiting; `sample` takes a prefetched batch
     when one matches, or asks for it now (a --dynamic-sampling refill, an evaluation: the

@@ -9,8 +9,8 @@ times), then one token per row per step through transformers' KV cache (`ModelFo
 model's own forward, so any causal LM and wrapper works, and under FSDP2 each layer's hooks
 gather its parameters).
 
-What it does not do (prefetch, sleep, sync, checkpoint: its weights are the trainer's) is
-`SamplesWhenAsked`, which every engine that samples only when asked inherits.
+What it does not do (prefetch, sleep, sync, checkpoint: its weights are the trainer's) it
+inherits from `RolloutEngine`, as every engine that samples only when asked does.
 
 Each row's tokens depend on its own noise only (`tether.rl.rollout.sampling_uniforms`), not on the
 batch it is sampled in, so any split of a global batch (ranks, chunks) samples what the whole batch
@@ -27,44 +27,12 @@ from torch import nn
 from tether.models import forward as shared_prompt
 from tether.models.forward import cache_name, output_cache, position_ids_from_mask
 from tether.rl.engines import RolloutEngine
-from tether.rl.engines.jobs import Deferred, T
 from tether.rl.rollout import Rollout, sampling_noise
 from tether.run import distributed
 from tether.run.distributed import Dist
 
 
-class SamplesWhenAsked:
-    """The protocol's methods for an engine that samples only when asked, on weights it does not
-    keep a copy of: nothing to prefetch (work runs when its result is asked for, `jobs.Deferred`),
-    nothing to free, to take or to checkpoint. An engine inherits them and writes `sample` and
-    whatever it does differently (vLLM: `sleep`, `sync`, `close`)."""
-
-    own_logprobs = False
-    lockstep = False
-
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass
-
-    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T]:
-        return Deferred(lambda: work(self))
-
-    def sleep(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class NativeEngine(SamplesWhenAsked):
+class NativeEngine(RolloutEngine):
     """`sample_responses` on the policy, reached through `run_model(fn) -> fn(policy)` (in
     training: inside the DDP/FSDP2 wrapper, `Roles.generate`). Its weights are the trainer's, so
     it has nothing to sync. Under several processes sampling stops when no row of any rank is

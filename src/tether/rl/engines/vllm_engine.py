@@ -47,8 +47,7 @@ from torch import nn
 
 from tether.choices import ENGINES
 from tether.errors import TetherError
-from tether.rl.engines import vllm_private
-from tether.rl.engines.native import SamplesWhenAsked
+from tether.rl.engines import RolloutEngine, vllm_private
 from tether.rl.engines.vllm_limits import (
     check_head_size,
     check_kv_cache,
@@ -153,7 +152,7 @@ def _rng_kept(device: torch.device):
             torch.cuda.set_rng_state_all(cuda)
 
 
-class VLLMEngine(SamplesWhenAsked):
+class VLLMEngine(RolloutEngine):
     """The rollout engine for one rank, a `tether.rl.engines.RolloutEngine`: `sample` samples
     with vLLM and reports vLLM's own log-probs (`own_logprobs`), `sync` pushes the trainer's
     current weights.
