@@ -46,7 +46,7 @@ from tether.run.atomic import atomic_write_bytes, json_lines, read_record, write
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
-from tether.run.trackers import parse_report_to, start_trackers
+from tether.run.trackers import TRACKERS, parse_report_to
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
 
@@ -239,8 +239,8 @@ class RunDir:
         """The trackers of `--report-to` (by default TensorBoard when installed), started at first
         use."""
         if self._trackers is None:
-            names = parse_report_to(self._config.get("report_to", "auto"))
-            self._trackers = start_trackers(names, self.path, self.path.name, self._config)
+            self._trackers = [TRACKERS[name](self.path, self.path.name, self._config)
+                              for name in parse_report_to(self._config.get("report_to", "auto"))]
         return self._trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
