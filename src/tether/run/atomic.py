@@ -30,15 +30,13 @@ from safetensors import SafetensorError
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    # some platforms cannot open (or fsync) directories; the rename is still atomic
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
