@@ -64,7 +64,10 @@ def check_adapter_files(adapter_dir: str | Path) -> None:
     """Refuse, before any base is read, an adapter directory whose weights are missing, pickled,
     truncated, hold NaN or inf, or disagree with `adapter_config.json`'s rank `r`."""
     adapter_dir = Path(adapter_dir).expanduser()
-    config = _adapter_config(adapter_dir)
+    damaged = "the adapter directory is damaged: copy it again or train it again"
+    config = read_json(adapter_dir / ADAPTER_CONFIG, damaged)
+    if not isinstance(config, dict):
+        raise TetherError(f"{adapter_dir / ADAPTER_CONFIG} is not a JSON object; {damaged}")
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         if (adapter_dir / "adapter_model.bin").is_file():
@@ -97,15 +100,6 @@ def read_json(path: Path, fix: str):
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TetherError(f"cannot read {path} ({type(exc).__name__}); {fix}") from None
-
-
-def _adapter_config(adapter_dir: Path) -> dict:
-    path = adapter_dir / ADAPTER_CONFIG
-    config = read_json(path, "the adapter directory is damaged: copy it again or train it again")
-    if not isinstance(config, dict):
-        raise TetherError(f"{path} is not a JSON object; the adapter directory is damaged: copy "
-                          "it again or train it again")
-    return config
 
 
 def _tensors(weights: Path):

@@ -54,7 +54,8 @@ def saved_config(name_or_path: str, trust_remote_code: bool = False, base: str =
 
 
 def positions(config, model: str) -> Positions | None:
-    """`model`'s position limit from its `config` (None when it declares none: no check)."""
+    """`model`'s position limit from its `config` (None when it declares none, or `config` is
+    None: no check)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     # GPT-2 calls it n_positions; transformers maps max_position_embeddings onto it
     field = getattr(text, "attribute_map", {}).get("max_position_embeddings",
@@ -106,14 +107,13 @@ def language_model(name_or_path: str, option: str, *, trust_remote_code: bool = 
                f"pass a causal LM (e.g. the SFT model) as {option}; a reward model scores in "
                "tether ppo, rloo, grpo and eval (--reward-model)")
         raise TetherError(f"{option} {name_or_path} is not a language model: it is {what}; {fix}")
-    return positions(config, name_or_path) if config is not None else None
+    return positions(config, name_or_path)
 
 
 def model_positions(name_or_path: str, trust_remote_code: bool = False, base: str = ""
                     ) -> Positions | None:
     """The positions of any model (None when unknown), whatever its head."""
-    config = saved_config(name_or_path, trust_remote_code, base)
-    return positions(config, name_or_path) if config is not None else None
+    return positions(saved_config(name_or_path, trust_remote_code, base), name_or_path)
 
 
 def _tightest(models: Sequence[Positions | None], needed: int) -> Positions | None:

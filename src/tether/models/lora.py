@@ -228,16 +228,12 @@ class AdapterView(nn.Module):
     generation_config = _of_shared("generation_config")
     dtype = _of_shared("dtype")
     device = _of_shared("device")
+    get_input_embeddings = _of_shared("get_input_embeddings")
+    get_output_embeddings = _of_shared("get_output_embeddings")
 
     def forward(self, *args, **kwargs):
         with use_adapter(self.shared, self.adapter):
             return self._target()(*args, **kwargs)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.shared.get_base_model().get_input_embeddings()
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.shared.get_base_model().get_output_embeddings()
 
     def tether_trunk_and_head(self):
         """(trunk, head) for the chunked LM head: the trunk runs under this view's adapter; the

@@ -5,10 +5,6 @@ its base, and the end of a stage with the sampling tether trained under.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from torch import nn
@@ -17,21 +13,8 @@ from tether.models.adapter_checks import remembered_base
 from tether.models.base_location import named_portably, write_location
 from tether.models.lora import TRAINED
 from tether.models.pretrained import TrainableLM, eos_token_ids
-from tether.run.atomic import replace_dir
+from tether.run.atomic import atomic_dir
 from tether.run.checkpoint import check_finite_weights
-
-
-@contextlib.contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
-    """A temporary directory beside `out` to write a model into: renamed to `out` when the block
-    ends without an error (`replace_dir`: never a half-written `out`), deleted either way."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_model(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:

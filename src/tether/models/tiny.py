@@ -245,11 +245,9 @@ def make_qwen2_tokenizer(texts: Iterable[str], vocab_size: int = 512, tools: boo
 
 def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512,
                     use_sliding_window: bool = False, sliding_window: int = 8,
-                    max_window_layers: int = 1, n_layer: int = 2, hidden_size: int = 64,
-                    n_head: int = 4, n_kv_head: int = 2, seed: int = 0,
-                    spare_rows: int = 0, tools: bool = False,
-                    intermediate_size: int | None = None,
-                    max_positions: int | None = None, chat: bool = True) -> Path:
+                    max_window_layers: int = 1, hidden_size: int = 64, spare_rows: int = 0,
+                    tools: bool = False, intermediate_size: int | None = None,
+                    max_positions: int | None = None, chat: bool = True, **lm_kwargs) -> Path:
     """A Qwen2-style model (tied head, GQA, qkv biases) saved with its tokenizer and a
     `generation_config` listing two EOS ids, `<|im_end|>` and `<|endoftext|>`.
 
@@ -259,17 +257,18 @@ def save_tiny_qwen2(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
     tool-calling template and tokens (make_qwen2_tokenizer). `intermediate_size` (default twice
     the width) and `max_positions` (default 1024 with tools, whose schemas make long prompts,
     else 256) for callers that size their own model. `chat`: with the chat template.
+    `lm_kwargs`: the other sizes and the seed of `make_llama_lm`.
     """
     from transformers import Qwen2Config
 
     tokenizer = make_qwen2_tokenizer(texts, vocab_size, tools)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([IM_END, EOS])
-    model = make_llama_lm(len(tokenizer) + spare_rows, endoftext, im_end, n_layer, hidden_size,
-                          n_head, n_kv_head, max_positions or (1024 if tools else 256), seed,
+    model = make_llama_lm(len(tokenizer) + spare_rows, endoftext, im_end, hidden_size=hidden_size,
+                          max_positions=max_positions or (1024 if tools else 256),
                           config_class=Qwen2Config, tie_word_embeddings=True,
                           intermediate_size=intermediate_size or 2 * hidden_size,
                           use_sliding_window=use_sliding_window, sliding_window=sliding_window,
-                          max_window_layers=max_window_layers)
+                          max_window_layers=max_window_layers, **lm_kwargs)
     model.generation_config.eos_token_id = [im_end, endoftext]
     model.generation_config.pad_token_id = endoftext
     return _save(out_dir, tokenizer, model, chat)

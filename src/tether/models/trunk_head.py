@@ -151,8 +151,7 @@ def response_hidden(trunk: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """
     if packed:
         return packed_final_hidden(trunk, input_ids, attention_mask)[:, context_length - 1:-1]
-    groups = sharing(trunk, input_ids, attention_mask, context_length)
-    if groups is not None:
+    if (groups := sharing(trunk, input_ids, attention_mask, context_length)) is not None:
         return shared_response_hidden(trunk, input_ids, attention_mask, context_length, groups)
     hidden = final_hidden(trunk, input_ids, attention_mask, position_ids_from_mask(attention_mask))
     return hidden[:, context_length - 1:-1]
@@ -185,12 +184,11 @@ def score_responses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     tokens = input_ids[:, context_length:]  # [B, R]
     split = chunked_split(model, chunked)
     if split is None:
-        groups = None if packed else sharing(model, input_ids, attention_mask, context_length)
         if packed:
             logits, states = packed_logits(model, input_ids, attention_mask, with_hidden=hidden)
             logits = logits[:, context_length - 1:-1]  # [B, R, V]
             states = states[:, context_length - 1:-1] if hidden else None
-        elif groups is not None:
+        elif (groups := sharing(model, input_ids, attention_mask, context_length)) is not None:
             logits, states = shared_response_logits(model, input_ids, attention_mask,
                                                     context_length, groups, with_hidden=hidden)
         else:

@@ -21,7 +21,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,13 @@ from safetensors import SafetensorError
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    # some platforms cannot open (or fsync) directories; the rename is still atomic
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
@@ -134,6 +132,20 @@ def replace_dir(tmp: Path, out: Path) -> None:
     _fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, prefix: str | None = None) -> Iterator[Path]:
+    """A temporary directory beside `out` to write a model or a checkpoint into (named `prefix`
+    and a random tail; by default `.<out's name>.tmp-`): renamed to `out` when the block ends
+    without an error (`replace_dir`: never a half-written `out`), deleted either way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_record(path: str | Path, loads: Callable[[str], Any] = yaml.safe_load) -> Any:

@@ -12,7 +12,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from tether.errors import TetherError
 from tether.run import distributed
-from tether.run.atomic import read_record, replace_dir
+from tether.run.atomic import atomic_dir, read_record
 from tether.run.distributed import unwrap
 
 STEP_PREFIX = "step_"
@@ -222,9 +221,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, models: dict[str, nn.Modul
 def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.Tensor]], optim,
                       scheduler, rng_tensors: dict[str, torch.Tensor], payload: dict[str, Any],
                       keep: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-", dir=root))
-    try:
+    out = root / f"{STEP_PREFIX}{step}"
+    with atomic_dir(out, prefix=f"{TEMP_PREFIX}{STEP_PREFIX}{step}-") as tmp:
         for name, tensors in weights.items():
             (tmp / f"{name}.safetensors").write_bytes(save(tensors))
         if optim is not None:
@@ -233,9 +231,6 @@ def _write_checkpoint(root: Path, step: int, weights: dict[str, dict[str, torch.
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "rng.safetensors").write_bytes(save(rng_tensors))
         (tmp / "state.json").write_text(json.dumps(payload), encoding="utf-8")
-        replace_dir(tmp, root / f"{STEP_PREFIX}{step}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -53,7 +53,6 @@ class Dist:
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = torch.device("cpu")
     fsdp: bool = False
 
@@ -114,7 +113,7 @@ def setup(device: torch.device, fsdp: bool = False, timeout_s: int = TIMEOUT_S) 
                               f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                               f"({reason}); check --master-addr/--master-port and the network"
                               ) from None
-    return Dist(rank=rank, world_size=world, local_rank=local, device=device, fsdp=fsdp)
+    return Dist(rank=rank, world_size=world, device=device, fsdp=fsdp)
 
 
 def teardown() -> None:

@@ -102,19 +102,13 @@ def _serve(warm: tuple[str, ...], one_at_a_time, inbox: connection.Connection) -
             importlib.import_module(module)
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
-    while (task := _receive(inbox)) is not None:
-        job, log = task
-        with open(log, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(out):
-            answer = _call(job)
-        inbox.send(answer)
-
-
-def _receive(inbox: connection.Connection):
-    try:
-        return inbox.recv()
-    except EOFError:  # the caller is gone
-        return None
+    with contextlib.suppress(EOFError):  # the caller is gone
+        while (task := inbox.recv()) is not None:
+            job, log = task
+            with open(log, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(out):
+                answer = _call(job)
+            inbox.send(answer)
 
 
 class Workers:

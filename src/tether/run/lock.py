@@ -141,10 +141,8 @@ def holder(directory: str | Path) -> dict[str, Any] | None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, under another user
-        return True
+    except OSError as exc:  # PermissionError: it exists, under another user
+        return not isinstance(exc, ProcessLookupError)
     return True
 
 

@@ -46,7 +46,7 @@ from tether.run.atomic import atomic_write_bytes, json_lines, read_record, write
 from tether.run.checkpoint import recorded_config, remove_temp_dirs
 from tether.run.config import config_to_dict
 from tether.run.resume import check_resumed_config, check_stage, field_defaults, saved_config
-from tether.run.trackers import parse_report_to, start_trackers
+from tether.run.trackers import TRACKERS, parse_report_to
 
 RESULT_NAMES = ("metrics.jsonl", "checkpoints", "final", "merged")
 
@@ -66,7 +66,7 @@ class RunDir:
     """One run directory: checked when made (nothing is created yet), created by `save_config`.
 
     Without `resume`, a directory that already holds results is refused. With `resume`, a
-    finished run (`finished`) raises `AlreadyFinished`, and `save_config` checks the stage and
+    finished run (`run_finished`) raises `AlreadyFinished`, and `save_config` checks the stage and
     config against the saved ones instead of rewriting them.
     """
 
@@ -95,13 +95,9 @@ class RunDir:
         if has_results and not self.resume:
             raise TetherError(f"run directory {self.path} already has results; "
                               "pass --resume to continue it or choose another --run-name")
-        if self.resume and self.finished():
+        if self.resume and run_finished(self.path):
             raise AlreadyFinished(f"{self.path} already finished (final model in "
                                   f"{self.final_dir}); nothing was run or rewritten")
-
-    def finished(self) -> bool:
-        """`run_finished` of this directory."""
-        return run_finished(self.path)
 
     @property
     def writes(self) -> bool:
@@ -213,7 +209,7 @@ class RunDir:
         """One stderr line saying where a `--resume` run starts (`step` None: no checkpoint)."""
         if not self.resume or not self.writes:
             return
-        if self.final_dir.is_dir():  # and no merged/: `finished` said the run is not
+        if self.final_dir.is_dir():  # and no merged/: `run_finished` said the run is not
             print(f"{self.path} has final/ but not the merged/ it promised (the final save "
                   "failed): the steps after the last checkpoint run again and write both",
                   file=sys.stderr)
@@ -239,8 +235,8 @@ class RunDir:
         """The trackers of `--report-to` (by default TensorBoard when installed), started at first
         use."""
         if self._trackers is None:
-            names = parse_report_to(self._config.get("report_to", "auto"))
-            self._trackers = start_trackers(names, self.path, self.path.name, self._config)
+            self._trackers = [TRACKERS[name](self.path, self.path.name, self._config)
+                              for name in parse_report_to(self._config.get("report_to", "auto"))]
         return self._trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -120,8 +120,3 @@ class MLflow:
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}  # --report-to's names
-
-
-def start_trackers(names: list[str], run_path: Path, run_name: str,
-                   config: dict[str, Any]) -> list:
-    return [TRACKERS[name](run_path, run_name, config) for name in names]
