@@ -83,11 +83,12 @@ def test_the_readme_stage_commands_run_offline(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 0, f"tether {shlex.join(words)}:\n{done.stderr[-3000:]}"
         ran.append(words[0])
-    assert ran == ["tiny-model", "sft", "rm", "ppo", "dpo", "grpo", "distill", "ppo", "eval",
-                   "generate", "bon", "interpolate", "report"]
+    assert ran == ["tiny-model", "sft", "rm", "rm", "ppo", "dpo", "grpo", "distill", "ppo",
+                   "eval", "generate", "bon", "interpolate", "report"]
     # what each stage wrote, where the next line looks for it
     for run in ("sft", "rm", "ppo", "ipo", "grpo", "distill"):
         assert (tmp_path / "runs" / run / "final").is_dir(), run
+    assert (tmp_path / "runs" / "rm-ens" / "final" / "tether_ensemble.json").is_file()
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4
     assert (tmp_path / "compare.html").stat().st_size > 0
     assert [p["n"] for p in json.loads((tmp_path / "bon.json").read_text())] == [1, 2]

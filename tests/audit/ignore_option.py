@@ -43,6 +43,8 @@ def stage_classes(stage: str) -> tuple[type, ...]:
              "demo": ("tether.demo.config", "DemoConfig"),
              "generate": ("tether.tools.config", "GenerateConfig"),
              "eval": ("tether.tools.config", "EvalConfig"),
+             "bon": ("tether.tools.config", "BonConfig"),
+             "interpolate": ("tether.tools.config", "InterpolateConfig"),
              "report": ("tether.tools.config", "ReportConfig"),
              "set-base": ("tether.tools.config", "SetBaseConfig"),
              "sweep": ("tether.tools.config", "SweepConfig"),

@@ -1,14 +1,14 @@
 """OPTION_TESTS: for each option of each stage, the tests that fail when the stage silently
 ignores it, checked by tests/audit/mutate_options.py (which makes the option ignored and runs
 them); docs/options.md has the table. Stages: sft, rm, dpo, online (tether ppo, rloo and grpo:
-one loop, PPOConfig), demo, and the commands generate, eval, report, set-base, sweep, serve-rm, tiny-model. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
+one loop, PPOConfig), demo, and the commands generate, eval, bon, interpolate, report, set-base, sweep, serve-rm, tiny-model. NOT_APPLICABLE: options that cannot be ignored, with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
 
-STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "report", "set-base",
-          "sweep", "serve-rm", "tiny-model")
+STAGES = ("sft", "rm", "dpo", "online", "demo", "generate", "eval", "bon", "interpolate", "report",
+          "set-base", "sweep", "serve-rm", "tiny-model")
 
 
 def all_units() -> list[str]:
@@ -649,3 +649,61 @@ OPTION_TESTS |= {
     "eval:reward_aggregate": [ENSEMBLE + "test_eval_of_an_ensemble_against_its_members_and_one_"
                                          "member_is_the_single_model"],
 }
+
+# The frontier's baselines (issue 45): tether bon and tether interpolate, held to tether eval run
+# with the same options (BASELINES), and to the tests of eval's special options parametrized
+# with them
+BASELINES = "tests/options/test_options_effect_baselines.py::"
+
+
+def _baselines_map() -> dict[str, list[str]]:
+    bon, line = (BASELINES + "test_bon_s_pool_is_eval_s_samples_with_the_same_options[{}]",
+                 BASELINES + "test_interpolate_s_last_point_is_eval_of_to_against_from[{}]")
+    out: dict[str, list[str]] = {}
+    for tool, test in (("bon", bon), ("interpolate", line)):
+        for which, names in (
+                ("sampling", ["prompts", "max_prompt_len", "max_new_tokens", "temperature",
+                              "stop_strings", "batch_size", "seed", "reward_fn", "gold_fn"]),
+                ("ensemble", ["reward_model", "reward_aggregate", "dtype"])):
+            out |= {f"{tool}:{name}": [test.format(which)] for name in names}
+        episodes = ENV + f"test_episode_options_of_generate_and_eval[{tool}]"
+        for name in ("env", "max_turns", "max_episode_tokens", "max_observation_tokens",
+                     "env_timeout", "env_workers"):
+            out[f"{tool}:{name}"] = [episodes]
+        out |= {
+            f"{tool}:reward_fn_timeout": [
+                f"tests/rl/test_user_code_timeout.py::test_the_timeout_reaches_every_call[{tool}]"],
+            f"{tool}:reward_url": [
+                SERVED + f"test_eval_with_reward_url_scores_as_with_reward_model[{tool}]"],
+            f"{tool}:reward_url_timeout": [
+                SERVED + f"test_a_hung_endpoint_stops_the_run_with_one_line[{tool}]"],
+            f"{tool}:reward_workers": [
+                POOL + f"test_eval_scores_through_the_pool_as_without_it[{tool}]"],
+            f"{tool}:reward_retries": [
+                POOL + f"test_eval_scores_through_the_pool_as_without_it[{tool}]"],
+            f"{tool}:engine": [ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{tool}]"],
+            f"{tool}:engine_kv_cache_mb": [
+                ENGINE + f"test_engine_and_its_kv_cache_size_reach_vllm[{tool}]"],
+            f"{tool}:threads": [TOOLS + f"test_threads_is_used[{tool}]"],
+        }
+        for name in ("device", "trust_remote_code"):
+            out[f"{tool}:{name}"] = [TOOLS + f"test_device_dtype_and_trust_remote_code_reach_"
+                                             f"the_loaders[{tool}]"]
+        out[f"{tool}:dtype"].append(TOOLS + f"test_device_dtype_and_trust_remote_code_reach_"
+                                            f"the_loaders[{tool}]")
+    out |= {"bon:model": [bon.format("sampling")], "bon:n": [bon.format("sampling")],
+            "bon:output": [bon.format("sampling")], "bon:tools": [bon.format("tools")],
+            "bon:base": ["tests/models/test_portable_adapters.py::test_bon_of_a_run_whose_base_"
+                         "moved_finds_it_with_base"],
+            "interpolate:tools": [ENV + "test_tools_of_generate_and_eval_reach_the_first_prompt"
+                                        "[interpolate]"]}
+    for name in ("reference", "model", "points", "output_dir", "chunked_lm_head"):
+        out[f"interpolate:{name}"] = [line.format("sampling")]
+    for name in ("env", "max_turns", "max_observation_tokens"):
+        out[f"bon:{name}"].append(bon.format("episodes"))
+    out["bon:max_episode_tokens"].append(bon.format("budget"))
+    out["bon:batch_size"].append(BASELINES + "test_bon_samples_each_draw_in_chunks_of_batch_size")
+    return out
+
+
+OPTION_TESTS |= _baselines_map()

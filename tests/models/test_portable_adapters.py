@@ -130,6 +130,23 @@ def test_eval_of_a_moved_run_uses_its_moved_base_and_writes_beside_final(stash, 
     assert snapshot(final) == before
 
 
+def length_reward(prompts, responses):
+    return [len(r) / 10.0 for r in responses]
+
+
+def test_bon_of_a_run_whose_base_moved_finds_it_with_base(stash, tmp_path):
+    project = _project(stash, "llama", tmp_path)
+    args = ["bon", "--model", str(project / "runs" / "lora" / "final"), "--prompts",
+            str(project / "prompts.jsonl"), "--n", "2", "--reward-fn",
+            f"{__file__}:length_reward", *SAMPLING]
+    assert main([*args, "--output", str(tmp_path / "before.json")]) == 0
+    (project / "llama").rename(project / "moved_llama")
+    assert main([*args, "--output", str(tmp_path / "after.json")]) == 2  # its base is gone
+    assert main([*args, "--base", str(project / "moved_llama"), "--output",
+                 str(tmp_path / "after.json")]) == 0
+    assert (tmp_path / "after.json").read_text() == (tmp_path / "before.json").read_text()
+
+
 def test_set_base_passes_trust_remote_code_to_the_loader(stash, tmp_path, monkeypatch):
     from tether.tools import set_base
 

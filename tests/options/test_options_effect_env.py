@@ -233,15 +233,21 @@ def cli_run(tool, model, envs, tmp_path, name, *extra) -> list[dict]:
     data.write_text("".join(json.dumps({"prompt": p}) + "\n"
                             for p in ("the movie was", "a film", "it", "the plot")))
     out = tmp_path / f"{name}.{'jsonl' if tool == 'generate' else 'json'}"
-    args = [tool, "--model", str(model), "--prompts", str(data), "--output", str(out),
-            "--max-new-tokens", "6", "--device", "cpu", *extra]
+    # bon: a pool of 2 per row; interpolate: the line from the model to itself, its last point
+    target = {"interpolate": ["--from", str(model), "--to", str(model), "--points", "0,1",
+                              "--output-dir", str(tmp_path / name)],
+              "bon": ["--model", str(model), "--n", "2", "--output", str(out)]}
+    args = [tool, *target.get(tool, ["--model", str(model), "--output", str(out)]), "--prompts",
+            str(data), "--max-new-tokens", "6", "--device", "cpu", *extra]
     assert main(args) == 0
     if tool == "generate":
         return [json.loads(x) for x in out.read_text().splitlines()]
+    if tool == "interpolate":
+        return [json.loads((tmp_path / name / "eta1.eval.json").read_text())]
     return [json.loads(out.read_text())]
 
 
-@pytest.mark.parametrize("tool", ["generate", "eval"])
+@pytest.mark.parametrize("tool", ["generate", "eval", "bon", "interpolate"])
 def test_episode_options_of_generate_and_eval(tool, tiny_model_dir, tmp_path, envs, capsys):
     env, stops = f"{envs}:Endless", ["--stop-strings", *STOPS]
     out = cli_run(tool, tiny_model_dir, envs, tmp_path, "two", "--env", env, "--max-turns", "2",
@@ -256,7 +262,7 @@ def test_episode_options_of_generate_and_eval(tool, tiny_model_dir, tmp_path, en
     if tool == "generate":
         assert all(len(r["token_ids"]) - r["action_mask"].index(1) <= 30 for r in out)
         assert any(r["cut_observations"] for r in out)
-    else:
+    elif tool != "bon":  # (bon.json holds the curve; the turns below tell)
         assert out[0]["metrics"]["eval/cut_observations"] > 0
     # the cut observation and its marker (40 tokens) leave no room for a second turn in 30
     assert max(x["turn"] for x in logged(envs)) == 1
@@ -285,10 +291,10 @@ def test_eval_stop_strings_cut_each_response(tiny_model_dir, tmp_path, envs):
     assert cut != whole
 
 
-@pytest.mark.parametrize("tool", ["generate", "eval"])
+@pytest.mark.parametrize("tool", ["generate", "eval", "interpolate"])
 def test_tools_of_generate_and_eval_reach_the_first_prompt(tool, tiny_qwen2_tools_dir, tmp_path,
                                                            envs):
-    extra = ["--reward-fn", f"{envs}:length"] if tool == "eval" else []
+    extra = ["--reward-fn", f"{envs}:length"] if tool != "generate" else []
     out = cli_run(tool, tiny_qwen2_tools_dir, envs, tmp_path, "tools", "--tools", f"{envs}:add",
                   "--max-prompt-len", "512", *extra)
     prompts = [r["prompt"] for r in out] if tool == "generate" else [

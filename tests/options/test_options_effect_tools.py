@@ -87,14 +87,21 @@ class Sampler:
 
 def run_tool(tool, model, prompts, tmp_path, *extra, name="out") -> list[dict]:
     """Run `tether <tool>` on the command line; its samples: generate's JSONL rows, eval's
-    recorded samples (one per prompt)."""
+    recorded samples (one per prompt), interpolate's of its last point (the line from the model
+    to itself, each point evaluated); bon's curve (a pool of 2)."""
     out = tmp_path / f"{name}.{'jsonl' if tool == 'generate' else 'json'}"
-    argv = [tool, "--model", model, "--prompts", prompts, "--device", "cpu",
-            "--max-new-tokens", "6", "--output", str(out), *extra]
+    target = {"interpolate": ["--from", model, "--to", model, "--points", "0,1", "--output-dir",
+                              str(tmp_path / name)],
+              "bon": ["--model", model, "--n", "2", "--output", str(out),
+                      "--reward-fn", f"{__file__}:length_reward"]}
+    argv = [tool, *target.get(tool, ["--model", model, "--output", str(out)]), "--prompts",
+            prompts, "--device", "cpu", "--max-new-tokens", "6", *extra]
     assert main(argv) == 0
     if tool == "generate":
         return [json.loads(line) for line in out.read_text().splitlines()]
-    return json.loads(out.read_text())["samples"]
+    if tool == "interpolate":
+        return json.loads((tmp_path / name / "eta1.eval.json").read_text())["samples"]
+    return json.loads(out.read_text()) if tool == "bon" else json.loads(out.read_text())["samples"]
 
 
 def responses(rows):
@@ -163,16 +170,16 @@ def test_cold_generate_lengths_equal_greedy_decoding_by_hand(models, prompts, tm
                                                   {tokenizer.eos_token_id})
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", [*TOOLS, "bon", "interpolate"])
 def test_device_dtype_and_trust_remote_code_reach_the_loaders(tool, models, prompts, tmp_path,
                                                               monkeypatch):
     from transformers import AutoTokenizer
 
     model = models["tiny_llama_dir"]
     if not torch.cuda.is_available():  # the device is used: cuda is refused on a machine without it
-        assert main([tool, "--model", model, "--prompts", prompts, "--device", "cuda",
-                     "--output", str(tmp_path / "x")]) == 2
-        assert not (tmp_path / "x").exists()
+        with pytest.raises(AssertionError):
+            run_tool(tool, model, prompts, tmp_path, "--device", "cuda", name="x")
+        assert not (tmp_path / "x").exists() and not (tmp_path / "x.json").exists()
     seen, dtypes = [], []
     original = AutoTokenizer.from_pretrained.__func__
 
@@ -320,7 +327,7 @@ def test_sweep_grid_output_dir_and_jobs(tmp_path, tiny_model_dir, monkeypatch, c
                                                             for x in lines)
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", [*TOOLS, "bon", "interpolate"])
 def test_threads_is_used(tool, models, prompts, tmp_path):
     """--threads N sets torch's count; auto (0) gives the tiny model one thread (run/threads.py)."""
     before = torch.get_num_threads()

@@ -455,22 +455,33 @@ def test_eval_refuses_a_pool_without_functions(files, tiny_model_dir, capsys):
             r"--reward-workers 4 scores the rows of --reward-fn", capsys)
 
 
-def test_eval_scores_through_the_pool_as_without_it(files, tiny_model_dir, capsys):
+@pytest.mark.parametrize("command", ["eval", "bon", "interpolate"])
+def test_eval_scores_through_the_pool_as_without_it(command, files, tiny_model_dir, capsys):
     # Truth: the same evaluation with one call per batch; a held-out row cannot be drawn again,
-    # so a failed one ends `tether eval` with one line (here after 1 + 0 tries).
-    base = ["eval", "--model", str(tiny_model_dir), "--prompts", "prompts.jsonl",
-            "--max-new-tokens", "4", "--device", "cpu"]
-    assert main([*base, "--reward-fn", "fns.py:length", "--output", "one.json"]) == 0
-    assert main([*base, "--reward-fn", "fns.py:async_length", "--gold-fn", "fns.py:length",
-                 "--reward-workers", "4", "--output", "pooled.json"]) == 0
+    # so a failed one ends `tether eval` with one line (here after 1 + 0 tries). The baselines
+    # evaluate as eval does: bon's pool (of 2), interpolate's points (the line from the model to
+    # itself).
+    def base(out):
+        target = {"bon": ["--model", str(tiny_model_dir), "--n", "2", "--output", out],
+                  "interpolate": ["--from", str(tiny_model_dir), "--to", str(tiny_model_dir),
+                                  "--points", "0,1", "--output-dir", out]}.get(
+            command, ["--model", str(tiny_model_dir), "--output", out])
+        return [command, *target, "--prompts", "prompts.jsonl", "--max-new-tokens", "4",
+                "--device", "cpu"]
+    assert main([*base("one.json"), "--reward-fn", "fns.py:length", "--gold-fn",
+                 "fns.py:length"]) == 0
+    assert main([*base("pooled.json"), "--reward-fn", "fns.py:async_length", "--gold-fn",
+                 "fns.py:length", "--reward-workers", "4"]) == 0
 
     def scores(name, key):
-        return [s[key] for s in json.loads((files / name).read_text())["samples"]]
+        path = files / name / "eta1.eval.json" if command == "interpolate" else files / name
+        record = json.loads(path.read_text())
+        return record if command == "bon" else [s[key] for s in record["samples"]]
     assert scores("pooled.json", "score") == scores("one.json", "score")
-    assert scores("pooled.json", "gold_score") == scores("one.json", "score")
+    assert scores("pooled.json", "gold_score") == scores("one.json", "gold_score")
     capsys.readouterr()
-    assert main([*base, "--reward-fn", "fns.py:fails_on_it", "--reward-workers", "4",
-                 "--reward-retries", "0", "--output", "failed.json"]) == 2
+    assert main([*base("failed.json"), "--reward-fn", "fns.py:fails_on_it", "--reward-workers",
+                 "4", "--reward-retries", "0"]) == 2
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(
         "error: 1 of 4 responses of the held-out evaluation have no score: response 2: reward "

@@ -245,15 +245,31 @@ def test_online_run_with_reward_url_is_the_run_with_reward_model(stage, policy, 
     assert f"reward_url: {server.url}\n" in recorded  # as given: a URL, not a path
 
 
-def test_eval_with_reward_url_scores_as_with_reward_model(rms, tiny_model_dir, tmp_path):
+def baseline_argv(command: str, model, out) -> list[str]:
+    """`tether <command>` of `model` writing `out`: eval's record; bon's curve (a pool of 2);
+    interpolate's line from the model to itself (its points' records in the directory `out`)."""
+    if command == "interpolate":
+        return [command, "--from", str(model), "--to", str(model), "--points", "0,1",
+                "--output-dir", str(out)]
+    return [command, "--model", str(model), "--output", str(out),
+            *(["--n", "2"] if command == "bon" else [])]
+
+
+@pytest.mark.parametrize("command", ["eval", "bon", "interpolate"])
+def test_eval_with_reward_url_scores_as_with_reward_model(command, rms, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PLAIN])
-    argv = ["eval", "--model", str(tiny_model_dir), "--prompts", str(prompts),
-            "--max-new-tokens", "6", "--device", "cpu", "--batch-size", "4"]
-    assert main(argv + ["--reward-model", str(rms["gpt2"]),
-                        "--output", str(tmp_path / "a.json")]) == 0
+    argv = ["--prompts", str(prompts), "--max-new-tokens", "6", "--device", "cpu",
+            "--batch-size", "4"]
+    assert main(baseline_argv(command, tiny_model_dir, tmp_path / "a.json") + argv +
+                ["--reward-model", str(rms["gpt2"])]) == 0
     with served(rms["gpt2"], batch_size=4) as server:
-        assert main(argv + ["--reward-url", server.url, "--output", str(tmp_path / "b.json")]) == 0
-    a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
+        assert main(baseline_argv(command, tiny_model_dir, tmp_path / "b.json") + argv +
+                    ["--reward-url", server.url]) == 0
+    a, b = (json.loads((tmp_path / f"{x}.json" / "eta1.eval.json" if command == "interpolate"
+                        else tmp_path / f"{x}.json").read_text()) for x in "ab")
+    if command == "bon":
+        assert a == b
+        return
     assert a["metrics"] == b["metrics"]
     assert [s["score"] for s in a["samples"]] == [s["score"] for s in b["samples"]]
 
@@ -446,14 +462,13 @@ def test_a_401_is_one_line_not_retried(monkeypatch):
     assert stub.posts == 1
 
 
-@pytest.mark.parametrize("stage", ["grpo", "eval"])
+@pytest.mark.parametrize("stage", ["grpo", "eval", "bon", "interpolate"])
 def test_a_hung_endpoint_stops_the_run_with_one_line(stage, workdir, capsys):
     stub = Stub(["hang"])
     try:
         argv = (_grpo(workdir, workdir / "plain.jsonl") if stage == "grpo" else
-                ["eval", "--model", str(workdir / "policy"), "--prompts",
-                 str(workdir / "plain.jsonl"), "--output", str(workdir / "e.json"), "--device",
-                 "cpu"])
+                baseline_argv(stage, workdir / "policy", workdir / "e.json")
+                + ["--prompts", str(workdir / "plain.jsonl"), "--device", "cpu"])
         capsys.readouterr()
         assert main(argv + ["--reward-url", stub.url, "--reward-url-timeout", "0.5",
                             "--max-new-tokens", "4"]) == 2

@@ -281,10 +281,11 @@ def test_a_function_that_returns_in_time_gives_bit_identical_results(files, tiny
     assert weights("limited") == weights("unlimited")
 
 
-@pytest.mark.parametrize("command", ["ppo", "eval"])
+@pytest.mark.parametrize("command", ["ppo", "eval", "bon", "interpolate"])
 def test_the_timeout_reaches_every_call(command, files, tiny_model_dir, monkeypatch):
     """Every reward and gold call runs under --reward-fn-timeout's seconds (the deadlines seen,
-    by what they name), in training (its evaluations too) and in `tether eval`."""
+    by what they name), in training (its evaluations too), in `tether eval` and in the baselines
+    (`tether bon`'s pool, `tether interpolate`'s points)."""
     from tether.rl.reward import functions
 
     seen, real = [], functions.Deadline
@@ -300,9 +301,12 @@ def test_the_timeout_reaches_every_call(command, files, tiny_model_dir, monkeypa
         assert main(online(tiny_model_dir, "reach", "--total-episodes", "2", "--eval-prompts",
                            "held_out.jsonl", *functions)) == 0
     else:
-        assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "prompts.jsonl",
-                     "--output", "eval.json", "--max-new-tokens", "3", "--device", "cpu",
-                     *functions]) == 0
+        target = {"bon": ["--model", str(tiny_model_dir), "--n", "2", "--output", "bon.json"],
+                  "interpolate": ["--from", str(tiny_model_dir), "--to", str(tiny_model_dir),
+                                  "--points", "0,1", "--output-dir", "line"]}.get(
+            command, ["--model", str(tiny_model_dir), "--output", "eval.json"])
+        assert main([command, *target, "--prompts", "prompts.jsonl", "--max-new-tokens", "3",
+                     "--device", "cpu", *functions]) == 0
     assert {what for _, what in seen} == {"reward function", "gold reward function"}
     assert {seconds for seconds, _ in seen} == {7.0}
 

@@ -181,6 +181,7 @@ def narrow(tmp_path_factory):
     ("to a hub name", "no safetensors"),
     ("not empty", "must be new or empty"), ("inside", "outside --from and --to"),
     ("gold without prompts", "scores the points on --prompts"), ("no weights", "no safetensors"),
+    ("missing prompts", "not found"), ("device", "use --device cpu"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(case, message, rl, narrow, tmp_path,
                                                       no_loads, capsys):
@@ -196,7 +197,12 @@ def test_bad_input_is_one_line_and_nothing_is_written(case, message, rl, narrow,
             "other base": [llama, adapter], "from adapter": [adapter, gpt2],
             "not empty": [gpt2, gpt2_rl], "inside": [gpt2, gpt2_rl],
             "gold without prompts": [gpt2, gpt2_rl, "--gold-fn", "x.py:f"],
-            "no weights": [str(tmp_path), gpt2_rl], "to a hub name": [gpt2, "gpt2"]}[case]
+            "no weights": [str(tmp_path), gpt2_rl], "to a hub name": [gpt2, "gpt2"],
+            "missing prompts": [gpt2, gpt2_rl, "--prompts", str(tmp_path / "none.jsonl")],
+            "device": [gpt2, gpt2_rl, "--prompts", str(tmp_path / "none.jsonl"), "--device",
+                       "cuda"]}[case]
+    if case == "device" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal needs one without it")
     if case == "not empty":
         out.mkdir()
         (out / "keep.txt").write_text("mine")

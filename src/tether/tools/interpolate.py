@@ -35,12 +35,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tether.data.rows import load_rows
 from tether.errors import TetherError
 from tether.models.adapter_checks import check_adapter_files, read_json
 from tether.models.base_location import write_json, write_location
 from tether.models.lora import adapter_base, is_adapter
 from tether.models.saving import atomic_dir
 from tether.run.config import section
+from tether.run.launch import resolve_device
 from tether.tools import evaluate
 from tether.tools.config import EvalConfig, InterpolateConfig
 
@@ -95,6 +97,9 @@ def check_inputs(cfg: InterpolateConfig) -> bool:
     if any(out.iterdir() if out.is_dir() else ()) or any(
             out.resolve().is_relative_to(p.resolve()) for p in (sft, rl)):
         raise TetherError(f"--output-dir {out} must be new or empty, outside --from and --to")
+    if cfg.prompts:  # what evaluating the points reads first: before any point is written
+        resolve_device(cfg.device)
+        load_rows(cfg.prompts)
     return is_adapter(rl)
 
 

@@ -414,7 +414,7 @@ class StartSpy:
         monkeypatch.setattr(vllm_engine.VLLMEngine, "__init__", spy)
 
 
-@pytest.mark.parametrize("tool", ["grpo", "generate", "eval"])
+@pytest.mark.parametrize("tool", ["grpo", "generate", "eval", "bon", "interpolate"])
 def test_engine_and_its_kv_cache_size_reach_vllm(tool, tiny_model_dir, prompts, tmp_path,
                                                   monkeypatch):
     spy = StartSpy(monkeypatch)
@@ -424,11 +424,16 @@ def test_engine_and_its_kv_cache_size_reach_vllm(tool, tiny_model_dir, prompts, 
         argv = ["grpo", "--policy", str(tiny_model_dir), "--prompts", str(prompts),
                 "--reward-fn", f"{Path(__file__).resolve()}:length_reward", "--batch-size", "8",
                 "--total-episodes", "8", "--output-dir", str(tmp_path), "--save-every", "0"]
+    elif tool == "interpolate":  # the line from the model to itself: each point's engine
+        argv = [tool, "--from", str(tiny_model_dir), "--to", str(tiny_model_dir), "--points",
+                "0,1", "--output-dir", str(tmp_path / "line"), "--prompts", str(prompts)]
     else:
         argv = [tool, "--model", str(tiny_model_dir), "--prompts", str(prompts), "--output",
-                str(tmp_path / f"out.{'jsonl' if tool == 'generate' else 'json'}")]
+                str(tmp_path / f"out.{'jsonl' if tool == 'generate' else 'json'}"),
+                *(["--n", "2", "--reward-fn", f"{Path(__file__).resolve()}:length_reward"]
+                  if tool == "bon" else [])]
     assert main(argv + common) == 0
-    assert spy.sizes == [(48, 48 << 20)]
+    assert spy.sizes == [(48, 48 << 20)] * (2 if tool == "interpolate" else 1)
 
 
 def offset_engine_logprobs(monkeypatch, offset: float) -> None:
