@@ -138,30 +138,25 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
 def returned_scores(scores: Any, n: int, what: str, fn: Callable, allow_none: bool = False
                     ) -> list[float | None]:
     """What the reward function `fn` returned for `n` responses, as floats (None kept with
-    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range."""
-    values = _ordered_numbers(scores, allow_none)
-    if values is None:
-        raise TetherError(f"{what} {function_name(fn)} returned {_shown(scores)}, not a list of "
-                          f"numbers in the responses' order; {FIX}")
-    if len(values) != n:
-        raise TetherError(f"{what} {function_name(fn)} returned {len(values)} scores for {n} "
-                          f"responses; {FIX}")
-    return values
+    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range.
 
-
-def _ordered_numbers(scores: Any, allow_none: bool = False) -> list[float | None] | None:
-    """The scores as floats, or None unless they are real numbers in a defined order: a list or
-    tuple (not a str, whose characters float() would read), or a 1-D tensor or array.
-    `allow_none`: None items are kept (as None) instead of refusing the list."""
+    Numbers in a defined order are real numbers in a list or tuple (not a str, whose characters
+    float() would read), or a 1-D tensor or array. `allow_none`: None items are kept (as None)
+    instead of refusing the list."""
     if isinstance(scores, (list, tuple)):
         items = list(scores)
     elif getattr(scores, "ndim", None) == 1 and hasattr(scores, "tolist"):  # tensor, ndarray
         items = scores.tolist()
     else:  # a set or dict (no order of the responses'), a generator, a string, a scalar, None
-        return None
-    if not all(_is_real(s) or (allow_none and s is None) for s in items):
-        return None
-    return [None if s is None else float(s) for s in items]
+        items = None
+    if items is None or not all(_is_real(s) or (allow_none and s is None) for s in items):
+        raise TetherError(f"{what} {function_name(fn)} returned {_shown(scores)}, not a list of "
+                          f"numbers in the responses' order; {FIX}")
+    values = [None if s is None else float(s) for s in items]
+    if len(values) != n:
+        raise TetherError(f"{what} {function_name(fn)} returned {len(values)} scores for {n} "
+                          f"responses; {FIX}")
+    return values
 
 
 def _is_real(value: Any) -> bool:
