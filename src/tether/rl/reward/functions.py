@@ -74,12 +74,8 @@ class RewardFunction:
 
 def load_reward_functions(spec: str) -> list[Callable]:
     """The functions `--reward-fn` names: `file.py:f` or several joined by commas."""
-    return [load_reward_function(name.strip()) for name in spec.split(",") if name.strip()]
-
-
-def load_reward_function(spec: str) -> Callable:
-    """The function `--reward-fn` or `--gold-fn` names (tether.run.user_code.load)."""
-    return load_function(spec, "reward function")
+    return [load_function(name.strip(), "reward function") for name in spec.split(",")
+            if name.strip()]
 
 
 def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[RewardFunction]:
