@@ -138,8 +138,8 @@ def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt],
     policy_vocab = policy_tokenizer.get_vocab()
     model = load_scoring_model(path, device, dtype, trust_remote_code)
     if isinstance(model, RewardModel):
-        fast = model.tokenizer.get_vocab() == policy_vocab
-        if fast:  # the policy's ids index its embeddings
+        # the fast path: the policy's ids index its embeddings
+        if model.tokenizer.get_vocab() == policy_vocab:
             check_same_vocabulary(policy_tokenizer, {"reward model": (None, model.backbone)})
             return ModelReward(reward_from_model(model, chunk, path), model, model)
         critic_init = None
