@@ -84,8 +84,7 @@ def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[Re
     if weights and len(weights) != len(functions):
         raise TetherError(f"--reward-weights has {len(weights)} weights for {len(functions)} "
                           "reward functions; give one weight per --reward-fn function, in order")
-    bad = [w for w in weights if not math.isfinite(w)]
-    if bad:
+    if bad := [w for w in weights if not math.isfinite(w)]:
         raise TetherError(f"--reward-weights holds {bad[0]}; give finite numbers")
     names, seen = [], {}
     for fn in functions:
@@ -206,8 +205,7 @@ def row_columns(rows: Sequence[dict]) -> dict[str, list]:
     """The rows' other columns by name, each a list aligned with `rows` (None where a row lacks
     it). A column named like a TRL argument could not be told apart from it: refused."""
     names = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in PROMPT_COLUMNS]
-    clash = [k for k in names if k in TRL_ARGUMENTS]
-    if clash:
+    if clash := [k for k in names if k in TRL_ARGUMENTS]:
         raise TetherError(f"the prompt file has a column {clash[0]!r}, a name the reward "
                           "functions are called with; rename that column")
     return {k: [row.get(k) for row in rows] for k in names}

@@ -51,8 +51,7 @@ def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torc
     forward overflows), never the policy's learning rate, which is where the loss's NaN would
     point a batch later."""
     for row, value in enumerate(scores.tolist()):
-        why = out_of_range(value)
-        if why is not None:
+        if why := out_of_range(value):  # a line, or None
             prompt = str(prompts[row])[:40] if row < len(prompts) else "?"
             raise NonFiniteScore(f"the reward model {name} gave response {row} (prompt "
                                  f"{prompt!r}) {why}: its weights hold NaN or inf, or are so "

@@ -126,8 +126,8 @@ def build(cfg, user: UserCode, tokenizer, device, *, served: Reward | None,
         return Rewards(reward_from_model(shared, chunk, cfg.reward_model), shared, shared,
                        functions, gold)
     originals = prompt_originals(tokenizer, *prompt_files)
-    members = ensemble_members(cfg.reward_model)
-    if members:  # tether rm --ensemble K's (tether.rl.reward.ensemble)
+    if members := ensemble_members(cfg.reward_model):
+        # tether rm --ensemble K's (tether.rl.reward.ensemble)
         from tether.rl.reward.ensemble import load_ensemble
 
         loaded = load_ensemble(members, cfg.reward_aggregate, tokenizer, originals, chunk, device,
