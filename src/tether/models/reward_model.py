@@ -212,9 +212,8 @@ class RewardModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
         right-padded batches give the same states for the same text."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask))
-        return out.last_hidden_state
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int | None = None, packed: bool = False) -> torch.Tensor:
