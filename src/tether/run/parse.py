@@ -184,8 +184,8 @@ def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     path, rest, args = None, [], iter(argv)
     for arg in args:
         if arg == "--config":
-            path = next(args, None)  # the next argument, whatever it looks like
-            if path is None:
+            # the next argument, whatever it looks like
+            if (path := next(args, None)) is None:
                 raise TetherError("--config needs a path to a YAML file")
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]

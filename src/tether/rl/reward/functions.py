@@ -326,8 +326,7 @@ def one_score(what: str, fn: Callable, value: Any) -> float | None:
     `Refused` when it is NaN, inf or out of range (a failed row), TetherError when it is not
     one number (a bug: `returned_scores`). `what` and `fn` name the function in errors."""
     [score] = returned_scores(value, 1, what, fn, allow_none=True)
-    why = None if score is None else out_of_range(score)
-    if why is not None:
+    if score is not None and (why := out_of_range(score)):
         raise Refused(why)
     return score
 

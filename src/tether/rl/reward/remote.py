@@ -82,8 +82,7 @@ def _request(url: str, path: str, data: bytes | None, timeout: float) -> dict:
     refused what it was sent) and a timeout (a hung server would hang again) are one line at
     once."""
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    key = os.environ.get(RM_API_KEY_ENV, "")
-    if key:
+    if key := os.environ.get(RM_API_KEY_ENV, ""):
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url + path, data=data, headers=headers)
     hung = (f"--reward-url {url}: no answer to {path} within {timeout:g} s "
