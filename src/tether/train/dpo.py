@@ -176,22 +176,18 @@ def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[s
             "objective/logratio": logratio.item()}
 
 
-def _check_models(cfg: DPOConfig, tokenizer, examples) -> None:
-    """From the models' configs and tokenizers alone: the reference's path and vocabulary, a
-    reward model or classifier given as --model or --ref-model, and rows longer than either
-    model reads (tether.models.limits)."""
+def run(cfg: DPOConfig) -> RunResult:
+    """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    examples, stats = offline.encode_data(cfg, tokenizer, encode_preferences, cfg.data, "pairs")
+    # Before any weights load, from the models' configs and tokenizers alone: the reference's
+    # path and vocabulary, a reward model or classifier given as --model or --ref-model, and rows
+    # longer than either model reads (tether.models.limits).
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
     named = {"--model": cfg.model, "--ref-model": cfg.ref_model}  # "": the model is its own
     positions = [language_model(path, option, trust_remote_code=cfg.trust_remote_code)
                  for option, path in named.items() if path]
     check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
-
-
-def run(cfg: DPOConfig) -> RunResult:
-    """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    examples, stats = offline.encode_data(cfg, tokenizer, encode_preferences, cfg.data, "pairs")
-    _check_models(cfg, tokenizer, examples)  # before any weights load
     lora, run_dir, d = offline.open_run(cfg)
 
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
