@@ -79,10 +79,9 @@ def read_run(path: str | Path) -> RunRecord:
             raise TetherError(f"{path / 'config.yaml'} is a YAML {type(config).__name__}, not the "
                               "mapping of config fields a run records; restore it from the run "
                               "or leave the run out")
-    metrics = []
-    if (path / "metrics.jsonl").is_file():
-        metrics = [row for _, row in json_lines(path / "metrics.jsonl")
-                   if isinstance(row, dict) and "step" in row]
+    metrics = ([row for _, row in json_lines(path / "metrics.jsonl")
+                if isinstance(row, dict) and "step" in row]
+               if (path / "metrics.jsonl").is_file() else [])
     return RunRecord(path.name, path, config, metrics)
 
 
