@@ -22,7 +22,8 @@ from offline_fixtures import write_jsonl
 
 from tether.cli import main
 from tether.errors import TetherError
-from tether.rl.reward.functions import call_reward_function, load_reward_function
+from tether.rl.reward.functions import call_reward_function
+from tether.run.user_code.load import load_function
 
 PROMPTS, RESPONSES = ["p0", "p1", "p2"], ["a", "bb", "ccc"]
 
@@ -125,7 +126,7 @@ def test_a_module_that_exits_on_import_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TetherError, match=r"cannot import leaves.py for reward function "
                        r"'leaves.py:f': SystemExit\(0\): it called sys.exit \(at leaves.py:2\)"):
-        load_reward_function("leaves.py:f")
+        load_function("leaves.py:f", "reward function")
 
 
 def test_a_module_name_is_found_in_the_current_directory(tmp_path, monkeypatch):
@@ -142,7 +143,7 @@ def test_a_module_name_is_found_in_the_current_directory(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ModuleNotFoundError):  # the premise: a plain import does not see it
         __import__(name)
-    gold = load_reward_function(f"{name}:gold")
+    gold = load_function(f"{name}:gold", "reward function")
     assert call_reward_function(gold, PROMPTS, RESPONSES).tolist() == [1.0, 2.0, 3.0]
     for module in (name, "h23_helper"):
         sys.modules.pop(module, None)
@@ -247,7 +248,7 @@ def test_the_demo_records_its_gold_function_and_a_rerun_keeps_it(tmp_path, tiny_
     config = tmp_path / "ppo-fixed-seed0" / "config.yaml"
     recorded = yaml.safe_load(config.read_text())["gold_fn"]
     assert recorded == "tether.demo.task:gold_reward"
-    assert load_reward_function(recorded) is task.gold_reward
+    assert load_function(recorded, "reward function") is task.gold_reward
 
     assert main(["ppo", "--config", str(config), "--run-name", "again"]) == 0
     def step0(run):

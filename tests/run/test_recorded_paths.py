@@ -267,5 +267,5 @@ def test_a_module_in_the_current_directory_is_recorded_as_its_file(tmp_path, mon
     (tmp_path / "elsewhere" / "task.py").write_text("def gold(p, r):\n    return [0.0] * len(r)\n")
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert resolved_paths(resolved) == resolved
-    from tether.rl.reward.functions import load_reward_function
-    assert load_reward_function(resolved["gold_fn"])(["p"], ["r"]) == [1.0]
+    from tether.run.user_code.load import load_function
+    assert load_function(resolved["gold_fn"], "reward function")(["p"], ["r"]) == [1.0]

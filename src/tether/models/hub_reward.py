@@ -123,8 +123,8 @@ def classifier_tokenizer(name: str, trust_remote_code: bool):
 def check_reward_model(name_or_path: str, trust_remote_code: bool = False) -> str:
     """`reward_model_kind`, and for a sequence-classification checkpoint its tokenizer against its
     embedding rows: what a stage checks before any weights load."""
-    members = ensemble_members(name_or_path)
-    if members:  # each member checked, and all of them on one base
+    if members := ensemble_members(name_or_path):
+        # each member checked, and all of them on one base
         kinds = [check_reward_model(member, trust_remote_code) for member in members]
         bases = {_base(member, trust_remote_code): member for member in members}
         if len(bases) > 1:

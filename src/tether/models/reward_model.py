@@ -110,9 +110,8 @@ class RewardModel(nn.Module):
             merged = load_causal_lm(name_or_path, tokenizer, dtype, trust_remote_code)
             model = cls(merged.base_model, tokenizer)
         else:
-            backbone = _load_for_tokenizer(AutoModel, "a model trunk", local_or_hub(name_or_path),
-                                           tokenizer, dtype, trust_remote_code)
-            model = cls(backbone, tokenizer)
+            model = cls(_load_for_tokenizer(AutoModel, "a model trunk", local_or_hub(name_or_path),
+                                            tokenizer, dtype, trust_remote_code), tokenizer)
         nn.init.normal_(model.head.weight, std=1.0 / (model.head.in_features + 1) ** 0.5)
         return model
 
@@ -134,9 +133,8 @@ class RewardModel(nn.Module):
             lm = TrainableLM(peft.get_base_model(), peft, None, base=local_or_hub(base_name))
             model = cls(lm.model.base_model, tokenizer, lora=lm)
         elif (path / REWARD_HEAD).is_file():  # before v2: a trunk beside the head file
-            backbone = _from_pretrained(AutoModel, "the reward model", str(path), dtype,
-                                        trust_remote_code)
-            model = cls(backbone, tokenizer)
+            model = cls(_from_pretrained(AutoModel, "the reward model", str(path), dtype,
+                                         trust_remote_code), tokenizer)
         else:  # v2: a sequence-classification checkpoint, its `score` the head
             classifier = _from_pretrained(AutoModelForSequenceClassification, "the reward model",
                                           str(path), dtype, trust_remote_code)
@@ -214,9 +212,8 @@ class RewardModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states `[B, T, d]`; position ids count real tokens only, so left- and
         right-padded batches give the same states for the same text."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask))
-        return out.last_hidden_state
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int | None = None, packed: bool = False) -> torch.Tensor:

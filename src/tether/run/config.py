@@ -208,10 +208,8 @@ class EnvOptions(Section):
 
     @property
     def resolved_max_episode_tokens(self) -> int:  # derived: 0 -> every turn and observation
-        if self.max_episode_tokens:
-            return self.max_episode_tokens
-        per_turn = self.max_new_tokens + self.max_observation_tokens + TEMPLATE_ALLOWANCE
-        return self.max_turns * per_turn
+        return self.max_episode_tokens or self.max_turns * (
+            self.max_new_tokens + self.max_observation_tokens + TEMPLATE_ALLOWANCE)
 
     def validate(self) -> None:
         super().validate()

@@ -170,11 +170,9 @@ def _unknown(cls: type, name: str, value: Any, prog: str | None, shown: tuple[st
     fields = {f.name for f in dataclasses.fields(cls)}
     stage = getattr(cls, "STAGE", None)
     prog = prog or (f"tether {stage}" if stage else cls.__name__)
-    trl = trl_names.hint(name, value, fields, stage, prog, shown, as_key)
-    if trl:
+    if trl := trl_names.hint(name, value, fields, stage, prog, shown, as_key):
         return trl
-    close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75)
-    if close:
+    if close := difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75):
         meant = f"'{close[0]}'" if as_key else flag(close[0])
         return f"unknown {'' if as_key else 'option '}{shown[0]}; did you mean {meant}?"
     return f"unknown {'' if as_key else 'option '}{shown[0]}; see {prog} --help"
@@ -186,8 +184,8 @@ def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     path, rest, args = None, [], iter(argv)
     for arg in args:
         if arg == "--config":
-            path = next(args, None)  # the next argument, whatever it looks like
-            if path is None:
+            # the next argument, whatever it looks like
+            if (path := next(args, None)) is None:
                 raise TetherError("--config needs a path to a YAML file")
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]

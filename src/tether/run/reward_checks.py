@@ -50,8 +50,7 @@ def check_rewards(cfg, *, training: bool, reward_fn: bool = False, gold_fn: bool
         raise TetherError(f"--reward-fn-timeout {cfg.reward_fn_timeout:g} limits the calls of "
                           "--reward-fn and --gold-fn functions, and this run has none; drop it "
                           "(an environment's calls have --env-timeout)")
-    check_reward_pool(cfg.reward_workers, cfg.reward_retries, type(cfg).reward_retries, scored,
-                      cfg.episodic)
+    check_reward_pool(cfg, scored)
 
 
 def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
@@ -68,10 +67,10 @@ def check_episode_reward(settings, reward_given: bool, env_given: bool) -> None:
                           "give a reward function (docs/agents.md)")
 
 
-def check_reward_pool(workers: int, retries: int, default_retries: int, has_functions: bool,
-                      episodic: bool) -> None:
+def check_reward_pool(cfg, has_functions: bool) -> None:
     """--reward-workers and --reward-retries: in range, and only where they act (Python reward
     or gold functions scoring a batch's responses), never accepted and ignored."""
+    workers, retries = cfg.reward_workers, cfg.reward_retries
     if not 0 <= workers <= MAX_WORKERS:
         raise TetherError(f"--reward-workers {workers} must lie in [0, {MAX_WORKERS}] (0 or 1: "
                           "one call per batch; N > 1: N rows scored at a time)")
@@ -79,7 +78,7 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
         raise TetherError(f"--reward-retries {retries} must lie in [0, {MAX_RETRIES}] (0: a "
                           f"failed call is not tried again; each retry waits up to "
                           f"{MAX_RETRY_DELAY_S:g} s)")
-    if workers > 1 and episodic:
+    if workers > 1 and cfg.episodic:
         raise TetherError(f"--reward-workers {workers} scores a batch's responses in parallel; "
                           "an episode's reward is scored inside its environment's step, which "
                           "--env-workers already runs concurrently; drop it")
@@ -87,7 +86,7 @@ def check_reward_pool(workers: int, retries: int, default_retries: int, has_func
         raise TetherError(f"--reward-workers {workers} scores the rows of --reward-fn and "
                           "--gold-fn functions in parallel, and this run has none; drop it (a "
                           "reward model scores a batch in one forward)")
-    if retries != default_retries and workers <= 1:
+    if retries != type(cfg).reward_retries and workers <= 1:
         raise TetherError(f"--reward-retries {retries} retries calls of the reward pool, and "
                           "there is none; pass --reward-workers N (N > 1) or drop it")
 

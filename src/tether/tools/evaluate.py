@@ -95,27 +95,23 @@ def _is_its_base(model_path: str, start: str) -> bool:
     return isinstance(saved_at, str) and os.path.realpath(saved_at) == os.path.realpath(start)
 
 
-def default_output(model_path: str) -> Path:
-    """Where an evaluation of `model_path` goes without --output: beside the model directory,
-    named after it (runs/x/final -> runs/x/final.eval.json), so the artefact evaluated is never
-    changed, and a run's final/ and merged/ each get their own file."""
-    model_dir = Path(os.path.abspath(os.path.expanduser(model_path)))
-    return model_dir.with_name(f"{model_dir.name}.eval.json")
-
-
 def output_path(cfg: EvalConfig) -> Path:
-    """Where the results go (--output, else `default_output`), checked before any model loads
+    """Where the results go (--output, else beside the model directory, named after it:
+    runs/x/final -> runs/x/final.eval.json, so the artefact evaluated is never changed, and a
+    run's final/ and merged/ each get their own file), checked before any model loads
     (tether.tools.outputs): not a directory, nor a file of the command's inputs, nor inside a
     model directory it reads."""
     check_local_path(cfg.model)  # a typo is named as one, not as a hub name needing --output
     if not cfg.output and not Path(cfg.model).is_dir():
         raise TetherError(f"--model {cfg.model} is not a local directory; pass --output FILE.json")
+    model_dir = Path(os.path.abspath(os.path.expanduser(cfg.model)))
     inputs = [("--prompts", cfg.prompts), ("--reward-fn", function_file(cfg.reward_fn)),
               ("--gold-fn", function_file(cfg.gold_fn)), ("--model", cfg.model),
               ("--base", cfg.base),
               ("--reference", cfg.reference or default_reference(cfg.model, cfg.base)),
               ("--reward-model", cfg.reward_model)]
-    return check_output(cfg.output or default_output(cfg.model), inputs, "eval.json")
+    return check_output(cfg.output or model_dir.with_name(f"{model_dir.name}.eval.json"), inputs,
+                        "eval.json")
 
 
 def checked_reference(cfg: EvalConfig, tokenizer) -> str:

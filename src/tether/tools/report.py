@@ -79,10 +79,9 @@ def read_run(path: str | Path) -> RunRecord:
             raise TetherError(f"{path / 'config.yaml'} is a YAML {type(config).__name__}, not the "
                               "mapping of config fields a run records; restore it from the run "
                               "or leave the run out")
-    metrics = []
-    if (path / "metrics.jsonl").is_file():
-        metrics = [row for _, row in json_lines(path / "metrics.jsonl")
-                   if isinstance(row, dict) and "step" in row]
+    metrics = ([row for _, row in json_lines(path / "metrics.jsonl")
+                if isinstance(row, dict) and "step" in row]
+               if (path / "metrics.jsonl").is_file() else [])
     return RunRecord(path.name, path, config, metrics)
 
 
@@ -99,10 +98,9 @@ def read_samples(path: Path) -> dict[int, list[dict[str, Any]]]:
 
 def metric_names(runs: list[RunRecord]) -> list[str]:
     """Every numeric metric any run logged, sorted by namespace then name."""
-    names = {key for run in runs for row in run.metrics for key, value in row.items()
-             if key != "step" and isinstance(value, (int, float))
-             and not key.startswith(SKIPPED_PREFIXES)}
-    return sorted(names)
+    return sorted({key for run in runs for row in run.metrics for key, value in row.items()
+                   if key != "step" and isinstance(value, (int, float))
+                   and not key.startswith(SKIPPED_PREFIXES)})
 
 
 # One colour per run or setting on a page (issue 22): the demo's runs keep theirs on every page;
@@ -133,9 +131,8 @@ class Palette:
         if label not in self.assigned:
             used = set(self.named.values()) | set(self.assigned.values())
             free = [c for c in map(to_hex, FREE_COLOURS) if c not in used]
-            k = len(self.assigned)
             self.assigned[label] = free[0] if free else to_hex(
-                matplotlib.colormaps["hsv"]((k * 0.618034) % 1.0))
+                matplotlib.colormaps["hsv"]((len(self.assigned) * 0.618034) % 1.0))
         return self.assigned[label]
 
 
@@ -214,9 +211,8 @@ def plot_metrics(runs: list[RunRecord], names: list[str], palette: Palette | Non
 def config_diff(configs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """(shared, differing): fields with one value in every config, and fields whose values
     differ (or are missing somewhere), each with its value per config (None where missing)."""
-    keys = sorted({k for c in configs for k in c})
     shared, differing = {}, {}
-    for key in keys:
+    for key in sorted({k for c in configs for k in c}):
         values = [c.get(key) for c in configs]
         if all(key in c for c in configs) and all(v == values[0] for v in values):
             shared[key] = values[0]

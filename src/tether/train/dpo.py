@@ -23,6 +23,8 @@ the reference's: with LoRA it is the policy's own model with the adapter off.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tether.data.batches import batch_order, collate_pairs, to_device
@@ -44,7 +46,6 @@ from tether.run.distributed import wrap_frozen
 from tether.run.optim import backward, optimizer_step
 from tether.run.rundir import RunResult
 from tether.run.slicing import gather_outputs
-from tether.run.threads import use_threads
 from tether.train import offline
 from tether.train.offline_config import DPOConfig
 
@@ -75,19 +76,17 @@ def _reference(cfg: DPOConfig, lm: TrainableLM, tokenizer, d: distributed.Dist):
     """(the model that decides the batch layout, a function of the policy wrapper giving
     `ref_fn(batch)`, the reference's `pair_logprobs`). Built before the policy is wrapped: the
     full-weight copy must be taken of the plain model."""
+    logps = partial(pair_logprobs, chunked=cfg.chunked_lm_head, packed=cfg.pack)  # (model, batch)
     if cfg.precompute_ref_logprobs and not cfg.ref_model and lm.peft is None:
         # Before any update (and before a resumed checkpoint is loaded) the policy *is* the
         # reference: scored once through its own wrapper, no copy made.
-        return lm.model, lambda wrapped: lambda batch: wrapped(pair_logprobs, batch,
-                                                               cfg.chunked_lm_head, cfg.pack)
+        return lm.model, lambda wrapped: partial(wrapped, logps)
     reference = reference_model(lm, cfg.ref_model, tokenizer, cfg.dtype, cfg.trust_remote_code)
     if lm.peft is not None and not cfg.ref_model:
         # LoRA: a view of the policy's own model, so it is called through the policy's wrapper.
-        return reference, lambda wrapped: lambda batch: wrapped(
-            lambda _model, b: pair_logprobs(reference, b, cfg.chunked_lm_head, cfg.pack), batch)
+        return reference, lambda wrapped: partial(wrapped, lambda _model, b: logps(reference, b))
     ref_wrapped = wrap_frozen(reference.to(d.device), d)
-    return reference, lambda _wrapped: lambda batch: ref_wrapped(pair_logprobs, batch,
-                                                                 cfg.chunked_lm_head, cfg.pack)
+    return reference, lambda _wrapped: partial(ref_wrapped, logps)
 
 
 def reference_logps(ref_fn, layout_model, examples, pad_id: int, cfg: DPOConfig,
@@ -177,28 +176,23 @@ def dpo_metrics(losses, chosen_rewards, rejected_rewards, beta: float) -> dict[s
             "objective/logratio": logratio.item()}
 
 
-def _check_models(cfg: DPOConfig, tokenizer, examples) -> None:
-    """From the models' configs and tokenizers alone: the reference's path and vocabulary, a
-    reward model or classifier given as --model or --ref-model, and rows longer than either
-    model reads (tether.models.limits)."""
+def run(cfg: DPOConfig) -> RunResult:
+    """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    examples, stats = offline.encode_data(cfg, tokenizer, encode_preferences, cfg.data, "pairs")
+    # Before any weights load, from the models' configs and tokenizers alone: the reference's
+    # path and vocabulary, a reward model or classifier given as --model or --ref-model, and rows
+    # longer than either model reads (tether.models.limits).
     check_reference(cfg.ref_model, tokenizer, cfg.trust_remote_code)
     named = {"--model": cfg.model, "--ref-model": cfg.ref_model}  # "": the model is its own
     positions = [language_model(path, option, trust_remote_code=cfg.trust_remote_code)
                  for option, path in named.items() if path]
     check_rows_fit(positions, longest_row(examples), cfg.max_length, cfg.data)
-
-
-def run(cfg: DPOConfig) -> RunResult:
-    """Train `cfg.model` with DPO or IPO; returns the final model's path and last metrics."""
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    examples, stats = offline.encode_data(cfg, tokenizer, encode_preferences, cfg.data, "pairs")
-    _check_models(cfg, tokenizer, examples)  # before any weights load
     lora, run_dir, d = offline.open_run(cfg)
 
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
     policy = lm.model
     disable_dropout(policy).to(d.device).train()  # DPO compares log-probs of fixed sequences
-    use_threads(cfg.threads, policy, d.device)
     ref_layout, make_ref_fn = _reference(cfg, lm, tokenizer, d)
     # after the reference copy: only the trained model recomputes
     wrapped = offline.wrap_trained(policy, cfg, d)

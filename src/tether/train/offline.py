@@ -29,6 +29,7 @@ from tether.run.optim import NonFiniteStep, make_lr_schedule, make_optimizer
 from tether.run.parse import parse_config
 from tether.run.rundir import RunDir, RunResult, announce, print_result, progress
 from tether.run.slicing import rank_micro_batches, token_parts
+from tether.run.threads import use_threads
 from tether.train.offline_config import TrainConfig
 
 
@@ -87,8 +88,9 @@ def open_run(cfg: TrainConfig) -> tuple[LoraSpec, RunDir, distributed.Dist]:
 
 
 def wrap_trained(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> nn.Module:
-    """The trained model with --gradient-checkpointing applied, under DDP / FSDP2 under torchrun;
-    called as wrapped(fn, ...)."""
+    """The trained model with torch's threads set for it (--threads), --gradient-checkpointing
+    applied, under DDP / FSDP2 under torchrun; called as wrapped(fn, ...)."""
+    use_threads(cfg.threads, model, d.device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return distributed.wrap(model, d)

@@ -39,7 +39,6 @@ from tether.run.config import ENSEMBLE_JSON
 from tether.run.optim import backward, optimizer_step
 from tether.run.rundir import RunDir, RunResult, run_finished
 from tether.run.slicing import gather_outputs
-from tether.run.threads import use_threads
 from tether.train import offline
 from tether.train.offline_config import RMConfig
 
@@ -144,7 +143,6 @@ def run(cfg: RMConfig) -> RunResult:
 
     model = RewardModel.from_causal_lm(cfg.model, tokenizer, cfg.dtype, cfg.trust_remote_code, lora)
     disable_dropout(model).to(d.device).train()  # a score must not depend on a dropout draw
-    use_threads(cfg.threads, model, d.device)
     wrapped = offline.wrap_trained(model, cfg, d)
     steps = offline.start_training(run_dir, cfg, wrapped, len(train))
     pad_id = tokenizer.pad_token_id

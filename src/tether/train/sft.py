@@ -29,7 +29,6 @@ from tether.models.trunk_head import response_logprobs
 from tether.run import distributed
 from tether.run.optim import backward, optimizer_step
 from tether.run.rundir import RunResult
-from tether.run.threads import use_threads
 from tether.train import offline
 from tether.train.offline_config import SFTConfig
 
@@ -61,9 +60,7 @@ def run(cfg: SFTConfig) -> RunResult:
     lora, run_dir, d = offline.open_run(cfg)
 
     lm = load_trainable_lm(cfg.model, tokenizer, lora, cfg.dtype, cfg.trust_remote_code)
-    model = lm.model.to(d.device)  # with LoRA: the base with the adapter's layers injected
-    use_threads(cfg.threads, model, d.device)
-    model.train()
+    model = lm.model.to(d.device).train()  # with LoRA: the base with the adapter's layers injected
     wrapped = offline.wrap_trained(model, cfg, d)
     steps = offline.start_training(run_dir, cfg, wrapped, len(examples),
                                    final={"data/rows": float(len(examples)), **stats.as_metrics()})

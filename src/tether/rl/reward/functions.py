@@ -74,12 +74,8 @@ class RewardFunction:
 
 def load_reward_functions(spec: str) -> list[Callable]:
     """The functions `--reward-fn` names: `file.py:f` or several joined by commas."""
-    return [load_reward_function(name.strip()) for name in spec.split(",") if name.strip()]
-
-
-def load_reward_function(spec: str) -> Callable:
-    """The function `--reward-fn` or `--gold-fn` names (tether.run.user_code.load)."""
-    return load_function(spec, "reward function")
+    return [load_function(name.strip(), "reward function") for name in spec.split(",")
+            if name.strip()]
 
 
 def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[RewardFunction]:
@@ -88,8 +84,7 @@ def weighted(functions: Sequence[Callable], weights: Sequence[float]) -> list[Re
     if weights and len(weights) != len(functions):
         raise TetherError(f"--reward-weights has {len(weights)} weights for {len(functions)} "
                           "reward functions; give one weight per --reward-fn function, in order")
-    bad = [w for w in weights if not math.isfinite(w)]
-    if bad:
+    if bad := [w for w in weights if not math.isfinite(w)]:
         raise TetherError(f"--reward-weights holds {bad[0]}; give finite numbers")
     names, seen = [], {}
     for fn in functions:
@@ -138,30 +133,25 @@ def call_reward_function(fn: RewardFn, prompts: list[str], responses: list[str],
 def returned_scores(scores: Any, n: int, what: str, fn: Callable, allow_none: bool = False
                     ) -> list[float | None]:
     """What the reward function `fn` returned for `n` responses, as floats (None kept with
-    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range."""
-    values = _ordered_numbers(scores, allow_none)
-    if values is None:
-        raise TetherError(f"{what} {function_name(fn)} returned {_shown(scores)}, not a list of "
-                          f"numbers in the responses' order; {FIX}")
-    if len(values) != n:
-        raise TetherError(f"{what} {function_name(fn)} returned {len(values)} scores for {n} "
-                          f"responses; {FIX}")
-    return values
+    `allow_none`), or a TetherError unless `n` numbers in order; the caller checks the range.
 
-
-def _ordered_numbers(scores: Any, allow_none: bool = False) -> list[float | None] | None:
-    """The scores as floats, or None unless they are real numbers in a defined order: a list or
-    tuple (not a str, whose characters float() would read), or a 1-D tensor or array.
-    `allow_none`: None items are kept (as None) instead of refusing the list."""
+    Numbers in a defined order are real numbers in a list or tuple (not a str, whose characters
+    float() would read), or a 1-D tensor or array. `allow_none`: None items are kept (as None)
+    instead of refusing the list."""
     if isinstance(scores, (list, tuple)):
         items = list(scores)
     elif getattr(scores, "ndim", None) == 1 and hasattr(scores, "tolist"):  # tensor, ndarray
         items = scores.tolist()
     else:  # a set or dict (no order of the responses'), a generator, a string, a scalar, None
-        return None
-    if not all(_is_real(s) or (allow_none and s is None) for s in items):
-        return None
-    return [None if s is None else float(s) for s in items]
+        items = None
+    if items is None or not all(_is_real(s) or (allow_none and s is None) for s in items):
+        raise TetherError(f"{what} {function_name(fn)} returned {_shown(scores)}, not a list of "
+                          f"numbers in the responses' order; {FIX}")
+    values = [None if s is None else float(s) for s in items]
+    if len(values) != n:
+        raise TetherError(f"{what} {function_name(fn)} returned {len(values)} scores for {n} "
+                          f"responses; {FIX}")
+    return values
 
 
 def _is_real(value: Any) -> bool:
@@ -215,8 +205,7 @@ def row_columns(rows: Sequence[dict]) -> dict[str, list]:
     """The rows' other columns by name, each a list aligned with `rows` (None where a row lacks
     it). A column named like a TRL argument could not be told apart from it: refused."""
     names = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in PROMPT_COLUMNS]
-    clash = [k for k in names if k in TRL_ARGUMENTS]
-    if clash:
+    if clash := [k for k in names if k in TRL_ARGUMENTS]:
         raise TetherError(f"the prompt file has a column {clash[0]!r}, a name the reward "
                           "functions are called with; rename that column")
     return {k: [row.get(k) for row in rows] for k in names}
@@ -337,8 +326,7 @@ def one_score(what: str, fn: Callable, value: Any) -> float | None:
     `Refused` when it is NaN, inf or out of range (a failed row), TetherError when it is not
     one number (a bug: `returned_scores`). `what` and `fn` name the function in errors."""
     [score] = returned_scores(value, 1, what, fn, allow_none=True)
-    why = None if score is None else out_of_range(score)
-    if why is not None:
+    if score is not None and (why := out_of_range(score)):
         raise Refused(why)
     return score
 

@@ -51,8 +51,7 @@ def checked_model_scores(scores: torch.Tensor, name: str, prompts: list) -> torc
     forward overflows), never the policy's learning rate, which is where the loss's NaN would
     point a batch later."""
     for row, value in enumerate(scores.tolist()):
-        why = out_of_range(value)
-        if why is not None:
+        if why := out_of_range(value):  # a line, or None
             prompt = str(prompts[row])[:40] if row < len(prompts) else "?"
             raise NonFiniteScore(f"the reward model {name} gave response {row} (prompt "
                                  f"{prompt!r}) {why}: its weights hold NaN or inf, or are so "
@@ -138,8 +137,8 @@ def load_reward_model(path: str, policy_tokenizer, originals: dict[str, Prompt],
     policy_vocab = policy_tokenizer.get_vocab()
     model = load_scoring_model(path, device, dtype, trust_remote_code)
     if isinstance(model, RewardModel):
-        fast = model.tokenizer.get_vocab() == policy_vocab
-        if fast:  # the policy's ids index its embeddings
+        # the fast path: the policy's ids index its embeddings
+        if model.tokenizer.get_vocab() == policy_vocab:
             check_same_vocabulary(policy_tokenizer, {"reward model": (None, model.backbone)})
             return ModelReward(reward_from_model(model, chunk, path), model, model)
         critic_init = None

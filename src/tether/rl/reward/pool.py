@@ -50,14 +50,6 @@ class RewardPool(Runner):
     timeout_flag: str = "--reward-fn-timeout"
 
 
-def pool_for(settings) -> RewardPool | None:
-    """The pool `settings` ask for (a config with `reward_workers`, `reward_retries` and
-    `reward_fn_timeout`: PPOConfig, EvalConfig), or None: 0 or 1 workers is one call per batch."""
-    workers = settings.reward_workers
-    return (RewardPool(workers, settings.reward_retries, settings.reward_fn_timeout)
-            if workers > 1 else None)
-
-
 def check_scored(failed: FailedRows | None, what: str) -> None:
     """Where a failed row cannot be drawn again (a held-out evaluation: its prompts are fixed),
     it stops the run with one line naming the first, as a raising function does without the

@@ -35,6 +35,7 @@ from tether.errors import TetherError
 from tether.rl.reward import Prompt, Reward
 from tether.rl.reward.models import reward_from_texts
 from tether.run.config import RM_API_KEY_ENV
+from tether.run.slicing import micro_batches
 from tether.run.user_code.calls import Call, Runner
 
 RETRIES = 3  # tries after the first, on a connection error or a 5xx (a server restarting)
@@ -81,8 +82,7 @@ def _request(url: str, path: str, data: bytes | None, timeout: float) -> dict:
     refused what it was sent) and a timeout (a hung server would hang again) are one line at
     once."""
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    key = os.environ.get(RM_API_KEY_ENV, "")
-    if key:
+    if key := os.environ.get(RM_API_KEY_ENV, ""):
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url + path, data=data, headers=headers)
     hung = (f"--reward-url {url}: no answer to {path} within {timeout:g} s "
@@ -152,12 +152,6 @@ def connect(urls: list[str], timeout: float = INFO_TIMEOUT_S) -> list[Endpoint]:
     return endpoints
 
 
-def _parts(n_rows: int, n_parts: int) -> list[list[int]]:
-    """Rows 0..n_rows-1 cut into at most `n_parts` contiguous parts, the first ones a row longer
-    (`torch.tensor_split`'s cut; an empty part left out)."""
-    return [part.tolist() for part in torch.arange(n_rows).tensor_split(n_parts) if len(part)]
-
-
 def _body(endpoint: Endpoint, prompts: list[Prompt], responses: list[str]) -> bytes:
     """One endpoint's POST /score body, or one line when it is past what the server takes (its
     /info's max_rows and max_body_mb): refused there, a large body would reset the connection
@@ -176,7 +170,8 @@ def score_remote(endpoints: list[Endpoint], prompts: list[Prompt], responses: li
                  timeout: float, retries: int = RETRIES) -> torch.Tensor:
     """Scores `[N]` of (prompt, response) pairs from the endpoints: one contiguous part each,
     posted at once, put back in the rows' order."""
-    parts = _parts(len(prompts), len(endpoints))
+    # at most one contiguous part per endpoint, the first ones a row longer (none left empty)
+    parts = micro_batches(list(range(len(prompts))), len(endpoints))
     answers = _requests([(endpoint.url, "/score", _body(endpoint, [prompts[i] for i in rows],
                                                         [responses[i] for i in rows]))
                          for endpoint, rows in zip(endpoints, parts)], timeout, retries)

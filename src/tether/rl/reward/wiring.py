@@ -25,18 +25,17 @@ from tether.rl.env.load import load_environment
 from tether.rl.reward import Reward
 from tether.rl.reward.functions import (
     RewardFunctions,
-    load_reward_function,
     load_reward_functions,
     reward_from_functions,
     weighted,
 )
 from tether.rl.reward.models import load_reward_model, prompt_originals, reward_from_model
-from tether.rl.reward.pool import pool_for
+from tether.rl.reward.pool import RewardPool
 from tether.rl.reward.remote import connect, reward_from_urls
 from tether.rl.sources import load_tools
 from tether.run.config import ensemble_members
 from tether.run.reward_checks import check_rewards, parse_urls
-from tether.run.user_code.load import function_name
+from tether.run.user_code.load import function_name, load_function
 
 
 @dataclass
@@ -83,7 +82,7 @@ def user_code(cfg, reward_fn=None, gold_fn=None, env=None, *, training: bool) ->
     if training and not (functions or cfg.reward_model or cfg.reward_url or env or cfg.tools):
         functions = [no_task_reward]  # --teacher alone (check_rewards refuses the rest)
     weighted(functions, getattr(cfg, "reward_weights", ()))  # checked now, before any model loads
-    gold = gold_fn or (load_reward_function(cfg.gold_fn) if cfg.gold_fn else None)
+    gold = gold_fn or (load_function(cfg.gold_fn, "reward function") if cfg.gold_fn else None)
     if cfg.reward_model:  # its kind, from its config.json: the first of these to read a file
         check_reward_model(cfg.reward_model, cfg.trust_remote_code)
     return UserCode(functions, gold, env, load_tools(cfg.tools))
@@ -111,7 +110,9 @@ def build(cfg, user: UserCode, tokenizer, device, *, served: Reward | None,
     the policy's ids (another vocabulary, or a sequence-classification model) scores the decoded
     text: each prompt as its row gave it (so a chat is rendered with the reward model's own
     template), the response as sampled."""
-    pool = pool_for(cfg)
+    # the pool --reward-workers asks for, or None: 0 or 1 workers is one call per batch
+    pool = (RewardPool(cfg.reward_workers, cfg.reward_retries, cfg.reward_fn_timeout)
+            if cfg.reward_workers > 1 else None)
     functions = (reward_from_functions(user.functions, getattr(cfg, "reward_weights", ()),
                                        max_steps=max_steps, timeout=cfg.reward_fn_timeout,
                                        pool=pool) if user.functions else None)
@@ -125,8 +126,8 @@ def build(cfg, user: UserCode, tokenizer, device, *, served: Reward | None,
         return Rewards(reward_from_model(shared, chunk, cfg.reward_model), shared, shared,
                        functions, gold)
     originals = prompt_originals(tokenizer, *prompt_files)
-    members = ensemble_members(cfg.reward_model)
-    if members:  # tether rm --ensemble K's (tether.rl.reward.ensemble)
+    if members := ensemble_members(cfg.reward_model):
+        # tether rm --ensemble K's (tether.rl.reward.ensemble)
         from tether.rl.reward.ensemble import load_ensemble
 
         loaded = load_ensemble(members, cfg.reward_aggregate, tokenizer, originals, chunk, device,
