@@ -122,6 +122,9 @@ SCOPED_CASES = [  # (stage, flags, the one line's pattern)
     ("ppo", ["--max-kl", "5", "--max-kl-to", "sft"], "--max-kl-to applies with --max-kl with "
      "--teacher or a moving --ref-update, and tether ppo runs with the SFT model as the anchor"),
     ("ppo", ["--max-kl-to", "sft"], "tether ppo runs with --max-kl 0"),
+    ("ppo", ["--reward-aggregate", "min"], "--reward-aggregate applies with --reward-model "
+     "ENSEMBLE, and tether ppo runs with no --reward-model, where it has no effect; drop it, or "
+     "pass an ensemble"),
 ]
 
 
