@@ -120,13 +120,15 @@ def test_jsd_beta_reaches_the_loss(tiny_model_dir, tmp_path):
 def test_a_padded_teacher_is_cut_to_the_student_s_vocabulary(tiny_model_dir, tmp_path):
     # The SFT model itself with 16 untrained rows padded past its vocabulary: cut to the student's
     # rows, its distribution over the tokenizer's tokens is the student's start, so the first
-    # batch's sampled KL is exactly 0; the exact KL differs only by the pad row's mass (tether
-    # adds a pad row to the student, the teacher's row there is HF's untrained one).
+    # batch's sampled KL is 0 within float32 rounding (the padded head is a matmul of another
+    # shape, whose blocking may round otherwise: 6e-8 seen in one order of the suite); the exact
+    # KL differs only by the pad row's mass (tether adds a pad row to the student, the teacher's
+    # row there is HF's untrained one).
     teacher = make_teacher(str(tiny_model_dir), tmp_path / "padded", scale=0.0, extra_rows=16)
     ppo.run(DistillConfig(**settings(tmp_path, "padded", policy=str(tiny_model_dir),
                                      teacher=str(teacher), total_episodes=8)))
     first = metrics(tmp_path, "padded")[0]
-    assert first["objective/kl"] == 0.0 and abs(first["objective/kl_exact"]) < 1e-5
+    assert abs(first["objective/kl"]) < 1e-6 and abs(first["objective/kl_exact"]) < 1e-5
 
 
 def test_the_sft_model_as_teacher_trains_bit_for_bit_as_without_one(tiny_llama_dir, tmp_path):

@@ -43,13 +43,9 @@ def frontier_html(run_dirs: list[str], baselines: list[str], palette: Palette) -
     """The frontier's figures for the runs that evaluated a gold reward and the baselines, in
     the page's `palette`."""
     given = {kind: (path, rows) for path in baselines for kind, rows in [baseline(path)]}
-    runs = []
-    for d in run_dirs:  # NAME-seed<k>: seed k of the setting NAME
-        group, _, seed = Path(d).name.rpartition("-seed")
-        seed_given = bool(group) and seed.isdigit()
-        runs.append(PlannedRun(Path(d).name, "ppo", int(seed) if seed_given else 0,
-                               {"run": group if seed_given else Path(d).name},
-                               {"beta": read_run(d).config.get("beta", 0.05)}))
+    configs = [read_run(d).config for d in run_dirs]  # NAME-seed<k>: a seed of setting NAME
+    runs = [PlannedRun(Path(d).name, "ppo", c.get("seed", 0), {"run": Path(d).name.rsplit(
+        "-seed", 1)[0]}, {"beta": c.get("beta", 0.05)}) for d, c in zip(run_dirs, configs)]
     points = [p for p in (run_points(run, Path(d)) for run, d in zip(runs, run_dirs)) if p.steps]
     if not points:
         if baselines:
