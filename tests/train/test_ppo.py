@@ -84,8 +84,8 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
     assert kl.abs().max() == 0.0
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     for rows in (slice(0, 4), slice(4, 8)):  # each first-epoch minibatch, before any step
-        _, stats = loss_on(setup, rollout.select(rows), old.select(rows), advantages[rows],
-                           advantages[rows], 0.0)
+        _, stats = loss_on(setup, rollout.select(rows), old._make(t[rows] for t in old),
+                           advantages[rows], advantages[rows], 0.0)
         assert stats["policy/ratio_mean"] == 1.0  # exactly, not approximately
         assert stats["policy/approx_kl"] == 0.0
         assert stats["policy/clip_frac"] == 0.0
