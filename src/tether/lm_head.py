@@ -216,9 +216,8 @@ def vocab_size(head: nn.Module) -> int:
 def _checkpointed_rows(fn, vocab: int, heads: tuple[nn.Module, ...], *tensors: torch.Tensor
                        ) -> torch.Tensor:
     """fn over matching row chunks of [N, ...] tensors, each chunk recomputed in backward."""
-    grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                        or any(p.requires_grad for m in heads for p in m.parameters()))
-    run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
+    run = (functools.partial(checkpoint, fn, use_reentrant=False)
+           if _needs_grad(tensors, heads) else fn)
     parts = [run(*[t[rows] for t in tensors])
              for rows in _slices(tensors[0].shape[0], vocab)]
     if not parts:
@@ -239,9 +238,9 @@ def _flat_inputs(hidden, head, tokens, temperature):
     return flat_h, flat_y, vocab
 
 
-def _needs_grad(hidden: torch.Tensor, head: nn.Module) -> bool:
-    return torch.is_grad_enabled() and (hidden.requires_grad
-                                        or any(p.requires_grad for p in head.parameters()))
+def _needs_grad(tensors: tuple[torch.Tensor, ...], heads: tuple[nn.Module, ...]) -> bool:
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or any(
+        p.requires_grad for m in heads for p in m.parameters()))
 
 
 def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Tensor,
@@ -304,7 +303,7 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
     Returns:
         [...] fp32 entropies in nats, differentiable (each chunk is recomputed in backward).
     """
-    if is_plain_linear(head) and not _needs_grad(hidden, head):
+    if is_plain_linear(head) and not _needs_grad((hidden,), (head,)):
         tokens = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
         return head_logprobs_and_entropy(hidden, head, tokens, temperature)[1]
     positive("temperature", temperature)
@@ -329,7 +328,7 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head: nn.Module, tokens: tor
     Returns:
         ([...], [...]) fp32 log-probs and entropies.
     """
-    if _needs_grad(hidden, head) or not is_plain_linear(head):
+    if _needs_grad((hidden,), (head,)) or not is_plain_linear(head):
         return (head_token_logprobs(hidden, head, tokens, temperature),
                 head_entropy(hidden, head, temperature))
     flat_h, flat_y, _ = _flat_inputs(hidden, head, tokens, temperature)
