@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from update_helpers import loss_on, prompt_batch, update_on
+from update_helpers import loss_batch, loss_on, prompt_batch, update_on
 
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.engines.native import sample_responses
@@ -232,7 +232,7 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     #   a truncated row adds 0 but still counts; tether leaves it out of the count, so TRL's loss
     #   is tether's times (kept rows / rows) (docs/from_trl.md).
     from tether.losses import ppo_policy_loss
-    from tether.rl.update import LossBatch, counts_of
+    from tether.rl.update import counts_of
 
     gen = torch.Generator().manual_seed(5)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -243,8 +243,8 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     old = logprobs.detach() + 0.2 * torch.randn(4, 4, generator=gen, dtype=torch.float64)
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 4)
     zeros = torch.zeros(4, 4)
-    batch = LossBatch.of(rollout, SimpleNamespace(logprobs=zeros, ref_logprobs=zeros,
-                                                  values=zeros), zeros, zeros, mask_truncated=True)
+    batch = loss_batch(rollout, SimpleNamespace(logprobs=zeros, ref_logprobs=zeros,
+                                                values=zeros), zeros, zeros, mask_truncated=True)
     carrying, counts = batch.loss_mask, counts_of(batch, mask_truncated=True)
     assert counts.tokens == 3 + 2 and counts.rows == 2 and counts.value_tokens == 3 + 4 + 2 + 4
     ours, _ = ppo_policy_loss(logprobs, old, adv, carrying, 0.2, aggregation=aggregation,
