@@ -66,8 +66,6 @@ from tether.train.ppo_log import (
 from tether.train.ppo_setup import Setup, batch_rows, build
 from tether.train.ppo_watch import Watch, nothing_learned, watch_for
 
-__all__ = ["PPOConfig", "run", "cli"]
-
 
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
