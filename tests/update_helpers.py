@@ -43,6 +43,6 @@ def prompt_batch(setup, cfg, batch: int, round_: int = 0):
     from tether.train.ppo_setup import batch_rows
 
     rows = batch_rows(setup, cfg, batch, round_)
-    ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
-                         setup.device)
-    return [setup.prompts[i] for i in rows], ids, mask
+    ids, mask = left_pad([setup.source.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
+                         setup.dist.device)
+    return [setup.source.prompts[i] for i in rows], ids, mask

@@ -246,7 +246,7 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
         # Each rank draws its rows from the source (the prompts answered once, or environments'
         # episodes). With --mixed-precision bf16 every model forward runs under autocast;
         # log-probs, values and scores come out in fp32.
-        with autocast(cfg.mixed_precision, setup.device):
+        with autocast(cfg.mixed_precision, setup.dist.device):
             part = setup.source.collect(rows, mine, seed + round_ * 1_000_000_007)
         rollout = gather_rollout(part.rollout, d, setup.tokenizer.pad_token_id)
         raw_scores = all_gather_rows(part.scores, d)
