@@ -267,9 +267,8 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
         function = _linear_function(flat_h.device.type)
         out = function.apply(flat_h, weight, bias, flat_y, float(temperature), keep_direction)
     else:
-        def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return logprobs_lib.token_logprobs(head(h), y, temperature)
-        out = _checkpointed_rows(chunk_logprobs, vocab, (head,), flat_h, flat_y)
+        out = _checkpointed_rows(lambda h, y: logprobs_lib.token_logprobs(head(h), y, temperature),
+                                 vocab, (head,), flat_h, flat_y)
     return out.reshape(tokens.shape)
 
 
@@ -308,11 +307,8 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
         return head_logprobs_and_entropy(hidden, head, tokens, temperature)[1]
     positive("temperature", temperature)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-
-    def chunk_entropy(h: torch.Tensor) -> torch.Tensor:
-        return logprobs_lib.entropy_rows(head(h), temperature)
-
-    out = _checkpointed_rows(chunk_entropy, vocab_size(head), (head,), flat_h)
+    out = _checkpointed_rows(lambda h: logprobs_lib.entropy_rows(head(h), temperature),
+                             vocab_size(head), (head,), flat_h)
     return out.reshape(hidden.shape[:-1])
 
 
@@ -365,13 +361,10 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
     flat_ref = ref_hidden.reshape(-1, ref_hidden.shape[-1])
 
     rows = rows or kl_lib.exact_rows
-
-    def chunk_kl(h: torch.Tensor, h_ref: torch.Tensor) -> torch.Tensor:
-        return rows(head(h), ref_head(h_ref), temperature)
-
     vocab = vocab_size(head)
     if vocab_size(ref_head) != vocab:
         raise ValueError(f"policy and reference heads have different vocabularies "
                          f"({vocab} vs {vocab_size(ref_head)})")
-    out = _checkpointed_rows(chunk_kl, vocab, (head, ref_head), flat_h, flat_ref)
+    out = _checkpointed_rows(lambda h, h_ref: rows(head(h), ref_head(h_ref), temperature), vocab,
+                             (head, ref_head), flat_h, flat_ref)
     return out.reshape(hidden.shape[:-1])
