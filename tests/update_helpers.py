@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from tether.rl.update import Forwards, LossBatch, counts_of, ppo_update, update_loss
+from tether.rl.update import Forwards, LossBatch, counts_of, loss_mask, ppo_update, update_loss
+
+
+def loss_batch(rollout, old, advantages, returns, mask_truncated: bool) -> LossBatch:
+    """The `LossBatch` `update_batch` builds of these rows and scores (no engine weights)."""
+    return LossBatch(old.logprobs, old.ref_logprobs, old.values, advantages, returns,
+                     rollout.action_mask, loss_mask(rollout, mask_truncated), None,
+                     rollout.engine_logprobs)
 
 
 def loss_on(setup, rollout, old, advantages, returns, kl_beta: float, spec=None):
     """(loss, stats) of one micro-batch holding every row of `rollout`, its forward run inside
     the roles' wrapper and the loss computed from its tensors."""
     spec = spec or setup.spec
-    batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated)
+    batch = loss_batch(rollout, old, advantages, returns, spec.mask_truncated)
     forwards = Forwards(setup.roles, setup.reference, rollout, spec, kl_beta)
     forward = forwards(torch.arange(len(rollout), device=advantages.device))
     return update_loss(forward, batch, spec, kl_beta, counts_of(batch, spec.mask_truncated),
@@ -24,7 +31,7 @@ def update_on(setup, rollout, old, advantages, returns, kl_beta: float,
               generator: torch.Generator, spec=None) -> dict[str, float]:
     """`ppo_update`'s stats after its epochs over `rollout` (the optimizer steps taken)."""
     spec = spec or setup.spec
-    batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated)
+    batch = loss_batch(rollout, old, advantages, returns, spec.mask_truncated)
     forwards = Forwards(setup.roles, setup.reference, rollout, spec, kl_beta)
     return ppo_update(setup.roles, setup.optimizer, forwards, batch, spec, kl_beta, generator)
 
@@ -36,6 +43,6 @@ def prompt_batch(setup, cfg, batch: int, round_: int = 0):
     from tether.train.ppo_setup import batch_rows
 
     rows = batch_rows(setup, cfg, batch, round_)
-    ids, mask = left_pad([setup.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
-                         setup.device)
-    return [setup.prompts[i] for i in rows], ids, mask
+    ids, mask = left_pad([setup.source.prompt_ids[i] for i in rows], setup.tokenizer.pad_token_id,
+                         setup.dist.device)
+    return [setup.source.prompts[i] for i in rows], ids, mask

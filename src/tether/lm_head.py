@@ -216,9 +216,8 @@ def vocab_size(head: nn.Module) -> int:
 def _checkpointed_rows(fn, vocab: int, heads: tuple[nn.Module, ...], *tensors: torch.Tensor
                        ) -> torch.Tensor:
     """fn over matching row chunks of [N, ...] tensors, each chunk recomputed in backward."""
-    grad = torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                        or any(p.requires_grad for m in heads for p in m.parameters()))
-    run = functools.partial(checkpoint, fn, use_reentrant=False) if grad else fn
+    run = (functools.partial(checkpoint, fn, use_reentrant=False)
+           if _needs_grad(tensors, heads) else fn)
     parts = [run(*[t[rows] for t in tensors])
              for rows in _slices(tensors[0].shape[0], vocab)]
     if not parts:
@@ -239,9 +238,9 @@ def _flat_inputs(hidden, head, tokens, temperature):
     return flat_h, flat_y, vocab
 
 
-def _needs_grad(hidden: torch.Tensor, head: nn.Module) -> bool:
-    return torch.is_grad_enabled() and (hidden.requires_grad
-                                        or any(p.requires_grad for p in head.parameters()))
+def _needs_grad(tensors: tuple[torch.Tensor, ...], heads: tuple[nn.Module, ...]) -> bool:
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or any(
+        p.requires_grad for m in heads for p in m.parameters()))
 
 
 def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Tensor,
@@ -268,9 +267,8 @@ def head_token_logprobs(hidden: torch.Tensor, head: nn.Module, tokens: torch.Ten
         function = _linear_function(flat_h.device.type)
         out = function.apply(flat_h, weight, bias, flat_y, float(temperature), keep_direction)
     else:
-        def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return logprobs_lib.token_logprobs(head(h), y, temperature)
-        out = _checkpointed_rows(chunk_logprobs, vocab, (head,), flat_h, flat_y)
+        out = _checkpointed_rows(lambda h, y: logprobs_lib.token_logprobs(head(h), y, temperature),
+                                 vocab, (head,), flat_h, flat_y)
     return out.reshape(tokens.shape)
 
 
@@ -304,16 +302,13 @@ def head_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float = 1.0
     Returns:
         [...] fp32 entropies in nats, differentiable (each chunk is recomputed in backward).
     """
-    if is_plain_linear(head) and not _needs_grad(hidden, head):
+    if is_plain_linear(head) and not _needs_grad((hidden,), (head,)):
         tokens = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
         return head_logprobs_and_entropy(hidden, head, tokens, temperature)[1]
     positive("temperature", temperature)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-
-    def chunk_entropy(h: torch.Tensor) -> torch.Tensor:
-        return logprobs_lib.entropy_rows(head(h), temperature)
-
-    out = _checkpointed_rows(chunk_entropy, vocab_size(head), (head,), flat_h)
+    out = _checkpointed_rows(lambda h: logprobs_lib.entropy_rows(head(h), temperature),
+                             vocab_size(head), (head,), flat_h)
     return out.reshape(hidden.shape[:-1])
 
 
@@ -329,7 +324,7 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head: nn.Module, tokens: tor
     Returns:
         ([...], [...]) fp32 log-probs and entropies.
     """
-    if _needs_grad(hidden, head) or not is_plain_linear(head):
+    if _needs_grad((hidden,), (head,)) or not is_plain_linear(head):
         return (head_token_logprobs(hidden, head, tokens, temperature),
                 head_entropy(hidden, head, temperature))
     flat_h, flat_y, _ = _flat_inputs(hidden, head, tokens, temperature)
@@ -366,13 +361,10 @@ def head_exact_kl(hidden: torch.Tensor, head: nn.Module, ref_hidden: torch.Tenso
     flat_ref = ref_hidden.reshape(-1, ref_hidden.shape[-1])
 
     rows = rows or kl_lib.exact_rows
-
-    def chunk_kl(h: torch.Tensor, h_ref: torch.Tensor) -> torch.Tensor:
-        return rows(head(h), ref_head(h_ref), temperature)
-
     vocab = vocab_size(head)
     if vocab_size(ref_head) != vocab:
         raise ValueError(f"policy and reference heads have different vocabularies "
                          f"({vocab} vs {vocab_size(ref_head)})")
-    out = _checkpointed_rows(chunk_kl, vocab, (head, ref_head), flat_h, flat_ref)
+    out = _checkpointed_rows(lambda h, h_ref: rows(head(h), ref_head(h_ref), temperature), vocab,
+                             (head, ref_head), flat_h, flat_ref)
     return out.reshape(hidden.shape[:-1])

@@ -24,10 +24,10 @@ from tether.choices import positive
 CHUNK_ELEMENTS = 1 << 22
 
 
-def chunk_slices(total: int, across: int, elements: int | None = None) -> list[slice]:
-    """Chunks of `total` rows (or vocabulary entries), each with ~`elements` values `across` the
-    other dimension (default CHUNK_ELEMENTS, read at call time; `tether.lm_head` passes its own)."""
-    step = max(1, (elements or CHUNK_ELEMENTS) // max(1, across))
+def chunk_slices(total: int, across: int) -> list[slice]:
+    """Chunks of `total` rows (or vocabulary entries), each with ~CHUNK_ELEMENTS values `across`
+    the other dimension (read at call time; `tether.lm_head` keeps its own copy of the rule)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, across))
     return [slice(start, min(start + step, total)) for start in range(0, total, step)]
 
 

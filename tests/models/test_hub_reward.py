@@ -180,7 +180,7 @@ def test_ppo_critic_starts_from_the_policy_when_the_rm_reads_another_vocabulary(
         assert torch.equal(trunk[name], param), name
     assert setup.critic.head.weight.abs().max() == 0
     # and the loop's reward is the hub model's own score of the decoded texts
-    got = setup.reward(setup.prompts[:4], RESPONSES, None).scores
+    got = setup.source.reward(setup.source.prompts[:4], RESPONSES, None).scores
     torch.testing.assert_close(got, torch.tensor(own_forward_scores(hub_rms["gpt2"], PLAIN,
                                                                     RESPONSES)),
                                rtol=1e-5, atol=1e-5)

@@ -16,14 +16,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from update_helpers import prompt_batch
+from update_helpers import loss_batch, prompt_batch
 
 from tether.advantages import kl_shaped_rewards
 from tether.models.trunk_head import score_responses
 from tether.rl.engines import make_engine
 from tether.rl.rollout import Rollout, apply_stop_strings, concat_rollouts, sampling_uniforms
 from tether.rl.scoring import kl_sums, score_batch
-from tether.rl.update import Forwards, LossBatch, counts_of, update_loss
+from tether.rl.update import Forwards, counts_of, update_loss
 from tether.run.distributed import Dist
 from tether.train.ppo_config import PPOConfig
 from tether.train.ppo_setup import build
@@ -144,7 +144,7 @@ def test_a_hole_gets_exactly_zero_gradient_from_every_loss_term(family, estimato
     gen = torch.Generator().manual_seed(2)
     advantages = torch.randn(hole.shape, generator=gen) * rollout.action_mask
     returns = torch.randn(hole.shape, generator=gen) * rollout.action_mask
-    batch = LossBatch.of(rollout, old, advantages, returns, mask_truncated=False)
+    batch = loss_batch(rollout, old, advantages, returns, mask_truncated=False)
     forward = Forwards(setup.roles, setup.reference, rollout, setup.spec, 0.5)(torch.arange(8))
     for tensor in (forward.logprobs, forward.values) + ((forward.exact_kl,)
                                                         if estimator == "exact" else ()):

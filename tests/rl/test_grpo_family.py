@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from update_helpers import loss_on, prompt_batch, update_on
+from update_helpers import loss_batch, loss_on, prompt_batch, update_on
 
 from tether.rl.dynamic_sampling import Drawn, collect
 from tether.rl.engines.native import sample_responses
@@ -84,7 +84,7 @@ def test_mask_truncated_equals_the_batch_without_the_truncated_rows(family, aggr
     loss, stats, grads = loss_and_grads(setup, rollout, old, advantages, masked)
     kept = rollout.ended.nonzero().flatten()
     expected, expected_stats, expected_grads = loss_and_grads(
-        setup, rollout.select(kept), old.select(kept), advantages[kept], setup.spec)
+        setup, rollout.select(kept), old._make(t[kept] for t in old), advantages[kept], setup.spec)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     assert stats["objective/kl_loss"] == pytest.approx(expected_stats["objective/kl_loss"],
                                                        rel=1e-5)
@@ -232,7 +232,7 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     #   a truncated row adds 0 but still counts; tether leaves it out of the count, so TRL's loss
     #   is tether's times (kept rows / rows) (docs/from_trl.md).
     from tether.losses import ppo_policy_loss
-    from tether.rl.update import LossBatch, counts_of
+    from tether.rl.update import counts_of
 
     gen = torch.Generator().manual_seed(5)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -243,8 +243,8 @@ def test_mask_truncated_against_trls_documented_formula(aggregation):
     old = logprobs.detach() + 0.2 * torch.randn(4, 4, generator=gen, dtype=torch.float64)
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 4)
     zeros = torch.zeros(4, 4)
-    batch = LossBatch.of(rollout, SimpleNamespace(logprobs=zeros, ref_logprobs=zeros,
-                                                  values=zeros), zeros, zeros, mask_truncated=True)
+    batch = loss_batch(rollout, SimpleNamespace(logprobs=zeros, ref_logprobs=zeros,
+                                                values=zeros), zeros, zeros, mask_truncated=True)
     carrying, counts = batch.loss_mask, counts_of(batch, mask_truncated=True)
     assert counts.tokens == 3 + 2 and counts.rows == 2 and counts.value_tokens == 3 + 4 + 2 + 4
     ours, _ = ppo_policy_loss(logprobs, old, adv, carrying, 0.2, aggregation=aggregation,

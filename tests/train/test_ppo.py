@@ -84,8 +84,8 @@ def test_fresh_rollout_ratio_exactly_one_and_kl_zero(env, family, critic, reques
     assert kl.abs().max() == 0.0
     advantages = torch.randn(rollout.response_mask.shape) * rollout.response_mask
     for rows in (slice(0, 4), slice(4, 8)):  # each first-epoch minibatch, before any step
-        _, stats = loss_on(setup, rollout.select(rows), old.select(rows), advantages[rows],
-                           advantages[rows], 0.0)
+        _, stats = loss_on(setup, rollout.select(rows), old._make(t[rows] for t in old),
+                           advantages[rows], advantages[rows], 0.0)
         assert stats["policy/ratio_mean"] == 1.0  # exactly, not approximately
         assert stats["policy/approx_kl"] == 0.0
         assert stats["policy/clip_frac"] == 0.0
@@ -241,7 +241,7 @@ def test_two_eos_model_stops_on_either_eos(env, tiny_qwen2_dir, monkeypatch):
     # ChatML writes no BOS and the tokenizer adds none: the prompt is the rendered text's ids
     rendered = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
                                        add_generation_prompt=True)
-    assert setup.prompt_ids[0] == tok(rendered)["input_ids"]
+    assert setup.source.prompt_ids[0] == tok(rendered)["input_ids"]
 
     monkeypatch.setattr(pretrained, "load_causal_lm",
                         _always_emits(pretrained.load_causal_lm, endoftext))
@@ -303,9 +303,9 @@ def test_different_vocabularies_are_rejected(env, tiny_model_dir):
     other_tok = load_tokenizer(str(other))
     RewardModel.from_causal_lm(str(other), other_tok).save_pretrained(env / "other_rm", other_tok)
     setup = build(config(env, tiny_model_dir, "vocab_rm", reward_model=str(env / "other_rm")))
-    texts, responses = setup.prompts[:2], [" the movie was good.", " it"]
+    texts, responses = setup.source.prompts[:2], [" the movie was good.", " it"]
     expected = RewardModel.from_pretrained(env / "other_rm").score_texts(texts, responses)
-    torch.testing.assert_close(setup.reward(texts, responses, None).scores, expected)
+    torch.testing.assert_close(setup.source.reward(texts, responses, None).scores, expected)
     if setup.critic is not None:
         assert setup.critic.head.weight.abs().max() == 0  # not the other vocabulary's trunk
 

@@ -130,7 +130,7 @@ def fresh_setup(env, model_dir, name, **overrides):
 
 def score_and_update(cfg, setup, rollout):
     """Steps 2-4 of the PPO loop on a given rollout, as `tether.rl.update` runs them."""
-    with autocast(cfg.mixed_precision, setup.device):
+    with autocast(cfg.mixed_precision, setup.dist.device):
         old = score_rollout(setup.policy, setup.reference, setup.critic, rollout,
                             cfg.temperature, cfg.micro_batch_rows)
     mask = rollout.response_mask

@@ -79,22 +79,19 @@ def add_anchor_adapter(peft: nn.Module, source: str, name: str = "anchor") -> st
 
 class Anchor:
     """The run's anchor, whose tensors move by `update` toward the policy's, and the frozen start
-    the metrics compare with (`start`: None when the anchor is the start). `tensors()`: (the
-    reference's tensors, the policy's, by the same names: the whole models', or two adapters' of
-    a LoRA run), read when used, since FSDP2 replaces the parameters with its shards after the
-    anchor is built (the two are sharded alike, so the mix is the same on every shard)."""
+    the metrics compare with (`start`). `tensors()`: (the reference's tensors, the policy's, by
+    the same names: the whole models', or two adapters' of a LoRA run; both empty for a teacher,
+    which never moves), read when used, since FSDP2 replaces the parameters with its shards after
+    the anchor is built (the two are sharded alike, so the mix is the same on every shard)."""
 
-    def __init__(self, tensors: Callable[[], tuple[dict, dict]], start: nn.Module | None,
+    def __init__(self, tensors: Callable[[], tuple[dict, dict]], start: nn.Module,
                  update: RefUpdate, reset_optimizer: bool = False):
         self.tensors, self.start = tensors, start
         self.update, self.reset_optimizer = update, reset_optimizer
 
     def kl_to_start(self, roles, rollout: Rollout, spec) -> dict[str, float]:
         """pi_old's KL to the start on this batch's sampled tokens, summed per sequence and
-        averaged (k1, and over the vocabulary where it can be computed): call before the update.
-        {} when the anchor is the start."""
-        if self.start is None:
-            return {}
+        averaged (k1, and over the vocabulary where it can be computed): call before the update."""
         sums = kl_sums(score_batch(roles, self.start, rollout, spec), rollout.action_mask)
         names = {"objective/kl_k1": "", "objective/kl_exact": "_exact"}  # kl_sft, kl_sft_exact
         return {f"objective/kl_sft{names[k]}": v for k, v in sums.items() if k in names}
@@ -109,9 +106,8 @@ class Anchor:
             optimizer.state.clear()  # AdamW's moments and step counts start again (ProRL)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The moving reference's parameters for a checkpoint ({} when it never moves)."""
-        if not self.update.moves:
-            return {}
+        """The moving reference's parameters for a checkpoint ({} when it never moves: a teacher's
+        `tensors()` are empty)."""
         return {TENSOR_PREFIX + name: whole(p.detach()).contiguous().cpu()
                 for name, p in self.tensors()[0].items()}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,14 +29,6 @@ from tether.rl.sources import Collected, RolloutSource
 EVAL_SEED_OFFSET = 7_919
 
 
-class EvalSettings(Protocol):
-    """The fields an evaluation's inputs read, named as in PPOConfig (and `tether eval`'s
-    EvalConfig)."""
-
-    max_prompt_len: int
-    seed: int
-
-
 @dataclass
 class EvalInputs:
     """Everything an evaluation samples from, built once by `eval_inputs`."""
@@ -48,11 +39,12 @@ class EvalInputs:
     seed: int  # the sampling generator's seed (run seed + EVAL_SEED_OFFSET)
 
 
-def eval_inputs(tokenizer, prompts_source: str, eos: list[int],
-                settings: EvalSettings) -> EvalInputs:
+def eval_inputs(tokenizer, prompts_source: str, eos: list[int], settings) -> EvalInputs:
     """The inputs of a held-out evaluation: prompts encoded by the rule every stage uses
     (`tether.data.load_prompts`, cut to `max_prompt_len`), the EOS set (`policy_eos_ids`), and
-    the sampling seed. PPO, `tether eval` and `tether generate` call this."""
+    the sampling seed. PPO, `tether eval` and `tether generate` call this. `settings`: a config
+    with the fields `max_prompt_len` and `seed`, named as in PPOConfig (and `tether eval`'s
+    EvalConfig)."""
     prompts, prompt_ids = load_prompts(prompts_source, tokenizer, settings.max_prompt_len)
     return EvalInputs(prompts, prompt_ids, list(eos), settings.seed + EVAL_SEED_OFFSET)
 

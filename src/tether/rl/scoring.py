@@ -60,9 +60,6 @@ class Scored(NamedTuple):
     entropy: torch.Tensor  # H(pi_old(. | s_t))
     exact_kl: torch.Tensor  # KL(pi_old(. | s_t) || ref(. | s_t)) over the whole vocabulary (NaN: n/a)
 
-    def select(self, index) -> Scored:
-        return Scored(*(t[index] for t in self))
-
 
 class Forward(NamedTuple):
     """What the update's forward says about a micro-batch, with gradients; all [b, R]. A named

@@ -118,13 +118,6 @@ class LossBatch(NamedTuple):
     weights: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None  # the sampling engine's log-probs, when its own
 
-    @classmethod
-    def of(cls, rollout: Rollout, old: Scored, advantages: torch.Tensor, returns: torch.Tensor,
-           mask_truncated: bool, weights: torch.Tensor | None = None) -> LossBatch:
-        return cls(old.logprobs, old.ref_logprobs, old.values, advantages, returns,
-                   rollout.action_mask, loss_mask(rollout, mask_truncated), weights,
-                   rollout.engine_logprobs)
-
     def select(self, index: torch.Tensor) -> LossBatch:
         return LossBatch(*(t[index] if t is not None else None for t in self))
 
@@ -279,7 +272,8 @@ def update_batch(roles: Roles, reference: nn.Module, optimizer: torch.optim.Opti
                                                 spec.max_staleness)
         advantages = advantages * weights if weights is not None else advantages
     # 4. PPO epochs over minibatches (each rank: its share of every minibatch).
-    batch = LossBatch.of(rollout, old, advantages, returns, spec.mask_truncated, weights)
+    batch = LossBatch(old.logprobs, old.ref_logprobs, old.values, advantages, returns, mask,
+                      carrying, weights, rollout.engine_logprobs)
     started = started or time.perf_counter()
     stats = ppo_update(roles, optimizer, forwards, batch, spec, loss_beta, generator)
     return BatchUpdate(old, kl, advantages, returns, stats | engine_stats,

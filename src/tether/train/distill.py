@@ -7,8 +7,6 @@ from tether.train.offline import stage_cli
 from tether.train.ppo import run
 from tether.train.ppo_config import DistillConfig
 
-__all__ = ["DistillConfig", "run", "cli"]
-
 
 def cli(argv: list[str]) -> int:
     return stage_cli(DistillConfig, run, argv)

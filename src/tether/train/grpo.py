@@ -7,8 +7,6 @@ from tether.train.offline import stage_cli
 from tether.train.ppo import run
 from tether.train.ppo_config import GRPOConfig
 
-__all__ = ["GRPOConfig", "run", "cli"]
-
 
 def cli(argv: list[str]) -> int:
     return stage_cli(GRPOConfig, run, argv)

@@ -66,8 +66,6 @@ from tether.train.ppo_log import (
 from tether.train.ppo_setup import Setup, batch_rows, build
 from tether.train.ppo_watch import Watch, nothing_learned, watch_for
 
-__all__ = ["PPOConfig", "run", "cli"]
-
 
 def run(cfg: PPOConfig, reward_fn=None, gold_fn=None, env=None) -> RunResult:
     """Train with PPO; returns the final policy's directory and the last batch's metrics.
@@ -248,7 +246,7 @@ def collect_batch(setup: Setup, cfg: PPOConfig, batch: int, seed: int
         # Each rank draws its rows from the source (the prompts answered once, or environments'
         # episodes). With --mixed-precision bf16 every model forward runs under autocast;
         # log-probs, values and scores come out in fp32.
-        with autocast(cfg.mixed_precision, setup.device):
+        with autocast(cfg.mixed_precision, setup.dist.device):
             part = setup.source.collect(rows, mine, seed + round_ * 1_000_000_007)
         rollout = gather_rollout(part.rollout, d, setup.tokenizer.pad_token_id)
         raw_scores = all_gather_rows(part.scores, d)

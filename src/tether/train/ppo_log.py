@@ -61,7 +61,7 @@ def log_evaluation(rundir: RunDir, setup: Setup, cfg: PPOConfig, step: int) -> d
 
     Under several processes every rank evaluates every prompt alike (the same noise, the same
     numbers; FSDP2 needs every rank in each call) and rank 0 writes: replicated, not sharded."""
-    with autocast(cfg.mixed_precision, setup.device):
+    with autocast(cfg.mixed_precision, setup.dist.device):
         # Sampled with the same seed each time: successive evaluations differ only through the
         # policy (tether.rl.evaluation.evaluate_policy).
         start = setup.anchor.start if setup.anchor is not None else None  # the SFT model, apart

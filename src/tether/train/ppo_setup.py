@@ -65,7 +65,6 @@ from tether.train.ppo_config import PPOConfig
 
 @dataclass
 class Setup:
-    device: torch.device
     dist: Dist  # this process's rank and world size (one process: rank 0 of 1)
     roles: Roles  # policy and critic under one DDP/FSDP2 wrapper (tether.rl.roles)
     tokenizer: object
@@ -76,21 +75,21 @@ class Setup:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: kl_lib.KLController
-    reward: Reward | None  # the prompts' reward (None: an environment rewards its episodes)
-    reward_model: nn.Module | None  # the model behind `reward`, when it is one
+    # the model behind the prompts' reward (`source.reward`), when it is one
+    reward_model: nn.Module | None
     gold: Reward | None
     # What TRL-style reward functions read as `trainer_state` (the loop sets global_step), or
     # None without reward functions
     reward_functions: RewardFunctions | None
     eos_token_ids: list[int]
-    prompts: list[str]  # the prompt rows' texts and ids (empty when environments start them)
-    prompt_ids: list[list[int]]
     n_rows: int  # rows of the prompt file
     eval: Evaluation | None  # the held-out evaluation (None without --eval-prompts)
     spec: UpdateSpec  # what steps 2-4 read (update_spec)
     engine: RolloutEngine  # who samples (--engine), synced after every update
     steps: StepCounter  # the policy's version: optimizer steps taken by this process
-    source: RolloutSource  # where a batch's rows come from: prompts, or episodes
+    # where a batch's rows come from: prompts (`PromptSource`: their texts, ids and reward), or
+    # episodes
+    source: RolloutSource
     # the KL's anchor when it moves (--ref-update) or is not the start (--teacher), with the start
     # it is measured from; None for the frozen SFT model, which a plain batch never asks about
     anchor: Anchor | None
@@ -197,12 +196,12 @@ def _build(cfg: PPOConfig, reward_fn, gold_fn, env, launched: ahead.Launched | N
                            env=user.env, tools=user.tools, eos_token_ids=eos, device=device,
                            source_name=name, context_limit=limit, env_seed_base=env_seed_base,
                            score_ahead=score_ahead)
-    return Setup(device=device, dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
+    return Setup(dist=d, roles=roles, tokenizer=tokenizer, policy=policy,
                  reference=reference, critic=critic, lm=lm, optimizer=optimizer,
-                 scheduler=scheduler, kl_ctl=kl_controller(cfg), reward=reward,
+                 scheduler=scheduler, kl_ctl=kl_controller(cfg),
                  reward_model=rewards.model, gold=rewards.gold,
-                 reward_functions=rewards.functions, eos_token_ids=eos, prompts=prompts,
-                 prompt_ids=prompt_ids, n_rows=len(rows), eval=_evaluation(cfg, source, held_out),
+                 reward_functions=rewards.functions, eos_token_ids=eos,
+                 n_rows=len(rows), eval=_evaluation(cfg, source, held_out),
                  spec=update_spec(cfg, d), engine=engine, steps=steps,
                  anchor=anchor,
                  source=source(prompts, prompt_ids, rows, cfg.prompts))

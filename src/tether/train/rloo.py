@@ -7,8 +7,6 @@ from tether.train.offline import stage_cli
 from tether.train.ppo import run
 from tether.train.ppo_config import RLOOConfig
 
-__all__ = ["RLOOConfig", "run", "cli"]
-
 
 def cli(argv: list[str]) -> int:
     return stage_cli(RLOOConfig, run, argv)
