@@ -239,8 +239,7 @@ def _group_returns(rewards: torch.Tensor, mask: torch.Tensor, k: int, name: str)
                          f"k={k}; pass n_prompts * k rows, the k samples of a prompt adjacent")
     if not bool(mask.bool().any(dim=-1).all()):
         raise ValueError("a response has no real tokens in mask; every row needs at least one")
-    returns = torch.where(mask.bool(), rewards.float(), 0.0).sum(dim=-1)  # [B]
-    return returns.view(batch // k, k)
+    return torch.where(mask.bool(), rewards.float(), 0.0).sum(dim=-1).view(batch // k, k)
 
 
 def _on_real_tokens(sequence_advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,6 @@ from typing import Any
 class Ref:
     """The function `module:name`, imported at its first call (module docstring)."""
 
-    __slots__ = ("path", "_fn")
-
     def __init__(self, path: str):
         self.path, self._fn = path, None
 
@@ -272,16 +270,16 @@ class RefUpdateKind:
     spec: Callable  # (the pattern's groups) -> (alpha: the policy's weight, every: N batches)
 
 
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 REF_UPDATES: dict[str, RefUpdateKind] = {
     "none": RefUpdateKind("frozen: the SFT model", "none", re.compile("none"),
                           lambda: (0.0, 1)),
     "reset": RefUpdateKind("the policy copied in every N batches (ProRL)", "reset:N",
                            re.compile("reset:([0-9]+)"), lambda n: (1.0, int(n))),
     "mix": RefUpdateKind("ref <- ALPHA policy + (1 - ALPHA) ref every N batches (TRL, TR-DPO)",
-                         "mix:ALPHA,N", re.compile(f"mix:{_NUMBER},([0-9]+)"),
+                         "mix:ALPHA,N", re.compile(f"mix:{NUMBER},([0-9]+)"),
                          lambda alpha, n: (float(alpha), int(n))),
-    "ema": RefUpdateKind("that mix after every batch", "ema:ALPHA", re.compile(f"ema:{_NUMBER}"),
+    "ema": RefUpdateKind("that mix after every batch", "ema:ALPHA", re.compile(f"ema:{NUMBER}"),
                          lambda alpha: (float(alpha), 1)),
 }
 

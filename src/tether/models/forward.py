@@ -58,8 +58,7 @@ def last_real(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     `attention_mask` `[B, T]` (left or right padding alike)."""
     positions = torch.arange(hidden.shape[1], device=hidden.device)
     last = (attention_mask.long() * positions).argmax(-1)  # [B] index of the last real token
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, last]
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
 def cache_name(model: nn.Module) -> str:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from tether.choices import ENGINES
+from tether.choices import ENGINES, NUMBER
 from tether.errors import TetherError
 from tether.run.paths import resolved_paths
 from tether.run.scopes import Scope, from_table
@@ -53,15 +54,11 @@ def ensemble_members(path: str) -> list[str]:
 
 def parse_aggregate(spec: str) -> tuple[str, float]:
     """--reward-aggregate as (mean | min | uwo, its LAMBDA: 0 but for uwo), or one line."""
-    name, colon, value = spec.partition(":")
-    try:
-        lam = float(value) if name == "uwo" else 0.0
-    except ValueError:
-        lam = -1.0
-    if name not in ("mean", "min", "uwo") or (name == "uwo") != bool(colon) or not 0 <= lam < 1e30:
+    found = re.fullmatch(rf"(mean|min)|uwo:{NUMBER}", spec)
+    if found is None or found[2] is not None and float(found[2]) > 1e30:
         raise TetherError(f"--reward-aggregate {spec} is not mean, min or uwo:LAMBDA with LAMBDA "
                           ">= 0 (e.g. uwo:0.5: the members' mean minus 0.5 times their variance)")
-    return name, lam
+    return (found[1], 0.0) if found[1] else ("uwo", float(found[2]))
 
 
 @dataclass(kw_only=True)

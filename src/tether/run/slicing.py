@@ -33,8 +33,7 @@ def rank_slice(n: int, d: Dist) -> slice:
 
     Contiguous slices keep a prompt's k samples (consecutive rows) on one rank when k divides the
     per-rank batch. Sizes differ by at most one when W does not divide n (a short last batch)."""
-    start = n * d.rank // d.world_size
-    return slice(start, n * (d.rank + 1) // d.world_size)
+    return slice(n * d.rank // d.world_size, n * (d.rank + 1) // d.world_size)
 
 
 def shard(rows: list[Any], d: Dist) -> list[Any]:

@@ -171,8 +171,7 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / n
     if n < 2:
         return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)  # var / n
 
 
 def over_seeds(per_seed: list[list[float]]) -> tuple[list[float], list[float]]:

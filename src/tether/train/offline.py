@@ -37,8 +37,7 @@ def stage_cli(config: type[TrainConfig], run: Callable[[Any], RunResult], argv: 
     """`tether <stage> [--config FILE.yaml] [--field value ...]` of every stage here (sft, rm, dpo,
     and the online ppo, rloo, grpo, distill): the stage's config parsed from `argv` (its command is
     `config.STAGE`), the run, and its result printed."""
-    cfg = parse_config(config, argv, prog=f"tether {config.STAGE}")
-    print_result(run(cfg))
+    print_result(run(parse_config(config, argv, prog=f"tether {config.STAGE}")))
     return 0
 
 

@@ -85,11 +85,9 @@ class Watch:
         """The drift warning's last clause for an ensemble whose members disagree more while the
         proxy rises: the policy is moving where the reward models are unsure (Coste et al.
         2024), which a single model cannot show."""
-        if self.first_spread is None:
-            return ""
-        (score0, std0), score, std = (self.first_spread, metrics["objective/score"],
-                                      metrics["reward/ensemble_std"])
-        if not (score > score0 and std > std0):
+        spread = (metrics.get("objective/score"), metrics.get("reward/ensemble_std"))
+        (score0, std0), (score, std) = self.first_spread or spread, spread
+        if std is None or not (score > score0 and std > std0):  # (None: a single reward model)
             return ""
         return (f"; the reward models disagree more as the proxy rises (members' std {std0:.3g} "
                 f"-> {std:.3g} while the score went {score0:.3g} -> {score:.3g}): the policy is "

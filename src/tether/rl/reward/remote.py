@@ -59,8 +59,7 @@ class Endpoint:
 def _why(exc: BaseException) -> str:
     """`Connection refused`, `Name or service not known`, ...: the reason of a failed request."""
     reason = getattr(exc, "reason", exc)
-    text = getattr(reason, "strerror", None) or str(reason)
-    return text[:200] or type(reason).__name__
+    return (getattr(reason, "strerror", None) or str(reason))[:200] or type(reason).__name__
 
 
 def _error_line(exc: urllib.error.HTTPError) -> str:
