@@ -97,8 +97,9 @@ def collect(draw: Callable[[int], Drawn], k: int, max_rounds: int, pad_token_id:
     all equal); with a pool, `failure_stats`.
     """
     first = draw(0)
-    # no reward pool (no stats) or no failure: nothing is refilled
-    if not dynamic and not _has_failures(first):
+    if not dynamic and first.failed is None:  # no reward pool: nothing is ever refilled (nor
+        return first, {}  # entered here: the plain batch's path stays in its own files)
+    if not dynamic and not _has_failures(first):  # no failure: nothing is refilled
         return first, failure_stats([first], k, 0, dynamic)
     if dynamic and first.rollout.episode is not None:
         raise TetherError("--dynamic-sampling cannot regroup episodes that a chat template split "

@@ -8,7 +8,8 @@
     mismatch      how far the engine's log-probs are from the trainer's, and the corrections
     weights       the policy's weights as an engine is sent them (vLLM's, the generator's copy)
 
-Every engine is a `RolloutEngine`; the online loop, the held-out evaluation, `tether eval` and
+Every engine is a `RolloutEngine` (the interface, with the defaults of an engine that samples
+only when asked: `native.py`, beside the engine that is exactly that); the online loop, the held-out evaluation, `tether eval` and
 `tether generate` hold one and never ask which it is. `make_engine` reads the engine's name, the
 one place that does, from the table of engines (`tether.choices.ENGINES`: how each starts, its
 generator for --max-staleness, whether its log-probs are its own, its package, the options that
@@ -18,83 +19,16 @@ below and a `start` function, plus one entry in that table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from tether.choices import ENGINES, entry
-from tether.rl.engines.jobs import Background, Deferred, T
+from tether.rl.engines.native import RolloutEngine
 from tether.rl.rollout import Rollout
 from tether.run.distributed import Dist
-
-
-class RolloutEngine(Protocol):
-    """What the loop asks of whoever samples.
-
-    sample      prompts [B, P] (left-padded, with their mask) -> a `Rollout` of B rows, each row
-                sampled from softmax(logits / temperature) and nothing else, stopping on
-                `eos_token_ids`, drawn from its own noise (`uniforms` [B, max_new_tokens], or a
-                `generator`), so that any split of a batch samples what the whole would
-    own_logprobs  True when the rollout carries the engine's own log-probs of what it sampled
-                (`Rollout.engine_logprobs`, pi_engine): the engine computes the policy with other
-                kernels, and the loop measures and may correct the gap (`mismatch`). False for an
-                engine that samples the trainer's own model: its log-probs are the trainer's.
-    prefetch    the same arguments as `sample`, nothing returned: a batch the loop will ask for
-                later, which an engine sampling ahead of the trainer starts now (`ahead`);
-                the others ignore it and sample when asked
-    submit      work(engine) that samples through an engine several times (a batch of episodes,
-                turn by turn) -> a handle whose `result()` is what the work returns
-                (`jobs`): an engine sampling ahead runs the work now, in the background, with
-                the weights last synced, and its next sync waits for it; the others run it
-                when its result is asked for
-    lockstep    True when `sample` is collective under torchrun (the native sampler's decoding
-                steps): every rank calls it together, to the same width, even with nothing of
-                its own left to sample
-    sleep       the update is about to run: free what the update needs (a GPU engine's KV cache)
-    sync        take the policy's current weights (after each update, and after a resume)
-    close       stop and free everything; also after a failed start or a stopped run
-    state_dict  what a checkpoint must hold for a resumed run to sample what the uninterrupted
-                one did (the weights the batches in flight are sampled by, when sampling ahead);
-                {} for an engine without state
-    load_state_dict   the same, restored by --resume before the run's first sync; the batches in
-                flight are then asked for again (`prefetch`, `submit`), oldest first
-    An engine subclasses this class and inherits what an engine that samples only when asked,
-    on weights it keeps no copy of, has nothing to do in (the native engine): no prefetch, work
-    run when its result is asked for (`jobs.Deferred`), nothing to free, take, close or
-    checkpoint. It writes `sample` and whatever it does differently (vLLM: `sleep`, `sync`,
-    `close`; sampling ahead: all of them).
-    """
-
-    own_logprobs: bool = False
-    lockstep: bool = False
-
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-               max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int],
-               pad_token_id: int, uniforms: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> Rollout: ...
-
-    def prefetch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **settings) -> None:
-        pass
-
-    def submit(self, work: Callable[[RolloutEngine], T]) -> Deferred[T] | Background[T]:
-        return Deferred(lambda: work(self))
-
-    def sleep(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class EngineSettings(Protocol):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tether.models.prepare import freeze
-from tether.models.reward_model import RewardModel, shared_reward_model
+from tether.models.reward_model import shared_reward_model
 from tether.rl.reward import Prompt, Reward, RewardScores
 from tether.rl.reward.models import ModelReward, load_reward_model, reward_from_model
 from tether.run.config import parse_aggregate
@@ -61,9 +61,9 @@ def load_ensemble(members: list[str], spec: str, policy_tokenizer,
     and a critic may start from the first."""
     first = load_reward_model(members[0], policy_tokenizer, originals, chunk, device, dtype,
                               trust_remote_code)
-    # a LoRA member on the policy's ids: the others join its base as adapters of their own
-    lm = first.model.lora if first.critic_init is not None and isinstance(
-        first.model, RewardModel) else None
+    # a LoRA member on the policy's ids (tether's own, then its own critic_init): the others join
+    # its base as adapters of their own
+    lm = getattr(first.critic_init, "lora", None)
     loaded = [first]
     for k, member in enumerate(members[1:], 1):
         shared = None if lm is None else shared_reward_model(lm, member, policy_tokenizer,
