@@ -246,6 +246,8 @@ def test_report_draws_the_frontier_of_runs_with_gold_and_the_baselines(tmp_path,
     page = out.read_text()
     assert "id='frontier'" in page and "dashed squares are best-of-n" in page
     assert "interp&#x27;s weights interpolated" in page
+    # and says what the sweep's page says: RL against best-of-n, one curve against one per beta
+    assert "Best-of-3: gold" in page and "One curve for every setting" in page
     colours = check_figures_and_layout(out, min_figures=4)
     assert {"best-of-n", "interpolated", "PPO beta 0.1 (run ppo-a)"} <= set(colours)
 

@@ -56,8 +56,7 @@ def batch_order(n_rows: int, batch_size: int, seed: int, step: int) -> list[int]
     The order is a pure function of (seed, step), so a resumed run sees the same batches as an
     uninterrupted one without saving an iterator.
     """
-    per_epoch = -(-n_rows // batch_size)
-    epoch, index = divmod(step, per_epoch)
+    epoch, index = divmod(step, -(-n_rows // batch_size))  # (steps per epoch: ceil(n / b))
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     perm = torch.randperm(n_rows, generator=generator).tolist()
     return perm[index * batch_size: (index + 1) * batch_size]

@@ -10,6 +10,7 @@ function)."""
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tether.run.parse import parse_config
 from tether.tools.config import ReportConfig
 from tether.tools.report import Palette, figure_html, read_run, write_report
 from tether.tools.sweep_plan import PlannedRun
-from tether.tools.sweep_report import figures
+from tether.tools.sweep_report import figures, one_curve_sentence, versus_best_of_n
 from tether.tools.sweep_results import read_interpolation, run_points, summarise
 
 BASELINES = "tether bon's bon.json or tether interpolate's interpolate.json"
@@ -28,13 +29,12 @@ def baseline(path: str) -> tuple[str, list]:
     """("bon", the curve) or ("interpolate", `read_interpolation`) of a baseline's JSON file."""
     try:
         rows = json.loads(Path(path).read_text(encoding="utf-8"))
-        kind = "bon" if "n" in rows[0] else "interpolate" if "eta" in rows[0] else ""
+        if "n" in rows[0] and rows[0]["gold"] is not None:
+            return "bon", rows
+        if "eta" in rows[0] and "eval/gold_score" in rows[0]:
+            return "interpolate", read_interpolation(Path(path).parent)
     except (OSError, ValueError, KeyError, IndexError, TypeError):
-        kind = ""
-    if kind == "bon" and rows[0]["gold"] is not None:
-        return kind, rows
-    if kind == "interpolate" and "eval/gold_score" in rows[0]:
-        return kind, read_interpolation(Path(path).parent)
+        pass
     raise TetherError(f"{path} is not {BASELINES} with gold scores (--gold-fn); give one, or "
                       "a run directory")
 
@@ -52,11 +52,14 @@ def frontier_html(run_dirs: list[str], baselines: list[str], palette: Palette) -
             raise TetherError("the baselines are drawn against runs that evaluated a gold reward "
                               "(--gold-fn with --eval-prompts), and no run given did")
         return ""
-    where, line = given.get("interpolate", ("", []))
+    (where, line), curve, groups = given.get("interpolate", ("", [])), given.get(
+        "bon", ("", []))[1], summarise(points)
+    # as the sweep's page says them: RL against best-of-n per nat, and one curve or one per beta
+    said = [one_curve_sentence(groups), curve and versus_best_of_n(groups, curve)]
     return "<h2 id='frontier'>The reward-KL frontier</h2>" + "".join(
+        f"<p class='said'>{html.escape(s)}</p>" for s in said if s) + "".join(
         figure_html(src, title, caption, colours) for title, src, caption, colours in figures(
-            summarise(points), points, given.get("bon", ("", []))[1],
-            (Path(where).parent.name, line), palette))
+            groups, points, curve, (Path(where).parent.name, line), palette))
 
 
 def cli(argv: list[str]) -> int:

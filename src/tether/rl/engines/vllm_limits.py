@@ -86,8 +86,8 @@ def kv_cache_mb_needed(config, dtype: str, max_model_len: int, device_type: str)
     if per_token is None:
         return None
     block = BLOCK_TOKENS.get(device_type, DEFAULT_BLOCK_TOKENS)
-    blocks = math.ceil(max_model_len / block) + 1
-    return math.ceil(blocks * block * per_token / MIB)
+    # the blocks of the longest sequence, and one more
+    return math.ceil((math.ceil(max_model_len / block) + 1) * block * per_token / MIB)
 
 
 def free_memory_mb(device_type: str) -> int | None:
