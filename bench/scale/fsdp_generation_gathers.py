@@ -51,8 +51,8 @@ def main() -> int:
                         batch_size=8, device="cpu", fsdp=True,
                         max_new_tokens=args.max_new_tokens, output_dir=tmp)
         setup = build(cfg, reward_fn=lambda prompts, responses: [0.0] * len(responses))
-        ids, mask = left_pad([setup.prompt_ids[i] for i in batch_rows(setup, cfg, 0)],
-                             setup.tokenizer.pad_token_id, setup.device)
+        ids, mask = left_pad([setup.source.prompt_ids[i] for i in batch_rows(setup, cfg, 0)],
+                             setup.tokenizer.pad_token_id, setup.dist.device)
 
         def generate(policy, _critic):
             return sample_responses(policy, ids, mask, max_new_tokens=args.max_new_tokens,
