@@ -206,6 +206,11 @@ def test_refusals_before_anything_is_written(ensembles, tiny_llama_dir, tiny_mod
     (mixed / ENSEMBLE_JSON).write_text(json.dumps({"members": []}))
     assert main(eval_args(tiny_llama_dir, prompts, mixed, out)) == 2
     assert "does not list the ensemble's members" in capsys.readouterr().err
+    # --ensemble 0 trains nothing: refused before any data is read or anything written
+    assert main(rm_args(tiny_llama_dir, "pairs.jsonl", "held_out.jsonl", tmp_path / "rm",
+                        "--run-name", "none", "--ensemble", "0")) == 2
+    assert "config field 'ensemble' must be > 0, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "rm").exists()
 
 
 def test_ppo_under_min_trains_on_the_worst_member(ensembles, tiny_llama_dir, tmp_path):
